@@ -1,0 +1,85 @@
+"""The public entry points: autoparallel, manual_plan, estimate.
+
+Each reads as the pipeline: trace -> build the search space -> estimate costs -> solve ->
+assemble the plan. The work lives in meshplan.planner and meshplan.costmodel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from meshplan.costmodel.estimate import estimate_plan
+from meshplan.errors import MemoryLimitError, NotSupportedError
+from meshplan.mesh import Mesh
+from meshplan.planner.assemble import check_training_options
+from meshplan.planner.dataparallel import plan_data_parallel
+from meshplan.planner.graph import OpGraph
+from meshplan.planner.trace import trace
+from meshplan.plan import Estimate, Plan
+
+
+def default_dtype(mesh: Mesh) -> str:
+    """bf16 mixed precision on GPUs, fp32 on CPU processes (CPU bf16 matmuls are slow)."""
+    return "fp32" if mesh.hardware.device.name == "cpu" else "bf16"
+
+
+def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor] = (), *,
+                 loss_fn: Callable | None = None, optimizer: str = "adam",
+                 dtype: str | None = None, memory_limit_gib: float | None = None,
+                 microbatches: Sequence[int] | None = None, schedules: Sequence[str] | None = None,
+                 recompute: Sequence[str] | None = None, max_stages: int | None = None,
+                 time_limit_s: float = 30.0, model_name: str = "",
+                 graph: OpGraph | None = None) -> Plan:
+    """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
+
+    ``example_inputs`` is one GLOBAL batch (token ids, batch x seq), usually on the meta
+    device. Pass ``graph`` to reuse a trace.
+    """
+    dtype = dtype or default_dtype(mesh)
+    check_training_options(dtype=dtype, optimizer=optimizer)
+    if graph is None:
+        graph = trace(model, example_inputs, loss_fn=loss_fn,
+                      model_name=model_name or type(model).__name__)
+    plan = plan_data_parallel(graph, mesh, dtype=dtype, optimizer=optimizer)
+    limit = memory_limit_gib if memory_limit_gib is not None else mesh.hardware.device.memory_gib
+    if plan.predicted.peak_memory_gib > limit:
+        raise MemoryLimitError(
+            f"no plan in the search space ({plan.solver.name}) fits {limit:.2f} GiB per device: "
+            f"the smallest needs {plan.predicted.peak_memory_gib:.2f} GiB. Use more devices, a "
+            "smaller batch, or raise memory_limit_gib.",
+            min_memory_gib=plan.predicted.peak_memory_gib)
+    return plan
+
+
+def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor] = (), *,
+                dp: int = 1, tp: int = 1, pp: int = 1, microbatch_size: int = 1,
+                schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
+                sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
+                optimizer: str = "adam", loss_fn: Callable | None = None,
+                model_name: str = "", graph: OpGraph | None = None) -> Plan:
+    """A Megatron-style plan written by hand (dp x tp x pp devices)."""
+    dtype = dtype or default_dtype(mesh)
+    check_training_options(dtype=dtype, optimizer=optimizer)
+    if (tp, pp, zero, sequence_parallel, recompute) == (1, 1, 0, False, "none") \
+            and dp == mesh.num_devices:
+        if graph is None:
+            graph = trace(model, example_inputs, loss_fn=loss_fn,
+                          model_name=model_name or type(model).__name__)
+        return plan_data_parallel(graph, mesh, dtype=dtype, optimizer=optimizer)
+    raise NotSupportedError(
+        f"manual_plan(dp={dp}, tp={tp}, pp={pp}, zero={zero}, sequence_parallel="
+        f"{sequence_parallel}, recompute={recompute!r}) needs the full cost model and the "
+        "Megatron-style plan builder, which are not built yet; only pure data parallelism "
+        f"(dp={mesh.num_devices}) works today")
+
+
+def estimate(plan: Plan, graph: OpGraph | None = None) -> Estimate:
+    """Predicted step time and memory of ``plan`` (made by autoparallel or manual_plan)."""
+    graph = graph if graph is not None else plan.graph
+    if graph is None:
+        raise NotSupportedError("estimating a plan loaded from a file needs its model: pass "
+                                "graph=meshplan.trace(model, inputs)")
+    return estimate_plan(plan, graph)

@@ -1,0 +1,175 @@
+"""The ``meshplan`` command: one entry point, one subcommand per job.
+
+User errors (any MeshplanError, a missing file) print one line and exit 2; ``--debug``
+shows the traceback. Subcommands: demo, plan, show, explain, diff, estimate, calibrate,
+sweep, run, report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from meshplan.errors import MeshplanError, SpecError
+
+EXIT_USER_ERROR = 2
+
+
+def _manual(text: str) -> dict:
+    """dp=2,tp=2,pp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0 -> manual_plan kwargs."""
+    keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "mb": ("microbatch_size", int),
+            "schedule": ("schedule", str), "recompute": ("recompute", str),
+            "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),
+            "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in keys:
+            raise SpecError(f"--manual item {item!r} is not KEY=VALUE with KEY in "
+                            f"{', '.join(keys)}")
+        name, cast = keys[key.strip()]
+        try:
+            out[name] = cast(value.strip())
+        except ValueError:
+            raise SpecError(f"--manual {key}={value!r}: expected {cast.__name__}") from None
+    return out
+
+
+def _load_model_and_inputs(args):
+    from meshplan.specs import example_inputs, parse_model_spec
+
+    spec = parse_model_spec(args.model)
+    model = spec.build(device="meta")
+    return spec, model, example_inputs(model, args.batch, args.seq)
+
+
+def _check_writable(path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        raise SpecError(f"cannot write {path}: directory {directory} does not exist or is not "
+                        "writable")
+
+
+# -- subcommands --------------------------------------------------------------------------------
+
+def cmd_plan(args) -> int:
+    import meshplan
+    from meshplan.specs import parse_mesh_spec
+
+    if args.output:
+        _check_writable(args.output)
+    mesh = parse_mesh_spec(args.mesh)
+    spec, model, inputs = _load_model_and_inputs(args)
+    if args.manual:
+        plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
+                                    **_manual(args.manual))
+    else:
+        plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
+                                     memory_limit_gib=args.memory_limit_gib,
+                                     time_limit_s=args.time_limit_s)
+    print(plan.summary())
+    print(f"planned in {plan.wall_time_s:.2f} s")
+    if args.output:
+        plan.to_json(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from meshplan.runtime.launch import run_plan
+
+    if args.metrics_out:
+        _check_writable(args.metrics_out)
+    return run_plan(args.plan, model=args.model, steps=args.steps, seed=args.seed,
+                    metrics_out=args.metrics_out)
+
+
+def cmd_show(args) -> int:
+    from meshplan.plan import Plan
+
+    print(Plan.from_json(args.plan).summary())
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from meshplan.demo import run_demo
+
+    return run_demo(procs=args.procs, steps=args.steps, workdir=args.workdir)
+
+
+def _not_yet(what: str):
+    def handler(args) -> int:
+        from meshplan.errors import NotSupportedError
+
+        raise NotSupportedError(f"`meshplan {what}` is not built yet")
+    return handler
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="meshplan", description=__doc__.splitlines()[0])
+    ap.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="plan a small GPT for 4 CPU processes and train it")
+    p.add_argument("--procs", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--workdir", default="", help="where plan and metrics go (default: a temp dir)")
+    p.set_defaults(func=cmd_demo)
+
+    def model_mesh(p, mesh_required=True):
+        p.add_argument("--model", required=True, help="transformers:NAME?k=v&..., a preset "
+                       "(gpt3-175b, llama2-7b, ...) or path/file.py:factory")
+        p.add_argument("--mesh", required=mesh_required,
+                       help="dgx-a100-80gb:nodes=8, dgx-h100:nodes=N, local:4 or cluster.json")
+        p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
+        p.add_argument("--seq", type=int, required=True, help="sequence length")
+        p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+
+    p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
+    model_mesh(p)
+    p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
+                   "recompute=none,sp=0,zero=0")
+    p.add_argument("--memory-limit-gib", type=float, default=None)
+    p.add_argument("--time-limit-s", type=float, default=30.0)
+    p.add_argument("-o", "--output", default="", help="write the plan JSON here")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("run", help="train with a plan under torchrun")
+    p.add_argument("plan")
+    p.add_argument("--model", required=True)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metrics-out", default="")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("show", help="print a plan as tables")
+    p.add_argument("plan")
+    p.set_defaults(func=cmd_show)
+
+    for name, text in (("explain", "why the solver chose a placement"),
+                       ("diff", "compare two plans"), ("estimate", "predict a plan's cost"),
+                       ("calibrate", "measure this machine"), ("sweep", "enumerate the space"),
+                       ("report", "HTML report of a plan")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("args", nargs="*")
+        p.set_defaults(func=_not_yet(name))
+    return ap
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except (MeshplanError, FileNotFoundError, PermissionError, IsADirectoryError) as exc:
+        if args.debug:
+            raise
+        print(f"meshplan {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

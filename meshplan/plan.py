@@ -1,0 +1,415 @@
+"""The plan: versioned JSON (``meshplan.plan/v1``) that says how to run a model on a mesh.
+
+trace -> cost -> solve -> **plan** -> run. A plan is data, never code: loading one executes
+nothing. It is validated on load against ``plan.schema.json`` (shipped beside this module)
+and against the rules a schema cannot state (placements match the stage mesh, devices exist).
+The same inputs give a byte-identical file; files are written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+
+from meshplan.errors import PlanFileError
+
+SCHEMA_VERSION = "meshplan.plan/v1"
+PLACEMENT_RE = re.compile(r"^(R|P|S\((\d+)\))$")
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+
+
+# -- records ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    """Per-device memory in GiB."""
+
+    params_gib: float = 0.0
+    grads_gib: float = 0.0
+    optimizer_gib: float = 0.0
+    activations_gib: float = 0.0
+    buffers_gib: float = 0.0  # collective and temporary buffers
+
+    @property
+    def total_gib(self) -> float:
+        return (self.params_gib + self.grads_gib + self.optimizer_gib + self.activations_gib
+                + self.buffers_gib)
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """Predicted cost of one training step (one global batch)."""
+
+    step_time_s: float
+    peak_memory_gib: float  # per device, the largest over devices
+    memory_capacity_gib: float
+    fits: bool
+    mfu: float  # model FLOPs (no recompute) / (step time x devices x peak)
+    tokens_per_s: float
+    bubble_fraction: float = 0.0
+    breakdown: dict = field(default_factory=dict)  # forward, backward, recompute, comm, bubble, optimizer (s)
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)  # of the peak device
+    overflow: str = ""  # when fits is False: what overflows, in words
+
+
+@dataclass(frozen=True, slots=True)
+class OpPlacement:
+    """Placements (one string per stage mesh axis) of an operator's inputs and output."""
+
+    inputs: tuple[tuple[str, ...], ...]
+    output: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StagePrediction:
+    compute_s: float = 0.0  # forward + backward (+ recompute) of one microbatch
+    comm_s: float = 0.0  # exposed communication of one microbatch
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    index: int
+    devices: tuple[int, ...]  # global device ids, row-major in mesh_shape
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    layers: tuple[int, int]  # [first, last) layer indices; embedding/head are layer -1
+    nodes: tuple[str, str]  # first and last operator of the stage, graph order
+    recompute: str = "none"
+    zero: int = 0
+    inputs: dict = field(default_factory=dict)  # graph input name -> placements
+    params: dict = field(default_factory=dict)  # parameter name -> placements
+    ops: dict = field(default_factory=dict)  # node name -> OpPlacement
+    predicted: StagePrediction = field(default_factory=StagePrediction)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    name: str
+    fingerprint: str
+    param_count: int
+    train_flops_per_step: int  # forward + backward, no recompute, one global batch
+    num_layers: int
+    num_nodes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MeshInfo:
+    name: str
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    devices_per_node: int
+    hardware: dict  # the full HardwareProfile, so a plan is priced the same way anywhere
+
+
+@dataclass(frozen=True, slots=True)
+class TrainingConfig:
+    global_batch: int
+    seq_len: int
+    microbatches: int = 1
+    microbatch_size: int = 0  # sequences per microbatch per data-parallel rank
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (mixed precision with fp32 master weights)
+    optimizer: str = "adam"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SolverInfo:
+    name: str
+    status: str
+    gap: float = 0.0
+    time_s: float = 0.0  # deterministic solver time (CP-SAT deterministic_time); 0 without search
+    objective_s: float = 0.0
+    notes: tuple[str, ...] = ()  # e.g. operators that fell back to replication
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelInfo
+    mesh: MeshInfo
+    training: TrainingConfig
+    stages: tuple[Stage, ...]
+    predicted: Estimate
+    solver: SolverInfo
+    schema: str = SCHEMA_VERSION
+    # Not written to the file: the traced graph the plan was made from (for estimate/explain)
+    # and the wall-clock planning time (the file records the solver's deterministic time so
+    # that the same inputs give the same bytes).
+    graph: object = field(default=None, compare=False, repr=False)
+    wall_time_s: float = field(default=0.0, compare=False)
+
+    # -- convenience -----------------------------------------------------------------------
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for s in self.mesh.shape:
+            n *= s
+        return n
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def with_prediction(self, estimate: Estimate) -> "Plan":
+        return replace(self, predicted=estimate)
+
+    def summary(self) -> str:
+        from meshplan.inspect import summary_text
+
+        return summary_text(self)
+
+    def check_model(self, fingerprint: str) -> None:
+        """Refuse to run on a model other than the one this plan was made for."""
+        if fingerprint != self.model.fingerprint:
+            raise PlanFileError(
+                f"plan was made for model {self.model.name} with fingerprint "
+                f"{self.model.fingerprint}, but this model (with these input shapes) has "
+                f"{fingerprint}; make a new plan for this model (meshplan plan ...)")
+
+    # -- JSON ------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        out = {"schema": self.schema}
+        for f in fields(self):
+            if f.name not in _NOT_SERIALIZED:
+                out[f.name] = _as_data(getattr(self, f.name))
+        return out
+
+    def to_json_text(self) -> str:
+        return _dumps(self.to_dict())
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        atomic_write(path, self.to_json_text())
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "Plan":
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise PlanFileError(f"plan file {path} does not exist") from None
+        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+            raise PlanFileError(f"cannot read plan file {path}: {exc}") from None
+        return cls.from_json_text(text, origin=str(path))
+
+    @classmethod
+    def from_json_text(cls, text: str, *, origin: str = "plan") -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanFileError(f"{origin} is not valid JSON ({exc.msg} at line {exc.lineno}, "
+                                f"column {exc.colno}); the file is truncated or corrupt") from None
+        return cls.from_dict(data, origin=origin)
+
+    @classmethod
+    def from_dict(cls, data: dict, *, origin: str = "plan") -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanFileError(f"{origin}: a plan is a JSON object, got {type(data).__name__}")
+        version = data.get("schema")
+        if version != SCHEMA_VERSION:
+            raise PlanFileError(f"{origin} has schema {version!r}; this meshplan reads "
+                                f"{SCHEMA_VERSION!r} only. Re-plan with this version.")
+        problems = validate_schema(data, plan_schema())
+        if problems:
+            raise PlanFileError(f"{origin} does not match {SCHEMA_VERSION}: {problems[0]}"
+                                + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        plan = _plan_from_dict(data)
+        problems = check_consistency(plan)
+        if problems:
+            raise PlanFileError(f"{origin} is inconsistent: {problems[0]}")
+        return plan
+
+
+_NOT_SERIALIZED = ("schema", "graph", "wall_time_s")
+
+
+def _as_data(value):
+    if hasattr(value, "__dataclass_fields__"):
+        return asdict(value)
+    if isinstance(value, tuple):
+        return [_as_data(v) for v in value]
+    return value
+
+
+def _plan_from_dict(d: dict) -> Plan:
+    def mem(m):
+        return MemoryBreakdown(**m)
+
+    def est(e):
+        e = dict(e)
+        e["memory"] = mem(e.get("memory", {}))
+        return Estimate(**e)
+
+    stages = []
+    for s in d["stages"]:
+        s = dict(s)
+        s["devices"] = tuple(s["devices"])
+        s["mesh_shape"] = tuple(s["mesh_shape"])
+        s["axis_names"] = tuple(s["axis_names"])
+        s["layers"] = tuple(s["layers"])
+        s["nodes"] = tuple(s["nodes"])
+        s["inputs"] = {k: tuple(v) for k, v in s["inputs"].items()}
+        s["params"] = {k: tuple(v) for k, v in s["params"].items()}
+        s["ops"] = {k: OpPlacement(inputs=tuple(tuple(i) for i in v["inputs"]),
+                                   output=tuple(v["output"])) for k, v in s["ops"].items()}
+        p = dict(s["predicted"])
+        p["memory"] = mem(p["memory"])
+        s["predicted"] = StagePrediction(**p)
+        stages.append(Stage(**s))
+    mesh = dict(d["mesh"])
+    mesh["shape"] = tuple(mesh["shape"])
+    mesh["axis_names"] = tuple(mesh["axis_names"])
+    solver = dict(d["solver"])
+    solver["notes"] = tuple(solver.get("notes", ()))
+    return Plan(model=ModelInfo(**d["model"]), mesh=MeshInfo(**mesh),
+                training=TrainingConfig(**d["training"]), stages=tuple(stages),
+                predicted=est(d["predicted"]), solver=SolverInfo(**solver), schema=d["schema"])
+
+
+def check_consistency(plan: Plan) -> list[str]:
+    """Rules beyond the schema: placements fit the stage mesh, devices exist and add up."""
+    problems = []
+    n = plan.num_devices
+    for st in plan.stages:
+        ndim = len(st.mesh_shape)
+        size = 1
+        for s in st.mesh_shape:
+            size *= s
+        if size != len(st.devices):
+            problems.append(f"stage {st.index}: mesh_shape {list(st.mesh_shape)} has {size} "
+                            f"devices but {len(st.devices)} are listed")
+        if any(d < 0 or d >= n for d in st.devices):
+            problems.append(f"stage {st.index}: device ids must lie in [0, {n}) for mesh "
+                            f"{list(plan.mesh.shape)}")
+        if len(st.axis_names) != ndim:
+            problems.append(f"stage {st.index}: {len(st.axis_names)} axis names for {ndim} axes")
+        if st.recompute not in RECOMPUTE:
+            problems.append(f"stage {st.index}: recompute {st.recompute!r} not in {RECOMPUTE}")
+        for kind, table in (("parameter", st.params), ("input", st.inputs)):
+            for name, pl in table.items():
+                if len(pl) != ndim:
+                    problems.append(f"stage {st.index}: {kind} {name} has {len(pl)} placements "
+                                    f"for a {ndim}-D stage mesh")
+        for name, op in st.ops.items():
+            for pl in (op.output, *op.inputs):
+                if pl and len(pl) != ndim:
+                    problems.append(f"stage {st.index}: operator {name} has placements {list(pl)} "
+                                    f"for a {ndim}-D stage mesh")
+                    break
+    if plan.training.schedule not in SCHEDULES:
+        problems.append(f"schedule {plan.training.schedule!r} not in {SCHEDULES}")
+    used = sorted({d for st in plan.stages for d in st.devices})
+    if used and used != list(range(n)) and plan.stages:
+        problems.append(f"stages use devices {used[:8]}... but the mesh has {n}; every device "
+                        "must belong to a stage")
+    return problems
+
+
+# -- JSON text -------------------------------------------------------------------------------
+
+def _dumps(obj) -> str:
+    """Indented JSON with short lists of scalars kept on one line (placements stay readable)."""
+    text = json.dumps(obj, indent=1, sort_keys=False, ensure_ascii=True, allow_nan=False)
+    collapse = re.compile(r"\[\s*((?:(?:\"[^\"\n]*\"|-?[\d.eE+-]+|true|false|null),?\s*){1,16})\]")
+
+    def inline(m: re.Match) -> str:
+        items = [x.strip() for x in m.group(1).split("\n") if x.strip()]
+        return "[" + " ".join(items) + "]"
+    text = collapse.sub(inline, text)
+    # placements inside op records: [["R"], ["S(0)"]] on one line as well
+    text = re.sub(r"\[\s*(\[[^\[\]\n]*\](?:,\s*\[[^\[\]\n]*\])*)\s*\]",
+                  lambda m: "[" + re.sub(r",\s*", ", ", m.group(1)) + "]", text)
+    return text + "\n"
+
+
+def atomic_write(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` so that readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise PlanFileError(f"cannot write {path}: directory {directory} does not exist")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=directory)
+    except OSError as exc:
+        raise PlanFileError(f"cannot write {path}: {exc.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# -- schema validation -------------------------------------------------------------------------
+
+def plan_schema() -> dict:
+    return json.loads(resources.files("meshplan").joinpath("plan.schema.json").read_text())
+
+
+def validate_schema(value, schema: dict, path: str = "$", root: dict | None = None) -> list[str]:
+    """A small JSON Schema (draft 2020-12 subset) validator: type, required, properties,
+    additionalProperties, items, enum, pattern, minimum, $ref to #/$defs. Returns problems."""
+    root = root or schema
+    if "$ref" in schema:
+        schema = root["$defs"][schema["$ref"].rsplit("/", 1)[-1]]
+    problems: list[str] = []
+    expected = schema.get("type")
+    if expected is not None:
+        types = expected if isinstance(expected, list) else [expected]
+        if not any(_is_type(value, t) for t in types):
+            return [f"{path} should be {' or '.join(types)}, got {json.dumps(value)[:40]}"]
+    if "enum" in schema and value not in schema["enum"]:
+        problems.append(f"{path} is {value!r}; expected one of {schema['enum']}")
+    if "pattern" in schema and isinstance(value, str) and not re.search(schema["pattern"], value):
+        problems.append(f"{path} is {value!r}, which does not match {schema['pattern']}")
+    if "minimum" in schema and isinstance(value, (int, float)) and value < schema["minimum"]:
+        problems.append(f"{path} is {value}, below the minimum {schema['minimum']}")
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                problems.append(f"{path} is missing required field {key!r}")
+        props = schema.get("properties", {})
+        extra = schema.get("additionalProperties", True)
+        for key, sub in value.items():
+            if key in props:
+                problems += validate_schema(sub, props[key], f"{path}.{key}", root)
+            elif extra is False:
+                problems.append(f"{path} has unknown field {key!r}")
+            elif isinstance(extra, dict):
+                problems += validate_schema(sub, extra, f"{path}.{key}", root)
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            problems += validate_schema(item, schema["items"], f"{path}[{i}]", root)
+    return problems
+
+
+def _is_type(value, t: str) -> bool:
+    return {
+        "object": isinstance(value, dict), "array": isinstance(value, list),
+        "string": isinstance(value, str), "boolean": isinstance(value, bool),
+        "integer": isinstance(value, int) and not isinstance(value, bool),
+        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "null": value is None,
+    }[t]
+
+
+def parse_placement(text: str) -> tuple[str, int | None]:
+    """"S(1)" -> ("S", 1); "R" -> ("R", None); "P" -> ("P", None)."""
+    m = PLACEMENT_RE.match(text)
+    if not m:
+        raise PlanFileError(f"placement {text!r} is not one of 'R', 'P', 'S(dim)'")
+    return (m.group(1)[0], int(m.group(2)) if m.group(2) is not None else None)
+
+
+def field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
