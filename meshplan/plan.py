@@ -180,7 +180,7 @@ class Plan:
         for f in fields(self):
             if f.name not in _NOT_SERIALIZED:
                 out[f.name] = _as_data(getattr(self, f.name))
-        return out
+        return json.loads(json.dumps(out))  # JSON-native: tuples become lists
 
     def to_json_text(self) -> str:
         return _dumps(self.to_dict())

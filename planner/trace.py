@@ -39,7 +39,8 @@ def next_token_loss(output: torch.Tensor, ids: torch.Tensor, *rest) -> torch.Ten
 class TrainingModule(nn.Module):
     """model + loss as one module: forward(*inputs) -> scalar loss.
 
-    HF transformers models are called with ``use_cache=False`` and their ``.logits`` taken.
+    HF transformers models are called with ``use_cache=False`` and their ``.logits`` taken;
+    encoder-decoder models get the same ids as decoder input (synthetic sequence-to-sequence).
     """
 
     def __init__(self, model: nn.Module, loss_fn: LossFn | None = None):
@@ -48,9 +49,14 @@ class TrainingModule(nn.Module):
         self.loss_fn = loss_fn or next_token_loss
         params = inspect.signature(model.forward).parameters
         self._kwargs = {"use_cache": False} if "use_cache" in params else {}
+        config = getattr(model, "config", None)
+        self._seq2seq = bool(getattr(config, "is_encoder_decoder", False))
 
     def forward(self, *inputs):
-        out = self.model(*inputs, **self._kwargs)
+        if self._seq2seq:
+            out = self.model(input_ids=inputs[0], decoder_input_ids=inputs[0], **self._kwargs)
+        else:
+            out = self.model(*inputs, **self._kwargs)
         if hasattr(out, "logits"):
             out = out.logits
         elif isinstance(out, (tuple, list)):
