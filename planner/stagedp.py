@@ -1,0 +1,186 @@
+"""The stage dynamic program of planner/inter: cost tables over unit ranges and the bounded
+shortest path that cuts the units into stages.
+
+trace -> cost -> solve (planner/intra per stage, planner/inter -> **stagedp**) -> run.
+
+A range of units ``[j, k)`` is priced once per *class*: ranges whose unit keys agree (and
+that agree on being the last stage, which sends nothing onward) cost the same, so a model of
+96 identical blocks has about 3 x 96 classes instead of 4,656 ranges. Tables hold, per stage
+option ``o`` and class ``c``: time ``t`` (with the send/recv to the next stage), tail ``u``,
+weights ``w``, held activations ``a`` and transient ``r``. An *additive* cost function
+(``unit_cost`` attribute: the cost of a range is the sum of its units', the transient the
+largest) fills a table with prefix sums; any other calls the cost function once per class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+INF = float("inf")
+
+
+class RangeClasses:
+    """Class id of every unit range ``[j, k)`` and one representative range per class."""
+
+    def __init__(self, unit_keys: Sequence[str]):
+        k_units = len(unit_keys)
+        self.num_units = k_units
+        ids: dict[tuple, int] = {}
+        reps: list[tuple[int, int]] = []
+        cls = np.full((k_units + 1, k_units + 1), -1, dtype=np.int64)
+        keys = tuple(unit_keys)
+        for j in range(k_units):
+            for k in range(j + 1, k_units + 1):
+                key = (keys[j:k], j == 0, k == k_units)
+                c = ids.get(key)
+                if c is None:
+                    c = ids[key] = len(reps)
+                    reps.append((j, k))
+                cls[j, k] = c
+        self.num_classes = len(reps)
+        self.rep_first = np.array([r[0] for r in reps], dtype=np.int64)
+        self.rep_last = np.array([r[1] for r in reps], dtype=np.int64)
+        self.is_last = self.rep_last == k_units
+        # invalid ranges point at an extra column that is always infinite
+        self.index = np.where(cls >= 0, cls, self.num_classes)
+
+
+class Tables:
+    """Per-option, per-class costs for one (group size, microbatch count)."""
+
+    def __init__(self, classes: RangeClasses, options, costs: np.ndarray, stage_costs: list):
+        self.classes = classes
+        self.options = options
+        self.t, self.u, self.w, self.a, self.r = costs  # each (options, classes)
+        self.stage_costs = stage_costs  # stage_costs[o][c] -> StageCost or None (lazy)
+        self._fit_cache: dict[tuple[float, float], np.ndarray] = {}
+
+    def fits(self, in_flight: float, limit_gib: float) -> np.ndarray:
+        key = (in_flight, limit_gib)
+        if key not in self._fit_cache:
+            self._fit_cache[key] = self.w + in_flight * self.a + self.r <= limit_gib
+        return self._fit_cache[key]
+
+    def best(self, in_flight: float, limit_gib: float, t_max: float, u_max: float):
+        """Cheapest option per class within the bounds; (time per class + INF column, option)."""
+        ok = self.fits(in_flight, limit_gib)
+        if t_max < INF:
+            ok = ok & (self.t <= t_max)
+        if u_max < INF:
+            ok = ok & (self.u <= u_max)
+        masked = np.where(ok, self.t, INF)
+        arg = masked.argmin(axis=0)
+        best = masked[arg, np.arange(masked.shape[1])]
+        return np.append(best, INF), arg
+
+
+def build_tables(classes: RangeClasses, problem, options, microbatches: int,
+                 crosses_nodes: bool, cache: dict) -> Tables:
+    """Price every class under every option (``cache`` keeps cost-function answers)."""
+    n_opt, n_cls = len(options), classes.num_classes
+    arrays = np.full((5, n_opt, n_cls), INF)  # t, u, w, a, r
+    stage_costs: list = [None] * n_opt
+    unit_cost = getattr(problem.cost_fn, "unit_cost", None)
+    for o, opt in enumerate(options):
+        mbs = problem.global_batch // (microbatches * opt.mesh_shape[0])
+        row = _additive_row if unit_cost is not None else _generic_row
+        stage_costs[o], boundary = row(arrays[:, o], classes, problem, opt, mbs, cache)
+        # the send/recv to the next stage: activations forward, their gradients backward
+        p2p = np.array([2 * problem.p2p_s(float(b), crosses_nodes) if np.isfinite(b) else 0.0
+                        for b in boundary])
+        arrays[0, o] += np.where(classes.is_last, 0.0, p2p)
+    return Tables(classes, options, arrays, stage_costs)
+
+
+def _generic_row(row, classes, problem, opt, mbs, cache):
+    """Call the cost function once per class; returns (StageCosts, boundary bytes)."""
+    costs, boundary = [], np.zeros(classes.num_classes)
+    for c in range(classes.num_classes):
+        j, k = int(classes.rep_first[c]), int(classes.rep_last[c])
+        layers = (problem.unit_layers[j][0], problem.unit_layers[k - 1][1])
+        key = (problem.unit_keys[j:k], j == 0, k == classes.num_units, opt, mbs)
+        if key not in cache:
+            cache[key] = problem.cost_fn(layers, opt.mesh_shape, mbs, opt.recompute, opt.zero)
+        sc = cache[key]
+        costs.append(sc)
+        if sc is None:
+            continue
+        row[:, c] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib, sc.transient_gib)
+        boundary[c] = sc.boundary_bytes
+    return costs, boundary
+
+
+def _additive_row(row, classes, problem, opt, mbs, cache):
+    """Range cost = sum of its units' (prefix sums); transient = the largest unit's."""
+    n = classes.num_units
+    unit_cost = problem.cost_fn.unit_cost
+    unit = np.full((6, n), INF)
+    for i in range(n):
+        key = ("unit", problem.unit_keys[i], opt, mbs)
+        if key not in cache:
+            cache[key] = unit_cost(i, opt.mesh_shape, mbs, opt.recompute, opt.zero)
+        sc = cache[key]
+        if sc is not None:
+            unit[:, i] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib,
+                          sc.boundary_bytes, sc.transient_gib)
+    prefix = np.concatenate([np.zeros((6, 1)), np.cumsum(unit, axis=1)], axis=1)
+    j, k = classes.rep_first, classes.rep_last
+    with np.errstate(invalid="ignore"):
+        sums = prefix[:, k] - prefix[:, j]
+    sums = np.where(np.isnan(sums), INF, sums)
+    row[:4] = sums[:4]
+    # largest transient over the range: running maxima from every start
+    run = np.full((n + 1, n + 1), INF)
+    for start in range(n):
+        run[start, start + 1:] = np.maximum.accumulate(unit[5, start:])
+    row[4] = run[j, k]
+    return [None] * classes.num_classes, unit[4, k - 1]  # the last unit's output crosses
+
+
+def cut(tables_by_position: Sequence[tuple[Tables, float, float]], t_max: float,
+        u_max: float):
+    """The bounded shortest path: F[s][k] = min_j F[s-1][j] + c_s(j, k).
+
+    ``tables_by_position[s]`` = (tables, in-flight microbatches, memory limit) of stage s.
+    Returns (minimum summed time, [(j, k, option index) per stage]) or (INF, None).
+    """
+    first = tables_by_position[0][0]
+    n = first.classes.num_units
+    index = first.classes.index
+    f = np.full(n + 1, INF)
+    f[0] = 0.0
+    trace = []
+    memo: dict = {}
+    for tables, m, limit in tables_by_position:
+        key = (id(tables), m, limit)
+        if key not in memo:
+            memo[key] = tables.best(m, limit, t_max, u_max)
+        best, arg = memo[key]
+        cand = f[:, None] + best[index]
+        j = cand.argmin(axis=0)
+        f = cand[j, np.arange(n + 1)]
+        trace.append((j, arg, tables))
+    if not np.isfinite(f[n]):
+        return INF, None
+    stages, k = [], n
+    for j, arg, tables in reversed(trace):
+        jj = int(j[k])
+        stages.append((jj, k, int(arg[tables.classes.index[jj, k]])))
+        k = jj
+    return float(f[n]), stages[::-1]
+
+
+def bound_candidates(values: np.ndarray, eps: float) -> list[float]:
+    """Sorted distinct finite values; with eps > 0 keep one per factor (1 + eps)."""
+    vals = np.unique(values[np.isfinite(values)])
+    if eps <= 0 or len(vals) == 0:
+        return vals.tolist()
+    out = [float(vals[0])]
+    for v in vals[1:]:
+        if v > out[-1] * (1 + eps):
+            out.append(float(v))
+    if out[-1] != vals[-1]:
+        out.append(float(vals[-1]))
+    return out
