@@ -1,20 +1,37 @@
 """Collective communication time: latency + bytes / bandwidth with each algorithm's factor.
 
 trace -> **cost** -> solve -> run. Bandwidth is the per-device bus bandwidth of the link
-level the group spans (intra-node NVLink or inter-node InfiniBand). Ring algorithms
-(Patarasuk & Yuan 2009; NCCL's "bus bandwidth" convention):
-- all-reduce moves 2(n-1)/n of the buffer through each device;
-- all-gather and reduce-scatter move (n-1)/n of the (full) buffer;
-- all-to-all moves (n-1)/n of the buffer;
-- broadcast moves the buffer once (pipelined ring); send/recv moves it once point to point.
-Latency: (n-1) steps of the link's latency for ring collectives, 2(n-1) for all-reduce.
+level the group spans (intra-node NVLink or inter-node InfiniBand); a link may override
+bandwidth and latency per collective (``LinkSpec.collectives``, fitted by calibrate).
+
+Ring algorithms (Patarasuk & Yuan 2009; NCCL's "bus bandwidth" convention, nccl-tests
+doc/PERFORMANCE.md), for a group of n devices and a buffer of B bytes:
+
+=============== ========================== =================
+collective      bytes through each device  latency steps
+=============== ========================== =================
+all-reduce      2 (n-1)/n * B              2 (n-1)
+all-gather      (n-1)/n * B (B = gathered) n-1
+reduce-scatter  (n-1)/n * B (B = input)    n-1
+all-to-all      (n-1)/n * B                n-1
+broadcast       B (pipelined ring)         n-1
+send/recv       B                          1
+=============== ========================== =================
+
+time = steps * latency + bytes / bandwidth.
+
+Hierarchical groups (an axis that spans nodes with ``local`` > 1 members per node) run
+the two-level algorithm NCCL and Horovod use: all-reduce = reduce-scatter inside the node,
+all-reduce across nodes on 1/local of the buffer, all-gather inside the node;
+all-gather / reduce-scatter = the inter-node step on 1/local of the buffer plus the intra-node
+step; all-to-all, broadcast and send/recv are priced on the inter-node link.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
 
-from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.hardware import HardwareProfile, LinkSpec
 
 
 class Collective(StrEnum):
@@ -26,35 +43,74 @@ class Collective(StrEnum):
     SEND_RECV = "send_recv"
 
 
-_BYTES_FACTOR = {
-    Collective.ALL_REDUCE: lambda n: 2 * (n - 1) / n,
-    Collective.ALL_GATHER: lambda n: (n - 1) / n,
-    Collective.REDUCE_SCATTER: lambda n: (n - 1) / n,
-    Collective.ALL_TO_ALL: lambda n: (n - 1) / n,
-    Collective.BROADCAST: lambda n: 1.0,
-    Collective.SEND_RECV: lambda n: 1.0,
-}
-_LATENCY_STEPS = {
-    Collective.ALL_REDUCE: lambda n: 2 * (n - 1),
-    Collective.ALL_GATHER: lambda n: n - 1,
-    Collective.REDUCE_SCATTER: lambda n: n - 1,
-    Collective.ALL_TO_ALL: lambda n: n - 1,
-    Collective.BROADCAST: lambda n: n - 1,
-    Collective.SEND_RECV: lambda n: 1,
-}
+def bytes_factor(kind: Collective, n: int) -> float:
+    """Bytes through each device per byte of buffer (ring algorithms)."""
+    return {Collective.ALL_REDUCE: 2 * (n - 1) / n, Collective.ALL_GATHER: (n - 1) / n,
+            Collective.REDUCE_SCATTER: (n - 1) / n, Collective.ALL_TO_ALL: (n - 1) / n,
+            Collective.BROADCAST: 1.0, Collective.SEND_RECV: 1.0}[kind]
+
+
+def latency_steps(kind: Collective, n: int) -> int:
+    return {Collective.ALL_REDUCE: 2 * (n - 1), Collective.ALL_GATHER: n - 1,
+            Collective.REDUCE_SCATTER: n - 1, Collective.ALL_TO_ALL: n - 1,
+            Collective.BROADCAST: n - 1, Collective.SEND_RECV: 1}[kind]
+
+
+def flat_time_s(link: LinkSpec, kind: Collective | str, nbytes: float, n: int) -> float:
+    """One ring collective over ``n`` devices on one link level."""
+    kind = Collective(kind)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    bandwidth_gbps, latency_s = link.for_collective(kind)
+    return latency_steps(kind, n) * latency_s + bytes_factor(kind, n) * nbytes / (bandwidth_gbps * 1e9)
 
 
 def collective_time_s(hw: HardwareProfile, kind: Collective | str, nbytes: float,
-                      group_size: int, *, crosses_nodes: bool = False) -> float:
+                      group_size: int, *, crosses_nodes: bool = False,
+                      local_size: int | None = None) -> float:
     """Time of one collective over ``group_size`` devices on a buffer of ``nbytes``.
 
     For all-gather, ``nbytes`` is the gathered (full) buffer; for reduce-scatter, the
-    buffer before scattering.
+    buffer before scattering. ``crosses_nodes`` picks the inter-node link; ``local_size``
+    (members of the group inside one node, when the group crosses nodes) turns on the
+    hierarchical algorithm when 1 < local_size < group_size.
     """
     kind = Collective(kind)
     n = int(group_size)
     if n <= 1 or nbytes <= 0:
         return 0.0
-    link = hw.inter_node if crosses_nodes else hw.intra_node
-    return (_LATENCY_STEPS[kind](n) * link.latency_s
-            + _BYTES_FACTOR[kind](n) * nbytes / (link.bandwidth_gbps * 1e9))
+    if not crosses_nodes:
+        return flat_time_s(hw.intra_node, kind, nbytes, n)
+    local = int(local_size or 1)
+    if local <= 1 or local >= n or n % local:
+        return flat_time_s(hw.inter_node, kind, nbytes, n)
+    nodes = n // local
+    intra, inter = hw.intra_node, hw.inter_node
+    if kind == Collective.ALL_REDUCE:
+        return (flat_time_s(intra, Collective.REDUCE_SCATTER, nbytes, local)
+                + flat_time_s(inter, Collective.ALL_REDUCE, nbytes / local, nodes)
+                + flat_time_s(intra, Collective.ALL_GATHER, nbytes, local))
+    if kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return (flat_time_s(inter, kind, nbytes / local, nodes)
+                + flat_time_s(intra, kind, nbytes, local))
+    return flat_time_s(inter, kind, nbytes, n)
+
+
+def axis_link(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int,
+              first_device: int = 0) -> tuple[bool, int]:
+    """(crosses_nodes, local_size) of the groups along ``axis`` of a row-major submesh
+    whose first global device is ``first_device``.
+
+    A group's members are ``stride`` apart (stride = product of the later axes); the group
+    stays in a node when its whole span fits in one node.
+    """
+    stride = 1
+    for s in mesh_shape[axis + 1:]:
+        stride *= s
+    n = mesh_shape[axis]
+    span = stride * (n - 1) + 1
+    start = first_device % devices_per_node
+    if start + span <= devices_per_node:
+        return False, n
+    local = max(1, min(n, devices_per_node // stride)) if stride < devices_per_node else 1
+    return True, local

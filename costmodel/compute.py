@@ -1,14 +1,25 @@
 """Compute time of one operator on one device: a roofline with size-dependent efficiency.
 
 trace -> **cost** -> solve -> run. An operator's per-device work is its FLOPs and bytes
-divided by the number of devices that split it. Forward time is
-``max(flops / (peak x eff(flops)), bytes / (bandwidth x eff(bytes))) + kernel latency``.
-Backward classes:
-- matmul-class (matmul, attention, embedding's dense grad): two matmuls of the forward's
-  size (grad of input and grad of weight) -> 2 x forward;
-- memory-bound ops (elementwise, norm, softmax, loss): read output grad + saved input and
-  write input grad -> 2 x forward bytes;
-- views cost nothing in either direction.
+divided by the number of devices that split it (``shard``). Forward time is
+
+    max(flops / (peak x eff(flops)), bytes / (bandwidth x eff(bytes)))
+        + kernel latency + framework overhead
+
+times the host contention (CPU processes sharing fewer cores than there are processes).
+A measured table (``HardwareProfile.measured_ops``: ``op_signature -> [forward_s,
+backward_s]``) replaces the roofline for operators it lists.
+
+Backward, by operator class:
+- matmul: grad of input and grad of weight are two matmuls of the forward's size
+  -> 2 x forward FLOPs (Narayanan et al. 2021, section 5.1: backward = 2 x forward);
+- attention: flash-attention's backward runs 5 matmuls against the forward's 2 (Dao et
+  al. 2022, algorithm 4) -> 2.5 x forward FLOPs;
+- embedding: a scatter-add of the output gradient into the weight -> the forward's bytes;
+- memory-bound ops (elementwise, norm, softmax, reduction, loss): read the output grad and
+  the saved input, write the input grad -> 2 x the forward's bytes;
+- views and creation ops cost nothing in either direction.
+Recomputing an operator costs its forward time again (``OpTime.forward_s``).
 """
 
 from __future__ import annotations
@@ -20,8 +31,9 @@ from meshplan.planner.graph import OpKind, OpNode
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-_FREE = (OpKind.VIEW, OpKind.CREATION)
-_MATMUL = (OpKind.MATMUL, OpKind.ATTENTION)
+FREE_KINDS = (OpKind.VIEW, OpKind.CREATION)
+BACKWARD_FLOPS_FACTOR = {OpKind.MATMUL: 2.0, OpKind.ATTENTION: 2.5}  # sources in the docstring
+BACKWARD_BYTES_FACTOR = {OpKind.EMBEDDING: 1.0}  # everything else memory-bound: 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,19 +45,58 @@ class OpTime:
     def total_s(self) -> float:
         return self.forward_s + self.backward_s
 
+    @property
+    def recompute_s(self) -> float:
+        return self.forward_s
 
-def op_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp32", shard: int = 1) -> OpTime:
-    """Forward and backward time of ``node`` when ``shard`` devices split its work evenly."""
-    if node.kind in _FREE:
+
+def op_signature(node: OpNode, dtype: str, shard: int = 1) -> str:
+    """Key of the measured table: target, global output shapes, dtype and the split."""
+    shapes = ";".join("x".join(map(str, o.shape)) for o in node.outputs)
+    return f"{node.target}|{shapes}|{dtype}|/{shard}"
+
+
+def roofline_s(hw: HardwareProfile, flops: float, nbytes: float, dtype: str) -> float:
+    """max(compute time, memory time) of one kernel, without fixed costs."""
+    dev = hw.device
+    t_flops = flops / (dev.peak_flops(DTYPE_NAMES.get(dtype, dtype)) * dev.matmul_efficiency(flops)) \
+        if flops > 0 else 0.0
+    t_bytes = nbytes / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(nbytes)) \
+        if nbytes > 0 else 0.0
+    return max(t_flops, t_bytes)
+
+
+def op_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp32", shard: int = 1, *,
+            contention: float = 1.0) -> OpTime:
+    """Forward and backward time of ``node`` when ``shard`` devices split its work evenly.
+
+    ``contention`` (>= 1) slows compute when processes share CPU cores (estimate.py
+    derives it from ``device.host_cores``).
+    """
+    if node.kind in FREE_KINDS:
         return OpTime(0.0, 0.0)
+    measured = hw.measured_ops.get(op_signature(node, dtype, shard))
+    if measured:
+        return OpTime(float(measured[0]), float(measured[1]))
     dev = hw.device
     scale = DTYPE_BYTES.get(dtype, 4) / 4  # traced in fp32; mixed precision moves fewer bytes
     flops = node.flops / shard
     nbytes = (node.bytes_read + node.bytes_written) * scale / shard
-    t_flops = flops / (dev.peak_flops(DTYPE_NAMES.get(dtype, dtype)) * dev.matmul_efficiency(flops)) \
-        if flops else 0.0
-    t_bytes = nbytes / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(nbytes)) \
-        if nbytes else 0.0
-    forward = max(t_flops, t_bytes) + dev.kernel_latency_s
-    backward = 2 * forward if node.kind in _MATMUL or node.flops else 2 * forward
+    fixed = dev.kernel_latency_s + dev.framework_overhead_s
+    forward = roofline_s(hw, flops, nbytes, dtype) * contention + fixed
+    if node.flops:
+        factor = BACKWARD_FLOPS_FACTOR.get(node.kind, 2.0)
+        backward = roofline_s(hw, factor * flops, factor * nbytes, dtype) * contention + 2 * fixed
+    else:
+        factor = BACKWARD_BYTES_FACTOR.get(node.kind, 2.0)
+        backward = roofline_s(hw, 0.0, factor * nbytes, dtype) * contention + fixed
     return OpTime(forward, backward)
+
+
+def contention_factor(hw: HardwareProfile, processes_on_host: int) -> float:
+    """How much slower each process computes when ``processes_on_host`` share the host's
+    cores (1 for dedicated devices such as GPUs)."""
+    cores = hw.device.host_cores
+    if cores <= 0 or processes_on_host <= cores:
+        return 1.0
+    return processes_on_host / cores

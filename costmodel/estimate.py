@@ -1,105 +1,389 @@
-"""Estimate: predicted step time and memory of a plan on its mesh.
+"""Estimate: predicted step time and memory of any plan on its mesh.
 
-trace -> **cost** -> solve -> run. First roofline estimate for single-stage plans (the
-walking skeleton's data-parallel plans): per-operator compute split by the operator's
-output placements, one gradient all-reduce per replicated parameter over every mesh axis
-that splits its consumer's work, optimizer step at memory bandwidth, no overlap.
+trace -> **cost** -> solve -> run. ``estimate_plan(plan, graph)`` prices every stage of a
+plan (one microbatch at a time) and composes them with the pipeline schedule:
+
+- compute: every operator of the stage at its per-device share (``compute.op_time`` with
+  shard = devices splitting its output x microbatches), forward, backward and recompute
+  ("full": every block operator's forward again; "selective": the attention core);
+- activation communication: each edge whose producer placement differs from the placement
+  its consumer reads is a collective (``reshard_collectives``) in the forward and its mirror
+  in the backward; an operator split on an axis that reads an activation replicated on that
+  axis all-reduces the input gradient (Megatron's f/g operators). Exposed in full: tensor
+  parallel communication sits on the critical path (Narayanan et al. 2021, section 3.3);
+- pipeline: send/recv of the stage's boundary tensors per microbatch, forward and backward;
+- gradient sync once per step: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2/3) of each
+  replicated parameter's gradient over the axes that split its consumers; ZeRO-3 all-gathers
+  weights before the forward and the backward of every microbatch;
+- optimizer: the state it reads and writes at memory bandwidth, plus fixed costs per tensor.
+
+Overlap is explicit (``RuntimeModel``): the fraction of the gradient sync hidden behind the
+backward, and of ZeRO-3 all-gathers hidden behind compute.
 """
 
 from __future__ import annotations
 
-from meshplan.costmodel.comm import Collective, collective_time_s
-from meshplan.costmodel.compute import DTYPE_BYTES, DTYPE_NAMES, op_time
+import math
+from dataclasses import dataclass, replace
+
+from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
+from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_factor, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.errors import NotSupportedError
+from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_profile, activation_memory,
+                                       grad_sync_buffer_bytes, model_state_bytes,
+                                       state_bytes_per_param, zero3_buffer_bytes)
+from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan.planner.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 
-GIB = 2.0 ** 30
-# bytes per parameter kept across steps: fp32 master weights (4) + fp32 gradients (4)
-# + Adam's two fp32 moments (8) = 16 (ZeRO paper, Rajbhandari et al. 2020, section 3.1);
-# mixed precision adds a 2-byte low-precision copy of the weights.
-OPTIMIZER_BYTES = {"adam": 8, "sgd": 4}
+DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP bucket_cap_mb default (25 MiB)
+OPTIMIZER_OPS_PER_TENSOR = {"adam": 10, "sgd": 3}  # torch.optim _single_tensor_adam / sgd
 
 
-def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...]) -> int:
+@dataclass(frozen=True, slots=True)
+class RuntimeModel:
+    """How the executing runtime schedules communication (documented factors).
+
+    grad_sync_overlap: fraction of the gradient sync hidden behind the backward. 0 by
+      default: Megatron-LM (2021) reduces gradients after the pipeline flush, and
+      meshplan's runtime redistributes them after ``loss.backward()``.
+    param_gather_overlap: fraction of a microbatch's compute that can hide ZeRO-3 weight
+      all-gathers (FSDP prefetches the next layer during the current one): 1.0.
+    grad_bucket_bytes: gradients are synced in buckets of this size (DDP, Megatron) or, when
+      0, one collective per parameter tensor (DTensor's per-parameter redistribute).
+    """
+
+    grad_sync_overlap: float = 0.0
+    param_gather_overlap: float = 1.0
+    grad_bucket_bytes: float = DDP_BUCKET_BYTES
+
+
+def default_runtime(hw: HardwareProfile) -> RuntimeModel:
+    """CPU hosts run meshplan's DTensor runtime (per-tensor sync); GPUs a bucketed one."""
+    return RuntimeModel(grad_bucket_bytes=0.0) if hw.device.host_cores > 0 or \
+        hw.device.name == "cpu" else RuntimeModel()
+
+
+def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
+                 skip_axis: int | None = None) -> int:
     """How many pieces a tensor (or an operator's work) is cut into by these placements."""
     n = 1
-    for pl, size in zip(placements, mesh_shape):
-        if pl != "R":
+    for axis, (pl, size) in enumerate(zip(placements, mesh_shape)):
+        if pl != "R" and axis != skip_axis:
             n *= size
     return n
 
 
-def stage_costs(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
-                optimizer: str) -> StagePrediction:
-    """Compute, communication and memory of one stage for the whole step on one device."""
-    compute = 0.0
-    activations = 0.0
-    consumer_split: dict[str, list[tuple[str, ...]]] = {}
-    for name, op in stage.ops.items():
+def reshard_collectives(src: str, dst: str, *, needs_grad: bool) -> tuple[str | None, str | None]:
+    """(forward collective, backward collective) turning placement ``src`` into ``dst`` on
+    one axis. R->S is a local slice whose gradient is all-gathered."""
+    if src == dst:
+        return None, None
+    if src == "P":
+        if dst == "R":
+            return Collective.ALL_REDUCE, None
+        return Collective.REDUCE_SCATTER, (Collective.ALL_GATHER if needs_grad else None)
+    if src.startswith("S"):
+        if dst == "R":
+            return Collective.ALL_GATHER, (Collective.REDUCE_SCATTER if needs_grad else None)
+        if dst.startswith("S"):
+            return Collective.ALL_TO_ALL, (Collective.ALL_TO_ALL if needs_grad else None)
+        return None, None  # S -> P: local
+    if dst.startswith("S"):
+        return None, (Collective.ALL_GATHER if needs_grad else None)
+    return None, None  # R -> P: local
+
+
+def dp_axis(stage: Stage) -> int | None:
+    """The data-parallel axis: named "dp", else the axis the first input's batch is split on."""
+    if "dp" in stage.axis_names:
+        return stage.axis_names.index("dp")
+    for pl in stage.inputs.values():
+        for axis, p in enumerate(pl):
+            if p == "S(0)":
+                return axis
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """Costs of one stage: times per microbatch, once-per-step times, memory at its peak."""
+
+    forward_s: float
+    backward_s: float
+    recompute_s: float
+    comm_s: float  # exposed activation/p2p/ZeRO-3 communication per microbatch
+    grad_sync_s: float  # exposed gradient sync, once per step
+    optimizer_s: float
+    memory: MemoryBreakdown
+
+    @property
+    def microbatch_s(self) -> float:
+        return self.forward_s + self.backward_s + self.recompute_s + self.comm_s
+
+    def prediction(self) -> StagePrediction:
+        return StagePrediction(compute_s=self.forward_s + self.backward_s + self.recompute_s,
+                               comm_s=self.comm_s + self.grad_sync_s, memory=self.memory)
+
+
+def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
+               optimizer: str, microbatches: int = 1, num_stages: int = 1,
+               schedule: str = "1f1b", virtual_stages: int = 1, seq_len: int = 0,
+               processes_on_host: int = 1, runtime: RuntimeModel | None = None) -> StageCost:
+    runtime = runtime or default_runtime(hw)
+    m = max(1, microbatches)
+    shape = stage.mesh_shape
+    contention = contention_factor(hw, processes_on_host)
+    first = stage.devices[0] if stage.devices else 0
+    links = [axis_link(shape, a, hw.devices_per_node, first) for a in range(len(shape))]
+
+    def coll(kind, nbytes, axis):
+        crosses, local = links[axis]
+        return collective_time_s(hw, kind, nbytes, shape[axis], crosses_nodes=crosses,
+                                 local_size=local)
+
+    names = list(stage.ops)
+    in_stage = set(names)
+    placement = {n: stage.inputs.get(n) for n in stage.inputs}
+    placement.update({n: op.output for n, op in stage.ops.items()})
+    needs_grad = _requires_grad(graph)
+    dbytes = DTYPE_BYTES[dtype]
+
+    fwd = bwd = rec_full = rec_sel = 0.0
+    comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
+    consumer_out: dict[str, list[tuple[str, ...]]] = {}
+    for name in names:
         node = graph.node(name)
-        shard = split_factor(op.output, stage.mesh_shape)
-        compute += op_time(node, hw, dtype, shard).total_s
-        if node.kind not in (OpKind.VIEW, OpKind.CREATION):
-            activations += node.bytes_written * DTYPE_BYTES[dtype] / 4 / shard
+        op = stage.ops[name]
+        t = op_time(node, hw, dtype, split_factor(op.output, shape) * m, contention=contention)
+        fwd += t.forward_s
+        bwd += t.backward_s
+        if node.layer >= 0:
+            rec_full += t.forward_s
+            if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
+                rec_sel += t.forward_s
         for p in node.params:
-            consumer_split.setdefault(p, []).append(op.output)
-
-    comm = 0.0
-    weight_bytes = grad_bytes = opt_bytes = 0.0
-    wbytes = DTYPE_BYTES[dtype]
-    for name, pl in stage.params.items():
-        info = graph.param_map[name]
-        if info.tied_to is not None and info.tied_to in stage.params:
-            continue
-        numel = info.numel / split_factor(pl, stage.mesh_shape)
-        weight_bytes += numel * (4 + (wbytes if dtype != "fp32" else 0))
-        grad_bytes += numel * 4
-        opt_bytes += numel * OPTIMIZER_BYTES.get(optimizer, 8)
-        for axis, size in enumerate(stage.mesh_shape):
-            if pl[axis] != "R" or size == 1:
+            consumer_out.setdefault(p, []).append(op.output)
+        for i, src_name in enumerate(node.inputs):
+            if src_name in graph.param_map or i >= len(op.inputs):
                 continue
-            if any(out[axis] != "R" for out in consumer_split.get(name, ())):
-                comm += collective_time_s(hw, Collective.ALL_REDUCE, numel * 4, size,
-                                          crosses_nodes=_crosses(stage, axis, hw))
-    memory = MemoryBreakdown(params_gib=weight_bytes / GIB, grads_gib=grad_bytes / GIB,
-                             optimizer_gib=opt_bytes / GIB, activations_gib=activations / GIB)
-    return StagePrediction(compute_s=compute, comm_s=comm, memory=memory)
+            src = placement.get(src_name)
+            nbytes = _bytes(graph, src_name, dbytes) / m
+            if src_name in graph and src_name not in in_stage:
+                p2p_bytes += nbytes / split_factor(op.inputs[i], shape)
+                continue
+            if src is None:
+                continue
+            dst = op.inputs[i]
+            grad = src_name in needs_grad
+            for axis in range(len(shape)):
+                if shape[axis] == 1:
+                    continue
+                buf = nbytes / split_factor(src, shape, skip_axis=axis)
+                f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
+                if f:
+                    tf = coll(f, buf, axis)
+                    comm_fwd += tf
+                    comm_layers_fwd += tf if node.layer >= 0 else 0.0
+                if b:
+                    comm_bwd += coll(b, buf, axis)
+                if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
+                        and src[axis] == "R":
+                    comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
+    recompute = {"full": rec_full, "selective": rec_sel}.get(stage.recompute, 0.0)
+    comm_rec = comm_layers_fwd if stage.recompute == "full" else 0.0
+    p2p = 0.0
+    if num_stages > 1:
+        crosses = len(stage.devices) >= hw.devices_per_node
+        hops = (2 if 0 < stage.index < num_stages - 1 else 1) * 2  # recv+send, fwd+bwd
+        p2p = hops / 2 * collective_time_s(hw, Collective.SEND_RECV, p2p_bytes, 2,
+                                           crosses_nodes=crosses)
+        if schedule == "interleaved-1f1b":
+            p2p *= max(1, virtual_stages)
+
+    # -- parameters: memory, gradient sync, ZeRO-3 gathers -------------------------------
+    dpa = dp_axis(stage)
+    dp = shape[dpa] if dpa is not None else 1
+    zero = stage.zero
+    weights = grads = opt = 0.0
+    grad_bytes_total = grad_sync = gather = 0.0
+    n_sync = n_tensors = 0
+    largest_layer: dict[int, float] = {}
+    opt_numel = 0.0
+    for pname, pl in stage.params.items():
+        info = graph.param_map.get(pname)
+        if info is None or (info.tied_to is not None and info.tied_to in stage.params):
+            continue
+        numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
+        w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
+        weights, grads, opt = weights + w, grads + g, opt + o
+        opt_numel += numel / (dp if zero >= 1 else 1)
+        n_tensors += 1
+        layer = _param_layer(pname, graph)
+        largest_layer[layer] = largest_layer.get(layer, 0.0) + numel
+        if not info.trainable:
+            continue
+        outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
+        for axis, size in enumerate(shape):
+            if size == 1 or not any(out[axis] != "R" for out in outs):
+                continue
+            if pl[axis] == "R" or axis == dpa:
+                kind = Collective.REDUCE_SCATTER if (axis == dpa and zero >= 2) else Collective.ALL_REDUCE
+                nbytes = numel * GRAD_BYTES
+                grad_bytes_total += nbytes
+                n_sync += 1
+                grad_sync += _bucketed(coll, kind, nbytes, axis, runtime.grad_bucket_bytes,
+                                       latency_only=runtime.grad_bucket_bytes > 0)
+                if axis == dpa and zero >= 3:
+                    gather += 2 * coll(Collective.ALL_GATHER, numel * (4 if dtype == "fp32" else 2), axis)
+    if runtime.grad_bucket_bytes > 0 and grad_bytes_total:
+        grad_sync += _bucket_latency(coll, hw, grad_bytes_total, runtime.grad_bucket_bytes,
+                                     dpa if dpa is not None else 0, zero)
+    grad_sync *= 1 - runtime.grad_sync_overlap
+    compute_mb = fwd + bwd + recompute
+    gather_exposed = max(0.0, gather - runtime.param_gather_overlap * compute_mb)
+    comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed
+
+    b = state_bytes_per_param(dtype, optimizer)
+    dev = hw.device
+    optimizer_s = (2 * b.total * opt_numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
+                   * contention + n_tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
+                   * (dev.kernel_latency_s + dev.framework_overhead_s))
+
+    # -- activations ----------------------------------------------------------------------
+    def split_of(tensor: str) -> int:
+        pl = placement.get(tensor)
+        return split_factor(pl, shape) if pl else 1
+
+    extra = 0.0
+    if dev.name == "cpu" and seq_len:  # math attention keeps the probabilities (b x heads x s x s)
+        extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
+    prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
+                              seq_len=seq_len, micro_fraction=1.0 / m,
+                              attention_extra_per_node=extra)
+    kept, working = prof.stage_bytes(stage.recompute)
+    acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
+                             num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
+    buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, grads)
+    if zero >= 3:
+        layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0) * dp
+        buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
+    memory = MemoryBreakdown(params_gib=weights / GIB, grads_gib=grads / GIB,
+                             optimizer_gib=opt / GIB, activations_gib=acts / GIB,
+                             buffers_gib=buffers / GIB)
+    return StageCost(forward_s=fwd, backward_s=bwd, recompute_s=recompute, comm_s=comm_mb,
+                     grad_sync_s=grad_sync, optimizer_s=optimizer_s, memory=memory)
 
 
-def _crosses(stage: Stage, axis: int, hw: HardwareProfile) -> bool:
-    stride = 1
-    for s in stage.mesh_shape[axis + 1:]:
-        stride *= s
-    return stride * (stage.mesh_shape[axis] - 1) >= hw.devices_per_node or \
-        stride >= hw.devices_per_node
+def stage_costs(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
+                optimizer: str, **kw) -> StagePrediction:
+    """The StagePrediction written into a plan (kept for planners that call it)."""
+    return stage_cost(stage, graph, hw, dtype=dtype, optimizer=optimizer, **kw).prediction()
 
 
-def estimate_plan(plan: Plan, graph: OpGraph) -> Estimate:
-    if plan.num_stages != 1:
-        raise NotSupportedError("the first roofline estimate prices single-stage plans only; "
-                                "pipeline plans need the full cost model")
-    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None,
+                  hw: HardwareProfile | None = None) -> Estimate:
+    """Predicted step time, memory, MFU and throughput of ``plan``; never raises for memory."""
+    hw = hw or HardwareProfile.from_dict(plan.mesh.hardware)
     t = plan.training
-    stage = plan.stages[0]
-    pred = stage_costs(stage, graph, hw, dtype=t.dtype, optimizer=t.optimizer)
-    n_local_params = pred.memory.params_gib * GIB / (4 + (DTYPE_BYTES[t.dtype] if t.dtype != "fp32" else 0))
-    # Adam touches weights, grads and two moments: ~16 bytes read and written per parameter
-    optimizer_s = 2 * 16 * n_local_params / (hw.device.memory_bandwidth_gbps * 1e9)
-    step = pred.compute_s + pred.comm_s + optimizer_s
+    on_host = min(plan.num_devices, hw.devices_per_node)
+    costs = [stage_cost(st, graph, hw, dtype=t.dtype, optimizer=t.optimizer,
+                        microbatches=t.microbatches, num_stages=plan.num_stages,
+                        schedule=t.schedule, virtual_stages=t.virtual_stages, seq_len=t.seq_len,
+                        processes_on_host=on_host, runtime=runtime) for st in plan.stages]
+    pipe = pipeline_step_time([c.microbatch_s for c in costs], max(1, t.microbatches),
+                              t.schedule, t.virtual_stages)
+    tail = max(c.grad_sync_s + c.optimizer_s for c in costs)
+    step = pipe.step_s + tail
+    slow = max(range(len(costs)), key=lambda i: costs[i].microbatch_s)
+    c, m = costs[slow], max(1, t.microbatches)
+    worst = max(range(len(costs)), key=lambda i: costs[i].memory.total_gib)
+    peak = costs[worst].memory.total_gib
     capacity = hw.device.memory_gib
-    peak = pred.memory.total_gib
-    n = plan.num_devices
-    peak_flops = hw.device.peak_flops(DTYPE_NAMES[t.dtype])
     fits = peak <= capacity
+    peak_flops = hw.device.peak_flops(DTYPE_NAMES[t.dtype])
+    breakdown = {"forward": m * c.forward_s, "backward": m * c.backward_s,
+                 "recompute": m * c.recompute_s,
+                 "comm": m * c.comm_s + c.grad_sync_s, "bubble": pipe.bubble_s,
+                 "optimizer": c.optimizer_s}
     return Estimate(
         step_time_s=step, peak_memory_gib=peak, memory_capacity_gib=capacity, fits=fits,
-        mfu=plan.model.train_flops_per_step / (step * n * peak_flops) if step else 0.0,
+        mfu=plan.model.train_flops_per_step / (step * plan.num_devices * peak_flops) if step else 0.0,
         tokens_per_s=t.global_batch * t.seq_len / step if step else 0.0,
-        bubble_fraction=0.0,
-        breakdown={"compute": pred.compute_s, "comm": pred.comm_s, "bubble": 0.0,
-                   "optimizer": optimizer_s},
-        memory=pred.memory,
-        overflow="" if fits else f"needs {peak:.2f} GiB per device, capacity {capacity:.2f} GiB",
+        bubble_fraction=pipe.bubble_s / step if step else 0.0, breakdown=breakdown,
+        memory=costs[worst].memory,
+        overflow="" if fits else _overflow_text(worst, costs[worst].memory, capacity),
     )
+
+
+def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None) -> Plan:
+    """The plan with every stage's ``predicted`` and the top-level Estimate filled in."""
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    t = plan.training
+    on_host = min(plan.num_devices, hw.devices_per_node)
+    stages = tuple(replace(st, predicted=stage_costs(
+        st, graph, hw, dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
+        num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,
+        seq_len=t.seq_len, processes_on_host=on_host, runtime=runtime)) for st in plan.stages)
+    plan = replace(plan, stages=stages)
+    return replace(plan, predicted=estimate_plan(plan, graph, runtime=runtime, hw=hw))
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _overflow_text(stage: int, mem: MemoryBreakdown, capacity: float) -> str:
+    parts = {"params": mem.params_gib, "grads": mem.grads_gib, "optimizer": mem.optimizer_gib,
+             "activations": mem.activations_gib, "buffers": mem.buffers_gib}
+    top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return (f"stage {stage} needs {mem.total_gib:.1f} GiB per device, capacity {capacity:.1f} GiB "
+            f"(over by {mem.total_gib - capacity:.1f} GiB; {top} GiB)")
+
+
+def _bytes(graph: OpGraph, name: str, dbytes: int) -> float:
+    metas = graph.node(name).outputs if name in graph else \
+        tuple(m for n, m in graph.inputs if n == name)
+    return sum(mm.numel * (dbytes if mm.dtype.startswith(("float", "bfloat")) else
+                           mm.bytes / max(1, mm.numel)) for mm in metas)
+
+
+def _requires_grad(graph: OpGraph) -> set[str]:
+    out: set[str] = set()
+    trainable = {p.name for p in graph.params if p.trainable}
+    for n in graph.nodes:
+        if any(i in trainable or i in out for i in n.inputs) and n.kind != OpKind.CREATION:
+            if any(o.dtype.startswith(("float", "bfloat")) for o in n.outputs):
+                out.add(n.name)
+    return out
+
+
+def _param_layer(name: str, graph: OpGraph) -> int:
+    prefix = graph.block_module + "."
+    if graph.block_module and name.startswith(prefix):
+        head = name[len(prefix):].split(".", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return -1
+
+
+def _bucketed(coll, kind, nbytes, axis, bucket_bytes, *, latency_only: bool) -> float:
+    """Bandwidth part of a bucketed sync (latency added per bucket), or a whole collective."""
+    if not latency_only:
+        return coll(kind, nbytes, axis)
+    return coll(kind, nbytes, axis) - coll(kind, 1e-30, axis) if nbytes else 0.0
+
+
+def _bucket_latency(coll, hw, total_bytes, bucket_bytes, axis, zero) -> float:
+    kind = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
+    buckets = math.ceil(total_bytes / bucket_bytes)
+    return buckets * coll(kind, 1e-30, axis)
+
+
+def _attention_probs_bytes(graph: OpGraph, names, dbytes: int, split_of) -> float:
+    total = 0.0
+    for name in names:
+        node = graph.node(name)
+        if node.kind == OpKind.ATTENTION and node.out is not None and len(node.out.shape) >= 2:
+            q = node.out.shape
+            k_len = q[-2]
+            total += node.out.numel // q[-1] * k_len * dbytes / max(1, split_of(name))
+    return total

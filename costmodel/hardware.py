@@ -1,8 +1,16 @@
 """Hardware profiles: what one device computes and how fast the links between devices are.
 
-trace -> **cost** -> solve -> run. A profile is plain data (JSON, schema in
-docs/hardware.schema.json); presets ship in ``presets/`` with the source of every number
-beside it, and ``meshplan calibrate`` writes the same format from measurements.
+trace -> **cost** -> solve -> run. A profile is plain data (JSON). Its schema ships beside
+this module (``hardware.schema.json``, the same text as docs/hardware.schema.json) and every
+profile is validated against it on load. Presets ship in ``presets/`` with the source of
+every number beside it; ``meshplan calibrate`` writes the same format from measurements
+(costmodel/calibrate.py), with its fit residuals under ``fitted``.
+
+Fields the first presets lacked all have defaults, so older profiles still load:
+``device.host_cores`` (CPU processes of one host share these cores; 0 = dedicated devices),
+``device.framework_overhead_s`` (per-operator cost of the executing framework on top of the
+kernel, e.g. DTensor dispatch), ``LinkSpec.collectives`` (per-collective overrides of the
+link's bandwidth and latency) and ``measured_ops`` (operator signature -> measured time).
 """
 
 from __future__ import annotations
@@ -12,6 +20,9 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 
 from meshplan.errors import MeshError
+
+COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+                    "send_recv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +49,8 @@ class DeviceSpec:
     matmul_efficiency: EfficiencyCurve
     memory_efficiency: EfficiencyCurve
     kernel_latency_s: float  # fixed cost per launched operator
+    host_cores: int = 0  # CPU processes share this many cores; 0: every device is its own
+    framework_overhead_s: float = 0.0  # per-operator cost of the executing framework
 
     def peak_flops(self, dtype: str) -> float:
         if dtype in self.peak_tflops:
@@ -47,11 +60,23 @@ class DeviceSpec:
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
-    """One link level. ``bandwidth_gbps``: GB/s per device per direction (bus bandwidth)."""
+    """One link level. ``bandwidth_gbps``: GB/s per device per direction (bus bandwidth).
+
+    ``collectives`` optionally overrides bandwidth and latency per collective kind, e.g.
+    ``{"all_reduce": {"bandwidth_gbps": 230.0, "latency_s": 2e-05}}`` (a calibration fits
+    each collective separately).
+    """
 
     name: str
     bandwidth_gbps: float
     latency_s: float
+    collectives: dict = field(default_factory=dict)
+
+    def for_collective(self, kind: str) -> tuple[float, float]:
+        """(bandwidth GB/s, latency s) of this link for one collective kind."""
+        over = self.collectives.get(str(kind), {})
+        return (float(over.get("bandwidth_gbps", self.bandwidth_gbps)),
+                float(over.get("latency_s", self.latency_s)))
 
 
 @dataclass(frozen=True)
@@ -64,28 +89,54 @@ class HardwareProfile:
     sources: dict = field(default_factory=dict)  # field path -> where the number comes from
     description: str = ""
     fitted: dict = field(default_factory=dict)  # calibration residuals, when measured
+    measured_ops: dict = field(default_factory=dict)  # op signature -> [forward_s, backward_s]
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HardwareProfile":
-        try:
-            dev = dict(d["device"])
-            dev["matmul_efficiency"] = EfficiencyCurve(**dev["matmul_efficiency"])
-            dev["memory_efficiency"] = EfficiencyCurve(**dev["memory_efficiency"])
-            return cls(
-                name=d["name"], device=DeviceSpec(**dev),
-                intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
-                devices_per_node=int(d["devices_per_node"]), sources=dict(d.get("sources", {})),
-                description=d.get("description", ""), fitted=dict(d.get("fitted", {})),
-            )
-        except (KeyError, TypeError) as exc:
-            raise MeshError(f"hardware profile is malformed: {exc!r}; see "
-                            "docs/hardware.schema.json for the fields") from exc
+    def from_dict(cls, d: dict, *, origin: str = "hardware profile") -> "HardwareProfile":
+        problems = validate_profile(d)
+        if problems:
+            raise MeshError(f"{origin} does not match docs/hardware.schema.json: {problems[0]}"
+                            + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                            + "; fix the field or re-run `meshplan calibrate`")
+        dev = dict(d["device"])
+        dev["matmul_efficiency"] = EfficiencyCurve(**dev["matmul_efficiency"])
+        dev["memory_efficiency"] = EfficiencyCurve(**dev["memory_efficiency"])
+        return cls(
+            name=d["name"], device=DeviceSpec(**dev),
+            intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
+            devices_per_node=int(d["devices_per_node"]), sources=dict(d.get("sources", {})),
+            description=d.get("description", ""), fitted=dict(d.get("fitted", {})),
+            measured_ops=dict(d.get("measured_ops", {})),
+        )
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+
+def hardware_schema() -> dict:
+    text = resources.files("meshplan.costmodel").joinpath("hardware.schema.json").read_text()
+    return json.loads(text)
+
+
+def validate_profile(d) -> list[str]:
+    """Problems of a profile dict against the schema (empty when it is valid)."""
+    from meshplan.plan import validate_schema
+
+    if not isinstance(d, dict):
+        return [f"a profile is a JSON object, got {type(d).__name__}"]
+    problems = validate_schema(d, hardware_schema())
+    if not problems:
+        dev = d["device"]
+        for key in ("matmul_efficiency", "memory_efficiency"):
+            if not 0 < dev[key]["max_eff"] <= 1:
+                problems.append(f"$.device.{key}.max_eff is {dev[key]['max_eff']}; it is a "
+                                "fraction of peak in (0, 1]")
+        if not dev["peak_tflops"]:
+            problems.append("$.device.peak_tflops is empty; give at least float32")
+    return problems
 
 
 def preset_names() -> tuple[str, ...]:
@@ -98,4 +149,17 @@ def load_preset(name: str) -> HardwareProfile:
         raise MeshError(f"unknown hardware preset {name!r}; valid presets: "
                         f"{', '.join(preset_names())}")
     text = resources.files("meshplan.costmodel").joinpath("presets", f"{name}.json").read_text()
-    return HardwareProfile.from_dict(json.loads(text))
+    return HardwareProfile.from_dict(json.loads(text), origin=f"preset {name}")
+
+
+def load_profile(path) -> HardwareProfile:
+    """A profile JSON file (e.g. written by ``meshplan calibrate -o``)."""
+    from pathlib import Path
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise MeshError(f"hardware profile {path} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise MeshError(f"hardware profile {path} is not valid JSON: {exc}") from None
+    return HardwareProfile.from_dict(data, origin=str(path))

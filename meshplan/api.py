@@ -60,26 +60,36 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Ten
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None) -> Plan:
-    """A Megatron-style plan written by hand (dp x tp x pp devices)."""
+    """A Megatron-style plan written by hand (dp x tp x pp devices), estimated.
+
+    Never raises for memory: a plan that does not fit has ``predicted.fits == False`` and
+    ``predicted.overflow`` says what overflows. Pass ``graph`` to reuse a trace.
+    """
+    from meshplan.manual import build_manual_plan
+
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
-    if (tp, pp, zero, sequence_parallel, recompute) == (1, 1, 0, False, "none") \
-            and dp == mesh.num_devices:
-        if graph is None:
-            graph = trace(model, example_inputs, loss_fn=loss_fn,
-                          model_name=model_name or type(model).__name__)
-        return plan_data_parallel(graph, mesh, dtype=dtype, optimizer=optimizer)
-    raise NotSupportedError(
-        f"manual_plan(dp={dp}, tp={tp}, pp={pp}, zero={zero}, sequence_parallel="
-        f"{sequence_parallel}, recompute={recompute!r}) needs the full cost model and the "
-        "Megatron-style plan builder, which are not built yet; only pure data parallelism "
-        f"(dp={mesh.num_devices}) works today")
+    if graph is None:
+        graph = trace(model, example_inputs, loss_fn=loss_fn,
+                      model_name=model_name or type(model).__name__)
+    return build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
+                             schedule=schedule, virtual_stages=virtual_stages,
+                             recompute=recompute, sequence_parallel=sequence_parallel,
+                             zero=zero, dtype=dtype, optimizer=optimizer)
 
 
-def estimate(plan: Plan, graph: OpGraph | None = None) -> Estimate:
-    """Predicted step time and memory of ``plan`` (made by autoparallel or manual_plan)."""
+def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None) -> Estimate:
+    """Predicted step time and memory of ``plan`` (made by autoparallel or manual_plan).
+
+    The graph is ``plan.graph`` or the one passed (a plan read from a file carries none:
+    re-trace the model with meshplan.trace and pass it; the fingerprints must agree).
+    ``hardware`` (a HardwareProfile) re-prices the plan on other hardware; by default the
+    profile recorded in the plan prices it. Never raises for memory (``fits`` says).
+    """
     graph = graph if graph is not None else plan.graph
     if graph is None:
         raise NotSupportedError("estimating a plan loaded from a file needs its model: pass "
-                                "graph=meshplan.trace(model, inputs)")
-    return estimate_plan(plan, graph)
+                                "graph=meshplan.trace(model, inputs) (or `meshplan estimate "
+                                "plan.json --model SPEC`)")
+    plan.check_model(graph.fingerprint)
+    return estimate_plan(plan, graph, hw=hardware)

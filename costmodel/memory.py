@@ -1,0 +1,238 @@
+"""Memory per device: model state (params, grads, optimizer), activations, buffers.
+
+trace -> **cost** -> solve -> run. Pure functions of sizes; estimate.py applies them to a
+plan's stages and the pipeline planner calls them for its stage candidates.
+
+Model state, bytes per parameter on the device that keeps it (Megatron-LM
+distributed-optimizer docs, table "bytes per parameter"; ZeRO, Rajbhandari et al. 2020,
+section 3.1):
+
+================= ======= ============== =====================================
+dtype             weights gradients      optimizer (adam / sgd)
+================= ======= ============== =====================================
+fp32              4       4              8 moments / 4 momentum
+bf16, fp16        2       4 (fp32 main)  4 master + 8 moments / 4 master + 4 mom.
+================= ======= ============== =====================================
+
+so 16 bytes per parameter for fp32 Adam and 18 for mixed-precision Adam (Megatron's table).
+ZeRO over the data-parallel group of size d: stage 1 divides the optimizer column by d,
+stage 2 also the gradients, stage 3 also the weights (ZeRO paper, figure 1); ZeRO-3 then
+keeps gathered weights of the layers in flight (``zero3_buffer_bytes``).
+
+Activations: a tensor is kept for backward when an operator's backward needs it
+(``saved_inputs``): a matmul keeps its activation inputs, a norm its input, a softmax its
+output, an elementwise op its inputs unless it is linear (add, sub, neg), a loss its
+logits; views keep nothing and alias their base, so each base tensor counts once. Under
+recompute "full" a layer keeps only its input (Megatron's checkpointing of each layer's
+input), and the layer being back-propagated holds its full set once; "selective" drops the
+tensors of seq x seq size (Korthikanti et al. 2022, section 5: recompute the attention
+core only).
+
+Pipeline schedules keep activations of several microbatches at once (``inflight_microbatches``):
+GPipe all m; 1F1B p - stage on stage ``stage`` (Narayanan et al. 2021, section 2.2.1);
+interleaved 1F1B the same amplified by 1 + (p-1)/(p v) (Korthikanti et al. 2022, section 4.2.3).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from meshplan.planner.graph import OpGraph, OpKind, OpNode
+
+GIB = 2.0 ** 30
+ADAM_MOMENT_BYTES = 8  # two fp32 moments (Kingma & Ba 2015)
+SGD_MOMENTUM_BYTES = 4  # one fp32 momentum buffer
+MASTER_BYTES = 4  # fp32 master weights under mixed precision (Micikevicius et al. 2018)
+GRAD_BYTES = 4  # fp32 gradients / Megatron's fp32 main_grad under mixed precision
+
+_LINEAR_ELEMENTWISE = re.compile(r"aten\.(add|sub|neg|clone|fill|copy|zeros_like|ones_like|"
+                                 r"eq|ne|lt|le|gt|ge|__and__|__or__|logical_\w+|where|masked_fill)\.")
+# views whose output aliases their input's storage (a saved view costs nothing extra)
+_ALIASING = re.compile(r"aten\.(view|_unsafe_view|reshape|transpose|t|permute|split|"
+                       r"split_with_sizes|chunk|slice|select|expand|unsqueeze|squeeze|flatten|"
+                       r"unflatten|alias|detach|narrow|unbind|movedim)\.|getitem")
+
+
+@dataclass(frozen=True, slots=True)
+class StateBytes:
+    """Bytes per parameter of each model-state column, before ZeRO sharding."""
+
+    weights: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def state_bytes_per_param(dtype: str, optimizer: str) -> StateBytes:
+    moments = ADAM_MOMENT_BYTES if optimizer == "adam" else SGD_MOMENTUM_BYTES
+    if dtype == "fp32":
+        return StateBytes(weights=4, grads=GRAD_BYTES, optimizer=moments)
+    return StateBytes(weights=2, grads=GRAD_BYTES, optimizer=MASTER_BYTES + moments)
+
+
+def model_state_bytes(numel: float, *, dtype: str, optimizer: str, zero: int,
+                      dp: int) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes on one device for ``numel`` local parameters
+    (already divided by tensor/pipeline sharding), under ZeRO stage ``zero`` over ``dp``."""
+    b = state_bytes_per_param(dtype, optimizer)
+    d = max(1, dp)
+    weights = numel * b.weights / (d if zero >= 3 else 1)
+    grads = numel * b.grads / (d if zero >= 2 else 1)
+    opt = numel * b.optimizer / (d if zero >= 1 else 1)
+    return weights, grads, opt
+
+
+def zero3_buffer_bytes(largest_layer_numel: float, *, dtype: str, prefetch: int = 2) -> float:
+    """Gathered full weights of the layers in flight under ZeRO-3: the layer computing and
+    the one prefetched (torch FSDP's default backward prefetch keeps one layer ahead)."""
+    return prefetch * largest_layer_numel * (4 if dtype == "fp32" else 2)
+
+
+def grad_sync_buffer_bytes(bucket_bytes: float, local_grad_bytes: float) -> float:
+    """Collective buffer of the gradient sync: one bucket (DDP) or the whole flat buffer."""
+    return min(bucket_bytes, local_grad_bytes) if bucket_bytes > 0 else 0.0
+
+
+# -- activations ----------------------------------------------------------------------------
+
+def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
+    """Names of the tensors (producers) this operator's backward reads."""
+    acts = tuple(i for i in node.inputs if i not in graph.param_map)
+    kind = node.kind
+    if kind in (OpKind.VIEW, OpKind.CREATION):
+        return ()
+    if kind == OpKind.SOFTMAX:
+        return (node.name,)
+    if kind == OpKind.ATTENTION:
+        return acts[:3] + (node.name,)  # q, k, v and the output (flash keeps logsumexp too)
+    if kind == OpKind.REDUCTION and re.search(r"aten\.(sum|mean)\.", node.target):
+        return ()
+    if kind == OpKind.ELEMENTWISE and _LINEAR_ELEMENTWISE.search(node.target):
+        return ()
+    if kind == OpKind.ELEMENTWISE and "dropout" in node.target:
+        return (node.name,)  # the mask, counted at the output's size
+    return acts
+
+
+def alias_root(name: str, graph: OpGraph) -> str:
+    """The tensor whose storage ``name`` shares (through aliasing views)."""
+    seen = 0
+    while name in graph and seen < 64:
+        node = graph.node(name)
+        if not _ALIASING.search(node.target) or not node.inputs:
+            break
+        name = node.inputs[0]
+        seen += 1
+    return name
+
+
+def tensor_bytes(name: str, graph: OpGraph, dtype_bytes: int, inputs: dict) -> float:
+    """Bytes of a tensor in the compute dtype (float tensors) or its own dtype."""
+    if name in graph:
+        metas = graph.node(name).outputs
+    elif name in inputs:
+        metas = (inputs[name],)
+    else:
+        return 0.0
+    total = 0.0
+    for m in metas:
+        per = dtype_bytes if m.dtype in ("float32", "float16", "bfloat16") else \
+            (1 if m.dtype == "bool" else 8 if m.dtype == "int64" else 4)
+        total += m.numel * per
+    return total
+
+
+def is_seq_squared(name: str, graph: OpGraph, seq_len: int) -> bool:
+    if name not in graph or seq_len <= 1:
+        return False
+    out = graph.node(name).out
+    return out is not None and len(out.shape) >= 2 and out.shape[-1] == seq_len \
+        and out.shape[-2] == seq_len
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationProfile:
+    """Activation bytes of one microbatch on one device, by layer.
+
+    ``kept[layer]``: bytes kept for backward by that layer under no recompute;
+    ``kept_selective[layer]``: without seq x seq tensors; ``boundary[layer]``: the layer's
+    input (what full recompute keeps); layer -1 is everything outside the blocks.
+    """
+
+    kept: dict
+    kept_selective: dict
+    boundary: dict
+
+    def stage_bytes(self, recompute: str) -> tuple[float, float]:
+        """(bytes kept per in-flight microbatch, extra working set of one layer's backward)."""
+        if recompute == "full":
+            kept = sum(v for i, v in self.boundary.items() if i >= 0) + self.kept.get(-1, 0.0)
+            working = max((v for i, v in self.kept.items() if i >= 0), default=0.0)
+            return kept, working
+        table = self.kept_selective if recompute == "selective" else self.kept
+        return sum(table.values()), 0.0
+
+
+def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq_len: int,
+                       micro_fraction: float, attention_extra_per_node: float = 0.0) -> ActivationProfile:
+    """Saved-for-backward bytes per layer for the operators ``nodes`` (names).
+
+    ``split_of(name)`` gives how many devices split that tensor; ``micro_fraction`` scales
+    the traced global batch to one microbatch; ``attention_extra_per_node`` adds tensors an
+    attention kernel keeps beyond its inputs (e.g. the probabilities of math attention).
+    """
+    inputs = dict(graph.inputs)
+    kept: dict[int, float] = {}
+    selective: dict[int, float] = {}
+    boundary: dict[int, float] = {}
+    seen: set[str] = set()
+    members = set(nodes)
+    for name in nodes:
+        node = graph.node(name)
+        layer = node.layer
+        for t in saved_inputs(node, graph):
+            root = alias_root(t, graph)
+            if root in seen:
+                continue
+            seen.add(root)
+            b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
+            kept[layer] = kept.get(layer, 0.0) + b
+            if not is_seq_squared(root, graph, seq_len):
+                selective[layer] = selective.get(layer, 0.0) + b
+        if node.kind == OpKind.ATTENTION and attention_extra_per_node:
+            kept[layer] = kept.get(layer, 0.0) + attention_extra_per_node
+        if layer >= 0:
+            for t in node.inputs:
+                root = alias_root(t, graph)
+                if root in graph and graph.node(root).layer != layer and root in members \
+                        and graph.node(root).kind != OpKind.CREATION \
+                        and ("b", layer, root) not in seen:
+                    seen.add(("b", layer, root))
+                    boundary[layer] = boundary.get(layer, 0.0) + tensor_bytes(
+                        root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
+    return ActivationProfile(kept, selective, boundary)
+
+
+def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatches: int,
+                          virtual_stages: int = 1) -> float:
+    """Microbatches whose activations stage ``stage`` holds at its peak (see module doc)."""
+    m, p = microbatches, num_stages
+    if schedule == "gpipe" or p == 1:
+        return float(m) if p > 1 else 1.0
+    base = min(p - stage, m)
+    if schedule == "interleaved-1f1b" and virtual_stages > 1:
+        return min(float(m), base * (1 + (p - 1) / (p * virtual_stages)))
+    return float(base)
+
+
+def activation_memory(per_microbatch_bytes: float, working_bytes: float, *, schedule: str,
+                      stage: int, num_stages: int, microbatches: int,
+                      virtual_stages: int = 1) -> float:
+    """Peak activation bytes of a stage: in-flight microbatches x kept bytes, plus the
+    working set of one layer's recomputed backward."""
+    return per_microbatch_bytes * inflight_microbatches(
+        schedule, stage, num_stages, microbatches, virtual_stages) + working_bytes

@@ -1,0 +1,358 @@
+"""Megatron-style plans written by hand: dp x tp x pp, microbatches, schedule, recompute,
+sequence parallelism and ZeRO, as the same ``Plan`` the solver writes.
+
+trace -> cost -> solve (here: a rule, not a search) -> **assemble** -> run. Behind
+``meshplan.manual_plan``. Devices are numbered row-major over (pp, dp, tp): tp innermost
+(inside a node), then dp, pp outermost; stage s owns devices [s*dp*tp, (s+1)*dp*tp) as a
+(dp, tp) mesh with axes ("dp", "tp"), both kept even at size 1.
+
+Placements come from propagating two rules through the graph in order (Shoeybi et al.
+2019, Megatron-LM section 3; Korthikanti et al. 2022 for sequence parallelism):
+- the batch dim is S(0) on dp for everything computed from the inputs; scalars become P;
+- on tp, a matmul with a weight that reads a tp-replicated activation is column-parallel
+  (weight split on its output-feature dim, output S(last)); one that reads a tp-sharded
+  activation is row-parallel (weight split on its input-feature dim, output P). So in a
+  block the matmuls fed by a norm are column-parallel and the ones fed by attention or the
+  activation function are row-parallel, whatever the modules are called. The role comes
+  from the graph, the weight dim from the operator: Conv1D's addmm weight is (in, out),
+  nn.Linear's weight (out, in);
+- the token embedding and the output head are vocab-parallel (weight S(0) on tp; the
+  embedding's output is P and all-reduced, the loss reads S(-1) logits as DTensor's
+  loss_parallel does); the position embedding is replicated;
+- P is resolved at its first non-view consumer: all-reduce to R, or, with sequence
+  parallelism, reduce-scatter to S(seq) (the norms, dropouts and residual adds then run
+  sequence-split, and the next column-parallel matmul all-gathers);
+- views, elementwise ops and attention carry a split dim through (views by shape).
+ZeRO-3 stores each weight S(d) on dp (the first dim dp divides) and ops read it R.
+"""
+
+from __future__ import annotations
+
+import ast
+import time
+from dataclasses import replace
+
+from meshplan.costmodel.estimate import estimate_plan, with_stage_predictions
+from meshplan.errors import MeshError, PlanningError
+from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
+from meshplan.planner.graph import OpGraph, OpKind, OpNode
+from meshplan.plan import RECOMPUTE, SCHEDULES, Estimate, OpPlacement, Plan, SolverInfo, Stage
+
+NAME = "manual"
+R = "R"
+
+
+def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int = 1,
+                      microbatch_size: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
+                      recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
+                      dtype: str = "fp32", optimizer: str = "adam") -> Plan:
+    start = time.perf_counter()
+    _check(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
+           schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
+    training = training_config(graph, dtype=dtype, optimizer=optimizer, schedule=schedule,
+                               virtual_stages=virtual_stages if schedule == "interleaved-1f1b" else 1,
+                               sequence_parallel=bool(sequence_parallel and tp > 1),
+                               microbatch_size=microbatch_size,
+                               microbatches=graph.inputs[0][1].shape[0] // (dp * microbatch_size))
+    groups = stage_node_groups(graph, pp)
+    per_stage = dp * tp
+    bounds = layer_bounds(graph.num_layers, pp)
+    prop = _Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
+                       seq_len=training.seq_len, zero=zero)
+    stages = []
+    for s, names in enumerate(groups):
+        ops = {n: prop.visit(graph.node(n)) for n in names}
+        params = {p: prop.storage(p) for p in _stage_params(graph, names)}
+        inputs = {name: ("S(0)", R) for name, _ in graph.inputs}
+        stages.append(Stage(index=s, devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
+                            mesh_shape=(dp, tp), axis_names=("dp", "tp"), layers=bounds[s],
+                            nodes=(names[0], names[-1]), recompute=recompute, zero=zero,
+                            inputs=inputs, params=params, ops=ops))
+    placeholder = Estimate(step_time_s=0.0, peak_memory_gib=0.0, memory_capacity_gib=0.0,
+                           fits=True, mfu=0.0, tokens_per_s=0.0)
+    solver = SolverInfo(name=NAME, status="given (manual plan)")
+    plan = Plan(model=model_info(graph), mesh=mesh_info(mesh), training=training,
+                stages=tuple(stages), predicted=placeholder, solver=solver, graph=graph)
+    plan = with_stage_predictions(plan, graph)
+    solver = replace(solver, objective_s=plan.predicted.step_time_s)
+    return replace(plan, solver=solver, wall_time_s=time.perf_counter() - start)
+
+
+def _check(graph, mesh, *, dp, tp, pp, microbatch_size, schedule, virtual_stages, recompute, zero):
+    for key, value in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatch_size", microbatch_size),
+                       ("virtual_stages", virtual_stages)):
+        if int(value) < 1:
+            raise PlanningError(f"{key}={value} must be at least 1")
+    if dp * tp * pp != mesh.num_devices:
+        raise MeshError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} devices, but mesh "
+                        f"{mesh.name or mesh.shape} has {mesh.num_devices}; choose degrees whose "
+                        "product is the mesh size")
+    if schedule not in SCHEDULES:
+        raise PlanningError(f"schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if recompute not in RECOMPUTE:
+        raise PlanningError(f"recompute={recompute!r}; choose one of {', '.join(RECOMPUTE)}")
+    if zero not in (0, 1, 2, 3):
+        raise PlanningError(f"zero={zero}; ZeRO stages are 0, 1, 2, 3")
+    if virtual_stages > 1 and schedule != "interleaved-1f1b":
+        raise PlanningError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b'")
+    if pp > max(1, graph.num_layers):
+        raise PlanningError(f"pp={pp} exceeds the {graph.num_layers} blocks of the model; "
+                            f"choose pp <= {graph.num_layers}")
+    if schedule == "interleaved-1f1b" and graph.num_layers % (pp * virtual_stages):
+        raise PlanningError(f"interleaved 1F1B needs the {graph.num_layers} blocks to divide into "
+                            f"pp*virtual_stages = {pp * virtual_stages} chunks")
+    batch = graph.inputs[0][1].shape[0]
+    check_batch_divides(batch, dp * microbatch_size, "dp x microbatch_size")
+    heads = attention_heads(graph)
+    if tp > 1 and heads and heads % tp:
+        ok = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise PlanningError(f"tp={tp} must divide the number of attention heads {heads}; "
+                            f"choose tp in {ok}")
+
+
+def attention_heads(graph: OpGraph) -> int:
+    for n in graph.nodes:
+        if n.kind == OpKind.ATTENTION and n.out is not None and len(n.out.shape) == 4:
+            return n.out.shape[1]
+    return 0
+
+
+def layer_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal block ranges; earlier stages get the extra blocks."""
+    base, extra = divmod(num_layers, pp)
+    out, first = [], 0
+    for s in range(pp):
+        last = first + base + (1 if s < extra else 0)
+        out.append((first, last))
+        first = last
+    return out
+
+
+def stage_node_groups(graph: OpGraph, pp: int) -> list[list[str]]:
+    """Nodes of each stage in graph order: a block's ops go to the stage owning the block;
+    ops outside blocks go to the stage of the last block seen (stage 0 before any)."""
+    owner = {}
+    for s, (a, b) in enumerate(layer_bounds(graph.num_layers, pp)):
+        for layer in range(a, b):
+            owner[layer] = s
+    groups: list[list[str]] = [[] for _ in range(pp)]
+    current = 0
+    for n in graph.nodes:
+        if n.layer >= 0:
+            current = max(current, owner.get(n.layer, current))
+        groups[current].append(n.name)
+    if any(not g for g in groups):
+        raise PlanningError(f"pp={pp}: a stage got no operators (the model's blocks were not "
+                            "found by the tracer); choose a smaller pp")
+    return groups
+
+
+def token_embedding_weights(graph: OpGraph, tp: int) -> set[str]:
+    """Weights of embeddings indexed by the token ids (a graph input), and their ties, when
+    tp divides the vocabulary: these are vocab-parallel."""
+    from_ids = {name for name, _ in graph.inputs}
+    out = set()
+    for n in graph.nodes:
+        acts = [i for i in n.inputs if i not in graph.param_map]
+        if n.kind == OpKind.VIEW and acts and acts[0] in from_ids:
+            from_ids.add(n.name)
+        if n.kind == OpKind.EMBEDDING and any(i in from_ids for i in acts):
+            out.update(p for p in n.params if tp > 1 and graph.param_map[p].shape[0] % tp == 0)
+    names = {graph.param_map[p].tied_to or p for p in out}
+    return out | names | {p.name for p in graph.params if p.tied_to in names}
+
+
+def _stage_params(graph: OpGraph, names) -> list[str]:
+    """Parameters the stage's operators read, with every name tied to them (the runtime
+    looks each name of the module up)."""
+    seen: dict[str, None] = {}
+    for n in names:
+        for p in graph.node(n).params:
+            seen.setdefault(p, None)
+    roots = {graph.param_map[p].tied_to or p for p in seen}
+    for p in graph.params:
+        if p.name in roots or p.tied_to in roots:
+            seen.setdefault(p.name, None)
+    return list(seen)
+
+
+# -- placement propagation ------------------------------------------------------------------
+
+def _args(node: OpNode) -> list:
+    try:
+        return list(ast.literal_eval(node.args_repr)[0])
+    except (ValueError, SyntaxError, IndexError):
+        return []
+
+
+def _norm_dim(d, rank: int) -> int:
+    return d + rank if isinstance(d, int) and d < 0 else d
+
+
+def map_view_dim(node: OpNode, in_shape: tuple[int, ...], d: int) -> int | None:
+    """The output dim carrying input dim ``d`` through a view-class op, or None."""
+    out = node.out.shape if node.out is not None else ()
+    target = node.target
+    args = _args(node)
+    rank_in, rank_out = len(in_shape), len(out)
+    if any(k in target for k in ("alias", "detach", "contiguous", "clone", "_to_copy", "aten.to.",
+                                 "getitem", "split", "chunk", "cat", "stack")):
+        return d if d < rank_out else None
+    if "transpose" in target and len(args) >= 3:
+        a, b = _norm_dim(args[1], rank_in), _norm_dim(args[2], rank_in)
+        return b if d == a else a if d == b else d
+    if "aten.t." in target:
+        return 1 - d if rank_in == 2 else d
+    if "permute" in target and len(args) >= 2:
+        dims = [_norm_dim(x, rank_in) for x in args[1]]
+        return dims.index(d) if d in dims else None
+    if "expand" in target:
+        return d + rank_out - rank_in
+    if "slice" in target or "narrow" in target:
+        return d if rank_in == rank_out and out[d] == in_shape[d] else None
+    if "select" in target and len(args) >= 2:
+        dim = _norm_dim(args[1], rank_in)
+        return None if dim == d else (d if d < dim else d - 1)
+    # view / reshape / unsqueeze / squeeze / flatten: match the prefix product
+    prefix = 1
+    for s in in_shape[:d]:
+        prefix *= s
+    acc = 1
+    for e, s in enumerate(out):
+        if acc == prefix and s > 1 and (s % in_shape[d] == 0 or in_shape[d] % s == 0):
+            return e
+        acc *= s
+        if acc > prefix:
+            break
+    return None
+
+
+class _Propagator:
+    def __init__(self, graph: OpGraph, *, dp: int, tp: int, sp: bool, seq_len: int, zero: int):
+        self.g, self.dp, self.tp, self.sp, self.seq, self.zero = graph, dp, tp, sp, seq_len, zero
+        self.state: dict[str, tuple[str, str]] = {n: ("S(0)", R) for n, _ in graph.inputs}
+        self.consumed: dict[str, tuple[str, str]] = {}  # parameter -> placement ops read
+        self.vocab = token_embedding_weights(graph, tp)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        if name in self.g:
+            out = self.g.node(name).out
+            return out.shape if out is not None else ()
+        return next((m.shape for n, m in self.g.inputs if n == name), ())
+
+    def storage(self, param: str) -> tuple[str, str]:
+        use = self.consumed.get(param, (R, R))
+        tp_pl = "R" if use[1] == "P" else use[1]
+        dp_pl = R
+        if self.zero >= 3 and self.dp > 1:
+            shape = self.g.param_map[param].shape
+            taken = int(tp_pl[2:-1]) if tp_pl.startswith("S") else -1
+            for d, s in enumerate(shape):
+                if d != taken and s % self.dp == 0:
+                    dp_pl = f"S({d})"
+                    break
+        return (dp_pl, tp_pl)
+
+    def visit(self, node: OpNode) -> OpPlacement:
+        g = self.g
+        ins = [self.state.get(i, (R, R)) if i not in g.param_map else (R, R) for i in node.inputs]
+        is_param = [i in g.param_map for i in node.inputs]
+        out_rank = len(node.out.shape) if node.out is not None else 0
+        acts = [k for k, p in enumerate(is_param) if not p and node.inputs[k] in self.state]
+        # dp axis: batch-split ops stay batch-split; scalars of a split batch are partial
+        dp_split = any(ins[k][0] != R for k in acts) and node.kind != OpKind.CREATION
+        dp_out = (("P" if out_rank == 0 else "S(0)") if dp_split else R)
+        consumed = [list(p) for p in ins]
+        tp_out = R
+        if self.tp > 1 and node.kind != OpKind.CREATION:
+            tp_out = self._tp_rule(node, ins, is_param, consumed, acts)
+        for k, p in enumerate(is_param):
+            if p:
+                self.consumed.setdefault(node.inputs[k], (R, consumed[k][1] if consumed[k][1] != "P" else "P"))
+        self.state[node.name] = (dp_out, tp_out)
+        return OpPlacement(inputs=tuple(tuple(c) for c in consumed), output=(dp_out, tp_out))
+
+    def _resolve_partial(self, k: int, node_in: str, consumed) -> str:
+        shape = self._shape(node_in)
+        if self.sp and len(shape) >= 2 and self.seq in shape[:2]:
+            d = list(shape).index(self.seq)
+            consumed[k][1] = f"S({d})"
+            return f"S({d})"
+        consumed[k][1] = R
+        return R
+
+    def _tp_rule(self, node: OpNode, ins, is_param, consumed, acts) -> str:
+        kind = node.kind
+        names = node.inputs
+        if kind == OpKind.VIEW:
+            if not acts:
+                return R
+            src = ins[acts[0]][1]
+            if src == "P":
+                return "P"
+            if src.startswith("S"):
+                d = map_view_dim(node, self._shape(names[acts[0]]), int(src[2:-1]))
+                if d is None:
+                    consumed[acts[0]][1] = R  # gather before an unmappable view
+                    return R
+                return f"S({d})"
+            return R
+        # partial inputs are reduced at their first non-view consumer
+        for k in acts:
+            if ins[k][1] == "P":
+                ins[k] = (ins[k][0], self._resolve_partial(k, names[k], consumed))
+        weights = [k for k, p in enumerate(is_param) if p and len(self.g.param_map[names[k]].shape) >= 2]
+        if kind == OpKind.EMBEDDING and weights:
+            w = names[weights[0]]
+            if w in self.vocab:
+                consumed[weights[0]][1] = "S(0)"
+                return "P"
+            return R
+        if kind == OpKind.MATMUL and weights:
+            return self._matmul(node, ins, is_param, consumed, acts, weights[0])
+        split = [(k, ins[k][1]) for k in acts if ins[k][1].startswith("S")]
+        if not split:
+            return R
+        k0, pl = split[0]
+        d = int(pl[2:-1]) + (len(node.out.shape) - len(self._shape(names[k0])) if node.out else 0)
+        out_rank = len(node.out.shape) if node.out is not None else 0
+        if kind == OpKind.LOSS:
+            return "P"
+        if kind == OpKind.NORM and d == out_rank - 1:
+            for k, _ in split:
+                consumed[k][1] = R
+            return R
+        if kind == OpKind.REDUCTION and out_rank < len(self._shape(names[k0])):
+            return "P" if out_rank == 0 else pl
+        # replicated full-size activations are sliced to match (R -> S is local)
+        for k in acts:
+            if ins[k][1] == R and self._shape(names[k]) == node.out.shape:
+                consumed[k][1] = f"S({d})"
+        for k, p in enumerate(is_param):
+            if p and self.g.param_map[names[k]].shape and node.out is not None \
+                    and len(self.g.param_map[names[k]].shape) == out_rank - d and d >= 0:
+                consumed[k][1] = "S(0)"
+        return f"S({d})" if 0 <= d < out_rank else R
+
+    def _matmul(self, node, ins, is_param, consumed, acts, wk) -> str:
+        w = self.g.param_map[node.inputs[wk]]
+        out_dim_of_weight = 0 if "linear" in node.target else 1  # nn.Linear (out, in); Conv1D (in, out)
+        act = acts[0] if acts else None
+        act_pl = ins[act][1] if act is not None else R
+        out_rank = len(node.out.shape)
+        bias = [k for k, p in enumerate(is_param) if p and len(self.g.param_map[node.inputs[k]].shape) == 1]
+        if act_pl.startswith("S") and int(act_pl[2:-1]) == len(self._shape(node.inputs[act])) - 1:
+            consumed[wk][1] = f"S({1 - out_dim_of_weight})"  # row-parallel
+            for k in bias:
+                consumed[k][1] = "P"
+            return "P"
+        if node.out.shape[-1] % self.tp or w.shape[out_dim_of_weight] % self.tp:
+            if act is not None:
+                consumed[act][1] = R
+            return R
+        if act is not None:
+            consumed[act][1] = R  # column-parallel reads the full activation
+        consumed[wk][1] = f"S({out_dim_of_weight})"
+        for k in bias:
+            consumed[k][1] = "S(0)"
+        return f"S({out_rank - 1})"
