@@ -5,34 +5,34 @@ trace -> cost -> solve (planner/intra per stage, **planner/inter** across stages
 
 The program (Alpa's inter-operator pass, Zheng et al. OSDI'22 section 5, extended). The model
 is ``K`` units (planner/clusters). The mesh's ``N`` devices form ``p`` equal device groups
-(contiguous ranges, realisable as DeviceMesh slices: a group is a power-of-two slice of one
-node or whole nodes). A pipeline is a cut of the units into ``S = p * v`` contiguous stages,
-stage ``i`` on group ``i mod p`` (``v`` > 1 only for the interleaved schedule). Every stage
+(contiguous ranges, realisable as DeviceMesh slices: a power-of-two slice of one node or
+whole nodes, Alpa's submesh rule). A pipeline cuts the units into ``p`` contiguous stages,
+stage ``s`` on group ``s`` (as meshplan/manual.py writes Megatron plans; the interleaved
+schedule keeps ``p`` stage records and ``v`` enters the schedule's formulas). Every stage
 picks an option ``o`` = (logical mesh (dp, tp) of its group, recompute, ZeRO stage); the
 stage-cost function gives, per microbatch of ``G / B`` sequences, its time ``t`` (forward +
-backward + recompute + its send/recv to the next stage), its once-per-step time ``u``
-(gradient sync, optimizer) and its memory: weights ``w``, activations ``a`` held per
-in-flight microbatch and a transient peak ``r``. With ``m_g`` microbatches in flight on group
-``g`` (schedule dependent, ``in_flight``) the step time and memory rule are
+backward + recompute + exposed communication), its once-per-step tail ``u`` (gradient sync,
+optimizer) and its memory: weights ``w``, activations ``a`` kept per in-flight microbatch and
+a working peak ``r``. With ``m_s`` microbatches in flight on stage ``s``
+(costmodel.memory.inflight_microbatches) the step time (costmodel.pipeline) and memory rule are
 
-    T = B * max_g T_g + (sum_i t_i) / v - max_i t_i + max_i u_i,   T_g = sum_{i on g} t_i
-    w_i + m_g * a_i + r_i <= M   for every stage i on group g  (v = 1)
+    T = B max_s t_s + (sum_s t_s - max_s t_s) / v + max_s u_s
+      = (1/v) (sum_s t_s + (B v - 1) max_s t_s) + max_s u_s
+    w_s + m_s a_s + r_s <= M   for every stage s
 
-which for ``v = 1`` is Alpa's latency ``sum_i t_i + (B - 1) max_i t_i`` plus the step's tail,
-and for uniform interleaved chunks Megatron's ``(B v + p - 1) t_chunk`` (Narayanan et al.
-2021, section 2.2.2). For fixed bounds ``t_i <= t_max`` and ``u_i <= u_max`` the cheapest
-cut is a shortest path over unit boundaries,
+which for ``v = 1`` is Alpa's latency ``sum_s t_s + (B - 1) max_s t_s`` plus the tail. For
+fixed bounds ``t_s <= t_max`` and ``u_s <= u_max`` the cheapest cut is a shortest path over
+unit boundaries,
 
     F[s][k] = min_{j < k} F[s-1][j] + c_s(j, k),   c_s(j, k) = min_o { t | t <= t_max,
               u <= u_max, memory of o on units [j, k) at position s fits },
 
-and ``T <= F[S][K] + (B - 1) t_max + u_max``. Enumerating ``(u_max, t_max)`` over the values
-the cost tables take (ascending, stopping when ``u_max + S0 + (B - 1) t_max`` reaches the best
-so far, ``S0`` the unbounded minimum) makes the search exact for ``v = 1``; tests compare it
-with brute force. For ``v > 1`` the same search runs with chunk bounds and a conservative
-per-chunk memory rule (``M / v``) and the result is priced exactly: a heuristic there.
-``(schedule, p, v, B)`` combinations are visited in order of a lower bound and skipped once
-the bound reaches the best plan, which is what keeps a 1,024-device search in seconds.
+and ``T <= F[p][K] / v + (B - 1/v) t_max + u_max``. Enumerating ``(u_max, t_max)`` over the
+values the cost tables take (ascending, stopping once ``u_max + S0 / v + (B - 1/v) t_max``
+reaches the best plan so far, ``S0`` the unbounded minimum) makes the search exact; tests
+compare it with brute force. ``(schedule, p, v, B)`` combinations are visited in a fixed
+order and skipped when their lower bound ``S0 / v + (B - 1/v) S0 / p`` cannot beat the best
+plan, which is what keeps a 1,024-device search in seconds.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from typing import Protocol
 
 import numpy as np
 
+from meshplan.costmodel.memory import inflight_microbatches
+from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan.errors import MemoryLimitError, PlanningError
 from meshplan.planner.stagedp import RangeClasses, bound_candidates, build_tables, cut
 
@@ -65,7 +67,7 @@ class StageCost:
     weights_gib: float = 0.0  # parameters + gradients + optimizer state
     activation_gib: float = 0.0  # held per in-flight microbatch
     transient_gib: float = 0.0  # working peak of one microbatch's backward
-    boundary_bytes: float = 0.0  # output activation per device sent to the next stage
+    recv_bytes: float = 0.0  # activations per device received from the previous stage
     placements: object = field(default=None, compare=False)  # the intra planner's solution
 
 
@@ -139,31 +141,18 @@ class PipelinePlan:
     dp_runs: int = 0
 
 
-# -- schedules ---------------------------------------------------------------------------------
+# -- schedules (the cost model's formulas) ---------------------------------------------------
 
-def in_flight(schedule: str, group: int, groups: int, microbatches: int, virtual: int = 1) -> float:
-    """Microbatches (in stage-sized units) whose activations group ``group`` holds at its peak.
-
-    GPipe keeps all ``B``; 1F1B keeps ``min(p - g, B)`` (Narayanan et al. 2021, 2.2.1); the
-    interleaved schedule warms up ``2 (p - g - 1) + (v - 1) p + 1`` chunk-microbatches
-    (Megatron-LM's schedule), ``1/v`` of a stage each: for group 0 this is Korthikanti et al.
-    2022's factor ``1 + (p - 1) / (p v)`` of ``p`` microbatches.
-    """
-    if schedule == Schedule.GPIPE:
-        return float(microbatches)
-    if schedule == Schedule.ONE_F_ONE_B or virtual == 1:
-        return float(min(groups - group, microbatches))
-    chunks = min(2 * (groups - group - 1) + (virtual - 1) * groups + 1, microbatches * virtual)
-    return chunks / virtual
+def in_flight(schedule: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Microbatches whose activations stage ``stage`` holds at its peak (costmodel.memory)."""
+    return inflight_microbatches(schedule, stage, stages, microbatches,
+                                 virtual if schedule == Schedule.INTERLEAVED else 1)
 
 
-def pipeline_time_s(stage_times: Sequence[float], microbatches: int, groups: int,
+def pipeline_time_s(stage_times: Sequence[float], microbatches: int, schedule: str = "1f1b",
                     virtual: int = 1) -> float:
-    """``B max_g T_g + sum_i t_i / v - max_i t_i`` (module docstring); stage i on group i % p."""
-    per_group = [0.0] * groups
-    for i, t in enumerate(stage_times):
-        per_group[i % groups] += t
-    return microbatches * max(per_group) + sum(stage_times) / virtual - max(stage_times)
+    """Pipelined forward/backward time of one step (costmodel.pipeline.pipeline_step_time)."""
+    return pipeline_step_time(stage_times, microbatches, schedule, virtual).step_s
 
 
 # -- the problem ---------------------------------------------------------------------------------
@@ -240,18 +229,19 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
     runs = [0]
     smallest_memory = [INF]
 
-    def tables_for(size, b, mesh):
-        key = (size, b, mesh)
+    def tables_for(size, b, mesh, hops):
+        key = (size, b, mesh, hops)
         if key not in table_cache:
             options = stage_options(size, problem, space, b, mesh)
             table_cache[key] = build_tables(classes, problem, options, b,
-                                            size >= problem.devices_per_node, cost_cache) \
+                                            size >= problem.devices_per_node, hops, cost_cache) \
                 if options else None
         return table_cache[key]
 
     for combo in _combos(problem, space):
         schedule, groups, virtual, b, mesh = combo
-        tables = tables_for(problem.num_devices // groups, b, mesh)
+        tables = tables_for(problem.num_devices // groups, b, mesh,
+                            virtual if schedule == Schedule.INTERLEAVED else 1)
         if tables is None:
             continue
         found = _search_combo(problem, space, tables, schedule, groups, virtual, b,
@@ -274,7 +264,7 @@ def _fields(plan: PipelinePlan) -> dict:
 
 
 def _combos(problem: Problem, space: SearchSpace):
-    """(schedule, groups p, virtual v, microbatches B, mesh or None) in a deterministic order."""
+    """(schedule, stages p, virtual v, microbatches B, mesh or None) in a deterministic order."""
     sizes = group_sizes(problem.num_devices, problem.devices_per_node)
     max_stages = min(space.max_stages or problem.num_units, problem.num_units)
     batches = space.microbatches or tuple(d for d in range(1, problem.global_batch + 1)
@@ -282,41 +272,38 @@ def _combos(problem: Problem, space: SearchSpace):
     for schedule in space.schedules:
         virtuals = space.virtual_stages if schedule == Schedule.INTERLEAVED else (1,)
         for size in sorted(sizes, reverse=True):
-            groups = problem.num_devices // size
-            if space.pipeline_degrees is not None and groups not in space.pipeline_degrees:
+            stages = problem.num_devices // size
+            if stages > max_stages or (space.pipeline_degrees is not None
+                                       and stages not in space.pipeline_degrees):
                 continue
-            if schedule == Schedule.INTERLEAVED and groups == 1:
+            if schedule == Schedule.INTERLEAVED and stages == 1:
                 continue
+            meshes = [None] if space.mixed_meshes else \
+                stage_meshes(size, problem.devices_per_node, space.tensor_degrees)
             for virtual in virtuals:
-                if groups * virtual > max_stages:
-                    continue
-                meshes = [None] if space.mixed_meshes and virtual == 1 else \
-                    stage_meshes(size, problem.devices_per_node, space.tensor_degrees)
                 for b in batches:
                     if problem.global_batch % b:
                         continue
                     for mesh in meshes:
-                        yield schedule, groups, virtual, b, mesh
+                        yield schedule, stages, virtual, b, mesh
 
 
-def _search_combo(problem, space, tables, schedule, groups, virtual, b, best_s, runs,
+def _search_combo(problem, space, tables, schedule, stages, virtual, b, best_s, runs,
                   smallest_memory) -> PipelinePlan | None:
-    n_stages = groups * virtual
-    positions = []
-    for s in range(n_stages):
-        m = in_flight(schedule, s % groups, groups, b, virtual)
-        positions.append((tables, m, problem.memory_limit_gib / virtual))
+    positions = [(tables, in_flight(schedule, s, stages, b, virtual), problem.memory_limit_gib)
+                 for s in range(stages)]
+    v = virtual if schedule == Schedule.INTERLEAVED else 1
 
     def run(t_max, u_max):
         runs[0] += 1
         return cut(positions, t_max, u_max)
 
-    s0, stages = run(INF, INF)
-    if stages is None:
-        mem = tables.w + tables.r + tables.a * positions[0][1]
+    s0, cuts = run(INF, INF)
+    if cuts is None:
+        mem = tables.w + tables.r + tables.a * positions[-1][1]
         smallest_memory[0] = min(smallest_memory[0], float(np.min(mem)) if mem.size else INF)
         return None
-    lower = (b - 1) * s0 / groups + s0 / virtual
+    lower = s0 / v + (b - 1 / v) * s0 / stages
     if lower >= best_s:
         return None
     best: PipelinePlan | None = None
@@ -328,10 +315,10 @@ def _search_combo(problem, space, tables, schedule, groups, virtual, b, best_s, 
             break
         t_start = _first_feasible(t_values, lambda t: run(t, u_max)[1] is not None)
         for t_max in t_values[t_start:]:
-            if (b - 1) * t_max + s0 / virtual + u_max >= best_s:
+            if s0 / v + (b - 1 / v) * t_max + u_max >= best_s:
                 break
-            _, stages = run(t_max, u_max)
-            plan = _assemble(problem, tables, stages, schedule, groups, virtual, b, positions)
+            _, cuts = run(t_max, u_max)
+            plan = _assemble(problem, tables, cuts, schedule, stages, virtual, b, positions)
             if plan.step_time_s < best_s:
                 best, best_s = plan, plan.step_time_s
     return best
@@ -349,10 +336,10 @@ def _first_feasible(values: list[float], feasible) -> int:
     return lo
 
 
-def _assemble(problem, tables, stages, schedule, groups, virtual, b, positions) -> PipelinePlan:
-    size = problem.num_devices // groups
+def _assemble(problem, tables, cuts, schedule, stages, virtual, b, positions) -> PipelinePlan:
+    size = problem.num_devices // stages
     out = []
-    for s, (j, k, o) in enumerate(stages):
+    for s, (j, k, o) in enumerate(cuts):
         c = int(tables.classes.index[j, k])
         opt = tables.options[o]
         cost = tables.stage_costs[o][c] or StageCost(
@@ -360,16 +347,16 @@ def _assemble(problem, tables, stages, schedule, groups, virtual, b, positions) 
             weights_gib=float(tables.w[o, c]), activation_gib=float(tables.a[o, c]),
             transient_gib=float(tables.r[o, c]))
         m = positions[s][1]
-        g = s % groups
         out.append(StagePlan(
             index=s, units=(j, k), layers=(problem.unit_layers[j][0], problem.unit_layers[k - 1][1]),
-            group=g, devices=(g * size, size), option=opt,
+            group=s, devices=(s * size, size), option=opt,
             microbatch_size=problem.global_batch // (b * opt.mesh_shape[0]), cost=cost,
             time_s=float(tables.t[o, c]), in_flight=m,
             memory_gib=float(tables.w[o, c] + m * tables.a[o, c] + tables.r[o, c])))
     times = [st.time_s for st in out]
-    latency = pipeline_time_s(times, b, groups, virtual)
+    pipe = pipeline_step_time(times, b, str(schedule), virtual)
     tail = max(st.cost.step_s for st in out)
-    return PipelinePlan(schedule=str(schedule), pipeline_degree=groups, virtual_stages=virtual,
-                        microbatches=b, stages=tuple(out), step_time_s=latency + tail,
-                        bubble_s=sum(times) / virtual - max(times), tail_s=tail)
+    return PipelinePlan(schedule=str(schedule), pipeline_degree=stages,
+                        virtual_stages=virtual if schedule == Schedule.INTERLEAVED else 1,
+                        microbatches=b, stages=tuple(out), step_time_s=pipe.step_s + tail,
+                        bubble_s=pipe.bubble_s, tail_s=tail)

@@ -8,8 +8,9 @@ that agree on being the last stage, which sends nothing onward) cost the same, s
 96 identical blocks has about 3 x 96 classes instead of 4,656 ranges. Tables hold, per stage
 option ``o`` and class ``c``: time ``t`` (with the send/recv to the next stage), tail ``u``,
 weights ``w``, held activations ``a`` and transient ``r``. An *additive* cost function
-(``unit_cost`` attribute: the cost of a range is the sum of its units', the transient the
-largest) fills a table with prefix sums; any other calls the cost function once per class.
+(``unit_cost(i, ..., leading=)`` attribute: a range costs its first unit as a stage of its
+own plus each further unit's marginal cost after its predecessor) fills a table with prefix
+sums; any other cost function is called once per class.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class RangeClasses:
         self.rep_first = np.array([r[0] for r in reps], dtype=np.int64)
         self.rep_last = np.array([r[1] for r in reps], dtype=np.int64)
         self.is_last = self.rep_last == k_units
+        self.is_first = self.rep_first == 0
         # invalid ranges point at an extra column that is always infinite
         self.index = np.where(cls >= 0, cls, self.num_classes)
 
@@ -76,8 +78,16 @@ class Tables:
         return np.append(best, INF), arg
 
 
+def p2p_hops(first: bool, last: bool) -> float:
+    """Send/recv a stage pays per microbatch, in units of one transfer of what it receives:
+    the cost model's convention (costmodel/estimate.py): the first stage receives nothing,
+    the last receives activations and sends their gradients back (1), the others also
+    forward their own output and receive its gradient (2)."""
+    return 0.0 if first else (1.0 if last else 2.0)
+
+
 def build_tables(classes: RangeClasses, problem, options, microbatches: int,
-                 crosses_nodes: bool, cache: dict) -> Tables:
+                 crosses_nodes: bool, hops: float, cache: dict) -> Tables:
     """Price every class under every option (``cache`` keeps cost-function answers)."""
     n_opt, n_cls = len(options), classes.num_classes
     arrays = np.full((5, n_opt, n_cls), INF)  # t, u, w, a, r
@@ -86,17 +96,18 @@ def build_tables(classes: RangeClasses, problem, options, microbatches: int,
     for o, opt in enumerate(options):
         mbs = problem.global_batch // (microbatches * opt.mesh_shape[0])
         row = _additive_row if unit_cost is not None else _generic_row
-        stage_costs[o], boundary = row(arrays[:, o], classes, problem, opt, mbs, cache)
-        # the send/recv to the next stage: activations forward, their gradients backward
-        p2p = np.array([2 * problem.p2p_s(float(b), crosses_nodes) if np.isfinite(b) else 0.0
-                        for b in boundary])
-        arrays[0, o] += np.where(classes.is_last, 0.0, p2p)
+        stage_costs[o], recv = row(arrays[:, o], classes, problem, opt, mbs, cache)
+        # send/recv between stages (x v chunks under the interleaved schedule)
+        p2p = np.array([hops * p2p_hops(bool(f), bool(l)) * problem.p2p_s(float(b), crosses_nodes)
+                        if np.isfinite(b) and b > 0 and not f else 0.0
+                        for b, f, l in zip(recv, classes.is_first, classes.is_last)])
+        arrays[0, o] += p2p
     return Tables(classes, options, arrays, stage_costs)
 
 
 def _generic_row(row, classes, problem, opt, mbs, cache):
     """Call the cost function once per class; returns (StageCosts, boundary bytes)."""
-    costs, boundary = [], np.zeros(classes.num_classes)
+    costs, recv = [], np.zeros(classes.num_classes)
     for c in range(classes.num_classes):
         j, k = int(classes.rep_first[c]), int(classes.rep_last[c])
         layers = (problem.unit_layers[j][0], problem.unit_layers[k - 1][1])
@@ -108,35 +119,39 @@ def _generic_row(row, classes, problem, opt, mbs, cache):
         if sc is None:
             continue
         row[:, c] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib, sc.transient_gib)
-        boundary[c] = sc.boundary_bytes
-    return costs, boundary
+        recv[c] = sc.recv_bytes
+    return costs, recv
 
 
 def _additive_row(row, classes, problem, opt, mbs, cache):
-    """Range cost = sum of its units' (prefix sums); transient = the largest unit's."""
+    """Range cost = its first unit's cost as a stage of its own plus the marginal cost of
+    each further unit (prefix sums); returns (None per class, received bytes)."""
     n = classes.num_units
     unit_cost = problem.cost_fn.unit_cost
-    unit = np.full((6, n), INF)
+    lead = np.full((6, n), INF)
+    marginal = np.zeros((6, n))
     for i in range(n):
-        key = ("unit", problem.unit_keys[i], opt, mbs)
-        if key not in cache:
-            cache[key] = unit_cost(i, opt.mesh_shape, mbs, opt.recompute, opt.zero)
-        sc = cache[key]
-        if sc is not None:
-            unit[:, i] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib,
-                          sc.boundary_bytes, sc.transient_gib)
-    prefix = np.concatenate([np.zeros((6, 1)), np.cumsum(unit, axis=1)], axis=1)
+        for leading, table in ((True, lead), (False, marginal)):
+            if not leading and i == 0:
+                continue
+            key = ("unit", problem.unit_keys[i - (not leading):i + 1], leading, opt, mbs)
+            if key not in cache:
+                cache[key] = unit_cost(i, opt.mesh_shape, mbs, opt.recompute, opt.zero,
+                                       leading=leading)
+            sc = cache[key]
+            table[:, i] = INF if sc is None else (sc.time_s, sc.step_s, sc.weights_gib,
+                                                  sc.activation_gib, sc.recv_bytes,
+                                                  sc.transient_gib)
+    bad = ~np.isfinite(marginal[0])
+    prefix = np.concatenate([np.zeros((6, 1)), np.cumsum(np.where(bad, 0.0, marginal), axis=1)],
+                            axis=1)
+    bad_prefix = np.concatenate([[0], np.cumsum(bad)])
     j, k = classes.rep_first, classes.rep_last
-    with np.errstate(invalid="ignore"):
-        sums = prefix[:, k] - prefix[:, j]
-    sums = np.where(np.isnan(sums), INF, sums)
+    sums = lead[:, j] + prefix[:, k] - prefix[:, j + 1]
+    sums = np.where((bad_prefix[k] - bad_prefix[j + 1] > 0) | ~np.isfinite(lead[0, j]), INF, sums)
     row[:4] = sums[:4]
-    # largest transient over the range: running maxima from every start
-    run = np.full((n + 1, n + 1), INF)
-    for start in range(n):
-        run[start, start + 1:] = np.maximum.accumulate(unit[5, start:])
-    row[4] = run[j, k]
-    return [None] * classes.num_classes, unit[4, k - 1]  # the last unit's output crosses
+    row[4] = sums[5]
+    return [None] * classes.num_classes, lead[4, j]
 
 
 def cut(tables_by_position: Sequence[tuple[Tables, float, float]], t_max: float,

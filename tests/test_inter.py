@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 from meshplan.errors import MemoryLimitError, PlanningError
 from meshplan.planner.inter import (Problem, SearchSpace, StageCost, group_sizes, in_flight,
                                     pipeline_time_s, search, stage_meshes, stage_options)
+from meshplan.planner.stagedp import p2p_hops
 
 
 def _rand(*key) -> float:
@@ -40,7 +41,7 @@ class TableCost:
         step = n * 0.3 * (1 + 0.2 * zero) * _rand(self.seed, "u", layers, mesh_shape, zero)
         return StageCost(time_s=work, step_s=step, weights_gib=weights, activation_gib=act,
                          transient_gib=0.05 * n * (recompute == "full"),
-                         boundary_bytes=1e9 * mbs / tp)
+                         recv_bytes=1e9 * mbs / tp * (first > 0))
 
 
 def problem(seed: int, units: int, devices: int, per_node: int, batch: int, limit: float,
@@ -53,40 +54,40 @@ def problem(seed: int, units: int, devices: int, per_node: int, batch: int, limi
 
 
 def brute_force(prob: Problem, space: SearchSpace) -> float:
-    """Every schedule, group count, microbatch count, cut and per-stage option, priced with
-    the same formulas the DP uses (pipeline_time_s, in_flight, p2p)."""
+    """Every schedule, stage count, virtual count, microbatch count, cut and per-stage option,
+    priced with the cost model's formulas (pipeline_time_s, in_flight, p2p_hops)."""
     best = math.inf
     k = prob.num_units
     for schedule in space.schedules:
-        for size in group_sizes(prob.num_devices, prob.devices_per_node):
-            groups = prob.num_devices // size
-            if groups > k:
+        virtuals = space.virtual_stages if schedule == "interleaved-1f1b" else (1,)
+        for size, v in itertools.product(group_sizes(prob.num_devices, prob.devices_per_node),
+                                         virtuals):
+            stages = prob.num_devices // size
+            if stages > k or (schedule == "interleaved-1f1b" and stages == 1):
                 continue
             for b in space.microbatches or range(1, prob.global_batch + 1):
                 if prob.global_batch % b:
                     continue
                 options = stage_options(size, prob, space, b)
-                for cuts in itertools.combinations(range(1, k), groups - 1):
-                    bounds = list(zip((0, *cuts), (*cuts, k)))
+                for cuts in itertools.combinations(range(1, k), stages - 1):
                     per_stage = []
-                    for s, (j, e) in enumerate(bounds):
-                        m = in_flight(schedule, s, groups, b)
+                    for s, (j, e) in enumerate(zip((0, *cuts), (*cuts, k))):
+                        m = in_flight(schedule, s, stages, b, v)
                         ok = []
                         for opt in options:
                             mbs = prob.global_batch // (b * opt.mesh_shape[0])
                             c = prob.cost_fn((j, e), opt.mesh_shape, mbs, opt.recompute, opt.zero)
-                            if c is None:
+                            if c is None or c.weights_gib + m * c.activation_gib \
+                                    + c.transient_gib > prob.memory_limit_gib:
                                 continue
-                            if c.weights_gib + m * c.activation_gib + c.transient_gib \
-                                    > prob.memory_limit_gib:
-                                continue
-                            t = c.time_s + (0 if e == k else 2 * prob.p2p_s(
-                                c.boundary_bytes, size >= prob.devices_per_node))
+                            hops = v * p2p_hops(j == 0, e == k)
+                            t = c.time_s + hops * prob.p2p_s(c.recv_bytes,
+                                                             size >= prob.devices_per_node)
                             ok.append((t, c.step_s))
                         per_stage.append(ok)
                     for pick in itertools.product(*per_stage):
                         times = [p[0] for p in pick]
-                        value = pipeline_time_s(times, b, groups) + max(p[1] for p in pick)
+                        value = pipeline_time_s(times, b, schedule, v) + max(p[1] for p in pick)
                         best = min(best, value)
     return best
 
@@ -132,32 +133,54 @@ def test_plan_is_consistent_and_deterministic():
     for x, y in zip(a.stages, a.stages[1:]):
         assert x.units[1] == y.units[0]
     for st_ in a.stages:
-        assert st_.memory_gib <= prob.memory_limit_gib / a.virtual_stages + 1e-9
-        assert st_.devices == (st_.group * st_.devices[1], st_.devices[1])
-    assert len(a.stages) == a.pipeline_degree * a.virtual_stages
+        assert st_.memory_gib <= prob.memory_limit_gib + 1e-9
+        assert st_.devices == (st_.index * st_.devices[1], st_.devices[1])
+    assert len(a.stages) == a.pipeline_degree
 
 
-def test_interleaved_is_priced_exactly():
-    prob = problem(2, units=8, devices=4, per_node=4, batch=8, limit=40.0, keys=["b"] * 8)
-    plan = search(prob, SearchSpace(schedules=("interleaved-1f1b",), virtual_stages=(2,),
-                                    zero=(0,), recompute=("none",), pipeline_degrees=(2,)))
-    assert plan.virtual_stages == 2 and len(plan.stages) == 4
-    assert [s.group for s in plan.stages] == [0, 1, 0, 1]
-    times = [s.time_s for s in plan.stages]
-    assert plan.step_time_s == pytest.approx(pipeline_time_s(times, plan.microbatches, 2, 2)
-                                             + plan.tail_s)
+@pytest.mark.parametrize("seed", range(3))
+def test_interleaved_equals_brute_force(seed):
+    prob = problem(seed, units=6, devices=4, per_node=4, batch=8, limit=40.0)
+    space = SearchSpace(schedules=("interleaved-1f1b",), virtual_stages=(2, 3), zero=(0,),
+                        recompute=("none", "full"))
+    plan = search(prob, space)
+    assert plan.schedule == "interleaved-1f1b" and plan.virtual_stages in (2, 3)
+    assert plan.step_time_s == pytest.approx(brute_force(prob, space), rel=1e-12)
 
 
-def test_schedule_formulas_closed_form():
-    # Alpa: sum + (B - 1) max; Megatron interleaved: (B v + p - 1) t_chunk
-    assert pipeline_time_s([1.0, 2.0, 3.0], 4, 3) == pytest.approx(6 + 3 * 3)
-    assert pipeline_time_s([1.0] * 8, 4, 4, 2) == pytest.approx(4 * 2 + 4 - 1)
-    assert in_flight("gpipe", 0, 4, 8) == 8
-    assert [in_flight("1f1b", g, 4, 8) for g in range(4)] == [4, 3, 2, 1]
-    assert in_flight("1f1b", 0, 4, 2) == 2
-    # Korthikanti et al. 2022: first stage holds p (1 + (p - 1) / (p v)) stage-microbatches
-    p, v = 4, 2
-    assert in_flight("interleaved-1f1b", 0, p, 64, v) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+class AdditiveCost:
+    """A cost that is the sum of per-unit costs: the additive fast path must agree with
+    calling it per range."""
+
+    def __init__(self, seed):
+        self.seed = seed
+
+    def unit_cost(self, i, mesh_shape, mbs, recompute, zero, *, leading):
+        dp, tp = mesh_shape
+        base = 1 + _rand(self.seed, i, mesh_shape)
+        return StageCost(time_s=base * mbs / tp + (0.1 if leading else 0.0),
+                         step_s=0.2 * base / (1 + zero), weights_gib=base / tp,
+                         activation_gib=0.3 * mbs / tp * (recompute == "none"),
+                         transient_gib=0.1 if leading else 0.0,
+                         recv_bytes=(1e9 * mbs if i > 0 else 0.0) if leading else 0.0)
+
+    def __call__(self, layers, mesh_shape, mbs, recompute, zero):
+        parts = [self.unit_cost(i, mesh_shape, mbs, recompute, zero, leading=i == layers[0])
+                 for i in range(*layers)]
+        return StageCost(*(sum(getattr(p, f) for p in parts) for f in
+                           ("time_s", "step_s", "weights_gib", "activation_gib",
+                            "transient_gib", "recv_bytes")))
+
+
+def test_additive_fast_path_equals_per_range_calls():
+    fn = AdditiveCost(7)
+    base = problem(0, units=6, devices=8, per_node=4, batch=8, limit=6.0)
+    space = SearchSpace(schedules=("1f1b", "gpipe"), zero=(0, 1), recompute=("none", "full"))
+    fast = search(base.__class__(**{**base.__dict__, "cost_fn": fn}), space)
+    slow = search(base.__class__(**{**base.__dict__, "cost_fn": fn.__call__}), space)
+    assert fast.step_time_s == pytest.approx(slow.step_time_s, rel=1e-9)
+    assert fast.step_time_s == pytest.approx(
+        brute_force(base.__class__(**{**base.__dict__, "cost_fn": fn.__call__}), space), rel=1e-9)
 
 
 def test_submesh_rule():
