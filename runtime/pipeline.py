@@ -1,0 +1,442 @@
+"""Execute a multi-stage plan with ``torch.distributed.pipelining``.
+
+trace -> cost -> solve -> plan -> **run**. The exported training graph (model + loss,
+traced on meta exactly as the planner did, at the shape of one microbatch) is cut at the
+plan's stage boundaries (runtime/pipeline_split.py); each stage fragment runs on its stage
+submesh through the SPMD executor (runtime/spmd.py), wrapped in a ``PipelineStage``; the
+plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives ``plan.training.microbatches``
+microbatches through them.
+
+Device layout (the convention of meshplan/manual.py, written down in docs/DEVELOPING.md):
+global ranks are numbered row-major over ``(pp, *stage axes)``, e.g. ``(pp, dp, tp)``. Rank
+group ``r`` (``pp`` index) owns devices ``[r * n, (r + 1) * n)`` with ``n`` devices per stage
+mesh; stage ``i`` runs on rank group ``i % pp`` (with ``virtual_stages = v`` there are
+``pp * v`` stages, the "loop" placement of interleaved 1F1B, Narayanan et al. 2021, Sec. 2.2).
+Every rank with the same stage-mesh coordinate forms one pipeline lane (one ``pp`` process
+group); activations cross stages as the local shard of that coordinate, so no
+redistribution happens at a boundary: the receiver rebuilds the DTensor with the placement
+the producer's plan gives the value.
+
+Loss and gradients: the last stage computes the loss itself (it is part of the graph), the
+mean over its microbatch. The schedule's loss function divides it by the number of
+microbatches, so the summed microbatch losses and the accumulated gradients are the mean
+over the global batch, as in one process (all microbatches have the same size). After the
+schedule, gradients are redistributed to their parameters' placements (the data-parallel
+all-reduce) and a parameter read by stages on different rank groups (tied embeddings) has
+its gradient summed over those groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from meshplan.errors import NotSupportedError, PlanFileError
+from meshplan.planner.graph import OpGraph
+from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph_from_export
+from meshplan.plan import Plan
+from meshplan.runtime.parallelize import meta_copy, runnable_graph_module
+from meshplan.runtime.pipeline_split import StageGraph, split_stages
+from meshplan.runtime.spmd import stage_executor, to_placements
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineLayout:
+    """Where the stages of a plan run (see the module docstring for the convention)."""
+
+    pp: int  # rank groups
+    virtual_stages: int  # stages per rank group
+    stage_mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    microbatches: int
+    microbatch_batch: int  # sequences in one microbatch, over the whole stage mesh
+
+    @property
+    def stage_size(self) -> int:
+        n = 1
+        for s in self.stage_mesh_shape:
+            n *= s
+        return n
+
+    def rank_group(self, stage_index: int) -> int:
+        return stage_index % self.pp
+
+
+def pipeline_layout(plan: Plan) -> PipelineLayout:
+    """Check a multi-stage plan against the runtime's device convention and read its layout."""
+    t = plan.training
+    if t.schedule not in SCHEDULES:
+        raise PlanFileError(f"schedule {t.schedule!r} is not one of {sorted(SCHEDULES)}")
+    v = t.virtual_stages if t.schedule == "interleaved-1f1b" else 1
+    if t.schedule != "interleaved-1f1b" and t.virtual_stages != 1:
+        raise PlanFileError(f"virtual_stages={t.virtual_stages} needs schedule "
+                            f"'interleaved-1f1b', not {t.schedule!r}")
+    if v < 1 or plan.num_stages % v:
+        raise PlanFileError(f"{plan.num_stages} stages are not a multiple of virtual_stages={v}; "
+                            "an interleaved plan has pp x virtual_stages stages")
+    pp = plan.num_stages // v
+    first = plan.stages[0]
+    if v > 1 and plan.num_stages * len(first.devices) == plan.num_devices:
+        raise PlanFileError(f"interleaved plan with virtual_stages={v} lists {plan.num_stages} "
+                            f"stages, one per rank group; the runtime needs pp x virtual_stages "
+                            f"stage records, stage i on rank group i % pp")
+    if any(st.zero for st in plan.stages):
+        raise NotSupportedError("ZeRO (stage.zero > 0) is not supported with pipeline stages "
+                                "yet; use zero=0 when pp > 1")
+    if t.dtype == "fp16":
+        raise NotSupportedError("fp16 needs loss scaling, which the pipeline runtime does not "
+                                "do yet; use dtype='bf16' or 'fp32' when pp > 1")
+    layout = PipelineLayout(pp=pp, virtual_stages=v, stage_mesh_shape=tuple(first.mesh_shape),
+                            axis_names=tuple(first.axis_names), microbatches=t.microbatches,
+                            microbatch_batch=t.global_batch // max(t.microbatches, 1))
+    n = layout.stage_size
+    for i, st in enumerate(plan.stages):
+        if st.index != i:
+            raise PlanFileError(f"stage record {i} has index {st.index}; stages are listed in order")
+        if tuple(st.mesh_shape) != layout.stage_mesh_shape or tuple(st.axis_names) != layout.axis_names:
+            raise NotSupportedError(f"stage {i} has mesh {list(st.mesh_shape)} {list(st.axis_names)} "
+                                    f"but stage 0 has {list(first.mesh_shape)}; the pipeline runtime "
+                                    "needs the same submesh shape for every stage")
+        group = layout.rank_group(i)
+        want = tuple(range(group * n, (group + 1) * n))
+        if tuple(st.devices) != want:
+            raise NotSupportedError(f"stage {i} runs on devices {list(st.devices)[:8]}; the runtime "
+                                    f"places stage i on rank group i % pp, here devices "
+                                    f"{list(want)[:8]} (see docs/DEVELOPING.md, pipeline layout)")
+    if pp * n != plan.num_devices:
+        raise PlanFileError(f"{pp} rank groups x {n} devices per stage = {pp * n}, but the mesh "
+                            f"has {plan.num_devices} devices")
+    if t.microbatches < 1 or t.global_batch % t.microbatches:
+        raise PlanFileError(f"global batch {t.global_batch} is not divisible into "
+                            f"{t.microbatches} microbatches; choose a divisor")
+    if t.schedule != "gpipe" and t.microbatches < pp:
+        raise PlanFileError(f"schedule {t.schedule!r} needs at least as many microbatches as "
+                            f"pipeline rank groups: {t.microbatches} < pp={pp}")
+    if "dp" in layout.axis_names and t.microbatch_size:
+        dp = layout.stage_mesh_shape[layout.axis_names.index("dp")]
+        if t.microbatch_size * dp * t.microbatches != t.global_batch:
+            raise PlanFileError(f"microbatch_size {t.microbatch_size} x dp {dp} x microbatches "
+                                f"{t.microbatches} != global batch {t.global_batch}")
+    return layout
+
+
+class _StageModule(nn.Module):
+    """One stage fragment as the pipeline sees it: local tensors in, local tensors out.
+
+    Inputs are rebuilt as DTensors on the stage mesh (graph inputs of the first stage are
+    cut from the full microbatch each rank holds, without communication); outputs are
+    brought to their planned placements and sent as this rank's local shard. The last
+    stage returns the loss as a plain scalar, the same on every rank of its mesh.
+    """
+
+    def __init__(self, gm: fx.GraphModule, run, mesh: DeviceMesh, *, first: bool, last: bool,
+                 input_specs: Sequence[tuple], output_specs: Sequence[tuple],
+                 loss_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.gm = gm
+        self._run = run
+        self._mesh = mesh
+        self._first, self._last = first, last
+        self._input_specs = list(input_specs)  # (placements, global shape, dtype) per input
+        self._output_specs = list(output_specs)
+        self._loss_dtype = loss_dtype
+
+    def example_inputs(self, device) -> tuple[torch.Tensor, ...]:
+        """Empty tensors shaped as this rank receives the inputs (the first stage: whole
+        microbatches; later stages: local shards)."""
+        return tuple(_example(shape if self._first else _local_shape(shape, self._mesh, pl),
+                              dtype, device) for pl, shape, dtype in self._input_specs)
+
+    def example_outputs(self, device) -> tuple[torch.Tensor, ...]:
+        if self._last:
+            return (_example((), self._loss_dtype, device),)
+        return tuple(_example(_local_shape(shape, self._mesh, pl), dtype, device)
+                     for pl, shape, dtype in self._output_specs)
+
+    def forward(self, *xs):
+        ins = []
+        for x, (placements, shape, _) in zip(xs, self._input_specs):
+            if self._first:
+                ins.append(distribute_tensor(x, self._mesh, placements, src_data_rank=None))
+            else:
+                ins.append(DTensor.from_local(x, self._mesh, placements, run_check=False,
+                                              shape=shape, stride=_contiguous_stride(shape)))
+        outs = self._run(*ins)
+        if self._last:
+            loss = outs[0]
+            return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return tuple(_local(o, self._mesh, pl) for o, (pl, _, _) in zip(outs, self._output_specs))
+
+
+def _local_shape(shape, mesh: DeviceMesh, placements) -> tuple[int, ...]:
+    return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[0])
+
+
+def _example(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device).requires_grad_(dtype.is_floating_point)
+
+
+def _local(value, mesh: DeviceMesh, placements) -> torch.Tensor:
+    if isinstance(value, DTensor):
+        if tuple(value.placements) != tuple(placements):
+            value = value.redistribute(mesh, placements)
+        value = value.to_local()
+    return value.contiguous()  # P2P sends need contiguous buffers (expand/slice give views)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+class _MicrobatchMean:
+    """The schedule's loss: the stage's own loss over n (the mean of n equal microbatches)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, output: torch.Tensor, target) -> torch.Tensor:
+        return output / self.n
+
+
+@dataclass
+class PipelineModel:
+    """A model split into pipeline stages per the plan; ``train_step`` runs one optimizer step."""
+
+    plan: Plan
+    layout: PipelineLayout
+    schedule: object
+    stages: list  # this rank's PipelineStage objects
+    params: dict  # parameter FQN (every tied alias) -> nn.Parameter(DTensor) on this rank
+    tie_groups: list = field(default_factory=list)  # (process group, [parameters])
+    loss_src_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    def forward_backward(self, batch: torch.Tensor) -> float:
+        """Run the schedule on one global batch; gradients are left in ``.grad``. Returns the
+        mean loss over the global batch (on every rank)."""
+        batch = batch.to(self.device)
+        losses: list = []
+        self.schedule.step(batch, target=batch, losses=losses, return_outputs=False)
+        self._finish_grads()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for loss in losses:
+            total += loss.detach().to(torch.float64)
+        dist.broadcast(total, src=self.loss_src_rank)
+        return float(total.item())
+
+    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
+        loss = self.forward_backward(batch)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def unique_params(self) -> list[nn.Parameter]:
+        return list({id(p): p for p in self.params.values()}.values())
+
+    @torch.no_grad()
+    def _finish_grads(self) -> None:
+        for p in self.unique_params():
+            if p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
+                p.grad = p.grad.redistribute(placements=p.placements)
+        for group, params in self.tie_groups:
+            for p in params:
+                if p.grad is None:
+                    p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh,
+                                                p.placements, run_check=False)
+                dist.all_reduce(p.grad.to_local(), group=group)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered to a full tensor on every rank (for tests, checkpoints)."""
+        return self._gather(lambda p: p)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return self._gather(lambda p: p.grad)
+
+    def _gather(self, pick) -> dict[str, torch.Tensor]:
+        mine = {}
+        for name in sorted(self.params):
+            value = pick(self.params[name])
+            if value is not None:  # full_tensor is a collective over the stage mesh
+                mine[name] = value.full_tensor().detach().cpu()
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out = {}
+        for part in everyone:
+            out.update(part)
+        return out
+
+
+def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
+                         loss_fn=None, graph: OpGraph | None = None) -> PipelineModel:
+    """Place ``model`` (real weights, on CPU) on the current process group as the pipeline
+    ``plan`` describes; ``example_inputs`` is one global batch. Pass ``graph`` (the model's
+    trace at that batch, meshplan.trace) to skip re-tracing for the fingerprint check."""
+    if not dist.is_initialized():
+        raise RuntimeError("parallelize_pipeline runs inside a torchrun worker: "
+                           "init_process_group first")
+    layout = pipeline_layout(plan)
+    if dist.get_world_size() != plan.num_devices:
+        raise RuntimeError(f"plan needs {plan.num_devices} processes, this run has "
+                           f"{dist.get_world_size()}; launch with --nproc_per_node "
+                           f"{plan.num_devices}")
+    # Check the model against the plan on the global batch (as planned), then trace the
+    # graph the stages run at the shape of one microbatch: same nodes, smaller batch dim.
+    meta_model = meta_copy(model)
+    meta_inputs = tuple(torch.empty_like(x, device="meta") for x in example_inputs)
+    if graph is None:
+        graph = graph_from_export(export_training_graph(meta_model, meta_inputs, loss_fn), model)
+    plan.check_model(graph.fingerprint)
+    micro_inputs = tuple(x[:layout.microbatch_batch] for x in meta_inputs)
+    ep = export_training_graph(meta_model, micro_inputs, loss_fn)
+    device = _device()
+    gm = runnable_graph_module(ep, device_type=device.type)
+    pieces = split_stages(gm.graph, [st.nodes for st in plan.stages])
+
+    world = init_device_mesh(device.type, (layout.pp, *layout.stage_mesh_shape),
+                             mesh_dim_names=("pp", *layout.axis_names))
+    mesh = world[layout.axis_names]
+    lane = world["pp"].get_group()
+    my_group = dist.get_rank() // layout.stage_size
+    params = _place_params(model, plan, pieces, mesh, layout, my_group, device)
+
+    values = {n.name: n for n in gm.graph.nodes}
+    stages = []
+    for piece in pieces:
+        if layout.rank_group(piece.index) != my_group:
+            continue
+        module = _stage_module(piece, plan, values, params, mesh, len(pieces),
+                               block_prefix=_WRAPPER_PREFIX + graph.block_module)
+        # Static shapes: the schedule then never runs a stage on uninitialised tensors to
+        # infer them (garbage token ids would index out of range).
+        stages.append(PipelineStage(module, piece.index, len(pieces), device,
+                                    input_args=module.example_inputs(device),
+                                    output_args=module.example_outputs(device), group=lane))
+    schedule_cls = SCHEDULES[plan.training.schedule]
+    loss = _MicrobatchMean(layout.microbatches)
+    if schedule_cls is ScheduleInterleaved1F1B:
+        schedule = schedule_cls(stages, n_microbatches=layout.microbatches, loss_fn=loss,
+                                scale_grads=False)
+    else:
+        schedule = schedule_cls(stages[0], n_microbatches=layout.microbatches, loss_fn=loss,
+                                scale_grads=False)
+    return PipelineModel(plan=plan, layout=layout, schedule=schedule, stages=stages,
+                         params=params, tie_groups=_tie_groups(model, pieces, params, layout),
+                         loss_src_rank=layout.rank_group(len(pieces) - 1) * layout.stage_size,
+                         device=device)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """FQN -> every FQN naming the same tensor (tied weights), in model order."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(b), []).append(name)
+    return {name: names for names in by_id.values() for name in names}
+
+
+def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
+                  layout: PipelineLayout, my_group: int, device) -> dict[str, nn.Parameter]:
+    """This rank's parameters as DTensors with their planned placements; tied names share one."""
+    real = dict(model.named_parameters(remove_duplicate=False))
+    real.update(dict(model.named_buffers(remove_duplicate=False)))
+    aliases = _aliases(model)
+    placed: dict[int, nn.Parameter] = {}
+    params: dict[str, nn.Parameter] = {}
+    for piece in pieces:
+        if layout.rank_group(piece.index) != my_group:
+            continue
+        stage = plan.stages[piece.index]
+        for target in piece.param_targets:
+            fqn = target.removeprefix(_WRAPPER_PREFIX)
+            names = aliases.get(fqn, [fqn])
+            listed = [stage.params[n] for n in names if n in stage.params]
+            if not listed:
+                raise PlanFileError(f"stage {piece.index} reads parameter {fqn} but the plan gives "
+                                    "it no placement in that stage; re-plan with this model")
+            tensor = real[fqn]
+            if id(tensor) not in placed:
+                local = tensor.detach().to(device)
+                placed[id(tensor)] = nn.Parameter(
+                    distribute_tensor(local, mesh, to_placements(listed[0])),
+                    requires_grad=tensor.requires_grad)
+            elif [str(p) for p in placed[id(tensor)].placements] != \
+                    [str(p) for p in to_placements(listed[0])]:
+                raise NotSupportedError(f"parameter {fqn} has different placements in two stages "
+                                        "on the same devices; give it one placement")
+            for name in names:
+                params[name] = placed[id(tensor)]
+    return params
+
+
+def _stage_module(piece: StageGraph, plan: Plan, values: dict, params: dict, mesh: DeviceMesh,
+                  num_stages: int, *, block_prefix: str) -> _StageModule:
+    stage = plan.stages[piece.index]
+    root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] for t in piece.param_targets}
+    gm = fx.GraphModule(root, piece.graph, class_name=f"Stage{piece.index}")
+    run = stage_executor(gm, mesh, stage, dtype=plan.training.dtype, block_prefix=block_prefix)
+    first = piece.index == 0
+
+    def spec(name):
+        val = values[name].meta["val"]
+        return (to_placements(_placement_of(plan, name, values, len(mesh.shape))),
+                tuple(val.shape), val.dtype)
+    last = piece.index == num_stages - 1
+    return _StageModule(gm, run, mesh, first=first, last=last,
+                        input_specs=[spec(n) for n in piece.inputs],
+                        output_specs=[] if last else [spec(n) for n in piece.outputs],
+                        loss_dtype=values[piece.outputs[0]].meta["val"].dtype if last else
+                        torch.float32)
+
+
+def _placement_of(plan: Plan, name: str, values: dict, ndim: int) -> tuple[str, ...]:
+    """The planned placement of a value crossing a boundary: a graph input's placement in stage
+    0, or the output placement its producing stage plans; replicated when the plan is silent."""
+    if values[name].op == "placeholder":
+        return tuple(plan.stages[0].inputs.get(name, ("R",) * ndim))
+    for st in plan.stages:
+        op = st.ops.get(name)
+        if op is not None and op.output:
+            return tuple(op.output)
+    return ("R",) * ndim
+
+
+def _tie_groups(model, pieces: list[StageGraph], params: dict, layout: PipelineLayout) -> list:
+    """Process groups summing the gradient of a parameter read on several rank groups.
+
+    Every rank creates every group in the same order (``new_group`` is collective)."""
+    aliases = _aliases(model)
+    owners: dict[str, set[int]] = {}
+    for piece in pieces:
+        for target in piece.param_targets:
+            key = aliases.get(target.removeprefix(_WRAPPER_PREFIX), [target])[0]
+            owners.setdefault(key, set()).add(layout.rank_group(piece.index))
+    rank = dist.get_rank()
+    my_group, coord = divmod(rank, layout.stage_size)
+    out = []
+    for groups in sorted({tuple(sorted(g)) for g in owners.values() if len(g) > 1}):
+        keys = sorted(k for k, g in owners.items() if tuple(sorted(g)) == groups)
+        for c in range(layout.stage_size):
+            pg = dist.new_group([g * layout.stage_size + c for g in groups])
+            if my_group in groups and c == coord:
+                out.append((pg, [params[k] for k in keys]))
+    return out
