@@ -147,11 +147,13 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     placement = {n: stage.inputs.get(n) for n in stage.inputs}
     placement.update({n: op.output for n, op in stage.ops.items()})
     needs_grad = _requires_grad(graph)
+    needs_data = _depends_on_data(graph)
+    sent: set[str] = set()
     dbytes = DTYPE_BYTES[dtype]
 
     fwd = bwd = rec_full = rec_sel = 0.0
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
-    consumer_out: dict[str, list[tuple[str, ...]]] = {}
+    consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
     for name in names:
         node = graph.node(name)
         op = stage.ops[name]
@@ -162,15 +164,20 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
             rec_full += t.forward_s
             if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
                 rec_sel += t.forward_s
-        for p in node.params:
-            consumer_out.setdefault(p, []).append(op.output)
+        for k, p in enumerate(node.inputs):
+            if p in graph.param_map and k < len(op.inputs):
+                consumer_out.setdefault(p, []).append((op.output, op.inputs[k]))
         for i, src_name in enumerate(node.inputs):
             if src_name in graph.param_map or i >= len(op.inputs):
                 continue
             src = placement.get(src_name)
             nbytes = _bytes(graph, src_name, dbytes) / m
             if src_name in graph and src_name not in in_stage:
-                p2p_bytes += nbytes / split_factor(op.inputs[i], shape)
+                # sent once per microbatch; tensors that depend on no data (masks, positions)
+                # are rebuilt by each stage instead of sent
+                if src_name not in sent and src_name in needs_data:
+                    sent.add(src_name)
+                    p2p_bytes += nbytes / split_factor(op.inputs[i], shape)
                 continue
             if src is None:
                 continue
@@ -225,7 +232,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
             continue
         outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
         for axis, size in enumerate(shape):
-            if size == 1 or not any(out[axis] != "R" for out in outs):
+            # the gradient is partial where an op split on this axis reads the weight whole
+            # (R); a weight read as P (a row-parallel bias) has the same gradient everywhere
+            if size == 1 or not any(out[axis] != "R" and used[axis] != "P" for out, used in outs):
                 continue
             if pl[axis] == "R" or axis == dpa:
                 kind = Collective.REDUCE_SCATTER if (axis == dpa and zero >= 2) else Collective.ALL_REDUCE
@@ -353,6 +362,15 @@ def _requires_grad(graph: OpGraph) -> set[str]:
         if any(i in trainable or i in out for i in n.inputs) and n.kind != OpKind.CREATION:
             if any(o.dtype.startswith(("float", "bfloat")) for o in n.outputs):
                 out.add(n.name)
+    return out
+
+
+def _depends_on_data(graph: OpGraph) -> set[str]:
+    """Operators whose value depends on a graph input or a parameter."""
+    out: set[str] = {name for name, _ in graph.inputs} | {p.name for p in graph.params}
+    for n in graph.nodes:
+        if any(i in out for i in n.inputs):
+            out.add(n.name)
     return out
 
 

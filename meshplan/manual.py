@@ -241,7 +241,10 @@ class _Propagator:
         return next((m.shape for n, m in self.g.inputs if n == name), ())
 
     def storage(self, param: str) -> tuple[str, str]:
-        use = self.consumed.get(param, (R, R))
+        root = self.g.param_map[param].tied_to or param
+        use = self.consumed.get(param) or next(
+            (v for k, v in self.consumed.items() if (self.g.param_map[k].tied_to or k) == root),
+            (R, R))
         tp_pl = "R" if use[1] == "P" else use[1]
         dp_pl = R
         if self.zero >= 3 and self.dp > 1:
