@@ -1,16 +1,20 @@
 """Execute a plan: Plan + model -> DeviceMesh, DTensor parameters, a training step.
 
-trace -> cost -> solve -> plan -> **run**. Runs inside each torchrun worker. The exported
-training graph (model + loss, the same graph the planner saw) is executed by an
-``fx.Interpreter`` on DTensor values: parameters are distributed with their planned
-placements, the batch with its planned input placement, and DTensor propagates and
-redistributes the rest. Gradients come back in the parameters' placements (a Partial
-gradient of a replicated parameter becomes the data-parallel all-reduce) and a torch.optim
-optimizer steps the DTensor parameters.
+trace -> cost -> solve -> plan -> **run**. Runs inside each torchrun worker and reads as the
+steps of a plan: trace the model on meta exactly as the planner did (node names then match
+``stage.ops``), build the stage's DeviceMesh, distribute every parameter with its storage
+placement (the planned one; with ZeRO-3 also sharded over the data-parallel axes), and hand
+the graph to the SPMD executor (runtime/spmd.py), which realises every operator's planned
+input placements, recompute and mixed precision. A training step accumulates gradients over
+``plan.training.microbatches``, brings each gradient to its parameter's storage placement
+(the data-parallel all-reduce, or a reduce-scatter with ZeRO) and steps a torch.optim
+optimizer; ZeRO-1/2 step fp32 master shards and all-gather the parameters after.
 
-Two rewrites make the exported graph runnable on DTensor: ``aten._assert_*`` metadata checks
-are dropped (no sharding rule, no effect), and on CPU scaled-dot-product attention runs as
-its math decomposition because DTensor has no rule for the CPU flash kernel's backward.
+Multi-stage plans go to the pipeline runtime (runtime/pipeline.py), which reuses the same
+executor per stage submesh. Two rewrites make the exported graph runnable on DTensor:
+``aten._assert_*`` metadata checks are dropped (no sharding rule, no effect), and on CPU
+scaled-dot-product attention runs as its math decomposition because DTensor has no rule for
+the CPU flash kernel's backward.
 """
 
 from __future__ import annotations
@@ -18,26 +22,24 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from meshplan.errors import NotSupportedError
-from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph_from_export
-from meshplan.plan import Plan, parse_placement
+from meshplan.errors import NotSupportedError, PlanFileError
+from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
+                                    find_repeated_blocks, graph_from_export)
+from meshplan.plan import Plan, Stage
+from meshplan.runtime.spmd import SPMDExecutor, to_placements  # noqa: F401 (re-exported)
 
-
-def to_placements(texts: Sequence[str]) -> list:
-    out = []
-    for text in texts:
-        kind, dim = parse_placement(text)
-        out.append(Replicate() if kind == "R" else Partial() if kind == "P" else Shard(dim))
-    return out
+# fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
+# keeps tiny gradients of small models above fp16's subnormal range; a step whose
+# gradients overflow is skipped.
+FP16_LOSS_SCALE = 2.0 ** 10
 
 
 def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -74,7 +76,16 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 
 def runnable_graph_module(ep: torch.export.ExportedProgram, *, device_type: str) -> torch.fx.GraphModule:
+    """The exported program as a GraphModule that runs on ``device_type`` with DTensors
+    (subgraphs of higher-order operators, such as Llama's rotary embedding, included)."""
     gm = ep.module()
+    for sub in gm.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            _make_runnable(sub, device_type)
+    return gm
+
+
+def _make_runnable(gm: torch.fx.GraphModule, device_type: str) -> None:
     for node in list(gm.graph.nodes):
         if node.op == "call_function":  # traced on meta: make tensors on our device instead
             node.args, node.kwargs = torch.fx.node.map_aggregate(
@@ -85,22 +96,33 @@ def runnable_graph_module(ep: torch.export.ExportedProgram, *, device_type: str)
         elif device_type == "cpu" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
             node.target = sdpa_math
     gm.recompile()
-    return gm
 
 
-class _DTensorInterpreter(torch.fx.Interpreter):
-    """Runs the graph on DTensors; plain tensors made inside the graph become Replicate."""
+def data_parallel_axes(stage: Stage) -> tuple[int, ...]:
+    """Mesh axes the batch is split over: the first graph input's S(0) axes."""
+    if not stage.inputs:
+        return ()
+    first = next(iter(stage.inputs.values()))
+    return tuple(i for i, p in enumerate(first) if p == "S(0)")
 
-    def __init__(self, gm, mesh: DeviceMesh):
-        super().__init__(gm)
-        self.mesh = mesh
 
-    def run_node(self, n):
-        out = super().run_node(n)
-        if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and out.dim() > 0:
-            out = DTensor.from_local(out, self.mesh, [Replicate()] * self.mesh.ndim,
-                                     run_check=False)
-        return out
+def sharded_over(placements: Sequence[str], axes: Sequence[int]) -> tuple[str, ...]:
+    """``placements`` with Replicate turned into S(0) on ``axes``: ZeRO's storage sharding."""
+    return tuple("S(0)" if i in axes and p == "R" else p for i, p in enumerate(placements))
+
+
+def storage_placements(stage: Stage, fqn: str) -> tuple[str, ...]:
+    planned = tuple(stage.params[fqn])
+    return sharded_over(planned, data_parallel_axes(stage)) if stage.zero >= 3 else planned
+
+
+@dataclass(frozen=True)
+class TracedProgram:
+    """The exported training graph (at the microbatch shape) and its OpGraph."""
+
+    exported: torch.export.ExportedProgram
+    graph: object
+    microbatches: int
 
 
 @dataclass
@@ -110,71 +132,202 @@ class ParallelModel:
     plan: Plan
     mesh: DeviceMesh
     gm: torch.fx.GraphModule
-    params: dict  # graph parameter name -> nn.Parameter(DTensor)
+    params: dict  # graph parameter/buffer name -> nn.Parameter(DTensor) / DTensor; ties share
     input_placements: list
+    block_prefix: str = ""
+    program: object = None  # the TracedProgram, reusable by the next parallelize call
+    masters: dict = field(default_factory=dict)  # ZeRO-1/2: id(param) -> sharded fp32 master
+    last_stats: object = None
 
-    def loss(self, batch: torch.Tensor) -> DTensor:
-        x = distribute_tensor(batch, self.mesh, self.input_placements[0])
-        with implicit_replication(), torch.nn.utils.stateless._reparametrize_module(
-                self.gm, self.params):
-            return _DTensorInterpreter(self.gm, self.mesh).run(x)
+    @property
+    def stage(self) -> Stage:
+        return self.plan.stages[0]
 
-    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
-        loss = self.loss(batch)
-        with implicit_replication():
-            loss.backward()
-        for p in self.unique_params():
-            if p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
-                p.grad = p.grad.redistribute(placements=p.placements)
-        optimizer.step()
+    def loss(self, batch: torch.Tensor, *, record: bool = False) -> DTensor:
+        """Forward of one (micro)batch: the global loss as a DTensor. ``record`` keeps the
+        placements every operator ran with in ``last_stats.observed``."""
+        executor = SPMDExecutor(self.gm, self.mesh, self.stage.ops,
+                                input_placements=self.input_placements,
+                                recompute=self.stage.recompute, block_prefix=self.block_prefix,
+                                dtype=self.plan.training.dtype, record=record)
+        with torch.nn.utils.stateless._reparametrize_module(self.gm, self.params):
+            out = executor.run(batch)
+        self.last_stats = executor.stats
+        return out.float()
+
+    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer, *,
+                   grads_out: dict | None = None) -> float:
+        """Forward and backward of every microbatch, gradient sync, optimizer step.
+        ``grads_out`` (a dict) receives every gradient as a full tensor, by FQN."""
+        n = self.plan.training.microbatches
+        if batch.shape[0] % n:
+            raise PlanFileError(f"batch of {batch.shape[0]} sequences does not split into "
+                                f"{n} microbatches; use a batch divisible by {n}")
+        scale = FP16_LOSS_SCALE if self.plan.training.dtype == "fp16" else 1.0
+        total = None
+        for chunk in batch.chunk(n):
+            loss = self.loss(chunk)
+            (loss * (scale / n)).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        ok = self._sync_grads(scale)
+        if grads_out is not None:
+            for fqn, p in self.optimizer_params().items():
+                if p.grad is not None:
+                    grads_out[fqn] = p.grad.full_tensor()
+        if ok:
+            optimizer.step()
+            self._gather_masters()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss.full_tensor().item())
+        for p in self.unique_params():
+            p.grad = None
+        return float(total.full_tensor().item()) / n
+
+    def _sync_grads(self, scale: float) -> bool:
+        finite = True
+        for p in self.unique_params():
+            if p.grad is None:
+                continue
+            master = self.masters.get(id(p))
+            target = master.placements if master is not None and self.stage.zero == 2 \
+                else p.placements
+            grad = p.grad.redistribute(placements=target) \
+                if tuple(p.grad.placements) != tuple(target) else p.grad
+            if master is not None:  # ZeRO-1: all-reduced grad, keep our shard (no comm)
+                grad = grad.redistribute(placements=master.placements)
+            if scale != 1.0:
+                grad = grad / scale
+                finite = finite and bool(torch.isfinite(grad.to_local()).all())
+            if master is not None:
+                master.grad, p.grad = grad, None
+            else:
+                p.grad = grad
+        if scale != 1.0:  # every rank skips the step if any rank overflowed
+            flag = torch.tensor([0.0 if finite else 1.0], device=self.mesh.device_type)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return flag.item() == 0.0
+        return True
+
+    def _gather_masters(self) -> None:
+        with torch.no_grad():
+            for p in self.unique_params():
+                master = self.masters.get(id(p))
+                if master is not None:
+                    p.copy_(master.redistribute(placements=p.placements))
 
     def unique_params(self) -> list[nn.Parameter]:
-        return list({id(p): p for p in self.params.values()}.values())
+        return list({id(p): p for p in self.params.values() if isinstance(p, nn.Parameter)}.values())
+
+    def named_unique_params(self) -> dict[str, nn.Parameter]:
+        """First FQN of every distinct parameter (tied ones once), in graph order."""
+        out, seen = {}, set()
+        for name, p in self.params.items():
+            if isinstance(p, nn.Parameter) and id(p) not in seen:
+                seen.add(id(p))
+                out[name.removeprefix(_WRAPPER_PREFIX)] = p
+        return out
+
+    def optimizer_params(self) -> dict[str, nn.Parameter]:
+        """What the optimizer steps, by FQN: the parameters, or their ZeRO-1/2 master shards."""
+        return {fqn: self.masters.get(id(p), p) for fqn, p in self.named_unique_params().items()}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to a full tensor (for tests and checkpoints)."""
-        return {name.removeprefix(_WRAPPER_PREFIX): p.full_tensor() for name, p in self.params.items()}
+        return {name.removeprefix(_WRAPPER_PREFIX): p.full_tensor() for name, p in self.params.items()
+                if isinstance(p, nn.Parameter)}
 
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
-                loss_fn=None) -> ParallelModel:
-    """Place ``model`` (real weights, on CPU) on the current process group per ``plan``."""
+                loss_fn=None, program: "TracedProgram | None" = None) -> ParallelModel:
+    """Place ``model`` (real weights, on CPU) on the current process group per ``plan``.
+
+    ``program`` reuses the trace of an earlier call on the same model and shapes
+    (``ParallelModel.program``), which saves the export when several plans run in a row."""
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs inside a torchrun worker: init_process_group first")
-    if plan.num_stages != 1:
-        raise NotSupportedError(f"this plan has {plan.num_stages} pipeline stages; the runtime "
-                                "runs single-stage plans only so far")
+    if plan.num_stages > 1:
+        from meshplan.runtime.pipeline import parallelize_pipeline
+
+        return parallelize_pipeline(model, plan, example_inputs, loss_fn=loss_fn)
     if dist.get_world_size() != plan.num_devices:
-        raise RuntimeError(f"plan needs {plan.num_devices} processes, this run has "
-                           f"{dist.get_world_size()}; launch with --nproc_per_node "
-                           f"{plan.num_devices}")
+        raise PlanFileError(f"plan needs {plan.num_devices} processes, this run has "
+                            f"{dist.get_world_size()}; launch with --nproc_per_node "
+                            f"{plan.num_devices}")
     # Trace on meta, exactly as the planner did: node names and the fingerprint then agree
     # with the plan (a trace on CPU differs in no-op layout ops such as contiguous).
     meta_inputs = tuple(torch.empty_like(x, device="meta") for x in example_inputs)
-    ep = export_training_graph(meta_copy(model), meta_inputs, loss_fn)
-    graph = graph_from_export(ep, model)
+    if program is None or program.microbatches != plan.training.microbatches:
+        ep = export_training_graph(meta_copy(model), meta_inputs, loss_fn)
+        graph = graph_from_export(ep, model)
+        ep = microbatch_program(model, plan, ep, meta_inputs, loss_fn)
+        program = TracedProgram(ep, graph, plan.training.microbatches)
+    ep, graph = program.exported, program.graph
     plan.check_model(graph.fingerprint)
 
     stage = plan.stages[0]
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device_type, stage.mesh_shape, mesh_dim_names=stage.axis_names)
     gm = runnable_graph_module(ep, device_type=device_type)
+    params = distribute_params(model, gm, mesh, stage, device_type)
+    pm = ParallelModel(plan=plan, mesh=mesh, gm=gm, params=params, program=program,
+                       input_placements=[stage.inputs[name] for name, _ in graph.inputs],
+                       block_prefix=_WRAPPER_PREFIX + find_repeated_blocks(model)[0])
+    if stage.zero in (1, 2):
+        axes = data_parallel_axes(stage)
+        for p in pm.unique_params():
+            target = to_placements(sharded_over(_texts(p.placements), axes))
+            pm.masters[id(p)] = nn.Parameter(p.detach().redistribute(placements=target))
+    return pm
+
+
+def microbatch_program(model, plan: Plan, ep, meta_inputs, loss_fn):
+    """The exported graph at the microbatch shape (views in the graph carry global shapes)."""
+    n = plan.training.microbatches
+    if n == 1:
+        return ep
+    if meta_inputs[0].shape[0] % n:
+        raise PlanFileError(f"global batch {meta_inputs[0].shape[0]} does not split into "
+                            f"{n} microbatches")
+    micro = tuple(x[: x.shape[0] // n] for x in meta_inputs)
+    ep_micro = export_training_graph(meta_copy(model), micro, loss_fn)
+    names = [n_.name for n_ in ep.graph.nodes]
+    if [n_.name for n_ in ep_micro.graph.nodes] != names:
+        raise NotSupportedError("the model traces to a different graph at the microbatch "
+                                "shape than at the global batch; gradient accumulation needs "
+                                "a shape-independent graph")
+    return ep_micro
+
+
+def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
+                      device_type: str) -> dict[str, nn.Parameter]:
+    """Every graph parameter as a DTensor with its storage placement; tied ones share one."""
     real = dict(model.named_parameters(remove_duplicate=False))
     params, by_id = {}, {}
     for name, meta_param in gm.named_parameters(remove_duplicate=False):
-        if id(meta_param) not in by_id:  # tied parameters share one DTensor
+        if id(meta_param) not in by_id:
             fqn = name.removeprefix(_WRAPPER_PREFIX)
-            tensor = real[fqn].detach().to(device_type)
+            if fqn not in stage.params:
+                raise PlanFileError(f"the plan places no parameter {fqn}; re-plan this model")
+            tensor = real[fqn].detach().to(device_type, torch.float32)
             by_id[id(meta_param)] = nn.Parameter(
-                distribute_tensor(tensor, mesh, to_placements(stage.params[fqn])))
+                distribute_tensor(tensor, mesh, to_placements(storage_placements(stage, fqn))))
         params[name] = by_id[id(meta_param)]
-    inputs = [to_placements(stage.inputs[name]) for name, _ in graph.inputs]
-    return ParallelModel(plan=plan, mesh=mesh, gm=gm, params=params, input_placements=inputs)
+    real_buffers = dict(model.named_buffers(remove_duplicate=False))
+    for name, _ in gm.named_buffers(remove_duplicate=False):  # e.g. rotary inv_freq
+        fqn = name.removeprefix(_WRAPPER_PREFIX)
+        if fqn in real_buffers:
+            params[name] = distribute_tensor(real_buffers[fqn].to(device_type), mesh,
+                                             [Replicate()] * mesh.ndim)
+    return params
+
+
+def _texts(placements) -> tuple[str, ...]:
+    from meshplan.runtime.spmd import placement_texts
+    return placement_texts(placements)
 
 
 def make_optimizer(params, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The plan's optimizer over DTensor parameters (fp32 master weights)."""
+    params = list(params.values()) if isinstance(params, dict) else list(params)
     if plan.training.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return torch.optim.Adam(params, lr=lr, foreach=False)
