@@ -15,7 +15,7 @@ from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MemoryLimitError, NotSupportedError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
-from meshplan.planner.dataparallel import plan_data_parallel
+from meshplan.planner.singlestage import plan_single_stage
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.trace import trace
 from meshplan.plan import Estimate, Plan
@@ -43,15 +43,10 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Te
     if graph is None:
         graph = trace(model, example_inputs, loss_fn=loss_fn,
                       model_name=model_name or type(model).__name__)
-    plan = plan_data_parallel(graph, mesh, dtype=dtype, optimizer=optimizer)
-    limit = memory_limit_gib if memory_limit_gib is not None else mesh.hardware.device.memory_gib
-    if plan.predicted.peak_memory_gib > limit:
-        raise MemoryLimitError(
-            f"no plan in the search space ({plan.solver.name}) fits {limit:.2f} GiB per device: "
-            f"the smallest needs {plan.predicted.peak_memory_gib:.2f} GiB. Use more devices, a "
-            "smaller batch, or raise memory_limit_gib.",
-            min_memory_gib=plan.predicted.peak_memory_gib)
-    return plan
+    # one SPMD stage over every device, placements chosen by the intra-op ILP; raises
+    # MemoryLimitError (with min_memory_gib) when no strategy combination fits
+    return plan_single_stage(graph, mesh, dtype=dtype, optimizer=optimizer,
+                             memory_limit_gib=memory_limit_gib, time_limit_s=time_limit_s)
 
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor] = (), *,
