@@ -85,10 +85,77 @@ def cmd_run(args) -> int:
                     metrics_out=args.metrics_out)
 
 
-def cmd_show(args) -> int:
+def _plan_and_graph(path: str, model: str = ""):
+    """Load a plan file; with a model spec, re-trace its graph (checks the fingerprint)."""
+    from meshplan.explain import retrace
     from meshplan.plan import Plan
 
-    print(Plan.from_json(args.plan).summary())
+    plan = Plan.from_json(path)
+    return plan, (retrace(plan, model) if model else None)
+
+
+def cmd_show(args) -> int:
+    from meshplan.inspect import summary_text
+
+    plan, graph = _plan_and_graph(args.plan, args.model)
+    print(summary_text(plan, graph=graph))
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from meshplan.explain import explain, explain_text
+
+    if (args.node is None) == (args.layer is None):
+        raise SpecError("explain needs exactly one of --node NAME or --layer N")
+    if args.node is not None:
+        from meshplan.explain import find_stage
+        from meshplan.plan import Plan
+
+        find_stage(Plan.from_json(args.plan), args.node)  # a bad name fails before tracing
+    plan, graph = _plan_and_graph(args.plan, args.model)
+    if graph is None:
+        raise SpecError("explain re-prices the alternatives with the model's operator graph, "
+                        "which a plan file does not hold; pass --model SPEC (the spec the "
+                        "plan was made from)")
+    expls = explain(plan, graph, node=args.node, layer=args.layer)
+    print(explain_text(expls, plan, limit=0 if args.node else args.limit))
+    return 0
+
+
+def cmd_diff(args) -> int:
+    from meshplan.diff import diff_plans, diff_text
+    from meshplan.plan import Plan
+
+    a, b = Plan.from_json(args.a), Plan.from_json(args.b)
+    print(diff_text(diff_plans(a, b), a, b))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from meshplan.report import write_report
+
+    _check_writable(args.output)
+    plan, graph = _plan_and_graph(args.plan, args.model)
+    write_report(plan, args.output, graph=graph)
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from meshplan.specs import parse_mesh_spec
+    from meshplan.sweep import run_sweep
+
+    _check_writable(args.output)
+    if args.plot:
+        _check_writable(args.plot)
+    mesh = parse_mesh_spec(args.mesh)
+    spec, model, inputs = _load_model_and_inputs(args)
+    frame = run_sweep(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
+                      output=args.output, plot=args.plot, auto=not args.no_auto,
+                      time_limit_s=args.time_limit_s, progress=True)
+    fits = int(frame["fits"].sum()) if len(frame) else 0
+    print(f"wrote {args.output}: {len(frame)} configurations, {fits} fit"
+          + (f"; plot {args.plot}" if args.plot else ""))
     return 0
 
 
@@ -143,18 +210,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-out", default="")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("show", help="print a plan as tables")
-    p.add_argument("plan")
-    p.set_defaults(func=cmd_show)
+    _add_reading_commands(sub, model_mesh)
 
-    for name, text in (("explain", "why the solver chose a placement"),
-                       ("diff", "compare two plans"), ("estimate", "predict a plan's cost"),
-                       ("calibrate", "measure this machine"), ("sweep", "enumerate the space"),
-                       ("report", "HTML report of a plan")):
+    for name, text in (("estimate", "predict a plan's cost"),
+                       ("calibrate", "measure this machine")):
         p = sub.add_parser(name, help=text)
         p.add_argument("args", nargs="*")
         p.set_defaults(func=_not_yet(name))
     return ap
+
+
+def _add_reading_commands(sub, model_mesh) -> None:
+    """show, explain, diff, report, sweep: reading plans and the space around them."""
+    retrace = "model spec the plan was made from; re-traces the graph for richer answers"
+    p = sub.add_parser("show", help="print a plan as tables")
+    p.add_argument("plan")
+    p.add_argument("--model", default="", help=retrace)
+    p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("explain", help="the alternatives the solver had at a layer or operator")
+    p.add_argument("plan")
+    p.add_argument("--model", default="", help=retrace + " (needed)")
+    p.add_argument("--layer", type=int, default=None)
+    p.add_argument("--node", default=None, help="operator name, as in the plan's ops")
+    p.add_argument("--limit", type=int, default=6, help="alternatives shown per operator "
+                   "with --layer (0: all)")
+    p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("diff", help="compare two plans and price each difference")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.set_defaults(func=cmd_diff)
+
+    p = sub.add_parser("report", help="self-contained HTML report of a plan, with pictures")
+    p.add_argument("plan")
+    p.add_argument("-o", "--output", required=True, help="report.html")
+    p.add_argument("--model", default="", help=retrace)
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("sweep", help="every uniform dp/tp/pp configuration, priced, as parquet")
+    model_mesh(p)
+    p.add_argument("-o", "--output", required=True, help="space.parquet")
+    p.add_argument("--plot", default="", help="time against memory with the Pareto front (.png)")
+    p.add_argument("--no-auto", action="store_true", help="do not run autoparallel to mark "
+                   "the automatic plan")
+    p.add_argument("--time-limit-s", type=float, default=30.0, help="for the automatic plan")
+    p.set_defaults(func=cmd_sweep)
 
 
 def main(argv=None) -> int:

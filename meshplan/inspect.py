@@ -1,23 +1,227 @@
-"""Reading plans: the summary table a person reads in 30 seconds.
+"""Reading plans: the tables and plain words of ``meshplan show`` and ``Plan.summary()``.
 
-trace -> cost -> solve -> plan -> **read**. Pure functions of a Plan; the CLI prints them.
+trace -> cost -> solve -> plan -> **read**. Pure functions of a Plan (and, when there is
+one, the OpGraph it was made from): the top table (predicted step time, throughput, MFU,
+bubble, peak memory against capacity, solver status and gap), one row per stage (devices,
+layers, recompute, memory breakdown, compute against communication), and one line per
+group of identical layers saying in words how their weights and batch are split
+("attention qkv: column-parallel over axis 1 (gpu); batch over axis 0 (node)").
+
+A plan loaded from a file carries no graph; the words then come from the parameter table
+alone ("weight split on dim 1"). With the graph (``Plan.graph``, or re-traced with
+``meshplan show --model``) they name the parallel style from the consuming operator.
 """
 
 from __future__ import annotations
 
 import io
+import re
+from dataclasses import dataclass
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from meshplan.plan import Plan
+from meshplan.plan import Plan, Stage
+
+# Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
+# naming in transformers); anything else shows its module path.
+MODULE_WORDS = {
+    "attn.c_attn": "attention qkv", "attn.c_proj": "attention out",
+    "mlp.c_fc": "mlp up", "mlp.c_proj": "mlp down",
+    "self_attn.q_proj": "attention q", "self_attn.k_proj": "attention k",
+    "self_attn.v_proj": "attention v", "self_attn.o_proj": "attention out",
+    "self_attn.out_proj": "attention out",
+    "mlp.gate_proj": "mlp gate", "mlp.up_proj": "mlp up", "mlp.down_proj": "mlp down",
+    "attention.query_key_value": "attention qkv", "attention.dense": "attention out",
+    "mlp.dense_h_to_4h": "mlp up", "mlp.dense_4h_to_h": "mlp down",
+    "attention.self.query": "attention q", "attention.self.key": "attention k",
+    "attention.self.value": "attention v", "attention.output.dense": "attention out",
+    "intermediate.dense": "mlp up", "output.dense": "mlp down",
+    "fc1": "mlp up", "fc2": "mlp down",
+    "ln_1": "norm 1", "ln_2": "norm 2", "input_layernorm": "norm 1",
+    "post_attention_layernorm": "norm 2",
+    "wte": "token embedding", "wpe": "position embedding", "embed_tokens": "token embedding",
+    "lm_head": "output head", "ln_f": "final norm", "norm": "final norm",
+    "word_embeddings": "token embedding", "position_embeddings": "position embedding",
+}
+_LAYER_RE = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
+OUTSIDE = -1  # embedding, final norm and head: outside the repeated blocks
 
 
-def _fmt_time(s: float) -> str:
+def fmt_time(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
-def summary_table(plan: Plan) -> list:
+def fmt_range(first: int, last: int) -> str:
+    """Inclusive range of layer indices in words."""
+    if first == OUTSIDE:
+        return "outside blocks"
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def module_words(module: str) -> str:
+    parts = module.split(".")
+    for k in (3, 2, 1):
+        key = ".".join(parts[-k:])
+        if len(parts) >= k and key in MODULE_WORDS:
+            return MODULE_WORDS[key]
+    return module
+
+
+def split_param_name(name: str) -> tuple[int, str]:
+    """``transformer.h.3.attn.c_attn.weight`` -> (3, "attn.c_attn"); outside blocks -> -1."""
+    owner = name.rsplit(".", 1)[0] if "." in name else name
+    m = _LAYER_RE.match(owner)
+    if m:
+        return int(m.group(2)), m.group(3)
+    return OUTSIDE, owner
+
+
+def axis_label(stage: Stage, axis: int) -> str:
+    return f"axis {axis} ({stage.axis_names[axis]})"
+
+
+def _param_consumer_outputs(stage: Stage, graph) -> dict[str, tuple]:
+    """parameter -> (consuming node, its output placements), from the graph when known."""
+    out: dict[str, tuple] = {}
+    if graph is None:
+        return out
+    for name, op in stage.ops.items():
+        if name not in graph:
+            continue
+        node = graph.node(name)
+        for p in node.params:
+            out.setdefault(p, (node, op.output))
+    for info in graph.params:  # tied weights (embedding = output head) share a consumer
+        if info.tied_to is not None:
+            if info.name not in out and info.tied_to in out:
+                out[info.name] = out[info.tied_to]
+            elif info.tied_to not in out and info.name in out:
+                out[info.tied_to] = out[info.name]
+    return out
+
+
+def _style(param_pl: str, axis: int, consumer) -> str:
+    """Words for one sharded parameter on one axis."""
+    d = int(param_pl[2:-1]) if param_pl.startswith("S(") else None
+    if consumer is not None:
+        node, out = consumer
+        kind = str(node.kind)
+        opl = out[axis] if axis < len(out) else "R"
+        ndim = len(node.out.shape) if node.out is not None else 0
+        if kind == "matmul":
+            if opl == "P":
+                return "row-parallel"
+            if opl.startswith("S(") and ndim and int(opl[2:-1]) == ndim - 1:
+                return "column-parallel"
+        if kind == "embedding" and d == 0:
+            return "vocab-parallel"
+        if kind == "embedding" and d == 1:
+            return "hidden-parallel"
+    if param_pl == "P":
+        return "partial sums"
+    return f"weight split on dim {d}"
+
+
+def param_styles(stage: Stage, graph=None) -> dict[int, dict[str, list[tuple[int, str]]]]:
+    """layer -> readable module name -> [(mesh axis, style)] for its sharded weights.
+
+    Every module with parameters appears, with an empty list when all are replicated.
+    """
+    consumers = _param_consumer_outputs(stage, graph)
+    layer_of = {}
+    if graph is not None:
+        for name in stage.ops:
+            if name in graph:
+                for p in graph.node(name).params:
+                    layer_of.setdefault(p, graph.node(name).layer)
+    out: dict[int, dict[str, list[tuple[int, str]]]] = {}
+    for pname, pl in stage.params.items():
+        layer, module = split_param_name(pname)
+        layer = layer_of.get(pname, layer)
+        styles = out.setdefault(layer, {}).setdefault(module_words(module), [])
+        if pname.endswith(".bias") and pname[:-5] + ".weight" in stage.params:
+            continue  # the weight already says it
+        for axis, p in enumerate(pl):
+            if p != "R" and stage.mesh_shape[axis] > 1:
+                item = (axis, _style(p, axis, consumers.get(pname)))
+                if item not in styles:
+                    styles.append(item)
+    return out
+
+
+def stage_layer_words(stage: Stage, graph=None) -> dict[int, str]:
+    """For every layer of the stage (and -1 for ops outside blocks), its placements in words."""
+    per_layer = {
+        layer: {w: [f"{style} over {axis_label(stage, axis)}" for axis, style in items]
+                for w, items in modules.items()}
+        for layer, modules in param_styles(stage, graph).items()}
+    batch = _batch_words(stage)
+    first, last = stage.layers[0], stage.layers[1] - 1
+    layers = sorted(set(range(first, last + 1)) | set(per_layer))
+    out = {}
+    for layer in layers:
+        phrases = per_layer.get(layer, {})
+        parts = [f"{w}: {', '.join(ps)}" for w, ps in phrases.items() if ps]
+        text = "; ".join(parts) if parts else "weights replicated"
+        if batch:
+            text += "; " + batch
+        if stage.zero:
+            text += f"; ZeRO-{stage.zero}"
+        out[layer] = text
+    return out
+
+
+def _batch_words(stage: Stage) -> str:
+    """How the first graph input (the token ids) is split: batch and sequence axes."""
+    split: dict[str, list[str]] = {}
+    for placements in list(stage.inputs.values())[:1]:
+        for axis, p in enumerate(placements):
+            if stage.mesh_shape[axis] > 1 and p in ("S(0)", "S(1)"):
+                word = "batch" if p == "S(0)" else "sequence"
+                split.setdefault(word, []).append(f"{axis} ({stage.axis_names[axis]})")
+    return "; ".join(f"{w} over axis {ax[0]}" if len(ax) == 1 else
+                     f"{w} over axes {', '.join(ax)}" for w, ax in split.items())
+
+
+def fmt_mem(gib: float) -> str:
+    a = abs(gib)
+    if a >= 1 or a == 0:
+        return f"{gib:.2f} GiB"
+    return f"{gib * 1024:.2f} MiB" if a >= 2 ** -10 else f"{gib * 2 ** 20:.1f} KiB"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Consecutive layers of one stage whose placements read the same."""
+
+    stage: int
+    first: int
+    last: int
+    words: str
+
+
+def layer_groups(plan: Plan, graph=None) -> list[LayerGroup]:
+    graph = graph if graph is not None else plan.graph
+    groups: list[LayerGroup] = []
+    for st in plan.stages:
+        words = stage_layer_words(st, graph)
+        for layer in sorted(words):
+            prev = groups[-1] if groups else None
+            if (prev and prev.stage == st.index and prev.words == words[layer]
+                    and prev.last == layer - 1 and layer != OUTSIDE and prev.first != OUTSIDE):
+                groups[-1] = LayerGroup(st.index, prev.first, layer, prev.words)
+            else:
+                groups.append(LayerGroup(st.index, layer, layer, words[layer]))
+    return groups
+
+
+# -- tables -------------------------------------------------------------------------------------
+
+def head_table(plan: Plan) -> Table:
     p, t = plan.predicted, plan.training
     head = Table(title=f"meshplan plan: {plan.model.name} on {plan.mesh.name} "
                        f"(mesh {'x'.join(map(str, plan.mesh.shape))}, {plan.num_devices} devices)",
@@ -25,38 +229,74 @@ def summary_table(plan: Plan) -> list:
     head.add_column("what", style="bold")
     head.add_column("value")
     head.add_row("parameters", f"{plan.model.param_count:,}")
+    sched = t.schedule + (f" x{t.virtual_stages} virtual" if t.virtual_stages > 1 else "")
     head.add_row("global batch x seq", f"{t.global_batch} x {t.seq_len} "
-                 f"({t.microbatches} microbatch{'es' if t.microbatches != 1 else ''}, {t.dtype}, "
+                 f"({t.microbatches} microbatch{'es' if t.microbatches != 1 else ''}"
+                 f"{f' of {t.microbatch_size}' if t.microbatch_size else ''}, {t.dtype}, "
                  f"{t.optimizer})")
-    head.add_row("predicted step time", _fmt_time(p.step_time_s))
+    head.add_row("stages / schedule", f"{plan.num_stages} / {sched}"
+                 + (", sequence parallel" if t.sequence_parallel else ""))
+    head.add_row("predicted step time", fmt_time(p.step_time_s))
     head.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s")
     head.add_row("MFU", f"{p.mfu * 100:.1f}%")
     head.add_row("pipeline bubble", f"{p.bubble_fraction * 100:.1f}%")
     head.add_row("peak memory / device", f"{p.peak_memory_gib:.3f} GiB of "
-                 f"{p.memory_capacity_gib:.1f} GiB" + ("" if p.fits else "  [red]DOES NOT FIT[/red]"))
-    head.add_row("time breakdown", ", ".join(f"{k} {_fmt_time(v)}" for k, v in p.breakdown.items()))
-    head.add_row("solver", f"{plan.solver.name}: {plan.solver.status}, gap {plan.solver.gap:.2%}")
+                 f"{p.memory_capacity_gib:.1f} GiB ({_pct(p.peak_memory_gib, p.memory_capacity_gib)})"
+                 + ("" if p.fits else f"  DOES NOT FIT: {p.overflow}"))
+    head.add_row("time breakdown", ", ".join(f"{k} {fmt_time(v)}" for k, v in p.breakdown.items()))
+    head.add_row("solver", f"{plan.solver.name}: {plan.solver.status}, gap {plan.solver.gap:.2%}, "
+                 f"{plan.solver.time_s:.2f} s (deterministic)")
     for note in plan.solver.notes:
         head.add_row("note", note)
+    return head
 
-    stages = Table(title="stages", title_justify="left")
+
+def _pct(a: float, b: float) -> str:
+    return f"{a / b:.0%}" if b else "-"
+
+
+def stage_table(plan: Plan) -> Table:
+    stages = Table(title="stages (memory per device in GiB; time of one microbatch)",
+                   title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False,
+                   padding=(0, 1))
     for col in ("stage", "devices", "mesh", "layers", "recompute", "zero", "params", "grads",
-                "optimizer", "activations", "compute", "comm"):
-        stages.add_column(col)
+                "optim", "activ", "total", "compute", "comm"):
+        stages.add_column(col, justify="left" if col == "recompute" else "right")
     for st in plan.stages:
         m = st.predicted.memory
         devs = f"{st.devices[0]}-{st.devices[-1]}" if len(st.devices) > 1 else str(st.devices[0])
-        stages.add_row(str(st.index), devs, "x".join(map(str, st.mesh_shape)),
+        c, k = st.predicted.compute_s, st.predicted.comm_s
+        stages.add_row(str(st.index), f"{devs} ({len(st.devices)})",
+                       "x".join(map(str, st.mesh_shape)),
                        f"{st.layers[0]}-{st.layers[1] - 1}" if st.layers[1] > st.layers[0] else "-",
                        st.recompute, str(st.zero), f"{m.params_gib:.3f}", f"{m.grads_gib:.3f}",
-                       f"{m.optimizer_gib:.3f}", f"{m.activations_gib:.3f}",
-                       _fmt_time(st.predicted.compute_s), _fmt_time(st.predicted.comm_s))
-    return [head, stages]
+                       f"{m.optimizer_gib:.3f}", f"{m.activations_gib:.3f}", f"{m.total_gib:.3f}",
+                       fmt_time(c), f"{fmt_time(k)} ({_pct(k, c + k)})")
+    return stages
 
 
-def summary_text(plan: Plan, width: int = 110) -> str:
+def layer_table(plan: Plan, graph=None) -> Table:
+    table = Table(title="placements by layer", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1),
+                  pad_edge=False)
+    table.add_column("stage", justify="right")
+    table.add_column("layers")
+    table.add_column("placements")
+    for g in layer_groups(plan, graph):
+        table.add_row(str(g.stage), fmt_range(g.first, g.last), g.words)
+    return table
+
+
+def summary_table(plan: Plan, graph=None) -> list:
+    return [head_table(plan), stage_table(plan), layer_table(plan, graph)]
+
+
+def render(tables, width: int = 120) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
-    for table in summary_table(plan):
+    for table in tables:
         console.print(table)
     return buf.getvalue()
+
+
+def summary_text(plan: Plan, width: int = 120, graph=None) -> str:
+    return render(summary_table(plan, graph), width)

@@ -1,0 +1,363 @@
+"""Why a plan chose a placement: the alternatives at one operator or layer, re-priced.
+
+trace -> cost -> solve -> plan -> **read**. For an operator of a plan this module lists
+the placements the solver could have given it on its stage mesh, prices each one with the
+cost model (compute split, the operator's own collectives, memory of its weights and
+output), and says what ruled each one out: a dimension the mesh axis does not divide, the
+device's memory, or a higher local cost than the chosen placement.
+
+The pricing is local: it does not see resharding between an operator and its neighbours,
+which the solver does see. A candidate that is locally cheaper than the chosen one is
+therefore reported as such ("cheaper here; the solver pays for it elsewhere, or it lies
+outside the search space of <solver>"), never hidden. Plans loaded from a file carry no
+graph: ``retrace`` rebuilds it from the model spec and checks the model fingerprint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, replace
+
+from meshplan.costmodel.comm import Collective, collective_time_s
+from meshplan.costmodel.compute import DTYPE_BYTES, op_time
+from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.errors import MeshplanError, PlanFileError, SpecError
+from meshplan.plan import Plan, Stage
+
+GIB = 2.0 ** 30
+# Bytes kept per parameter across steps: fp32 master weights (4) + fp32 gradients (4) +
+# optimizer state (Adam: two fp32 moments, 8; SGD with momentum: 4), plus a 2-byte
+# low-precision weight copy under mixed precision (Rajbhandari et al. 2020, ZeRO, sec. 3.1).
+STATE_BYTES = {"adam": 16, "sgd": 12}
+LOW_PRECISION_COPY = {"fp32": 0, "bf16": 2, "fp16": 2}
+# Operator kinds worth explaining on their own: the ones that carry weights or most FLOPs.
+HEAVY_KINDS = ("matmul", "attention", "embedding", "norm", "loss")
+
+
+def retrace(plan: Plan, model_spec: str):
+    """The OpGraph of ``plan``'s model, rebuilt from ``model_spec`` and the plan's batch."""
+    from meshplan.planner.trace import trace
+    from meshplan.specs import example_inputs, parse_model_spec
+
+    if plan.graph is not None:
+        return plan.graph
+    spec = parse_model_spec(model_spec)
+    model = spec.build(device="meta")
+    graph = trace(model, example_inputs(model, plan.training.global_batch, plan.training.seq_len),
+                  model_name=spec.name)
+    plan.check_model(graph.fingerprint)
+    return graph
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """One placement of an operator on its stage mesh and its price (one step).
+
+    From the local re-pricing: the operator's compute, its own collectives and its memory
+    (weights with their gradients and optimizer state, plus its output). From the solver
+    (``planner.singlestage.alternatives``): the whole plan's time and memory per device
+    with this candidate in place of the chosen one (compute/comm then are NaN).
+    """
+
+    label: str  # per-axis style in words, e.g. "column over tp, batch over dp"
+    output: tuple[str, ...]  # output placements
+    weight: tuple[str, ...]  # placements of the operator's weight ((), if it has none)
+    time_s: float
+    memory_gib: float
+    chosen: bool
+    verdict: str  # "chosen", or what ruled it out
+    compute_s: float = math.nan
+    comm_s: float = math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class NodeExplanation:
+    node: str
+    target: str
+    module_path: str
+    layer: int
+    stage: int
+    chosen_output: tuple[str, ...]
+    alternatives: tuple[Alternative, ...]
+    source: str  # who priced the alternatives
+
+
+def find_stage(plan: Plan, node_name: str) -> Stage:
+    for st in plan.stages:
+        if node_name in st.ops:
+            return st
+    names = [n for st in plan.stages for n in st.ops]
+    raise SpecError(f"node {node_name!r} is not in this plan; it has {len(names)} operators, "
+                    f"e.g. {', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
+
+
+def layer_nodes(plan: Plan, graph, layer: int) -> list[str]:
+    """The operators of ``layer`` worth explaining (weights or FLOPs), in graph order."""
+    layers = sorted({graph.node(n).layer for st in plan.stages for n in st.ops if n in graph})
+    if layer not in layers:
+        valid = [x for x in layers if x >= 0]
+        raise SpecError(f"layer {layer} does not exist in this plan; valid layers are "
+                        f"{valid[0]}-{valid[-1]}" + (" and -1 (outside blocks)" if -1 in layers else "")
+                        if valid else f"layer {layer} does not exist; valid layers: {layers}")
+    out = []
+    for st in plan.stages:
+        for name in st.ops:
+            node = graph.node(name) if name in graph else None
+            if node is not None and node.layer == layer and (
+                    node.params or str(node.kind) in HEAVY_KINDS[:2]):
+                out.append(name)
+    return out
+
+
+def _weight(node, graph):
+    """(weight name, its shape, (in_dim, out_dim)) for a matmul with a 2-D weight, else None."""
+    for p in node.params:
+        info = graph.param_map.get(p)
+        if info is not None and len(info.shape) == 2:
+            # aten.linear keeps nn.Linear's (out, in) weight; mm/addmm read an (in, out) matrix
+            dims = (1, 0) if "linear" in node.target else (0, 1)
+            return p, info.shape, dims
+    return None
+
+
+def _styles(node, graph) -> list[tuple[str, str, str]]:
+    """Per-axis choices: (word, output placement, weight placement)."""
+    out = node.out
+    ndim = len(out.shape) if out is not None else 0
+    styles = [("replicated", "R", "R")]
+    if ndim >= 1:
+        styles.append(("batch", "S(0)", "R"))
+    w = _weight(node, graph) if str(node.kind) == "matmul" else None
+    if w is not None and ndim >= 1:
+        _, _, (din, dout) = w
+        styles.append(("column", f"S({ndim - 1})", f"S({dout})"))
+        styles.append(("row", "P", f"S({din})"))
+    elif str(node.kind) == "embedding" and node.params:
+        styles.append(("vocab", "P", "S(0)"))
+    if ndim >= 3:  # (batch, seq, hidden) activations; attention's (batch, heads, seq, dim)
+        styles.append(("heads" if str(node.kind) == "attention" else "sequence", "S(1)", "R"))
+    return styles
+
+
+def _divides(node, graph, out_pl, w_pl, mesh_shape) -> str:
+    """Empty when every sharded dimension divides by its axes' sizes, else the reason."""
+    need: dict[tuple[str, int], int] = {}
+    for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
+        if o.startswith("S("):
+            need[("output", int(o[2:-1]))] = need.get(("output", int(o[2:-1])), 1) * mesh_shape[axis]
+        if w.startswith("S("):
+            need[("weight", int(w[2:-1]))] = need.get(("weight", int(w[2:-1])), 1) * mesh_shape[axis]
+    wshape = _weight(node, graph)[1] if _weight(node, graph) else ()
+    if str(node.kind) == "embedding" and node.params:
+        wshape = graph.param_map[node.params[0]].shape
+    for (what, dim), n in need.items():
+        shape = node.out.shape if what == "output" else wshape
+        if dim >= len(shape):
+            return f"{what} has no dim {dim}"
+        if shape[dim] % n:
+            return f"{what} dim {dim} of size {shape[dim]} is not divisible by {n} devices"
+    return ""
+
+
+def price(node, graph, stage: Stage, hw: HardwareProfile, out_pl, w_pl, *, dtype: str,
+          optimizer: str) -> tuple[float, float, float]:
+    """(compute_s, comm_s, memory_gib) of one placement of ``node`` for one step."""
+    mesh = stage.mesh_shape
+    work_split = 1
+    for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
+        if o != "R" or w != "R":
+            work_split *= mesh[axis]
+    compute = op_time(node, hw, dtype, work_split).total_s
+    out_split = 1
+    w_split = 1
+    for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
+        if o.startswith("S("):
+            out_split *= mesh[axis]
+        if w != "R":
+            w_split *= mesh[axis]
+    act_bytes = (node.out.numel if node.out is not None else 0) * DTYPE_BYTES[dtype] / out_split
+    wnumel = sum(graph.param_map[p].numel for p in node.params if p in graph.param_map)
+    state = (STATE_BYTES.get(optimizer, 16) + LOW_PRECISION_COPY.get(dtype, 0)) * wnumel / w_split
+    comm = 0.0
+    for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
+        n = mesh[axis]
+        crosses = _crosses(stage, axis, hw)
+        if o == "S(0)" and w == "R" and node.params:  # data parallel: gradient all-reduce
+            comm += collective_time_s(hw, Collective.ALL_REDUCE, 4 * wnumel / w_split, n,
+                                      crosses_nodes=crosses)
+        elif o == "P":  # row-parallel: forward all-reduce of the partial output
+            comm += collective_time_s(hw, Collective.ALL_REDUCE, act_bytes, n,
+                                      crosses_nodes=crosses)
+        elif w != "R":  # column-parallel: backward all-reduce of the input gradient
+            in_bytes = act_bytes * (node.bytes_read / max(node.bytes_written, 1))
+            comm += collective_time_s(hw, Collective.ALL_REDUCE, in_bytes, n,
+                                      crosses_nodes=crosses)
+    return compute, comm, (state + act_bytes) / GIB
+
+
+def _crosses(stage: Stage, axis: int, hw: HardwareProfile) -> bool:
+    """Whether a group along ``axis`` of the stage mesh spans more than one node."""
+    stride = 1
+    for s in stage.mesh_shape[axis + 1:]:
+        stride *= s
+    return stride * stage.mesh_shape[axis] > hw.devices_per_node
+
+
+def _words(output: tuple[str, ...], stage: Stage) -> str:
+    words = []
+    for axis, p in enumerate(output):
+        if p != "R" and stage.mesh_shape[axis] > 1:
+            words.append(f"{'partial' if p == 'P' else 'dim ' + p[2:-1]} over {stage.axis_names[axis]}")
+    return ", ".join(words) or "replicated"
+
+
+def solver_alternatives(plan: Plan, graph, node_name: str) -> tuple[Alternative, ...] | None:
+    """The intra-op solver's own candidates, for single-stage plans it made; else None."""
+    if plan.num_stages != 1 or not plan.solver.name.startswith("meshplan-intra-ilp"):
+        return None
+    try:
+        from meshplan.planner.singlestage import alternatives
+    except ImportError:
+        return None
+    try:
+        alts = alternatives(replace(plan, graph=graph), node_name)
+    except MeshplanError:
+        return None
+    stage = plan.stages[0]
+    return tuple(Alternative(label=_words(tuple(a.output), stage) + (" (ZeRO-3)" if a.zero3 else ""),
+                             output=tuple(a.output), weight=(), time_s=a.time_s,
+                             memory_gib=a.memory_gib, chosen=a.chosen, verdict=a.reason)
+                 for a in alts)
+
+
+def explain_node(plan: Plan, graph, node_name: str) -> NodeExplanation:
+    stage = find_stage(plan, node_name)
+    if node_name not in graph:
+        raise PlanFileError(f"node {node_name!r} is in the plan but not in the traced model; "
+                            "the plan was made for another model")
+    node = graph.node(node_name)
+    solved = solver_alternatives(plan, graph, node_name)
+    if solved is not None:
+        return NodeExplanation(node=node_name, target=node.target, module_path=node.module_path,
+                               layer=node.layer, stage=stage.index,
+                               chosen_output=tuple(stage.ops[node_name].output),
+                               alternatives=solved,
+                               source=f"{plan.solver.name} (whole-plan objective per candidate)")
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    t = plan.training
+    chosen_out = stage.ops[node_name].output
+    w = _weight(node, graph)
+    chosen_w = stage.params.get(w[0]) if w else None
+    if chosen_w is None and node.params and node.params[0] in stage.params:
+        chosen_w = stage.params[node.params[0]]
+    chosen_w = tuple(chosen_w) if chosen_w else ("R",) * len(stage.mesh_shape)
+    styles = _styles(node, graph)
+    axes = [i for i, s in enumerate(stage.mesh_shape) if s > 1]
+    seen = set()
+    rows = []
+    for combo in itertools.product(styles, repeat=len(axes)):
+        out_pl = ["R"] * len(stage.mesh_shape)
+        w_pl = ["R"] * len(stage.mesh_shape)
+        words = []
+        for axis, (word, o, wp) in zip(axes, combo):
+            out_pl[axis], w_pl[axis] = o, wp
+            if word != "replicated":
+                words.append(f"{word} over {stage.axis_names[axis]}")
+        out_pl, w_pl = tuple(out_pl), tuple(w_pl)
+        if (out_pl, w_pl) in seen:
+            continue
+        seen.add((out_pl, w_pl))
+        compute, comm, mem = price(node, graph, stage, hw, out_pl, w_pl, dtype=t.dtype,
+                                   optimizer=t.optimizer)
+        is_chosen = out_pl == tuple(chosen_out) and (not w or w_pl == chosen_w)
+        rows.append([", ".join(words) or "replicated", out_pl, w_pl if w else (), compute, comm,
+                     mem, is_chosen, _divides(node, graph, out_pl, w_pl, stage.mesh_shape)])
+    if not any(r[6] for r in rows):  # the solver chose a placement outside these styles
+        compute, comm, mem = price(node, graph, stage, hw, tuple(chosen_out), chosen_w,
+                                   dtype=t.dtype, optimizer=t.optimizer)
+        rows.insert(0, ["as planned", tuple(chosen_out), chosen_w if w else (), compute, comm,
+                        mem, True, ""])
+    chosen = next(r for r in rows if r[6])
+    stage_mem = stage.predicted.memory.total_gib
+    cap = plan.predicted.memory_capacity_gib
+    alts = []
+    for label, out_pl, w_pl, compute, comm, mem, is_chosen, bad in rows:
+        if is_chosen:
+            verdict = "chosen"
+        elif bad:
+            verdict = f"invalid: {bad}"
+        elif cap and stage_mem - chosen[5] + mem > cap:
+            verdict = (f"memory: stage would need {stage_mem - chosen[5] + mem:.2f} GiB of "
+                       f"{cap:.1f} GiB")
+        else:
+            delta = compute + comm - (chosen[3] + chosen[4])
+            if abs(delta) < 1e-6:
+                verdict = "same local cost (tie)"
+            elif delta > 0:
+                verdict = f"slower by {_fmt(delta)} per step"
+            else:
+                verdict = f"locally cheaper by {_fmt(-delta)} *"
+        alts.append(Alternative(label, out_pl, w_pl, compute + comm, mem, is_chosen, verdict,
+                                compute, comm))
+    alts.sort(key=lambda a: (not a.chosen, a.verdict.startswith("invalid"), a.time_s))
+    return NodeExplanation(node=node_name, target=node.target, module_path=node.module_path,
+                           layer=node.layer, stage=stage.index, chosen_output=tuple(chosen_out),
+                           alternatives=tuple(alts), source="meshplan.explain (local re-pricing)")
+
+
+def _fmt(s: float) -> str:
+    from meshplan.inspect import fmt_time
+
+    return fmt_time(s)
+
+
+def explain(plan: Plan, graph, *, node: str | None = None, layer: int | None = None
+            ) -> list[NodeExplanation]:
+    if (node is None) == (layer is None):
+        raise SpecError("explain needs exactly one of --node NAME or --layer N")
+    if node is not None:
+        return [explain_node(plan, graph, node)]
+    return [explain_node(plan, graph, n) for n in layer_nodes(plan, graph, layer)]
+
+
+LOCAL_NOTE = ("* local pricing does not see resharding between this operator and its "
+              "neighbours; the solver does, or the placement lies outside its search space ({})")
+
+
+def explain_text(expls: list[NodeExplanation], plan: Plan | None = None, width: int = 120,
+                 limit: int = 0) -> str:
+    """Tables of alternatives; ``limit`` > 0 keeps the chosen one and the best others."""
+    from rich import box
+    from rich.table import Table
+
+    from meshplan.inspect import render
+
+    tables = []
+    for e in expls:
+        t = Table(title=f"{e.node} ({e.target}, {e.module_path or '-'}, layer {e.layer}, stage "
+                        f"{e.stage}): output {list(e.chosen_output)}", title_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, caption_justify="left",
+                  caption=f"priced by {e.source}" + ("; " + LOCAL_NOTE.format(
+                      plan.solver.name if plan else "the planner") if any(
+                      a.verdict.endswith("*") for a in e.alternatives) else ""))
+        whole = not any(math.isfinite(a.compute_s) for a in e.alternatives)
+        cols = ("placement", "output", "weight", "compute", "comm", "memory GiB", "verdict")
+        if whole:
+            cols = ("placement", "output", "plan time", "plan memory GiB", "verdict")
+        for col in cols:
+            t.add_column(col, overflow="fold")
+        shown = e.alternatives[:limit] if limit else e.alternatives
+        for a in shown:
+            mark = ("* " if a.chosen else "  ") + a.label
+            if whole:
+                t.add_row(mark, " ".join(a.output), _fmt(a.time_s) if math.isfinite(a.time_s)
+                          else "-", f"{a.memory_gib:.4f}", a.verdict)
+            else:
+                t.add_row(mark, " ".join(a.output), " ".join(a.weight) or "-", _fmt(a.compute_s),
+                          _fmt(a.comm_s), f"{a.memory_gib:.4f}", a.verdict)
+        if len(shown) < len(e.alternatives):
+            t.add_row(*[""] * (len(cols) - 1), f"... {len(e.alternatives) - len(shown)} more "
+                      "(explain --node shows all)")
+        tables.append(t)
+    return render(tables, width)

@@ -1,0 +1,311 @@
+"""The sweep: every uniform hybrid configuration of a model on a mesh, priced, as a table.
+
+trace -> cost -> **sweep** -> read. One trace; then for every Megatron-style configuration
+(dp x tp x pp devices, microbatch size, schedule, virtual stages, recompute, sequence
+parallelism, ZeRO stage) the predicted step time, memory per device and whether it fits,
+as a pandas DataFrame (written as Parquet), with the Pareto front of time against memory
+and the automatic plan marked.
+
+The space (``configurations``): dp*tp*pp = devices; tp divides the attention heads and the
+devices of a node (tensor parallelism across nodes is never competitive, Narayanan et al.
+2021 section 3.3); pp <= layers; microbatch sizes divide the per-replica batch; schedules
+gpipe, 1f1b and interleaved-1f1b (with every virtual-stage count that divides the layers
+per stage) when pp > 1, one schedule when pp = 1; recompute none, selective, full;
+sequence parallelism on or off when tp > 1; ZeRO 0-3 when dp > 1.
+
+Speed: placements depend only on (dp, tp, pp, sequence parallelism, ZeRO-3); the other
+choices change the training config and the stages' recompute/ZeRO fields. So one
+``manual_plan`` is built per placement key and every other configuration is that plan with
+those fields replaced, priced by ``meshplan.estimate`` (the same function manual_plan uses,
+tested to agree).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+
+from meshplan.errors import MeshplanError, NotSupportedError
+from meshplan.plan import RECOMPUTE, Plan
+
+COLUMNS = ("dp", "tp", "pp", "microbatch_size", "microbatches", "schedule", "virtual_stages",
+           "recompute", "sequence_parallel", "zero")
+SHOW_PROGRESS_AFTER_S = 2.0  # a progress bar only for sweeps a person waits on
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    dp: int
+    tp: int
+    pp: int
+    microbatch_size: int
+    schedule: str
+    virtual_stages: int
+    recompute: str
+    sequence_parallel: bool
+    zero: int
+
+    @property
+    def placement_key(self) -> tuple:
+        """What the operator placements depend on; the rest is the training config."""
+        return (self.dp, self.tp, self.pp, self.sequence_parallel, self.zero == 3)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def configurations(*, devices: int, devices_per_node: int, batch: int, layers: int,
+                   heads: int, schedules=("gpipe", "1f1b", "interleaved-1f1b"),
+                   recompute=RECOMPUTE, zeros=(0, 1, 2, 3)) -> list[Config]:
+    out = []
+    for tp in divisors(devices):
+        if tp > devices_per_node or devices_per_node % tp or (heads and heads % tp):
+            continue
+        for pp in divisors(devices // tp):
+            if pp > max(layers, 1):
+                continue
+            dp = devices // (tp * pp)
+            if batch % dp:
+                continue
+            for mb in divisors(batch // dp):
+                for sched, vs in _schedules(pp, layers, schedules):
+                    for rc in recompute:
+                        for sp in ((False, True) if tp > 1 else (False,)):
+                            for z in (zeros if dp > 1 else (0,)):
+                                out.append(Config(dp, tp, pp, mb, sched, vs, rc, sp, z))
+    return out
+
+
+def _schedules(pp: int, layers: int, schedules) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [(s, 1) for s in schedules if s != "interleaved-1f1b"]
+    if "interleaved-1f1b" in schedules and layers % pp == 0:
+        out += [("interleaved-1f1b", v) for v in divisors(layers // pp) if v > 1]
+    return out
+
+
+def variant(base: Plan, c: Config) -> Plan:
+    """``base`` (built for ``c.placement_key``) with the rest of ``c`` written in."""
+    t = base.training
+    training = replace(t, microbatch_size=c.microbatch_size,
+                       microbatches=t.global_batch // (c.dp * c.microbatch_size),
+                       schedule=c.schedule,
+                       virtual_stages=c.virtual_stages if c.schedule == "interleaved-1f1b" else 1)
+    stages = tuple(replace(st, recompute=c.recompute, zero=c.zero) for st in base.stages)
+    return replace(base, training=training, stages=stages)
+
+
+def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "",
+              dtype: str | None = None, optimizer: str = "adam", output: str = "",
+              plot: str = "", auto: bool = True, time_limit_s: float = 30.0,
+              progress: bool = False, configs: list[Config] | None = None):
+    """Price every configuration; returns a DataFrame (one row per configuration, plus one
+    row ``kind == "auto"`` for the automatic plan) and writes it when ``output`` is given."""
+    import pandas as pd
+
+    import meshplan
+    from meshplan.api import default_dtype
+    from meshplan.manual import attention_heads
+
+    dtype = dtype or default_dtype(mesh)
+    if graph is None:
+        graph = meshplan.trace(model, example_inputs, model_name=model_name or type(model).__name__)
+    batch = graph.inputs[0][1].shape[0]
+    if configs is None:
+        configs = configurations(devices=mesh.num_devices, devices_per_node=mesh.devices_per_node,
+                                 batch=batch, layers=graph.num_layers,
+                                 heads=attention_heads(graph))
+    rows = []
+    bases: dict[tuple, Plan | str] = {}
+    with _Progress(len(configs), enabled=progress) as bar:
+        for c in configs:
+            key = c.placement_key
+            if key not in bases:
+                try:
+                    bases[key] = meshplan.manual_plan(
+                        model, mesh, graph=graph, dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=1,
+                        sequence_parallel=c.sequence_parallel, zero=3 if c.zero == 3 else 0,
+                        dtype=dtype, optimizer=optimizer)
+                except MeshplanError as exc:
+                    bases[key] = str(exc)
+            base = bases[key]
+            row = {**asdict(c), "microbatches": batch // (c.dp * c.microbatch_size)}
+            if isinstance(base, str):
+                rows.append({**row, "error": base})
+            else:
+                try:
+                    est = meshplan.estimate(variant(base, c), graph)
+                    rows.append({**row, **_estimate_columns(est), "error": ""})
+                except MeshplanError as exc:
+                    rows.append({**row, "error": str(exc)})
+            bar.advance()
+    frame = pd.DataFrame(rows)
+    frame["kind"] = "uniform"
+    frame["is_auto"] = False
+    if auto:
+        frame = _mark_auto(frame, model, mesh, graph, dtype, optimizer, time_limit_s)
+    frame = _with_pareto(_ensure_columns(frame))
+    if output:
+        _write_parquet(frame, output)
+    if plot:
+        plot_pareto(frame, plot, title=f"{graph.model_name} on {mesh.name}")
+    return frame
+
+
+def _estimate_columns(est) -> dict:
+    out = {"step_time_s": est.step_time_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
+           "peak_memory_gib": est.peak_memory_gib, "memory_capacity_gib": est.memory_capacity_gib,
+           "fits": bool(est.fits), "bubble_fraction": est.bubble_fraction,
+           "overflow": est.overflow}
+    for k, v in est.breakdown.items():
+        out[f"time_{k}_s"] = v
+    return out
+
+
+def _ensure_columns(frame):
+    for col, default in (("step_time_s", math.nan), ("peak_memory_gib", math.nan),
+                         ("fits", False), ("error", ""), ("overflow", "")):
+        if col not in frame:
+            frame[col] = default
+    frame["fits"] = frame["fits"].fillna(False).astype(bool)
+    frame["error"] = frame["error"].fillna("")
+    frame["overflow"] = frame["overflow"].fillna("")
+    return frame
+
+
+def _mark_auto(frame, model, mesh, graph, dtype, optimizer, time_limit_s):
+    import pandas as pd
+
+    import meshplan
+
+    try:
+        plan = meshplan.autoparallel(model, mesh, graph=graph, dtype=dtype, optimizer=optimizer,
+                                     time_limit_s=time_limit_s)
+    except MeshplanError as exc:  # e.g. nothing fits: say so in the data set
+        return pd.concat([frame, pd.DataFrame([{"kind": "auto", "is_auto": True,
+                                                "error": str(exc)}])], ignore_index=True)
+    est, t = plan.predicted, plan.training
+    same = ((frame["pp"] == plan.num_stages) & (frame["microbatches"] == t.microbatches)
+            & (frame["schedule"] == t.schedule)
+            & (frame["step_time_s"] - est.step_time_s).abs().le(1e-9 * est.step_time_s)
+            & (frame["peak_memory_gib"] - est.peak_memory_gib).abs().le(
+                1e-9 * max(est.peak_memory_gib, 1e-12)))
+    frame.loc[same, "is_auto"] = True
+    row = {"kind": "auto", "is_auto": True, "pp": plan.num_stages,
+           "microbatches": t.microbatches, "microbatch_size": t.microbatch_size,
+           "schedule": t.schedule, "virtual_stages": t.virtual_stages,
+           "sequence_parallel": t.sequence_parallel,
+           "recompute": ",".join(sorted({st.recompute for st in plan.stages})),
+           "zero": max(st.zero for st in plan.stages), "error": "",
+           "solver": f"{plan.solver.name}: {plan.solver.status}", **_estimate_columns(est)}
+    return pd.concat([frame, pd.DataFrame([row])], ignore_index=True)
+
+
+def pareto_mask(times, mems) -> list[bool]:
+    """True where no other point is at least as fast and as small, and strictly one of them."""
+    order = sorted(range(len(times)), key=lambda i: (times[i], mems[i]))
+    best = math.inf
+    keep = [False] * len(times)
+    for i in order:
+        if mems[i] < best:
+            keep[i] = True
+            best = mems[i]
+    return keep
+
+
+def _with_pareto(frame):
+    ok = frame["fits"] & frame["step_time_s"].notna()
+    frame["pareto"] = False
+    if ok.any():
+        sub = frame[ok]
+        mask = pareto_mask(list(sub["step_time_s"]), list(sub["peak_memory_gib"]))
+        frame.loc[sub.index[mask], "pareto"] = True
+    return frame
+
+
+def _write_parquet(frame, path) -> None:
+    import os
+    import tempfile
+
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".sweep.", suffix=".parquet", dir=directory)
+    os.close(fd)
+    try:
+        frame.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def plot_pareto(frame, path, title: str = "") -> None:
+    """Step time against peak memory per device; the Pareto front of fitting configurations
+    as a line, configurations that do not fit in grey, the automatic plan as a star."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    priced = frame[frame["step_time_s"].notna()]
+    if priced.empty:
+        raise NotSupportedError("no configuration could be priced; nothing to plot")
+    fig, ax = plt.subplots(figsize=(7.5, 5), dpi=110)
+    uni = priced[priced["kind"] == "uniform"]
+    bad, good = uni[~uni["fits"]], uni[uni["fits"]]
+    ax.scatter(bad["peak_memory_gib"], bad["step_time_s"], s=6, c="#BBBBBB", label="does not fit")
+    ax.scatter(good["peak_memory_gib"], good["step_time_s"], s=8, c="#0072B2", label="fits")
+    front = priced[priced["pareto"]].sort_values("peak_memory_gib")
+    ax.plot(front["peak_memory_gib"], front["step_time_s"], "-o", c="#D55E00", ms=4,
+            label="Pareto front")
+    auto = priced[priced["kind"] == "auto"]
+    if not auto.empty:
+        ax.scatter(auto["peak_memory_gib"], auto["step_time_s"], marker="*", s=180,
+                   c="#E69F00", edgecolors="black", zorder=5, label="automatic plan")
+    cap = priced["memory_capacity_gib"].dropna()
+    if not cap.empty:
+        ax.axvline(cap.iloc[0], ls="--", c="#D55E00", lw=1, label="device memory")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_ylabel("predicted step time (s)")
+    ax.set_title(title or "configurations", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+class _Progress:
+    """A rich progress bar that appears only once the sweep has taken a couple of seconds."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.done = total, enabled, 0
+        self.start = time.perf_counter()
+        self.bar = None
+
+    def __enter__(self):
+        return self
+
+    def advance(self):
+        self.done += 1
+        if not self.enabled:
+            return
+        if self.bar is None and time.perf_counter() - self.start > SHOW_PROGRESS_AFTER_S:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeRemainingColumn)
+
+            self.bar = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(),
+                                TimeRemainingColumn(), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("sweep", total=self.total, completed=self.done)
+        elif self.bar is not None:
+            self.bar.update(self.task, completed=self.done)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False
