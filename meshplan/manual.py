@@ -168,7 +168,8 @@ def _stage_params(graph: OpGraph, names) -> list[str]:
     seen: dict[str, None] = {}
     for n in names:
         for p in graph.node(n).params:
-            seen.setdefault(p, None)
+            if p in graph.param_map:  # buffers (e.g. rotary inv_freq) are not placed
+                seen.setdefault(p, None)
     roots = {graph.param_map[p].tied_to or p for p in seen}
     for p in graph.params:
         if p.name in roots or p.tied_to in roots:

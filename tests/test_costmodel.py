@@ -1,0 +1,140 @@
+"""Closed-form checks of the cost model: each collective formula, each memory term, the
+pipeline formula, schema validation, and a 175B model that cannot fit on 8 GPUs."""
+
+import json
+import math
+
+import pytest
+
+from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
+from meshplan.costmodel.hardware import (HardwareProfile, LinkSpec, load_preset, preset_names,
+                                         validate_profile)
+from meshplan.costmodel.memory import (inflight_microbatches, model_state_bytes,
+                                       state_bytes_per_param, zero3_buffer_bytes)
+from meshplan.costmodel.pipeline import pipeline_step_time
+from meshplan.errors import MeshError
+
+A, B = 1e-5, 100e9  # intra-node latency (s) and bandwidth (B/s) of the test profile
+A2, B2 = 3e-5, 10e9
+
+
+def _hw():
+    d = load_preset("dgx-a100-80gb").to_dict()
+    d["intra_node"] = {"name": "x", "bandwidth_gbps": B / 1e9, "latency_s": A, "collectives": {}}
+    d["inter_node"] = {"name": "y", "bandwidth_gbps": B2 / 1e9, "latency_s": A2, "collectives": {}}
+    return HardwareProfile.from_dict(d)
+
+
+@pytest.mark.parametrize("kind,steps,factor", [
+    (Collective.ALL_REDUCE, lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n),
+    (Collective.ALL_GATHER, lambda n: n - 1, lambda n: (n - 1) / n),
+    (Collective.REDUCE_SCATTER, lambda n: n - 1, lambda n: (n - 1) / n),
+    (Collective.ALL_TO_ALL, lambda n: n - 1, lambda n: (n - 1) / n),
+    (Collective.BROADCAST, lambda n: n - 1, lambda n: 1.0),
+    (Collective.SEND_RECV, lambda n: 1, lambda n: 1.0),
+])
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_flat_collectives_closed_form(kind, steps, factor, n):
+    hw, nbytes = _hw(), 64e6
+    assert collective_time_s(hw, kind, nbytes, n) == pytest.approx(steps(n) * A + factor(n) * nbytes / B)
+    assert collective_time_s(hw, kind, nbytes, n, crosses_nodes=True) == \
+        pytest.approx(steps(n) * A2 + factor(n) * nbytes / B2)
+    assert collective_time_s(hw, kind, nbytes, 1) == 0.0
+
+
+def test_hierarchical_all_reduce_is_rs_ar_ag():
+    hw, nb = _hw(), 80e6
+    local, nodes = 8, 4
+    expect = ((local - 1) * A + (local - 1) / local * nb / B  # reduce-scatter in the node
+              + 2 * (nodes - 1) * A2 + 2 * (nodes - 1) / nodes * (nb / local) / B2  # across nodes
+              + (local - 1) * A + (local - 1) / local * nb / B)  # all-gather in the node
+    got = collective_time_s(hw, "all_reduce", nb, 32, crosses_nodes=True, local_size=8)
+    assert got == pytest.approx(expect)
+    ag = collective_time_s(hw, "all_gather", nb, 32, crosses_nodes=True, local_size=8)
+    assert ag == pytest.approx((nodes - 1) * A2 + (nodes - 1) / nodes * nb / local / B2
+                               + (local - 1) * A + (local - 1) / local * nb / B)
+
+
+def test_per_collective_override():
+    link = LinkSpec("l", 10.0, 1e-5, collectives={"all_gather": {"bandwidth_gbps": 5.0}})
+    assert link.for_collective("all_gather") == (5.0, 1e-5)
+    assert link.for_collective("all_reduce") == (10.0, 1e-5)
+
+
+def test_axis_link_row_major():
+    # (pp-free) stage mesh (dp=4, tp=8) on 8-GPU nodes: tp inside a node, dp across nodes
+    assert axis_link((4, 8), 1, 8) == (False, 8)
+    assert axis_link((4, 8), 0, 8) == (True, 1)
+    assert axis_link((2, 4), 0, 8) == (False, 2)
+    assert axis_link((4, 2), 0, 4) == (True, 2)  # 2 members of each dp group per node
+
+
+@pytest.mark.parametrize("dtype,opt,expect", [
+    ("fp32", "adam", (4, 4, 8)), ("bf16", "adam", (2, 4, 12)),
+    ("fp32", "sgd", (4, 4, 4)), ("fp16", "sgd", (2, 4, 8)),
+])
+def test_state_bytes_per_param(dtype, opt, expect):
+    b = state_bytes_per_param(dtype, opt)
+    assert (b.weights, b.grads, b.optimizer) == expect
+    if (dtype, opt) == ("bf16", "adam"):
+        assert b.total == 18  # Megatron-LM distributed optimizer table
+
+
+@pytest.mark.parametrize("zero,expect", [
+    (0, (2 * 1e9, 4 * 1e9, 12 * 1e9)), (1, (2e9, 4e9, 12e9 / 8)),
+    (2, (2e9, 4e9 / 8, 12e9 / 8)), (3, (2e9 / 8, 4e9 / 8, 12e9 / 8)),
+])
+def test_zero_stages(zero, expect):
+    got = model_state_bytes(1e9, dtype="bf16", optimizer="adam", zero=zero, dp=8)
+    assert got == pytest.approx(expect)
+
+
+def test_zero3_buffer():
+    assert zero3_buffer_bytes(1e6, dtype="bf16") == 2 * 1e6 * 2
+
+
+@pytest.mark.parametrize("schedule,stage,p,m,v,expect", [
+    ("gpipe", 0, 4, 16, 1, 16), ("gpipe", 3, 4, 16, 1, 16),
+    ("1f1b", 0, 4, 16, 1, 4), ("1f1b", 3, 4, 16, 1, 1), ("1f1b", 0, 4, 2, 1, 2),
+    ("interleaved-1f1b", 0, 4, 16, 2, 4 * (1 + 3 / 8)),
+    ("1f1b", 0, 1, 8, 1, 1),
+])
+def test_inflight_microbatches(schedule, stage, p, m, v, expect):
+    assert inflight_microbatches(schedule, stage, p, m, v) == pytest.approx(expect)
+
+
+def test_pipeline_step_time_closed_form():
+    t = pipeline_step_time([1.0] * 4, 8, "1f1b")
+    assert t.step_s == pytest.approx(8 + 3)  # (m + p - 1) t
+    assert t.bubble_s == pytest.approx(3)
+    ti = pipeline_step_time([1.0] * 4, 8, "interleaved-1f1b", 3)
+    assert ti.step_s == pytest.approx(8 + 3 / 3)  # bubble (p-1)/v
+    uneven = pipeline_step_time([1.0, 2.0, 1.0], 4, "gpipe")
+    assert uneven.step_s == pytest.approx(sum([1, 2, 1]) + 3 * 2)  # Alpa: sum + (m-1) max
+
+
+def test_presets_validate_and_cite_sources():
+    for name in preset_names():
+        hw = load_preset(name)
+        assert hw.sources, name
+
+
+def test_schema_file_matches_docs():
+    from pathlib import Path
+
+    import meshplan.costmodel as cm
+    root = Path(cm.__file__).resolve().parent.parent
+    assert (root / "docs" / "hardware.schema.json").read_text() == \
+        (Path(cm.__file__).parent / "hardware.schema.json").read_text()
+
+
+def test_bad_profile_rejected():
+    d = load_preset("dgx-h100").to_dict()
+    del d["device"]["memory_gib"]
+    assert validate_profile(d)
+    with pytest.raises(MeshError, match="memory_gib"):
+        HardwareProfile.from_dict(d)
+    d = load_preset("dgx-h100").to_dict()
+    d["device"]["matmul_efficiency"]["max_eff"] = 1.5
+    with pytest.raises(MeshError, match="max_eff"):
+        HardwareProfile.from_dict(json.loads(json.dumps(d)))
