@@ -38,7 +38,7 @@ plan, which is what keeps a 1,024-device search in seconds.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol
 
@@ -67,7 +67,7 @@ class StageCost:
     weights_gib: float = 0.0  # parameters + gradients + optimizer state
     activation_gib: float = 0.0  # held per in-flight microbatch
     transient_gib: float = 0.0  # working peak of one microbatch's backward
-    recv_bytes: float = 0.0  # activations per device received from the previous stage
+    recv_s: float = 0.0  # one receive of the stage's input activations (0 for the first stage)
     placements: object = field(default=None, compare=False)  # the intra planner's solution
 
 
@@ -90,6 +90,8 @@ class SearchSpace:
     tensor_degrees: tuple[int, ...] | None = None  # None: every divisor within a node
     virtual_stages: tuple[int, ...] = (2, 3, 4)
     max_stages: int | None = None
+    microbatch_sizes: tuple[int, ...] | None = None  # sequences per dp rank; None: any
+    sequence_parallel: tuple[bool, ...] = (False,)  # tried per pipeline (tp > 1 only)
     mixed_meshes: bool = True  # stages of one pipeline may pick different (dp, tp)
     eps: float = 0.0  # bound candidates closer than a factor (1 + eps) merge; 0 = exact
 
@@ -110,6 +112,7 @@ class StageOption:
     mesh_shape: tuple[int, int]  # (dp, tp) over the group's devices, tp innermost
     recompute: str
     zero: int
+    sequence_parallel: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +171,6 @@ class Problem:
     global_batch: int
     memory_limit_gib: float
     cost_fn: Callable
-    p2p_s: Callable[[float, bool], float] = lambda nbytes, crosses: 0.0  # one send/recv
 
     @property
     def num_units(self) -> int:
@@ -201,17 +203,20 @@ def stage_meshes(size: int, devices_per_node: int,
 
 
 def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches: int,
-                  mesh: tuple[int, int] | None = None) -> list[StageOption]:
+                  mesh: tuple[int, int] | None = None, sp: bool = False) -> list[StageOption]:
     meshes = [mesh] if mesh else stage_meshes(size, problem.devices_per_node, space.tensor_degrees)
     out = []
     for dp, tp in meshes:
-        if problem.global_batch % (microbatches * dp):
+        if problem.global_batch % (microbatches * dp) or (sp and tp == 1):
+            continue
+        mbs = problem.global_batch // (microbatches * dp)
+        if space.microbatch_sizes is not None and mbs not in space.microbatch_sizes:
             continue
         for rc in space.recompute:
             for z in space.zero:
                 if z and dp == 1 and 0 in space.zero:
                     continue  # ZeRO over one replica is plain data parallelism
-                out.append(StageOption((dp, tp), rc, z))
+                out.append(StageOption((dp, tp), rc, z, sp))
     return out
 
 
@@ -229,22 +234,40 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
     runs = [0]
     smallest_memory = [INF]
 
-    def tables_for(size, b, mesh, hops):
-        key = (size, b, mesh, hops)
+    def tables_for(size, b, mesh, hops, sp, relaxed=False):
+        key = (size, b, mesh, hops, sp, relaxed)
         if key not in table_cache:
-            options = stage_options(size, problem, space, b, mesh)
-            table_cache[key] = build_tables(classes, problem, options, b,
-                                            size >= problem.devices_per_node, hops, cost_cache) \
-                if options else None
+            options = stage_options(size, problem, relaxed_space(space) if relaxed else space,
+                                    b, mesh, sp)
+            table_cache[key] = build_tables(classes, problem, options, b, hops,
+                                            relaxed_cache if relaxed else cost_cache,
+                                            need_memory=not relaxed) if options else None
         return table_cache[key]
 
-    for combo in _combos(problem, space):
-        schedule, groups, virtual, b, mesh = combo
-        tables = tables_for(problem.num_devices // groups, b, mesh,
-                            virtual if schedule == Schedule.INTERLEAVED else 1)
+    # lower bounds first (fastest options, no memory, no send/recv): visit the most promising
+    # pipeline shapes first and stop at the first whose bound cannot beat the best plan
+    relaxed_cache: dict = {}
+    bounded = []
+    for order, combo in enumerate(_combos(problem, space)):
+        schedule, stages, virtual, b, mesh, sp = combo
+        loose = tables_for(problem.num_devices // stages, b, mesh, 0.0, sp, relaxed=True)
+        if loose is None:
+            continue
+        s0, _ = cut([(loose, 0.0, INF)] * stages, INF, INF)
+        v = virtual if schedule == Schedule.INTERLEAVED else 1
+        bound = s0 / v + (b - 1 / v) * s0 / stages
+        if np.isfinite(bound):
+            bounded.append((bound, order, combo))
+    bounded.sort()
+    for bound, _, combo in bounded:
+        if best is not None and bound >= best.step_time_s:
+            break
+        schedule, stages, virtual, b, mesh, sp = combo
+        tables = tables_for(problem.num_devices // stages, b, mesh,
+                            virtual if schedule == Schedule.INTERLEAVED else 1, sp)
         if tables is None:
             continue
-        found = _search_combo(problem, space, tables, schedule, groups, virtual, b,
+        found = _search_combo(problem, space, tables, schedule, stages, virtual, b,
                               best.step_time_s if best else INF, runs, smallest_memory)
         combos += 1
         if found is not None and (best is None or found.step_time_s < best.step_time_s):
@@ -259,12 +282,22 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
     return PipelinePlan(**{**_fields(best), "combos_searched": combos, "dp_runs": runs[0]})
 
 
+def relaxed_space(space: SearchSpace) -> SearchSpace:
+    """The fastest per-microbatch choices only: no recompute if allowed (recompute adds
+    forward work) and the lowest ZeRO stage (ZeRO-3 adds weight gathers). A cost function
+    whose times grow this way (as the cost model's do) makes the bound valid."""
+    order = ("none", "selective", "full")
+    return replace(space, recompute=(min(space.recompute, key=order.index),),
+                   zero=(min(space.zero),))
+
+
 def _fields(plan: PipelinePlan) -> dict:
     return {f: getattr(plan, f) for f in PipelinePlan.__slots__}
 
 
 def _combos(problem: Problem, space: SearchSpace):
-    """(schedule, stages p, virtual v, microbatches B, mesh or None) in a deterministic order."""
+    """(schedule, stages p, virtual v, microbatches B, mesh or None, sequence parallel) in a
+    deterministic order."""
     sizes = group_sizes(problem.num_devices, problem.devices_per_node)
     max_stages = min(space.max_stages or problem.num_units, problem.num_units)
     batches = space.microbatches or tuple(d for d in range(1, problem.global_batch + 1)
@@ -285,7 +318,8 @@ def _combos(problem: Problem, space: SearchSpace):
                     if problem.global_batch % b:
                         continue
                     for mesh in meshes:
-                        yield schedule, stages, virtual, b, mesh
+                        for sp in space.sequence_parallel:
+                            yield schedule, stages, virtual, b, mesh, sp
 
 
 def _search_combo(problem, space, tables, schedule, stages, virtual, b, best_s, runs,

@@ -62,7 +62,8 @@ class Tables:
     def fits(self, in_flight: float, limit_gib: float) -> np.ndarray:
         key = (in_flight, limit_gib)
         if key not in self._fit_cache:
-            self._fit_cache[key] = self.w + in_flight * self.a + self.r <= limit_gib
+            with np.errstate(invalid="ignore"):  # 0 x inf: an impossible option, never fits
+                self._fit_cache[key] = self.w + in_flight * self.a + self.r <= limit_gib
         return self._fit_cache[key]
 
     def best(self, in_flight: float, limit_gib: float, t_max: float, u_max: float):
@@ -86,8 +87,8 @@ def p2p_hops(first: bool, last: bool) -> float:
     return 0.0 if first else (1.0 if last else 2.0)
 
 
-def build_tables(classes: RangeClasses, problem, options, microbatches: int,
-                 crosses_nodes: bool, hops: float, cache: dict) -> Tables:
+def build_tables(classes: RangeClasses, problem, options, microbatches: int, hops: float,
+                 cache: dict, *, need_memory: bool = True) -> Tables:
     """Price every class under every option (``cache`` keeps cost-function answers)."""
     n_opt, n_cls = len(options), classes.num_classes
     arrays = np.full((5, n_opt, n_cls), INF)  # t, u, w, a, r
@@ -96,17 +97,16 @@ def build_tables(classes: RangeClasses, problem, options, microbatches: int,
     for o, opt in enumerate(options):
         mbs = problem.global_batch // (microbatches * opt.mesh_shape[0])
         row = _additive_row if unit_cost is not None else _generic_row
-        stage_costs[o], recv = row(arrays[:, o], classes, problem, opt, mbs, cache)
+        stage_costs[o], recv = row(arrays[:, o], classes, problem, opt, mbs, cache, need_memory)
         # send/recv between stages (x v chunks under the interleaved schedule)
-        p2p = np.array([hops * p2p_hops(bool(f), bool(l)) * problem.p2p_s(float(b), crosses_nodes)
-                        if np.isfinite(b) and b > 0 and not f else 0.0
-                        for b, f, l in zip(recv, classes.is_first, classes.is_last)])
-        arrays[0, o] += p2p
+        factor = np.array([hops * p2p_hops(bool(f), bool(l))
+                           for f, l in zip(classes.is_first, classes.is_last)])
+        arrays[0, o] += np.where(np.isfinite(recv) & (factor > 0), factor * recv, 0.0)
     return Tables(classes, options, arrays, stage_costs)
 
 
-def _generic_row(row, classes, problem, opt, mbs, cache):
-    """Call the cost function once per class; returns (StageCosts, boundary bytes)."""
+def _generic_row(row, classes, problem, opt, mbs, cache, need_memory=True):
+    """Call the cost function once per class; returns (StageCosts, receive times)."""
     costs, recv = [], np.zeros(classes.num_classes)
     for c in range(classes.num_classes):
         j, k = int(classes.rep_first[c]), int(classes.rep_last[c])
@@ -119,11 +119,11 @@ def _generic_row(row, classes, problem, opt, mbs, cache):
         if sc is None:
             continue
         row[:, c] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib, sc.transient_gib)
-        recv[c] = sc.recv_bytes
+        recv[c] = sc.recv_s
     return costs, recv
 
 
-def _additive_row(row, classes, problem, opt, mbs, cache):
+def _additive_row(row, classes, problem, opt, mbs, cache, need_memory=True):
     """Range cost = its first unit's cost as a stage of its own plus the marginal cost of
     each further unit (prefix sums); returns (None per class, received bytes)."""
     n = classes.num_units
@@ -136,11 +136,10 @@ def _additive_row(row, classes, problem, opt, mbs, cache):
                 continue
             key = ("unit", problem.unit_keys[i - (not leading):i + 1], leading, opt, mbs)
             if key not in cache:
-                cache[key] = unit_cost(i, opt.mesh_shape, mbs, opt.recompute, opt.zero,
-                                       leading=leading)
+                cache[key] = unit_cost(i, opt, mbs, leading=leading, need_memory=need_memory)
             sc = cache[key]
             table[:, i] = INF if sc is None else (sc.time_s, sc.step_s, sc.weights_gib,
-                                                  sc.activation_gib, sc.recv_bytes,
+                                                  sc.activation_gib, sc.recv_s,
                                                   sc.transient_gib)
     bad = ~np.isfinite(marginal[0])
     prefix = np.concatenate([np.zeros((6, 1)), np.cumsum(np.where(bad, 0.0, marginal), axis=1)],

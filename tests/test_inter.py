@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 
 from meshplan.errors import MemoryLimitError, PlanningError
 from meshplan.planner.inter import (Problem, SearchSpace, StageCost, group_sizes, in_flight,
-                                    pipeline_time_s, search, stage_meshes, stage_options)
+                                    StageOption, pipeline_time_s, search, stage_meshes,
+                                    stage_options)
 from meshplan.planner.stagedp import p2p_hops
 
 
@@ -41,7 +42,7 @@ class TableCost:
         step = n * 0.3 * (1 + 0.2 * zero) * _rand(self.seed, "u", layers, mesh_shape, zero)
         return StageCost(time_s=work, step_s=step, weights_gib=weights, activation_gib=act,
                          transient_gib=0.05 * n * (recompute == "full"),
-                         recv_bytes=1e9 * mbs / tp * (first > 0))
+                         recv_s=1e9 * mbs / tp * (first > 0) / (25e9 if dp * tp >= 4 else 300e9))
 
 
 def problem(seed: int, units: int, devices: int, per_node: int, batch: int, limit: float,
@@ -49,8 +50,7 @@ def problem(seed: int, units: int, devices: int, per_node: int, batch: int, limi
     return Problem(unit_layers=tuple((i, i + 1) for i in range(units)),
                    unit_keys=tuple(keys or (f"u{i}" for i in range(units))),
                    num_devices=devices, devices_per_node=per_node, global_batch=batch,
-                   memory_limit_gib=limit, cost_fn=TableCost(seed, units),
-                   p2p_s=lambda nbytes, crosses: nbytes / (25e9 if crosses else 300e9))
+                   memory_limit_gib=limit, cost_fn=TableCost(seed, units))
 
 
 def brute_force(prob: Problem, space: SearchSpace) -> float:
@@ -81,8 +81,7 @@ def brute_force(prob: Problem, space: SearchSpace) -> float:
                                     + c.transient_gib > prob.memory_limit_gib:
                                 continue
                             hops = v * p2p_hops(j == 0, e == k)
-                            t = c.time_s + hops * prob.p2p_s(c.recv_bytes,
-                                                             size >= prob.devices_per_node)
+                            t = c.time_s + hops * c.recv_s
                             ok.append((t, c.step_s))
                         per_stage.append(ok)
                     for pick in itertools.product(*per_stage):
@@ -155,21 +154,22 @@ class AdditiveCost:
     def __init__(self, seed):
         self.seed = seed
 
-    def unit_cost(self, i, mesh_shape, mbs, recompute, zero, *, leading):
+    def unit_cost(self, i, option, mbs, *, leading, need_memory=True):
+        mesh_shape, recompute, zero = option.mesh_shape, option.recompute, option.zero
         dp, tp = mesh_shape
         base = 1 + _rand(self.seed, i, mesh_shape)
         return StageCost(time_s=base * mbs / tp + (0.1 if leading else 0.0),
                          step_s=0.2 * base / (1 + zero), weights_gib=base / tp,
                          activation_gib=0.3 * mbs / tp * (recompute == "none"),
                          transient_gib=0.1 if leading else 0.0,
-                         recv_bytes=(1e9 * mbs if i > 0 else 0.0) if leading else 0.0)
+                         recv_s=(0.04 * mbs if i > 0 else 0.0) if leading else 0.0)
 
     def __call__(self, layers, mesh_shape, mbs, recompute, zero):
-        parts = [self.unit_cost(i, mesh_shape, mbs, recompute, zero, leading=i == layers[0])
-                 for i in range(*layers)]
+        opt = StageOption(mesh_shape, recompute, zero)
+        parts = [self.unit_cost(i, opt, mbs, leading=i == layers[0]) for i in range(*layers)]
         return StageCost(*(sum(getattr(p, f) for p in parts) for f in
                            ("time_s", "step_s", "weights_gib", "activation_gib",
-                            "transient_gib", "recv_bytes")))
+                            "transient_gib", "recv_s")))
 
 
 def test_additive_fast_path_equals_per_range_calls():

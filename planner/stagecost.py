@@ -1,0 +1,167 @@
+"""Stage costs of a traced model for the pipeline search, and the Plan the search's answer
+becomes.
+
+trace -> **cost** (costmodel.estimate.stage_cost) -> solve (planner/inter) -> assemble -> run.
+A candidate stage runs a range of layer units on a (dp, tp) submesh with Megatron-LM's
+placements (meshplan/manual.py's propagation rules, so a uniform answer is exactly a plan
+``manual_plan`` would write), priced by the same ``stage_cost`` that ``meshplan.estimate``
+applies to whole plans. Pricing every one of the thousands of candidate ranges would take
+minutes, so ranges are priced *affinely*: a range costs its first unit as a stage of its own
+plus, for each further unit, what adding it after its predecessor costs (a probe of two
+units minus a probe of one). For repeated identical blocks this is exact up to the cost
+model's few non-linear terms (gradient buckets rounded up, the largest layer of a ZeRO-3
+buffer); ``assemble_plan`` prices the chosen plan in full, and benchmarks/plan_quality.py
+reports the difference.
+
+Probes per unit: one ``stage_cost`` as a single stage (times, tail, weights, activations of
+one microbatch plus the working set) and one as the first of two GPipe stages, whose extra
+in-flight microbatches separate kept activations from the working set and whose extra
+communication is one receive of the unit's input.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
+from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.manual import _Propagator, _stage_params, attention_heads
+from meshplan.planner.assemble import mesh_info, model_info, training_config
+from meshplan.planner.clusters import LayerUnit, layer_units
+from meshplan.planner.graph import OpGraph
+from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
+                                    search)
+from meshplan.plan import Estimate, Plan, SolverInfo, Stage
+
+NAME = "meshplan-inter"
+_EMPTY = Estimate(step_time_s=0.0, peak_memory_gib=0.0, memory_capacity_gib=0.0, fits=True,
+                  mfu=0.0, tokens_per_s=0.0)
+
+
+class MegatronStageCost:
+    """``unit_cost`` for planner/inter's additive fast path (see the module docstring)."""
+
+    def __init__(self, graph: OpGraph, units: tuple[LayerUnit, ...], hw: HardwareProfile, *,
+                 num_devices: int, dtype: str, optimizer: str):
+        self.graph, self.units, self.hw = graph, units, hw
+        self.dtype, self.optimizer = dtype, optimizer
+        self.batch, self.seq = graph.inputs[0][1].shape[:2]
+        self.heads = attention_heads(graph)
+        self.on_host = min(num_devices, hw.devices_per_node)
+        self._placements: dict = {}
+        self._probes: dict = {}
+
+    # -- placements ---------------------------------------------------------------------------
+    def placements(self, dp: int, tp: int, sp: bool, zero: int):
+        """(ops, params) of the whole graph under Megatron's rules on a (dp, tp) mesh."""
+        key = (dp, tp, sp and tp > 1, zero)
+        if key not in self._placements:
+            prop = _Propagator(self.graph, dp=dp, tp=tp, sp=key[2], seq_len=self.seq, zero=zero)
+            ops = {n.name: prop.visit(n) for n in self.graph.nodes}
+            params = {p.name: prop.storage(p.name) for p in self.graph.params}
+            self._placements[key] = (ops, params)
+        return self._placements[key]
+
+    def stage(self, names, option: StageOption, *, index: int = 0, layers=(0, 0)) -> Stage:
+        dp, tp = option.mesh_shape
+        ops, params = self.placements(dp, tp, option.sequence_parallel, option.zero)
+        return Stage(index=index, devices=tuple(range(index * dp * tp, (index + 1) * dp * tp)),
+                     mesh_shape=(dp, tp), axis_names=("dp", "tp"), layers=layers,
+                     nodes=(names[0], names[-1]), recompute=option.recompute, zero=option.zero,
+                     inputs={name: ("S(0)", "R") for name, _ in self.graph.inputs},
+                     params={p: params[p] for p in _stage_params(self.graph, names)},
+                     ops={n: ops[n] for n in names})
+
+    # -- probes --------------------------------------------------------------------------------
+    def probe(self, first: int, last: int, option: StageOption, mbs: int,
+              need_memory: bool = True) -> tuple | None:
+        """(time, tail, weights GiB, kept GiB, working GiB, receive s) of units [first, last);
+        without ``need_memory`` only the time is right (one cost-model call, not two)."""
+        dp, tp = option.mesh_shape
+        if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp):
+            return None
+        key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
+               need_memory)
+        if key in self._probes:
+            return self._probes[key]
+        names = [n for u in self.units[first:last] for n in u.nodes]
+        st = self.stage(names, option)
+        m = self.batch // (dp * mbs)
+        kw = dict(dtype=self.dtype, optimizer=self.optimizer, microbatches=m,
+                  seq_len=self.seq, processes_on_host=self.on_host)
+        alone = stage_cost(st, self.graph, self.hw, num_stages=1, **kw)
+        if not need_memory:
+            self._probes[key] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
+            return self._probes[key]
+        two = stage_cost(st, self.graph, self.hw, num_stages=2, schedule="gpipe", **kw)
+        mem = alone.memory
+        acts1, acts_m = mem.activations_gib, two.memory.activations_gib
+        kept = (acts_m - acts1) / (m - 1) if m > 1 else acts1
+        working = acts1 - kept
+        weights = mem.params_gib + mem.grads_gib + mem.optimizer_gib + mem.buffers_gib
+        recv = two.comm_s - alone.comm_s if first > 0 else 0.0
+        out = (alone.microbatch_s, alone.grad_sync_s + alone.optimizer_s, weights, kept,
+               working, recv)
+        self._probes[key] = out
+        return out
+
+    def unit_cost(self, i: int, option: StageOption, mbs: int, *, leading: bool,
+                  need_memory: bool = True) -> StageCost | None:
+        if leading:
+            p = self.probe(i, i + 1, option, mbs, need_memory)
+            if p is None:
+                return None
+            return StageCost(*p[:5], recv_s=p[5])
+        one = self.probe(i - 1, i, option, mbs, need_memory)
+        two = self.probe(i - 1, i + 1, option, mbs, need_memory)
+        if one is None or two is None:
+            return None
+        d = [b - a for a, b in zip(one, two)]
+        return StageCost(time_s=d[0], step_s=d[1], weights_gib=d[2], activation_gib=d[3],
+                         transient_gib=d[4], recv_s=0.0)
+
+
+def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: PipelinePlan,
+                  cost: MegatronStageCost, *, dtype: str, optimizer: str, notes=()) -> Plan:
+    """The search's answer as a ``meshplan.plan/v1`` Plan, priced in full by the cost model."""
+    stages = []
+    for sp in answer.stages:
+        names = [n for u in units[sp.units[0]:sp.units[1]] for n in u.nodes]
+        st = cost.stage(names, sp.option, layers=sp.layers)
+        first = sp.devices[0]
+        stages.append(replace(st, index=sp.index,
+                              devices=tuple(range(first, first + sp.devices[1]))))
+    training = training_config(graph, microbatches=answer.microbatches,
+                               microbatch_size=answer.stages[0].microbatch_size, dtype=dtype,
+                               optimizer=optimizer, schedule=answer.schedule,
+                               virtual_stages=answer.virtual_stages,
+                               sequence_parallel=any(s.option.sequence_parallel
+                                                     for s in answer.stages))
+    status = (f"optimal over the searched space ({answer.combos_searched} pipeline shapes, "
+              f"{answer.dp_runs} DP runs)")
+    plan = Plan(model=model_info(graph), mesh=mesh_info(mesh), training=training,
+                stages=tuple(stages), predicted=_EMPTY,
+                solver=SolverInfo(name=NAME, status=status, notes=tuple(notes)), graph=graph)
+    plan = with_stage_predictions(plan, graph)
+    return replace(plan, solver=replace(plan.solver, objective_s=answer.step_time_s))
+
+
+def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
+                memory_limit_gib: float | None = None, space: SearchSpace = SearchSpace(),
+                max_units: int | None = None) -> Plan:
+    """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan."""
+    start = time.perf_counter()
+    hw = mesh.hardware
+    units = layer_units(graph, max_units=max_units)
+    cost = MegatronStageCost(graph, units, hw, num_devices=mesh.num_devices, dtype=dtype,
+                             optimizer=optimizer)
+    problem = Problem(unit_layers=tuple(u.layers for u in units),
+                      unit_keys=tuple(u.key for u in units), num_devices=mesh.num_devices,
+                      devices_per_node=mesh.devices_per_node,
+                      global_batch=graph.inputs[0][1].shape[0],
+                      memory_limit_gib=memory_limit_gib if memory_limit_gib is not None
+                      else hw.device.memory_gib, cost_fn=cost)
+    answer = search(problem, space)
+    plan = assemble_plan(graph, mesh, units, answer, cost, dtype=dtype, optimizer=optimizer)
+    return replace(plan, wall_time_s=time.perf_counter() - start)
