@@ -29,7 +29,7 @@ its gradient summed over those groups.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -89,10 +89,9 @@ def pipeline_layout(plan: Plan) -> PipelineLayout:
                             "an interleaved plan has pp x virtual_stages stages")
     pp = plan.num_stages // v
     first = plan.stages[0]
-    if v > 1 and plan.num_stages * len(first.devices) == plan.num_devices:
+    if v > 1 and lists_rank_groups(plan):
         raise PlanFileError(f"interleaved plan with virtual_stages={v} lists {plan.num_stages} "
-                            f"stages, one per rank group; the runtime needs pp x virtual_stages "
-                            f"stage records, stage i on rank group i % pp")
+                            "stages, one per rank group; expand it first (expand_interleaved)")
     if any(st.zero for st in plan.stages):
         raise NotSupportedError("ZeRO (stage.zero > 0) is not supported with pipeline stages "
                                 "yet; use zero=0 when pp > 1")
@@ -131,6 +130,42 @@ def pipeline_layout(plan: Plan) -> PipelineLayout:
             raise PlanFileError(f"microbatch_size {t.microbatch_size} x dp {dp} x microbatches "
                                 f"{t.microbatches} != global batch {t.global_batch}")
     return layout
+
+
+def lists_rank_groups(plan: Plan) -> bool:
+    """An interleaved plan written with one stage record per rank group (as meshplan/manual.py
+    and planner/inter write it) rather than one per virtual stage."""
+    n = len(plan.stages[0].devices)
+    return plan.training.schedule == "interleaved-1f1b" and \
+        plan.num_stages * n == plan.num_devices and plan.training.virtual_stages > 1
+
+
+def expand_interleaved(plan: Plan, graph: OpGraph) -> Plan:
+    """One stage record per virtual stage: the blocks cut into pp x v near-equal chunks in
+    order, chunk j on rank group j % pp (Megatron's interleaved assignment, Narayanan et al.
+    2021, Sec. 2.2). Each operator and parameter keeps the placement of the record that
+    lists it; all records share one submesh shape."""
+    from meshplan.manual import stage_node_groups
+
+    pp, v = plan.num_stages, plan.training.virtual_stages
+    if graph.num_layers % (pp * v):
+        raise PlanFileError(f"{graph.num_layers} blocks do not split into pp x virtual_stages = "
+                            f"{pp * v} equal chunks; choose virtual_stages dividing "
+                            f"{graph.num_layers // pp if graph.num_layers % pp == 0 else 1}")
+    ops, params = {}, {}
+    for st in plan.stages:
+        ops.update(st.ops)
+        params.update(st.params)
+    layer_of = {n.name: n.layer for n in graph.nodes}
+    records = []
+    for j, names in enumerate(stage_node_groups(graph, pp * v)):
+        group = plan.stages[j % pp]
+        layers = [layer_of[n] for n in names if layer_of[n] >= 0] or [0]
+        records.append(replace(group, index=j, nodes=(names[0], names[-1]),
+                               layers=(min(layers), max(layers) + 1),
+                               inputs=dict(plan.stages[0].inputs), params=params,
+                               ops={n: ops[n] for n in names if n in ops}))
+    return replace(plan, stages=tuple(records))
 
 
 class _StageModule(nn.Module):
@@ -287,7 +322,6 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     if not dist.is_initialized():
         raise RuntimeError("parallelize_pipeline runs inside a torchrun worker: "
                            "init_process_group first")
-    layout = pipeline_layout(plan)
     if dist.get_world_size() != plan.num_devices:
         raise RuntimeError(f"plan needs {plan.num_devices} processes, this run has "
                            f"{dist.get_world_size()}; launch with --nproc_per_node "
@@ -299,6 +333,9 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     if graph is None:
         graph = graph_from_export(export_training_graph(meta_model, meta_inputs, loss_fn), model)
     plan.check_model(graph.fingerprint)
+    if plan.training.virtual_stages > 1 and lists_rank_groups(plan):
+        plan = expand_interleaved(plan, graph)
+    layout = pipeline_layout(plan)
     micro_inputs = tuple(x[:layout.microbatch_batch] for x in meta_inputs)
     ep = export_training_graph(meta_model, micro_inputs, loss_fn)
     device = _device()

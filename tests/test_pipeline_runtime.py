@@ -25,9 +25,9 @@ MODEL = "transformers:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=256&n_positio
 BATCH, SEQ, STEPS, LR, SEED = 8, 16, 3, 1e-3, 0
 
 # name: (plan source, pp, (dp, tp), schedule, virtual_stages, microbatches). "manual" plans
-# come from meshplan.manual_plan (Megatron placements: vocab-parallel embedding and loss,
-# column/row-parallel matmuls); "hand" plans are written below: interleaved stages (manual_plan
-# does not split them into pp x virtual_stages records yet) and tensor parallelism (the
+# come from meshplan.manual_plan (its interleaved plans list one record per rank group, which
+# the runtime expands into virtual stages); "hand" plans are written below: pp x v stage
+# records for interleaving, and tensor parallelism (the
 # executor cannot yet run manual_plan's row-parallel bias placement 'P'), with the MLP
 # weights split on tp and their operators left to DTensor's propagation.
 VARIANTS = {
@@ -37,6 +37,7 @@ VARIANTS = {
         "interleaved-pp4-v2": ("hand", 4, (1, 1), "interleaved-1f1b", 2, 4),
         "1f1b-dp2-pp2": ("manual", 2, (2, 1), "1f1b", 1, 2),
         "interleaved-tp2-pp2-v2": ("hand", 2, (1, 2), "interleaved-1f1b", 2, 2),
+        "interleaved-dp2-pp2-v2": ("manual", 2, (2, 1), "interleaved-1f1b", 2, 2),
     },
     8: {
         "interleaved-dp2-tp2-pp2-v2": ("hand", 2, (2, 2), "interleaved-1f1b", 2, 2),
@@ -144,6 +145,7 @@ def worker(out_path: str) -> None:
         if source == "manual":
             plan = meshplan.manual_plan(model, Mesh.local(world), graph=graph, dp=mesh[0],
                                         tp=mesh[1], pp=pp, schedule=schedule,
+                                        virtual_stages=virtual,
                                         microbatch_size=BATCH // (mesh[0] * mbs), dtype="fp32")
         else:
             plan = make_plan(graph, pp, mesh, schedule, virtual, mbs)
@@ -189,6 +191,71 @@ def reference() -> dict:
 
 
 # -- the tests ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def traced():
+    """The runnable microbatch graph and the global-batch OpGraph of the test model."""
+    from meshplan.planner.trace import export_training_graph, graph_from_export
+    from meshplan.runtime.parallelize import runnable_graph_module
+
+    model = build_model("meta")
+    ep = export_training_graph(model, (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),))
+    return runnable_graph_module(ep, device_type="cpu"), graph_from_export(ep, model)
+
+
+def test_split_makes_cross_stage_values_explicit(traced):
+    from meshplan.runtime.pipeline_split import split_stages
+
+    gm, graph = traced
+    cuts = cut_points(graph, 3) + [len(graph.nodes)]
+    bounds = [(graph.nodes[a].name, graph.nodes[b - 1].name) for a, b in zip(cuts, cuts[1:])]
+    stages = split_stages(gm.graph, bounds)
+    assert [s.inputs for s in stages[1:]] == [s.outputs for s in stages[:-1]]
+    assert stages[0].inputs == ("inputs_0",)
+    assert "inputs_0" in stages[2].inputs  # the loss reads the token ids at the last stage
+    assert stages[-1].outputs == (graph.output,)
+    # the tied embedding / output head weight is read by the first and the last stage
+    assert "model.lm_head.weight" in stages[0].param_targets
+    assert "model.lm_head.weight" in stages[-1].param_targets
+    # every operator lands in exactly one stage
+    ops = [n.name for s in stages for n in s.graph.nodes if n.op == "call_function"]
+    assert sorted(ops) == sorted(n.name for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_split_rejects_boundaries_that_do_not_tile(traced):
+    from meshplan.errors import PlanFileError
+    from meshplan.runtime.pipeline_split import split_stages
+
+    gm, graph = traced
+    names = [n.name for n in graph.nodes]
+    with pytest.raises(PlanFileError, match="should start at"):
+        split_stages(gm.graph, [(names[0], names[10]), (names[12], names[-1])])
+    with pytest.raises(PlanFileError, match="not in the traced graph"):
+        split_stages(gm.graph, [(names[0], "no_such_node")])
+
+
+def test_layout_checks_devices_and_expands_interleaved(traced):
+    import dataclasses
+
+    import meshplan
+    from meshplan.errors import NotSupportedError
+    from meshplan.mesh import Mesh
+    from meshplan.runtime.pipeline import expand_interleaved, lists_rank_groups, pipeline_layout
+
+    _, graph = traced
+    plan = meshplan.manual_plan(None, Mesh.local(4), graph=graph, dp=2, pp=2,
+                                schedule="interleaved-1f1b", virtual_stages=2,
+                                microbatch_size=2, dtype="fp32")
+    assert lists_rank_groups(plan)
+    expanded = expand_interleaved(plan, graph)
+    layout = pipeline_layout(expanded)
+    assert (layout.pp, layout.virtual_stages, layout.stage_mesh_shape) == (2, 2, (2, 1))
+    assert [s.devices for s in expanded.stages] == [(0, 1), (2, 3), (0, 1), (2, 3)]
+    assert [s.layers for s in expanded.stages] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    swapped = dataclasses.replace(expanded, stages=(
+        dataclasses.replace(expanded.stages[0], devices=(2, 3)), *expanded.stages[1:]))
+    with pytest.raises(NotSupportedError, match="rank group i % pp"):
+        pipeline_layout(swapped)
 
 def launch(nproc: int, tmp_path) -> dict:
     from meshplan.runtime.launch import free_port
