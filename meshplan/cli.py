@@ -81,8 +81,12 @@ def cmd_run(args) -> int:
 
     if args.metrics_out:
         _check_writable(args.metrics_out)
+    extra = ("--timeout-s", str(args.timeout_s))
+    if args.checkpoint_dir:
+        extra += ("--checkpoint-dir", args.checkpoint_dir,
+                  "--checkpoint-every", str(args.checkpoint_every))
     return run_plan(args.plan, model=args.model, steps=args.steps, seed=args.seed,
-                    metrics_out=args.metrics_out)
+                    metrics_out=args.metrics_out, extra=extra)
 
 
 def _plan_and_graph(path: str, model: str = ""):
@@ -208,16 +212,138 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", default="")
+    p.add_argument("--checkpoint-dir", default="", help="save sharded checkpoints here; a run "
+                   "whose directory holds one resumes from the newest")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps")
+    p.add_argument("--timeout-s", type=float, default=30.0, help="collective timeout: a rank "
+                   "waiting longer on a dead or hung peer fails the run")
     p.set_defaults(func=cmd_run)
 
     _add_reading_commands(sub, model_mesh)
 
-    for name, text in (("estimate", "predict a plan's cost"),
-                       ("calibrate", "measure this machine")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("args", nargs="*")
-        p.set_defaults(func=_not_yet(name))
+    _add_cost_commands(sub)
     return ap
+
+
+def _add_cost_commands(sub) -> None:
+    """estimate and calibrate: the cost model on the command line."""
+    p = sub.add_parser("estimate", help="predict a plan's step time, memory and MFU",
+                       description="`meshplan estimate plan.json --model SPEC` re-traces the "
+                       "model and re-prices the plan (a plan file holds placements, not the "
+                       "operator costs); without --model it prints the prediction recorded in "
+                       "the file. `meshplan estimate --model SPEC --mesh MESH --batch B --seq S "
+                       "--manual dp=..,tp=..` prices a Megatron-style plan.")
+    p.add_argument("plan", nargs="?", default="", help="a plan JSON file")
+    p.add_argument("--model", default="", help="model spec (re-trace and re-price)")
+    p.add_argument("--mesh", default="", help="mesh spec, for --manual")
+    p.add_argument("--batch", type=int, default=0, help="global batch, for --manual")
+    p.add_argument("--seq", type=int, default=0, help="sequence length, for --manual")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
+                   "recompute=none,sp=0,zero=0,vs=1")
+    p.add_argument("--hardware", default="", help="re-price on this profile JSON (e.g. from "
+                   "meshplan calibrate -o)")
+    p.add_argument("-o", "--output", default="", help="write the (re-priced) plan JSON here")
+    p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("calibrate", help="measure this machine and fit a hardware profile")
+    p.add_argument("--procs", type=int, default=4, help="collectives over 2..N local processes")
+    p.add_argument("-o", "--output", default="", help="also write the profile here")
+    p.add_argument("--no-cache", action="store_true", help="do not update the user cache "
+                   "(~/.cache/meshplan/calibration.json) that Mesh.local reads")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_estimate(args) -> int:
+    import meshplan
+    from meshplan.costmodel.hardware import load_profile
+    from meshplan.inspect import fmt_time
+    from meshplan.plan import Plan
+
+    if args.output:
+        _check_writable(args.output)
+    hardware = load_profile(args.hardware) if args.hardware else None
+    if args.plan:
+        plan = Plan.from_json(args.plan)
+        if not args.model:
+            print(f"prediction recorded in {args.plan} (pass --model SPEC to re-price):")
+            _print_estimate(plan.predicted, fmt_time)
+            return 0
+        from meshplan.planner.trace import trace
+        from meshplan.specs import example_inputs, parse_model_spec
+
+        spec = parse_model_spec(args.model)
+        model = spec.build(device="meta")
+        graph = trace(model, example_inputs(model, plan.training.global_batch,
+                                            plan.training.seq_len), model_name=spec.name)
+        est = meshplan.estimate(plan, graph, hardware=hardware)
+    else:
+        if not (args.model and args.mesh and args.batch and args.seq):
+            raise SpecError("meshplan estimate needs a plan file, or --model, --mesh, --batch "
+                            "and --seq (with --manual dp=..,tp=..,pp=.. for a hand-written plan)")
+        from meshplan.specs import parse_mesh_spec
+
+        mesh = parse_mesh_spec(args.mesh)
+        spec, model, inputs = _load_model_and_inputs(args)
+        if args.manual:
+            plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name,
+                                        dtype=args.dtype, **_manual(args.manual))
+        else:
+            plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype)
+        est = meshplan.estimate(plan, hardware=hardware) if hardware else plan.predicted
+    _print_estimate(est, fmt_time)
+    if args.output:
+        plan.with_prediction(est).to_json(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _print_estimate(est, fmt_time) -> None:
+    print(f"step time        {fmt_time(est.step_time_s)}")
+    print("  breakdown      " + ", ".join(f"{k} {fmt_time(v)}" for k, v in est.breakdown.items()))
+    print(f"throughput       {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu * 100:.1f}%, "
+          f"bubble {est.bubble_fraction * 100:.1f}%")
+    m = est.memory
+    print(f"peak memory      {est.peak_memory_gib:.2f} GiB of {est.memory_capacity_gib:.1f} GiB per "
+          f"device (params {m.params_gib:.2f}, grads {m.grads_gib:.2f}, optimizer "
+          f"{m.optimizer_gib:.2f}, activations {m.activations_gib:.2f}, buffers {m.buffers_gib:.2f})")
+    print(f"fits             {'yes' if est.fits else 'NO: ' + est.overflow}")
+
+
+def cmd_calibrate(args) -> int:
+    import json
+
+    from rich.progress import Progress
+
+    from meshplan.costmodel.calibrate import calibrate, progress_steps
+    from meshplan.mesh import calibration_cache_path
+    from meshplan.plan import atomic_write
+
+    if args.output:
+        _check_writable(args.output)
+    if args.procs < 1:
+        raise SpecError(f"--procs {args.procs}: need at least 1 (2 or more to measure collectives)")
+    with Progress() as bar:
+        task = bar.add_task("calibrating", total=progress_steps(args.procs))
+        profile = calibrate(args.procs, progress=lambda: bar.advance(task))
+    text = profile.to_json()
+    targets = [args.output] if args.output else []
+    if not args.no_cache:
+        cache = calibration_cache_path()
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        targets.append(str(cache))
+    for path in targets:
+        atomic_write(path, text)
+        print(f"wrote {path}")
+    d = profile.device
+    print(f"matmul {d.peak_tflops.get('float32', 0) * 1e3:.1f} GFLOP/s asymptote, memory "
+          f"{d.memory_bandwidth_gbps:.1f} GB/s, op latency {d.kernel_latency_s * 1e6:.1f} us + "
+          f"framework {d.framework_overhead_s * 1e6:.1f} us; collectives: "
+          + ", ".join(f"{k} {v['latency_s'] * 1e6:.0f} us + B/{v['bandwidth_gbps']:.2f} GB/s"
+                      for k, v in profile.intra_node.collectives.items()))
+    print("fit residuals: " + json.dumps({k: v for k, v in profile.fitted.items()
+                                         if "residual" in k}))
+    return 0
 
 
 def _add_reading_commands(sub, model_mesh) -> None:

@@ -3,7 +3,7 @@
 trace -> cost -> solve -> plan -> **run**. The runtime's equivalence check: every variant
 (data parallel, 1-D tensor parallel, hybrid DP x TP, sequence parallel, 2-D weight sharding,
 ZeRO-1/2/3, recompute, gradient accumulation, mixed precision) trains the same model from
-the same seed on the same batches; rank 0 saves each variant's per-step losses and its last
+the same seed on the same batches; rank 0 saves each (model, variant)'s per-step losses and its last
 step's gradients (full tensors, by parameter name) with ``torch.save``. Tests and benchmarks
 compare them with a single-process run. One launch serves many variants, because starting
 the processes costs more than the three steps each variant trains.
@@ -96,7 +96,8 @@ def quiet_dtensor_logs() -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="meshplan-equivalence")
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", required=True, action="append",
+                    help="a model spec; repeat for several models in one launch")
     ap.add_argument("--variants", required=True, help="comma-separated: " + ",".join(VARIANTS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16)
@@ -107,22 +108,21 @@ def main(argv=None) -> int:
 
     quiet_dtensor_logs()
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    spec = parse_model_spec(args.model)
-    meta = spec.build(device="meta")
-    ep = export_training_graph(meta_copy(meta), example_inputs(meta, args.batch, args.seq))
-    graph = graph_from_export(ep, meta, model_name=spec.name)
-    program = TracedProgram(ep, graph, 1)
     hw = Mesh.local(dist.get_world_size()).hardware
     results = {}
-    for name in args.variants.split(","):
-        try:
-            results[name] = run_variant(name, spec, graph, program, batch=args.batch,
-                                        seq=args.seq, steps=args.steps, seed=args.seed, hw=hw)
-        except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the rest
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-            if dist.get_rank() == 0:
-                import traceback
-                traceback.print_exc()
+    for model_text in args.model:
+        spec = parse_model_spec(model_text)
+        meta = spec.build(device="meta")
+        ep = export_training_graph(meta_copy(meta), example_inputs(meta, args.batch, args.seq))
+        graph = graph_from_export(ep, meta, model_name=spec.name)
+        program = TracedProgram(ep, graph, 1)
+        for name in args.variants.split(","):
+            key = f"{model_text}|{name}"
+            try:
+                results[key] = run_variant(name, spec, graph, program, batch=args.batch,
+                                           seq=args.seq, steps=args.steps, seed=args.seed, hw=hw)
+            except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the rest
+                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
     if dist.get_rank() == 0:
         torch.save(results, args.out)
     dist.destroy_process_group()

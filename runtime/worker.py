@@ -3,7 +3,11 @@
 trace -> cost -> solve -> plan -> **run**. Every rank builds the same initial weights from
 ``--seed`` (whatever the plan) and draws the same synthetic global batch per step, so the
 losses of two plans are comparable. Rank 0 prints loss and time per step and writes the
-metrics file.
+metrics file. With ``--checkpoint-dir`` the run saves a sharded checkpoint every
+``--checkpoint-every`` steps and, when the directory already holds one, resumes from the
+newest. Collectives time out after ``--timeout-s`` so that a hung peer fails the run.
+``--fail-at-step K --fail-rank R`` makes rank R exit abruptly before step K (fault
+injection for the failure and resume tests).
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ import os
 import resource
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from meshplan.errors import MeshplanError
 from meshplan.plan import Plan, atomic_write
+from meshplan.runtime import checkpoint
 from meshplan.runtime.parallelize import make_optimizer, parallelize
 from meshplan.specs import parse_model_spec, synthetic_batch
 
@@ -37,10 +43,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--metrics-out", default="")
+    ap.add_argument("--checkpoint-dir", default="")
+    ap.add_argument("--checkpoint-every", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=30.0,
+                    help="process-group timeout: a collective waiting longer fails the run")
+    ap.add_argument("--fail-at-step", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
+    import logging
+    for name in ("torch.distributed.tensor._redistribute", "torch._logging._internal"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # per-op DTensor advice, not errors
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
     rank = dist.get_rank()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -53,9 +68,19 @@ def main(argv=None) -> int:
                                  seed=args.seed, step=0)
         rss_before = _rss_gib()
         pm = parallelize(model, plan, (batch0,))
-        optimizer = make_optimizer(pm.unique_params(), plan, lr=args.lr)
+        optimizer = make_optimizer(pm.optimizer_params(), plan, lr=args.lr)
+        first = 0
+        if checkpoint.latest_step(args.checkpoint_dir) is not None:
+            first = checkpoint.load(args.checkpoint_dir, pm, optimizer)
+            if rank == 0:
+                print(f"resumed from {checkpoint.checkpoint_path(args.checkpoint_dir, first)} "
+                      f"after {first} steps", flush=True)
         losses, times = [], []
-        for step in range(args.steps):
+        for step in range(first, args.steps):
+            if step == args.fail_at_step and rank == args.fail_rank:
+                print(f"rank {rank}: injected failure before step {step}", file=sys.stderr,
+                      flush=True)
+                os._exit(3)
             batch = synthetic_batch(model, plan.training.global_batch, plan.training.seq_len,
                                     seed=args.seed, step=step)
             dist.barrier()
@@ -67,14 +92,19 @@ def main(argv=None) -> int:
             times.append(elapsed)
             if rank == 0:
                 print(f"step {step}: loss {loss:.6f}  time {elapsed * 1e3:.1f} ms", flush=True)
+            if args.checkpoint_dir and args.checkpoint_every and \
+                    (step + 1) % args.checkpoint_every == 0:
+                checkpoint.save(args.checkpoint_dir, pm, optimizer, step + 1)
         peak = torch.tensor([_rss_gib() - rss_before], dtype=torch.float64)
         gathered = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, peak)
         if rank == 0:
-            measured = sorted(times[1:] or times)[len(times[1:] or times) // 2]
+            timed = times[1:] or times or [0.0]
+            measured = sorted(timed)[len(timed) // 2]
             metrics = {
                 "model": args.model, "plan_fingerprint": plan.model.fingerprint,
-                "world_size": dist.get_world_size(), "seed": args.seed, "losses": losses,
+                "world_size": dist.get_world_size(), "seed": args.seed, "first_step": first,
+                "losses": losses,
                 "step_time_s": times, "measured_step_time_s": measured,
                 "predicted_step_time_s": plan.predicted.step_time_s,
                 "predicted_peak_memory_gib": plan.predicted.peak_memory_gib,
@@ -83,6 +113,9 @@ def main(argv=None) -> int:
             }
             print(f"predicted step time {plan.predicted.step_time_s * 1e3:.1f} ms, measured "
                   f"{measured * 1e3:.1f} ms (median of steps after the first)", flush=True)
+            print("peak memory per rank (GiB, RSS growth): predicted "
+                  f"{plan.predicted.peak_memory_gib:.3f}, measured "
+                  + " ".join(f"{float(g.item()):.3f}" for g in gathered), flush=True)
             if args.metrics_out:
                 atomic_write(args.metrics_out, json.dumps(metrics, indent=1) + "\n")
     except MeshplanError as exc:
