@@ -209,7 +209,8 @@ def layer_groups(plan: Plan, graph=None) -> list[LayerGroup]:
     groups: list[LayerGroup] = []
     for st in plan.stages:
         words = stage_layer_words(st, graph)
-        for layer in sorted(words):
+        # ops outside the blocks come first in the first stage (embedding), last otherwise (head)
+        for layer in sorted(words, key=lambda x: x if x != OUTSIDE or st.layers[0] == 0 else 1 << 30):
             prev = groups[-1] if groups else None
             if (prev and prev.stage == st.index and prev.words == words[layer]
                     and prev.last == layer - 1 and layer != OUTSIDE and prev.first != OUTSIDE):

@@ -153,8 +153,9 @@ def timeline_svg(plan: Plan) -> str:
     body.append(_text(WIDTH - 20, y, fmt_time(end), "end"))
     busy = sum(b.end_s - b.start_s for b in blocks)
     idle = 1 - busy / (end * n) if n else 0.0
-    body.append(_text(left + (WIDTH - left - 20) / 2, y, f"forward+backward of one step; idle "
-                      f"{idle:.0%} drawn, {plan.predicted.bubble_fraction:.0%} predicted", "middle"))
+    body.append(_text(left + (WIDTH - left - 20) / 2, y, f"each stage's recorded compute + comm "
+                      f"per microbatch, 1/3 forward, 2/3 backward; idle {idle:.0%} drawn, bubble "
+                      f"{plan.predicted.bubble_fraction:.0%} predicted", "middle"))
     return _svg(WIDTH, y + 8, body, "pipeline schedule timeline")
 
 
@@ -200,7 +201,7 @@ def placement_svg(plan: Plan, graph=None) -> str:
     columns: list[str] = []
     for st in plan.stages:
         styles = param_styles(st, graph)
-        for layer in sorted(styles):
+        for layer in sorted(styles, key=lambda x: x if x >= 0 or st.layers[0] == 0 else 1 << 30):
             rows.append((st.index, layer, styles[layer]))
             for m in styles[layer]:
                 if m not in columns:
@@ -210,9 +211,11 @@ def placement_svg(plan: Plan, graph=None) -> str:
     row_h = max(3, min(18, 480 // max(len(rows), 1)))
     legend = [(k, v) for k, v in STYLE_COLOURS.items()]
     body = _legend(legend, left, 14)
+    chars = max(4, int(col_w / 5.2))  # about 5 px per character at 9 px
     for j, name in enumerate(columns):
-        body.append(_text(left + j * col_w + col_w / 2, top - 6, name[:16], "middle",
-                          'font-size="9"'))
+        short = name if len(name) <= chars else name[:chars - 1] + "\u2026"
+        body.append(f'<g><title>{html.escape(name)}</title>' + _text(
+            left + j * col_w + col_w / 2, top - 6, short, "middle", 'font-size="9"') + "</g>")
     prev_stage = None
     for i, (stage, layer, modules) in enumerate(rows):
         y = top + i * row_h
@@ -234,7 +237,9 @@ def placement_svg(plan: Plan, graph=None) -> str:
                               STYLE_COLOURS[style], f"stage {stage}, layer {layer}, {name}: {words}"))
     y = top + len(rows) * row_h + 16
     body.append(_text(left, y, "weights by layer (rows) and module (columns); the colour is "
-                      "the split on the first sharded mesh axis, hover for all"))
+                      "the split on the first sharded mesh axis, hover for all"
+                      + ("" if graph is not None else "; without the model's graph styles show "
+                         "as 'split' (meshplan report --model SPEC names them)")))
     return _svg(WIDTH, y + 8, body, "per-layer placement map")
 
 
