@@ -281,6 +281,19 @@ class PipelineModel:
     def unique_params(self) -> list[nn.Parameter]:
         return list({id(p): p for p in self.params.values()}.values())
 
+    def named_unique_params(self) -> dict[str, nn.Parameter]:
+        """First FQN of every distinct parameter on this rank (tied ones once)."""
+        out, seen = {}, set()
+        for name, p in self.params.items():
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[name] = p
+        return out
+
+    def optimizer_params(self) -> dict[str, nn.Parameter]:
+        """What the optimizer steps, by FQN (as ParallelModel.optimizer_params; no ZeRO here)."""
+        return self.named_unique_params()
+
     @torch.no_grad()
     def _finish_grads(self) -> None:
         for p in self.unique_params():
