@@ -101,9 +101,12 @@ def variant(base: Plan, c: Config) -> Plan:
 def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "",
               dtype: str | None = None, optimizer: str = "adam", output: str = "",
               plot: str = "", auto: bool = True, time_limit_s: float = 30.0,
-              progress: bool = False, configs: list[Config] | None = None):
+              progress: bool = False, configs: list[Config] | None = None, workers: int = 0):
     """Price every configuration; returns a DataFrame (one row per configuration, plus one
-    row ``kind == "auto"`` for the automatic plan) and writes it when ``output`` is given."""
+    row ``kind == "auto"`` for the automatic plan) and writes it when ``output`` is given.
+
+    ``workers`` processes (0: one per available core) price groups of configurations that
+    share their placements; they fork after the trace, so the graph is not rebuilt."""
     import pandas as pd
 
     import meshplan
@@ -118,41 +121,86 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
         configs = configurations(devices=mesh.num_devices, devices_per_node=mesh.devices_per_node,
                                  batch=batch, layers=graph.num_layers,
                                  heads=attention_heads(graph))
-    rows = []
-    bases: dict[tuple, Plan | str] = {}
+    groups: dict[tuple, list[Config]] = {}
+    for c in configs:
+        groups.setdefault(c.placement_key, []).append(c)
+    jobs = sorted(groups.values(), key=len, reverse=True)
+    job = dict(model=model, mesh=mesh, graph=graph, dtype=dtype, optimizer=optimizer)
+    rows: list[dict] = []
     with _Progress(len(configs), enabled=progress) as bar:
-        for c in configs:
-            key = c.placement_key
-            if key not in bases:
-                try:
-                    bases[key] = meshplan.manual_plan(
-                        model, mesh, graph=graph, dp=c.dp, tp=c.tp, pp=c.pp, microbatch_size=1,
-                        sequence_parallel=c.sequence_parallel, zero=3 if c.zero == 3 else 0,
-                        dtype=dtype, optimizer=optimizer)
-                except MeshplanError as exc:
-                    bases[key] = str(exc)
-            base = bases[key]
-            row = {**asdict(c), "microbatches": batch // (c.dp * c.microbatch_size)}
-            if isinstance(base, str):
-                rows.append({**row, "error": base})
-            else:
-                try:
-                    est = meshplan.estimate(variant(base, c), graph)
-                    rows.append({**row, **_estimate_columns(est), "error": ""})
-                except MeshplanError as exc:
-                    rows.append({**row, "error": str(exc)})
-            bar.advance()
+        for chunk in _map(price_group, jobs, job, workers):
+            rows += chunk
+            bar.advance(len(chunk))
+    order = {c: i for i, c in enumerate(configs)}
+    rows.sort(key=lambda r: order[Config(**{k: r[k] for k in Config.__slots__})])
     frame = pd.DataFrame(rows)
     frame["kind"] = "uniform"
     frame["is_auto"] = False
     if auto:
         frame = _mark_auto(frame, model, mesh, graph, dtype, optimizer, time_limit_s)
     frame = _with_pareto(_ensure_columns(frame))
+    for col in ("dp", "tp", "pp", "microbatch_size", "microbatches", "virtual_stages", "zero"):
+        frame[col] = frame[col].astype("Int64")  # the automatic plan may have no dp/tp
     if output:
         _write_parquet(frame, output)
     if plot:
         plot_pareto(frame, plot, title=f"{graph.model_name} on {mesh.name}")
     return frame
+
+
+def price_group(configs: list[Config], *, model, mesh, graph, dtype, optimizer) -> list[dict]:
+    """Rows for configurations sharing one placement key: one manual_plan, then estimates."""
+    import meshplan
+
+    c0 = configs[0]
+    batch = graph.inputs[0][1].shape[0]
+    try:
+        base = meshplan.manual_plan(model, mesh, graph=graph, dp=c0.dp, tp=c0.tp, pp=c0.pp,
+                                    microbatch_size=1, sequence_parallel=c0.sequence_parallel,
+                                    zero=3 if c0.zero == 3 else 0, dtype=dtype,
+                                    optimizer=optimizer)
+    except MeshplanError as exc:
+        base = str(exc)
+    rows = []
+    for c in configs:
+        row = {**asdict(c), "microbatches": batch // (c.dp * c.microbatch_size)}
+        if isinstance(base, str):
+            rows.append({**row, "error": base})
+            continue
+        try:
+            est = meshplan.estimate(variant(base, c), graph)
+            rows.append({**row, **_estimate_columns(est), "error": ""})
+        except MeshplanError as exc:
+            rows.append({**row, "error": str(exc)})
+    return rows
+
+
+_JOB: dict = {}  # what forked workers inherit (set just before the pool forks)
+
+
+def _run_job(configs):
+    return price_group(configs, **_JOB)
+
+
+def _map(fn, jobs, job: dict, workers: int):
+    """``fn(jobs[i], **job)`` for every job, in 1 process or forked workers (results as they
+    finish). Fork keeps the traced graph shared instead of pickling it."""
+    import multiprocessing
+    import os
+
+    workers = workers or len(os.sched_getaffinity(0))
+    workers = min(workers, len(jobs))
+    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        for j in jobs:
+            yield fn(j, **job)
+        return
+    _JOB.clear()
+    _JOB.update(job)
+    try:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            yield from pool.imap_unordered(_run_job, jobs)
+    finally:
+        _JOB.clear()
 
 
 def _estimate_columns(est) -> dict:
@@ -187,7 +235,9 @@ def _mark_auto(frame, model, mesh, graph, dtype, optimizer, time_limit_s):
     except MeshplanError as exc:  # e.g. nothing fits: say so in the data set
         return pd.concat([frame, pd.DataFrame([{"kind": "auto", "is_auto": True,
                                                 "error": str(exc)}])], ignore_index=True)
-    est, t = plan.predicted, plan.training
+    # price it with the same cost model as every other row (the solver's own objective is
+    # kept in its own column)
+    est, t = meshplan.estimate(plan, graph), plan.training
     same = ((frame["pp"] == plan.num_stages) & (frame["microbatches"] == t.microbatches)
             & (frame["schedule"] == t.schedule)
             & (frame["step_time_s"] - est.step_time_s).abs().le(1e-9 * est.step_time_s)
@@ -200,7 +250,8 @@ def _mark_auto(frame, model, mesh, graph, dtype, optimizer, time_limit_s):
            "sequence_parallel": t.sequence_parallel,
            "recompute": ",".join(sorted({st.recompute for st in plan.stages})),
            "zero": max(st.zero for st in plan.stages), "error": "",
-           "solver": f"{plan.solver.name}: {plan.solver.status}", **_estimate_columns(est)}
+           "solver": f"{plan.solver.name}: {plan.solver.status}",
+           "solver_objective_s": plan.solver.objective_s, **_estimate_columns(est)}
     return pd.concat([frame, pd.DataFrame([row])], ignore_index=True)
 
 
@@ -290,8 +341,8 @@ class _Progress:
     def __enter__(self):
         return self
 
-    def advance(self):
-        self.done += 1
+    def advance(self, n: int = 1):
+        self.done += n
         if not self.enabled:
             return
         if self.bar is None and time.perf_counter() - self.start > SHOW_PROGRESS_AFTER_S:
