@@ -66,8 +66,10 @@ class Pricer:
             floating = n.out is not None and n.out.dtype in _FLOAT
             grad[n.name] = floating and any(i in trainable or grad.get(i, False)
                                             for i in n.inputs)
-            const[n.name] = n.kind == OpKind.CREATION or (
-                bool(n.inputs) and all(const.get(i, False) for i in n.inputs))
+            # buffers and submodules the graph does not list are constants too
+            const[n.name] = n.kind == OpKind.CREATION or (bool(n.inputs) and all(
+                const.get(i, i not in self.g.param_map and i not in self.graph_inputs)
+                for i in n.inputs))
         return grad, const
 
     # -- pass 1: groups and strategies ------------------------------------------------------------
@@ -77,7 +79,8 @@ class Pricer:
                 continue
             node = self.g.node(n)
             for i in node.inputs:
-                if i not in self.g.param_map and i not in self.in_stage and i not in self.root:
+                if i not in self.g.param_map and i not in self.in_stage and i not in self.root \
+                        and (i in self.graph_inputs or i in self.g):  # not a submodule
                     self._source(i, node)
             parent = self._follower_parent(node)
             if parent is not None:
@@ -290,8 +293,10 @@ class Pricer:
                     if owner.get(pr) == (r, k):
                         continue
                     key = (("param", pr), r, k)
-                else:
+                elif i in self.in_stage or i in self.root:
                     key = (self.rep[i] if i in self.in_stage else i, r, k)
+                else:
+                    continue  # a submodule or constant argument, not a tensor
                 counts[key] = counts.get(key, 0) + 1
         edges = []
         for (src, r, k), cnt in counts.items():

@@ -297,8 +297,10 @@ def _module_path(node: torch.fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    return path.removeprefix("L['self'].").replace("L__self__", "").removeprefix(_WRAPPER_PREFIX) \
-        .removeprefix("model")
+    path = path.removeprefix("L['self'].").replace("L__self__", "")
+    # strip the TrainingModule wrapper's "model" only: Llama's own inner module is also
+    # called "model" ("model.model.layers.0" -> "model.layers.0", matching block_module)
+    return "" if path == "model" else path.removeprefix(_WRAPPER_PREFIX)
 
 
 def _user_source(node: torch.fx.Node) -> str:
