@@ -28,7 +28,8 @@ from meshplan.planner.graph import OpKind
 from meshplan.planner.intra import (GIB, MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES,
                                     OPTIMIZER_TRAFFIC_BYTES, Candidate, Group, StageProblem,
                                     warn_fallbacks)
-from meshplan.planner.reshard import edge_s, grad_placement, output_grad, shard_factor
+from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
+                                      output_grad, shard_factor)
 from meshplan.planner.strategies import (P, R, Strategy, enumerate_strategies, follow,
                                          input_shapes, is_pointwise, keeps_partial, op_spec,
                                          replicated_strategy, tensor_of, tensor_placements)
@@ -243,6 +244,8 @@ class Pricer:
         for p in owned:
             info = self.g.param_map[p]
             used = st.inputs[owner[p][1]]
+            if P in used and not REPLICATE_TO_PARTIAL:
+                return None  # a stored parameter cannot be read as Partial by the runtime
             local = info.numel / shard_factor(used, mesh)
             sync = [ax for ax in range(self.ndim)
                     if used[ax] == R and st.split[ax] >= 0 and mesh[ax] > 1] if info.trainable else []

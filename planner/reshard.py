@@ -11,7 +11,9 @@ S(d) -> R      all-gather                 the gathered buffer
 S(d) -> S(e)   all-to-all                 the local buffer before the exchange
 P -> R         all-reduce                 the buffer
 P -> S(d)      reduce-scatter             the buffer before scattering
-R -> S / P     none (local slice / zero)  0
+R -> S(d)      none (local slice)         0
+R -> P         refused by the runtime     infinite (DTensor.redistribute: "redistributing
+                                          to Partial is for internal use only", torch 2.13)
 S(d) -> P      not executable by DTensor  infinite: pruned before any variable is made
 =============  =========================  ==========================================
 
@@ -28,6 +30,10 @@ from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.planner.strategies import P, R, Placement
 
 INF = math.inf
+# runtime/ realises each planned input placement with DTensor.redistribute, which refuses
+# Replicate -> Partial (measured on torch 2.13: meshplan run of a row-parallel addmm bias).
+# Flip when the runtime learns it (a replicated bias kept on one rank, zeros elsewhere).
+REPLICATE_TO_PARTIAL = False
 
 
 class AxisLinks:
@@ -73,7 +79,7 @@ def transition_s(links: AxisLinks, nbytes: float, src: Placement, dst: Placement
             total += links.collective(Collective.ALL_REDUCE, buf, axis)
         elif a == P and b >= 0:
             total += links.collective(Collective.REDUCE_SCATTER, buf, axis)
-        elif a >= 0 and b == P:
+        elif b == P and (a >= 0 or not REPLICATE_TO_PARTIAL):
             return INF
     return total
 

@@ -135,6 +135,7 @@ def test_resharding_costs_follow_the_collectives():
     assert transition_s(links, nb, (P,), (1,)) == collective_time_s(hw, Collective.REDUCE_SCATTER, nb, 8)
     assert transition_s(links, nb, (R,), (0,)) == 0.0
     assert transition_s(links, nb, (0,), (P,)) == INF  # DTensor cannot: pruned
+    assert transition_s(links, nb, (R,), (P,)) == INF  # DTensor.redistribute refuses it
     # Megatron's f: identity forward, all-reduce of the partial input grad backward
     g = grad_placement((R,), (1,))
     assert g == (P,)
