@@ -15,7 +15,7 @@ from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MemoryLimitError, NotSupportedError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
-from meshplan.planner.singlestage import plan_single_stage
+from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.trace import trace
 from meshplan.plan import Estimate, Plan
@@ -43,10 +43,13 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Te
     if graph is None:
         graph = trace(model, example_inputs, loss_fn=loss_fn,
                       model_name=model_name or type(model).__name__)
-    # one SPMD stage over every device, placements chosen by the intra-op ILP; raises
-    # MemoryLimitError (with min_memory_gib) when no strategy combination fits
-    return plan_single_stage(graph, mesh, dtype=dtype, optimizer=optimizer,
-                             memory_limit_gib=memory_limit_gib, time_limit_s=time_limit_s)
+    # the pipeline search (stages, submeshes, microbatches, schedule, recompute, ZeRO) and
+    # the single-stage intra-op ILP compete under one cost model (planner/hybrid); raises
+    # MemoryLimitError (with min_memory_gib) when nothing fits
+    space = search_space(microbatches=microbatches, schedules=schedules, recompute=recompute,
+                         max_stages=max_stages)
+    return plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
+                     memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
 
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor] = (), *,

@@ -234,14 +234,16 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
     runs = [0]
     smallest_memory = [INF]
 
-    def tables_for(size, b, mesh, hops, sp, relaxed=False):
-        key = (size, b, mesh, hops, sp, relaxed)
+    def tables_for(size, b, mesh, v, sp, relaxed=False):
+        key = (size, b, mesh, v, sp, relaxed)
+        hops = 0.0 if relaxed else v
         if key not in table_cache:
             options = stage_options(size, problem, relaxed_space(space) if relaxed else space,
                                     b, mesh, sp)
             table_cache[key] = build_tables(classes, problem, options, b, hops,
                                             relaxed_cache if relaxed else cost_cache,
-                                            need_memory=not relaxed) if options else None
+                                            need_memory=not relaxed, layer_multiple=v) \
+                if options else None
         return table_cache[key]
 
     # lower bounds first (fastest options, no memory, no send/recv): visit the most promising
@@ -250,7 +252,8 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
     bounded = []
     for order, combo in enumerate(_combos(problem, space)):
         schedule, stages, virtual, b, mesh, sp = combo
-        loose = tables_for(problem.num_devices // stages, b, mesh, 0.0, sp, relaxed=True)
+        loose = tables_for(problem.num_devices // stages, b, mesh,
+                           virtual if schedule == Schedule.INTERLEAVED else 1, sp, relaxed=True)
         if loose is None:
             continue
         s0, _ = cut([(loose, 0.0, INF)] * stages, INF, INF)
@@ -317,6 +320,8 @@ def _combos(problem: Problem, space: SearchSpace):
                 for b in batches:
                     if problem.global_batch % b:
                         continue
+                    if schedule == Schedule.INTERLEAVED and b % stages:
+                        continue  # Megatron-LM's interleaved schedule needs B % p == 0
                     for mesh in meshes:
                         for sp in space.sequence_parallel:
                             yield schedule, stages, virtual, b, mesh, sp

@@ -88,8 +88,10 @@ def p2p_hops(first: bool, last: bool) -> float:
 
 
 def build_tables(classes: RangeClasses, problem, options, microbatches: int, hops: float,
-                 cache: dict, *, need_memory: bool = True) -> Tables:
-    """Price every class under every option (``cache`` keeps cost-function answers)."""
+                 cache: dict, *, need_memory: bool = True, layer_multiple: int = 1) -> Tables:
+    """Price every class under every option (``cache`` keeps cost-function answers).
+    Ranges whose block count ``layer_multiple`` does not divide are impossible (the
+    interleaved schedule cuts every stage into that many equal chunks)."""
     n_opt, n_cls = len(options), classes.num_classes
     arrays = np.full((5, n_opt, n_cls), INF)  # t, u, w, a, r
     stage_costs: list = [None] * n_opt
@@ -102,6 +104,10 @@ def build_tables(classes: RangeClasses, problem, options, microbatches: int, hop
         factor = np.array([hops * p2p_hops(bool(f), bool(l))
                            for f, l in zip(classes.is_first, classes.is_last)])
         arrays[0, o] += np.where(np.isfinite(recv) & (factor > 0), factor * recv, 0.0)
+    if layer_multiple > 1:
+        first = np.array([problem.unit_layers[j][0] for j in classes.rep_first])
+        last = np.array([problem.unit_layers[k - 1][1] for k in classes.rep_last])
+        arrays[0][:, (last - first) % layer_multiple != 0] = INF
     return Tables(classes, options, arrays, stage_costs)
 
 

@@ -1,0 +1,84 @@
+"""Hybrid planning: the plan ``meshplan.autoparallel`` returns.
+
+trace -> cost -> **solve** (planner/inter's pipeline search + planner/singlestage's ILP) ->
+assemble -> run. Two searches compete, both priced by the same cost model
+(``costmodel.estimate``), and the faster plan that fits memory wins:
+
+1. the pipeline search (planner/inter over planner/stagecost): stages, non-uniform stage
+   boundaries, submesh shape (dp, tp), microbatches, schedule, recompute, ZeRO and sequence
+   parallelism jointly, with Megatron-LM placements inside each stage; it includes the
+   single-stage plans of that family;
+2. the intra-operator ILP on one stage over every device (planner/singlestage), whose
+   per-operator placements may beat Megatron's when the model fits without pipelining. It
+   runs when the pipeline search's best plan has one stage or none fits (an ILP over a
+   whole 1,024-device model is the expensive part of Alpa's 40-minute search; skipping it
+   when pipelining already wins keeps planning in seconds).
+
+Ties keep the pipeline search's plan, so the same inputs give the same plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+
+from meshplan.errors import MemoryLimitError, PlanningError
+from meshplan.planner.graph import OpGraph
+from meshplan.planner.inter import SearchSpace
+from meshplan.planner.stagecost import plan_hybrid
+from meshplan.plan import Plan
+
+# Microbatch sizes (sequences per data-parallel rank) the search tries by default: the
+# range Megatron-LM's published runs use (Narayanan et al. 2021, section 5: 1 to 8).
+MICROBATCH_SIZES = (1, 2, 4, 8)
+# Candidate interleaving depths (Narayanan et al. 2021, figure 13 sweeps 2 to 8 chunks).
+VIRTUAL_STAGES = (2, 4)
+
+
+def search_space(*, microbatches: Sequence[int] | None = None,
+                 schedules: Sequence[str] | None = None, recompute: Sequence[str] | None = None,
+                 max_stages: int | None = None, zero: Sequence[int] | None = None,
+                 eps: float = 0.0) -> SearchSpace:
+    """autoparallel's options as a SearchSpace; None keeps the whole dimension."""
+    return SearchSpace(
+        schedules=tuple(schedules) if schedules else ("gpipe", "1f1b", "interleaved-1f1b"),
+        recompute=tuple(recompute) if recompute else ("none", "selective", "full"),
+        zero=tuple(zero) if zero is not None else (0, 1, 2, 3),
+        microbatches=tuple(microbatches) if microbatches else None,
+        microbatch_sizes=None if microbatches else MICROBATCH_SIZES,
+        virtual_stages=VIRTUAL_STAGES, max_stages=max_stages,
+        sequence_parallel=(False, True), mixed_meshes=False, eps=eps)
+
+
+def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
+              memory_limit_gib: float | None = None, space: SearchSpace | None = None,
+              time_limit_s: float = 30.0, single_stage_ilp: bool = True) -> Plan:
+    """The fastest plan of either search that fits ``memory_limit_gib`` per device."""
+    start = time.perf_counter()
+    space = space or search_space()
+    limit = memory_limit_gib if memory_limit_gib is not None else mesh.hardware.device.memory_gib
+    best: Plan | None = None
+    failure: MemoryLimitError | None = None
+    try:
+        best = plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer,
+                           memory_limit_gib=limit, space=space)
+    except MemoryLimitError as exc:
+        failure = exc
+    if single_stage_ilp and (best is None or best.num_stages == 1):
+        from meshplan.planner.singlestage import plan_single_stage
+
+        recompute = best.stages[0].recompute if best is not None else "none"
+        try:
+            ilp_plan = plan_single_stage(graph, mesh, dtype=dtype, optimizer=optimizer,
+                                         memory_limit_gib=limit, time_limit_s=time_limit_s,
+                                         recompute=recompute)
+        except PlanningError:
+            ilp_plan = None
+        if ilp_plan is not None and ilp_plan.predicted.peak_memory_gib <= limit and (
+                best is None or ilp_plan.predicted.step_time_s < best.predicted.step_time_s):
+            best = ilp_plan
+    if best is None:
+        raise failure or MemoryLimitError(
+            f"no plan fits {limit:.2f} GiB per device", min_memory_gib=limit)
+    return replace(best, wall_time_s=time.perf_counter() - start)
