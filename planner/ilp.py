@@ -41,7 +41,9 @@ nearly tight (edge variables form transportation polytopes), so LP-based branch 
 closes it at the root where CP-SAT's search does not. CBC runs single-threaded and is
 deterministic; it reports no deterministic time, so plans record ``time_s = 0`` with CBC
 and CP-SAT's deterministic time with CP-SAT (docs/DECISIONS.md). A greedy feasible solution
-seeds CP-SAT's search; the status and the optimality gap are returned by every backend.
+seeds every backend's search (a MIP start for CBC and SCIP, a hint for CP-SAT; HiGHS's
+pywraplp hint crashes in OR-Tools 9.15, so HiGHS starts cold); the status
+and the optimality gap are returned by every backend.
 """
 
 from __future__ import annotations
@@ -306,6 +308,8 @@ class _Mip:
         from ortools.linear_solver import pywraplp
         self.lp = pywraplp
         self.s = pywraplp.Solver.CreateSolver(backend.upper())
+        self._hints: list = []
+        self.backend = backend
         if self.s is None:
             raise PlanningError(f"MIP backend {backend!r} is not available in this OR-Tools; "
                                 "use cp-sat, scip, cbc or highs")
@@ -326,9 +330,11 @@ class _Mip:
         self.s.Minimize(self.s.Sum([c * v for c, v in terms]))
 
     def hint(self, var, value):
-        pass  # pywraplp hints need all variables at once; the MIP solvers start from scratch
+        self._hints.append((var, value))  # pywraplp takes all hinted values at once
 
     def solve(self, time_limit_s):
+        if self._hints and self.backend != "highs":  # pywraplp's HiGHS hint segfaults (9.15)
+            self.s.SetHint([v for v, _ in self._hints], [float(x) for _, x in self._hints])
         self.s.SetTimeLimit(int(time_limit_s * 1000))
         status = self.s.Solve()
         if status == self.lp.Solver.OPTIMAL:

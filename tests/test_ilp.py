@@ -45,7 +45,7 @@ def problems(draw):
 @given(problems())
 def test_random_programs_match_brute_force(problem):
     best, _ = ilp.brute_force(problem)
-    result = ilp.solve(problem, backend="cbc", time_limit_s=10)
+    result = ilp.solve(problem, backend="cbc", time_limit_s=10, hint=ilp.greedy(problem))
     if best is None:
         assert result.status == "infeasible"
     else:

@@ -1,6 +1,6 @@
-"""The intra-op planner end to end: closed forms (data parallel, Megatron, ZeRO-3, 2-D
-sharding), memory errors, fallbacks, layer sharing, the stage cache, alternatives, and
-autoparallel's plan."""
+"""The intra-op planner end to end: closed forms (data parallel, Megatron, ZeRO-3, 2-D and
+3-D sharding), memory errors, fallbacks, layer sharing, the stage cache, alternatives, and
+single-stage plans (autoparallel's ILP candidate)."""
 
 import warnings
 
@@ -149,7 +149,7 @@ def gpt_plan():
     mesh = meshplan.Mesh.preset("dgx-a100-80gb", nodes=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return meshplan.autoparallel(model, mesh, inputs, time_limit_s=20)
+        return plan_single_stage(trace(model, inputs), mesh, time_limit_s=20)
 
 
 def test_identical_layers_share_one_set_of_variables():
@@ -167,7 +167,7 @@ def test_identical_layers_share_one_set_of_variables():
     assert sizes[0] == sizes[1]
 
 
-def test_autoparallel_plan_lists_every_parameter_and_operator(gpt_plan):
+def test_single_stage_plan_lists_every_parameter_and_operator(gpt_plan):
     plan = gpt_plan
     stage = plan.stages[0]
     assert set(stage.params) == {p.name for p in plan.graph.params}
@@ -182,7 +182,7 @@ def test_autoparallel_is_byte_identical_and_honours_the_memory_limit(gpt_plan):
     mesh = meshplan.Mesh.preset("dgx-a100-80gb", nodes=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = meshplan.autoparallel(model, mesh, inputs, time_limit_s=20)
+        plan = plan_single_stage(trace(model, inputs), mesh, time_limit_s=20)
         assert plan.to_json_text() == gpt_plan.to_json_text()
         with pytest.raises(MemoryLimitError):
             meshplan.autoparallel(model, mesh, inputs, memory_limit_gib=1e-5)
@@ -213,3 +213,14 @@ def test_alternatives_explain_why_each_candidate_lost(gpt_plan):
         # the plan is optimal: no single swap that stays within memory is faster
         if a.memory_gib <= gpt_plan.predicted.memory_capacity_gib and a.delta_s != float("inf"):
             assert a.delta_s >= -1e-9
+
+
+def test_three_dimensional_mesh():
+    with torch.device("meta"):
+        model = MLP(1024, 16384)
+    g = _graph(model, 64, 1024)
+    sol = _solve(g, (2, 2, 2), limit_gib=0.1)
+    assert sol.solver.status == "optimal"
+    assert all(len(pl) == 3 for pl in sol.params.values())
+    assert sol.memory.total_gib <= 0.1
+    assert any(sum(p != "R" for p in pl) >= 2 for pl in sol.params.values())
