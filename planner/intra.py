@@ -186,9 +186,9 @@ def solve_problem(problem: StageProblem, graph: OpGraph, names, mesh_shape,
     if floor > ip.memory_limit:
         need = floor / GIB
         raise MemoryLimitError(
-            f"no sharding strategy fits {problem.memory_limit_bytes / GIB:.2f} GiB per device "
+            f"no sharding strategy fits {problem.memory_limit_bytes / GIB:.4g} GiB per device "
             f"on a {'x'.join(map(str, mesh_shape))} mesh: the most memory-frugal one needs "
-            f"{need:.2f} GiB. Use more devices, a smaller (micro)batch, recompute, or raise "
+            f"{need:.4g} GiB. Use more devices, a smaller (micro)batch, recompute, or raise "
             "memory_limit_gib.", min_memory_gib=need)
     hint = ilp.greedy(ip)
     result = ilp.solve(ip, backend=options.backend, time_limit_s=options.time_limit_s, hint=hint)

@@ -110,7 +110,7 @@ def test_impossible_memory_raises_with_the_smallest_need(dp_graph):
     with pytest.raises(MemoryLimitError) as err:
         _solve(dp_graph, (8,), limit_gib=1e-3)
     need = err.value.min_memory_gib
-    assert f"{need:.2f} GiB" in str(err.value)
+    assert f"{need:.4g} GiB" in str(err.value)
     sol = _solve(dp_graph, (8,), limit_gib=need * 1.0001)  # the bound is tight
     assert sol.memory.total_gib <= need * 1.0001
 
@@ -224,3 +224,20 @@ def test_three_dimensional_mesh():
     assert all(len(pl) == 3 for pl in sol.params.values())
     assert sol.memory.total_gib <= 0.1
     assert any(sum(p != "R" for p in pl) >= 2 for pl in sol.params.values())
+
+
+def test_space_contains_sequence_parallel_and_zero3_candidates():
+    model, inputs = _gpt(2)
+    g = trace(model, inputs)
+    names = tuple(n.name for n in g.nodes)
+    p = build_problem(g, names, (4,), HW, StageOptions(), devices_per_node=8)
+    by_target = {}
+    for grp in p.groups:
+        if grp.anchor in g:
+            by_target.setdefault(g.node(grp.anchor).target, []).append(grp)
+    seq = (1,)  # Shard(1): the sequence dim of (batch, seq, hidden) activations
+    assert any(c.member_outputs[0] == seq for grp in by_target["aten.layer_norm.default"]
+               for c in grp.candidates)
+    assert any(c.member_outputs[0] == seq for grp in by_target["aten.dropout.default"]
+               for c in grp.candidates)
+    assert any(c.zero3 for grp in by_target["aten.addmm.default"] for c in grp.candidates)
