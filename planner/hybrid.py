@@ -39,8 +39,9 @@ VIRTUAL_STAGES = (2, 4)
 def search_space(*, microbatches: Sequence[int] | None = None,
                  schedules: Sequence[str] | None = None, recompute: Sequence[str] | None = None,
                  max_stages: int | None = None, zero: Sequence[int] | None = None,
-                 eps: float = 0.0) -> SearchSpace:
-    """autoparallel's options as a SearchSpace; None keeps the whole dimension."""
+                 eps: float = 0.01) -> SearchSpace:
+    """autoparallel's options as a SearchSpace; None keeps the whole dimension. ``eps``
+    merges bound candidates within 1% (the exact search, eps=0, is what tests check)."""
     return SearchSpace(
         schedules=tuple(schedules) if schedules else ("gpipe", "1f1b", "interleaved-1f1b"),
         recompute=tuple(recompute) if recompute else ("none", "selective", "full"),
@@ -53,7 +54,7 @@ def search_space(*, microbatches: Sequence[int] | None = None,
 
 def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
               memory_limit_gib: float | None = None, space: SearchSpace | None = None,
-              time_limit_s: float = 30.0, single_stage_ilp: bool = True) -> Plan:
+              time_limit_s: float = 30.0, single_stage_ilp: bool = True, cost=None) -> Plan:
     """The fastest plan of either search that fits ``memory_limit_gib`` per device."""
     start = time.perf_counter()
     space = space or search_space()
@@ -62,7 +63,7 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     failure: MemoryLimitError | None = None
     try:
         best = plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer,
-                           memory_limit_gib=limit, space=space)
+                           memory_limit_gib=limit, space=space, cost=cost)
     except MemoryLimitError as exc:
         failure = exc
     if single_stage_ilp and (best is None or best.num_stages == 1):

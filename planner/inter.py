@@ -171,6 +171,10 @@ class Problem:
     global_batch: int
     memory_limit_gib: float
     cost_fn: Callable
+    # optional floor of a stage's weights memory (GiB) on a (dp, tp) mesh of a p-stage
+    # pipeline under ZeRO stage z: (p, dp, tp, z) -> GiB; shapes whose floor exceeds the
+    # memory limit are skipped before any stage is priced
+    weights_floor_gib: Callable | None = None
 
     @property
     def num_units(self) -> int:
@@ -252,6 +256,8 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
     bounded = []
     for order, combo in enumerate(_combos(problem, space)):
         schedule, stages, virtual, b, mesh, sp = combo
+        if not _may_fit(problem, space, stages, mesh):
+            continue
         loose = tables_for(problem.num_devices // stages, b, mesh,
                            virtual if schedule == Schedule.INTERLEAVED else 1, sp, relaxed=True)
         if loose is None:
@@ -283,6 +289,16 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
             "recompute='full' and zero=3, or raise memory_limit_gib.",
             min_memory_gib=smallest_memory[0])
     return PipelinePlan(**{**_fields(best), "combos_searched": combos, "dp_runs": runs[0]})
+
+
+def _may_fit(problem: Problem, space: SearchSpace, stages: int, mesh) -> bool:
+    if problem.weights_floor_gib is None:
+        return True
+    size = problem.num_devices // stages
+    meshes = [mesh] if mesh else stage_meshes(size, problem.devices_per_node,
+                                              space.tensor_degrees)
+    return any(problem.weights_floor_gib(stages, dp, tp, max(space.zero))
+               <= problem.memory_limit_gib for dp, tp in meshes)
 
 
 def relaxed_space(space: SearchSpace) -> SearchSpace:

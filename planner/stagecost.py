@@ -26,6 +26,7 @@ from dataclasses import replace
 
 from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.memory import GIB, model_state_bytes
 from meshplan.manual import _Propagator, _stage_params, attention_heads
 from meshplan.planner.assemble import mesh_info, model_info, training_config
 from meshplan.planner.clusters import LayerUnit, layer_units
@@ -72,6 +73,13 @@ class MegatronStageCost:
                      inputs={name: ("S(0)", "R") for name, _ in self.graph.inputs},
                      params={p: params[p] for p in _stage_params(self.graph, names)},
                      ops={n: ops[n] for n in names})
+
+    def weights_floor_gib(self, stages: int, dp: int, tp: int, zero: int) -> float:
+        """Model state of the average stage with every parameter split over tp: no stage of
+        such a pipeline needs less (the cost model's bytes per parameter)."""
+        numel = self.graph.param_count / (stages * tp)
+        return sum(model_state_bytes(numel, dtype=self.dtype, optimizer=self.optimizer,
+                                     zero=zero, dp=dp)) / GIB
 
     # -- probes --------------------------------------------------------------------------------
     def probe(self, first: int, last: int, option: StageOption, mbs: int,
@@ -149,19 +157,21 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
 
 def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                 memory_limit_gib: float | None = None, space: SearchSpace = SearchSpace(),
-                max_units: int | None = None) -> Plan:
-    """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan."""
+                max_units: int | None = None, cost: MegatronStageCost | None = None) -> Plan:
+    """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan.
+    Pass ``cost`` to share its probes with other searches over the same graph and mesh."""
     start = time.perf_counter()
     hw = mesh.hardware
-    units = layer_units(graph, max_units=max_units)
-    cost = MegatronStageCost(graph, units, hw, num_devices=mesh.num_devices, dtype=dtype,
-                             optimizer=optimizer)
+    units = cost.units if cost is not None else layer_units(graph, max_units=max_units)
+    cost = cost or MegatronStageCost(graph, units, hw, num_devices=mesh.num_devices,
+                                     dtype=dtype, optimizer=optimizer)
     problem = Problem(unit_layers=tuple(u.layers for u in units),
                       unit_keys=tuple(u.key for u in units), num_devices=mesh.num_devices,
                       devices_per_node=mesh.devices_per_node,
                       global_batch=graph.inputs[0][1].shape[0],
                       memory_limit_gib=memory_limit_gib if memory_limit_gib is not None
-                      else hw.device.memory_gib, cost_fn=cost)
+                      else hw.device.memory_gib, cost_fn=cost,
+                      weights_floor_gib=cost.weights_floor_gib)
     answer = search(problem, space)
     plan = assemble_plan(graph, mesh, units, answer, cost, dtype=dtype, optimizer=optimizer)
     return replace(plan, wall_time_s=time.perf_counter() - start)

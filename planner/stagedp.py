@@ -103,7 +103,7 @@ def build_tables(classes: RangeClasses, problem, options, microbatches: int, hop
         # send/recv between stages (x v chunks under the interleaved schedule)
         factor = np.array([hops * p2p_hops(bool(f), bool(l))
                            for f, l in zip(classes.is_first, classes.is_last)])
-        arrays[0, o] += np.where(np.isfinite(recv) & (factor > 0), factor * recv, 0.0)
+        arrays[0, o] += factor * np.where(np.isfinite(recv), recv, 0.0)
     if layer_multiple > 1:
         first = np.array([problem.unit_layers[j][0] for j in classes.rep_first])
         last = np.array([problem.unit_layers[k - 1][1] for k in classes.rep_last])
