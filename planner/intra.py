@@ -59,13 +59,16 @@ class StageOptions:
     batch_fraction: float = 1.0  # microbatch size / traced global batch
     microbatches: int = 1  # microbatches of this stage per step (compute and edges repeat)
     inflight_microbatches: int = 1  # activations of this many microbatches are alive at once
-    zero3: bool = True  # allow ZeRO-3 storage of parameters
+    zero: int = 3  # 0: none; 1/2: optimizer state (+ grads) split over the gradient-sync
+    #                axes for every parameter; 3: each group may store its parameters ZeRO-3
     time_limit_s: float = 30.0
     backend: str = "cbc"  # measured fastest on GPT stages (planner/ilp.py docstring)
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
             raise PlanningError(f"recompute={self.recompute!r} is not one of {RECOMPUTE}")
+        if self.zero not in (0, 1, 2, 3):
+            raise PlanningError(f"zero={self.zero} is not a ZeRO stage; choose 0, 1, 2 or 3")
         if not 0 < self.batch_fraction <= 1:
             raise PlanningError(f"batch_fraction={self.batch_fraction} must lie in (0, 1]")
 

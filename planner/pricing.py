@@ -191,7 +191,7 @@ class Pricer:
         cands = []
         for a, st in enumerate(self.strategies[r]):
             base = self._price(r, a, st, count)
-            for zero in (False, True):
+            for zero in ((False, True) if self.o.zero >= 3 else (False,)):
                 c = self._with_params(base, a, st, r, owned, owner, zero, count)
                 if c is not None:
                     cands.append(c)
@@ -257,17 +257,29 @@ class Pricer:
             any_sync = any_sync or bool(sync)
             storage.append(stored)
             n_store = info.numel / shard_factor(stored, mesh)
-            pbytes += n_store * (MASTER_BYTES + (DTYPE_BYTES[o.dtype] if o.dtype != "fp32" else 0))
+            # ZeRO-1/2 (plain storage): fp32 master + optimizer state (and, for 2, gradients)
+            # split over the gradient-sync axes (ZeRO paper, figure 1)
+            div = 1
+            if not zero and o.zero in (1, 2):
+                for ax in sync:
+                    div *= mesh[ax]
+            copy_b = DTYPE_BYTES[o.dtype]
+            master_b = MASTER_BYTES if o.dtype != "fp32" else 0
+            pbytes += n_store * (copy_b + master_b / div)
             if info.trainable:
-                gbytes += n_store * GRAD_BYTES
-                obytes += n_store * OPTIMIZER_BYTES.get(o.optimizer, 8)
-                optim_s += OPTIMIZER_TRAFFIC_BYTES * n_store / (
+                gbytes += n_store * GRAD_BYTES / (div if o.zero == 2 else 1)
+                obytes += n_store * OPTIMIZER_BYTES.get(o.optimizer, 8) / div
+                optim_s += OPTIMIZER_TRAFFIC_BYTES * n_store / div / (
                     self.hw.device.memory_bandwidth_gbps * 1e9)
             for ax in sync:
                 if zero:  # FSDP gathers the weight for every microbatch's forward and backward
                     gathers += 2 * self.links.collective(
-                        Collective.ALL_GATHER, local * DTYPE_BYTES[o.dtype], ax)
+                        Collective.ALL_GATHER, local * copy_b, ax)
                     sync_s += self.links.collective(Collective.REDUCE_SCATTER, local * GRAD_BYTES, ax)
+                elif o.zero in (1, 2):  # reduce (-scatter) grads, gather the stepped weights
+                    kind = Collective.REDUCE_SCATTER if o.zero == 2 else Collective.ALL_REDUCE
+                    sync_s += self.links.collective(kind, local * GRAD_BYTES, ax)
+                    sync_s += self.links.collective(Collective.ALL_GATHER, local * copy_b, ax)
                 else:
                     sync_s += self.links.collective(Collective.ALL_REDUCE, local * GRAD_BYTES, ax)
         if zero and not any_sync:

@@ -241,3 +241,13 @@ def test_space_contains_sequence_parallel_and_zero3_candidates():
     assert any(c.member_outputs[0] == seq for grp in by_target["aten.dropout.default"]
                for c in grp.candidates)
     assert any(c.zero3 for grp in by_target["aten.addmm.default"] for c in grp.candidates)
+
+
+def test_zero_levels_trade_memory_for_communication(dp_graph):
+    sols = [_solve(dp_graph, (8,), zero=z) for z in (0, 1, 2)]
+    opt = [s.memory.optimizer_gib for s in sols]
+    grads = [s.memory.grads_gib for s in sols]
+    assert opt[1] == pytest.approx(opt[0] / 8) and grads[1] == pytest.approx(grads[0])
+    assert grads[2] == pytest.approx(grads[0] / 8)
+    assert sols[1].comm_s > sols[0].comm_s  # the stepped weights are gathered again
+    assert all(pl == ("R",) for s in sols for pl in s.params.values())
