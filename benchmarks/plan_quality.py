@@ -53,9 +53,12 @@ MODELS = {
     "llama2-7b": ("llama2-7b", 1024, 4096),
     "llama2-70b": ("llama2-70b", 1024, 4096),
     "bert-large": ("bert-large", 256, 512),
-    # encoder-decoder family: T5 (v1.1-base-like sizes; transformers ships the config)
-    "t5-base": ("transformers:t5?d_model=768&d_ff=2048&num_layers=12&num_decoder_layers=12"
-                "&num_heads=12&vocab_size=32128&dropout_rate=0.0", 256, 512),
+    # mixture of experts: a small Mixtral (8 experts, top-2; Jiang et al. 2024's layout at a
+    # quarter of the width). T5 (encoder-decoder) also traces, but the tracer's repeated
+    # blocks are then the decoder's only: the whole encoder would sit in the first stage.
+    "mixtral-small": ("transformers:mixtral?hidden_size=2048&intermediate_size=5632"
+                      "&num_hidden_layers=16&num_attention_heads=16&num_key_value_heads=8"
+                      "&num_local_experts=8&num_experts_per_tok=2&vocab_size=32000", 512, 2048),
 }
 HARDWARE = ("dgx-a100-80gb", "dgx-h100")
 GPUS = (8, 16, 32, 64, 128, 256, 512, 1024)

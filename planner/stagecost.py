@@ -52,6 +52,7 @@ class MegatronStageCost:
         self.on_host = min(num_devices, hw.devices_per_node)
         self._placements: dict = {}
         self._probes: dict = {}
+        self._neighbourhoods: dict = {}
 
     # -- placements ---------------------------------------------------------------------------
     def placements(self, dp: int, tp: int, sp: bool, zero: int):
@@ -98,11 +99,12 @@ class MegatronStageCost:
         m = self.batch // (dp * mbs)
         kw = dict(dtype=self.dtype, optimizer=self.optimizer, microbatches=m,
                   seq_len=self.seq, processes_on_host=self.on_host)
-        alone = stage_cost(st, self.graph, self.hw, num_stages=1, **kw)
+        graph = self.neighbourhood(first, last)
+        alone = stage_cost(st, graph, self.hw, num_stages=1, **kw)
         if not need_memory:
             self._probes[key] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
             return self._probes[key]
-        two = stage_cost(st, self.graph, self.hw, num_stages=2, schedule="gpipe", **kw)
+        two = stage_cost(st, graph, self.hw, num_stages=2, schedule="gpipe", **kw)
         mem = alone.memory
         acts1, acts_m = mem.activations_gib, two.memory.activations_gib
         kept = (acts_m - acts1) / (m - 1) if m > 1 else acts1
@@ -113,6 +115,23 @@ class MegatronStageCost:
                working, recv)
         self._probes[key] = out
         return out
+
+    def neighbourhood(self, first: int, last: int) -> OpGraph:
+        """The graph cut to what pricing units [first, last) reads: the operators before the
+        blocks (embedding, positions, masks the blocks consume), the unit before (the
+        producer of the stage's input) and the units themselves. The cost model scans the
+        whole graph it is given on every call; a 96-block model would cost 30x more."""
+        key = (first, last)
+        if key not in self._neighbourhoods:
+            keep = set(self.units[0].nodes) if self.units else set()
+            for u in self.units[max(0, first - 1):last]:
+                keep.update(u.nodes)
+            g = self.graph
+            self._neighbourhoods[key] = OpGraph(
+                nodes=tuple(n for n in g.nodes if n.name in keep), params=g.params,
+                inputs=g.inputs, output=g.output, layer_fingerprints=g.layer_fingerprints,
+                block_module=g.block_module, model_name=g.model_name)
+        return self._neighbourhoods[key]
 
     def unit_cost(self, i: int, option: StageOption, mbs: int, *, leading: bool,
                   need_memory: bool = True) -> StageCost | None:

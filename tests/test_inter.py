@@ -254,3 +254,23 @@ def test_hybrid_beats_or_matches_every_uniform_manual_plan(tiny_gpt):
             manual = build_manual_plan(tiny_gpt, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=mbs,
                                        schedule="1f1b", dtype="bf16")
             assert auto.predicted.step_time_s <= manual.predicted.step_time_s * 1.01
+
+
+def test_probes_on_the_cut_graph_equal_probes_on_the_whole_graph(tiny_gpt):
+    from meshplan.costmodel.estimate import stage_cost
+    from meshplan.mesh import Mesh
+    from meshplan.planner.clusters import layer_units
+    from meshplan.planner.stagecost import MegatronStageCost
+
+    mesh = Mesh.preset("dgx-a100-80gb", nodes=1)
+    units = layer_units(tiny_gpt)
+    cost = MegatronStageCost(tiny_gpt, units, mesh.hardware, num_devices=8, dtype="bf16",
+                             optimizer="adam")
+    for opt in (StageOption((4, 2), "none", 0, True), StageOption((2, 4), "full", 3)):
+        for first, last in ((0, 1), (1, 3), (3, 4)):
+            st = cost.stage([n for u in units[first:last] for n in u.nodes], opt)
+            kw = dict(dtype="bf16", optimizer="adam", microbatches=4, seq_len=64,
+                      num_stages=2, schedule="gpipe")
+            whole = stage_cost(st, tiny_gpt, mesh.hardware, **kw)
+            cut_ = stage_cost(st, cost.neighbourhood(first, last), mesh.hardware, **kw)
+            assert cut_ == whole
