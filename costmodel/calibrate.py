@@ -196,7 +196,187 @@ def fit_collectives(rows: list[tuple]) -> tuple[dict, dict]:
     return fitted, residuals
 
 
-def calibrate(procs: int = 4, *, device: str | None = None, progress=None) -> HardwareProfile:
+# -- the runtime itself: per-operator overhead, compute scale, contention -----------------------
+
+# Calibration graphs: small GPT-2s at batch x seq, deliberately other sizes than
+# benchmarks/costmodel_accuracy.py (4 layers, width 256, vocab 8192, batch 8 x 128) so that the
+# accuracy benchmark is not its own training set. Two widths and two batch shapes separate
+# the per-operator cost (same op count, different work) from the compute rate.
+RUNTIME_GRAPHS = (
+    ("transformers:gpt2?n_layer=1&n_embd=128&n_head=4&vocab_size=2048&n_positions=64", 4, 64),
+    ("transformers:gpt2?n_layer=2&n_embd=128&n_head=4&vocab_size=2048&n_positions=64", 8, 32),
+    ("transformers:gpt2?n_layer=1&n_embd=384&n_head=6&vocab_size=4096&n_positions=64", 4, 64),
+)
+RUNTIME_STEPS = 4  # the first step (optimizer state allocation, warm-up) is not timed
+
+
+def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
+    """Time ``meshplan run``'s path (parallelize + train_step) of each graph as dp=world."""
+    import torch.distributed as dist
+
+    from meshplan.api import manual_plan
+    from meshplan.costmodel.hardware import load_preset as _preset
+    from meshplan.mesh import Mesh
+    from meshplan.planner.trace import trace
+    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    results = []
+    for text, batch, seq in graphs:
+        spec = parse_model_spec(text)
+        meta = spec.build("meta")
+        graph = trace(meta, example_inputs(meta, batch, seq), model_name=spec.name)
+        plan = manual_plan(meta, Mesh.local(world, profile=_preset("cpu-local")), graph=graph,
+                           dtype="fp32", dp=world, microbatch_size=batch // world)
+        torch.manual_seed(0)
+        model = spec.build("cpu")
+        pm = parallelize(model, plan, (synthetic_batch(model, batch, seq, seed=0, step=0),))
+        opt = make_optimizer(pm.optimizer_params(), plan)
+        times = []
+        for step in range(RUNTIME_STEPS):
+            x = synthetic_batch(model, batch, seq, seed=0, step=step)
+            dist.barrier()
+            start = time.perf_counter()
+            pm.train_step(x, opt)
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        results.append((text, batch, seq, world, statistics.median(times[1:])))
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def measure_runtime(worlds=(1,), graphs=RUNTIME_GRAPHS, progress=None) -> list[tuple]:
+    """(model, batch, seq, processes, median step s) of the runtime on each graph."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows = []
+    for world in worlds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_runtime_worker, args=(r, world, port, graphs, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        rows += queue.get(timeout=600)
+        for p in procs:
+            p.join(timeout=60)
+        if progress:
+            progress()
+    return rows
+
+
+def _with_device(profile: HardwareProfile, **changes) -> HardwareProfile:
+    d = profile.to_dict()
+    d["device"].update(changes)
+    return HardwareProfile.from_dict(d, origin="calibration")
+
+
+def _scaled(profile: HardwareProfile, k: float, overhead: float, cores: float = 0.0) -> HardwareProfile:
+    """The profile with every roofline time and the kernel latency k x slower."""
+    dev = profile.device
+    return _with_device(profile, peak_tflops={n: v / k for n, v in dev.peak_tflops.items()},
+                        memory_bandwidth_gbps=dev.memory_bandwidth_gbps / k,
+                        kernel_latency_s=dev.kernel_latency_s * k,
+                        framework_overhead_s=overhead, effective_cores=cores)
+
+
+def _nonneg_lstsq(design: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Two non-negative coefficients minimising the relative error of ``design @ c ~ y``."""
+    a = design / y[:, None]
+    best, best_err = (0.0, 0.0), np.inf
+    sol, *_ = np.linalg.lstsq(a, np.ones_like(y), rcond=None)
+    candidates = [tuple(sol)] if min(sol) >= 0 else []
+    for j in (0, 1):  # one coefficient at zero: 1-D least squares on the other
+        col = a[:, j]
+        c = float(col @ np.ones_like(y) / (col @ col)) if col @ col > 0 else 0.0
+        candidates.append((c, 0.0) if j == 0 else (0.0, c))
+    for c in candidates:
+        err = float(np.sum((a @ np.array(c) - 1) ** 2))
+        if err < best_err and min(c) >= 0:
+            best, best_err = (float(c[0]), float(c[1])), err
+    return best
+
+
+def _with_latency(profile: HardwareProfile, latency: float) -> HardwareProfile:
+    """The profile with every collective's fixed latency set to ``latency``."""
+    d = profile.to_dict()
+    for level in ("intra_node", "inter_node"):
+        d[level]["latency_s"] = latency
+        for kind in d[level].get("collectives", {}).values():
+            kind["latency_s"] = latency
+    return HardwareProfile.from_dict(d, origin="calibration")
+
+
+def fit_runtime(profile: HardwareProfile, rows: list[tuple]) -> tuple[HardwareProfile, dict]:
+    """Fit (compute scale k, per-operator overhead f) to the 1-process runs, then the
+    effective cores to the N-process runs, each by least squares on relative error.
+
+    The cost model is linear in k and f for a fixed graph (step = k T0 + f A, where T0 is the
+    estimate without framework overhead and A its derivative in f), so the first fit is a
+    2-parameter linear least squares; the cores enter through max(1, N / cores) and are found
+    by a 1-D search."""
+    from meshplan.api import manual_plan
+    from meshplan.costmodel.estimate import estimate_plan
+    from meshplan.mesh import Mesh
+    from meshplan.planner.trace import trace
+    from meshplan.specs import example_inputs, parse_model_spec
+
+    cases = []
+    for text, batch, seq, world, measured in rows:
+        spec = parse_model_spec(text)
+        meta = spec.build("meta")
+        graph = trace(meta, example_inputs(meta, batch, seq), model_name=spec.name)
+        plan = manual_plan(meta, Mesh.local(world, profile=profile), graph=graph, dtype="fp32",
+                           dp=world, microbatch_size=batch // world)
+        cases.append((plan, graph, world, measured))
+
+    def predict(hw, case):
+        plan, graph, _, _ = case
+        return estimate_plan(plan, graph, hw=hw).step_time_s
+
+    ones = [c for c in cases if c[2] == 1]
+    base0, base1 = _scaled(profile, 1.0, 0.0), _scaled(profile, 1.0, 1e-3)
+    t0 = np.array([predict(base0, c) for c in ones])
+    dfd = (np.array([predict(base1, c) for c in ones]) - t0) / 1e-3
+    y = np.array([c[3] for c in ones])
+    k, f = _nonneg_lstsq(np.stack([t0, dfd], axis=1), y)
+    k = max(k, 1e-3)
+    one_resid = [abs(predict(_scaled(profile, k, f), c) - c[3]) / c[3] for c in ones]
+    fitted = _scaled(profile, k, f)
+    many = [c for c in cases if c[2] > 1]
+    cores, latency, many_resid = float(profile.device.host_cores or 1), None, []
+    if many:
+        # step = s x E(no contention, no collective latency) + latency x L: s = N / cores
+        # (time-sharing), latency = what one collective costs when every rank must be
+        # scheduled for it to finish (not the bare kernel the collective benchmark times)
+        n = many[0][2]
+        flat = _with_latency(_scaled(profile, k, f, float(n)), 0.0)
+        e_a = np.array([predict(flat, c) for c in many])
+        e_b = np.array([predict(_with_latency(flat, 1e-3), c) for c in many])
+        s, latency = _nonneg_lstsq(np.stack([e_a, (e_b - e_a) / 1e-3], axis=1),
+                                   np.array([c[3] for c in many]))
+        cores = float(n / max(s, 1e-3))
+        fitted = _with_latency(_scaled(profile, k, f, cores), latency)
+        many_resid = [abs(predict(fitted, c) - c[3]) / c[3] for c in many]
+    info = {"runtime_samples": [list(r) for r in rows], "compute_scale": k,
+            "framework_overhead_s": f, "effective_cores": cores,
+            "collective_latency_s": latency,
+            "runtime_residual_1proc": float(np.median(one_resid)),
+            "runtime_residual_nproc": float(np.median(many_resid)) if many_resid else None}
+    return fitted, info
+
+
+def calibrate(procs: int = 4, *, device: str | None = None, progress=None,
+              runtime: bool = True) -> HardwareProfile:
     """Measure this machine and return a fitted HardwareProfile (see the module docstring)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(1)
@@ -250,8 +430,24 @@ def calibrate(procs: int = 4, *, device: str | None = None, progress=None) -> Ha
                         "torch": torch.__version__})
     if device == "cuda":
         base["devices_per_node"] = torch.cuda.device_count()
-    return HardwareProfile.from_dict(base, origin="calibration")
+    profile = HardwareProfile.from_dict(base, origin="calibration")
+    if device == "cpu" and runtime:
+        worlds = (1, procs) if procs > 1 else (1,)
+        rows = measure_runtime(worlds=(1,), progress=progress)
+        if procs > 1:
+            rows += measure_runtime(worlds=(procs,), progress=progress)
+        profile, info = fit_runtime(profile, rows)
+        d = profile.to_dict()
+        d["fitted"].update(info, runtime_worlds=list(worlds))
+        d["sources"]["device.framework_overhead_s"] = (
+            where + ": 1-process runs of the runtime (parallelize + train_step) on "
+            "RUNTIME_GRAPHS, least squares with the compute scale")
+        d["sources"]["device.effective_cores"] = (
+            where + f": {procs}-process data-parallel runs of the runtime, 1-D least squares")
+        profile = HardwareProfile.from_dict(d, origin="calibration")
+    return profile
 
 
-def progress_steps(procs: int) -> int:
-    return len(MATMUL_SIZES) + len(ELEMENTWISE_NUMEL) + max(0, procs - 1)
+def progress_steps(procs: int, runtime: bool = True) -> int:
+    return len(MATMUL_SIZES) + len(ELEMENTWISE_NUMEL) + max(0, procs - 1) + \
+        (1 + (procs > 1)) * runtime

@@ -6,7 +6,12 @@ divided by the number of devices that split it (``shard``). Forward time is
     max(flops / (peak x eff(flops)), bytes / (bandwidth x eff(bytes)))
         + kernel latency + framework overhead
 
-times the host contention (CPU processes sharing fewer cores than there are processes).
+all times the host contention: CPU processes sharing fewer cores than there are processes
+time-share them, and the framework's per-operator work (Python dispatch, DTensor, autograd)
+is CPU work too, so it slows like the kernels (measured by ``meshplan calibrate`` on a
+2-core host: 4 processes run the same per-rank step about 2x slower than 1, the fixed
+per-operator part included). The cores are ``device.effective_cores`` when a calibration
+fitted them from N-process runs of the runtime, else ``device.host_cores``.
 A measured table (``HardwareProfile.measured_ops``: ``op_signature -> [forward_s,
 backward_s]``) replaces the roofline for operators it lists.
 
@@ -83,20 +88,20 @@ def op_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp32", shard: int =
     flops = node.flops / shard
     nbytes = (node.bytes_read + node.bytes_written) * scale / shard
     fixed = dev.kernel_latency_s + dev.framework_overhead_s
-    forward = roofline_s(hw, flops, nbytes, dtype) * contention + fixed
+    forward = (roofline_s(hw, flops, nbytes, dtype) + fixed) * contention
     if node.flops:
         factor = BACKWARD_FLOPS_FACTOR.get(node.kind, 2.0)
-        backward = roofline_s(hw, factor * flops, factor * nbytes, dtype) * contention + 2 * fixed
+        backward = (roofline_s(hw, factor * flops, factor * nbytes, dtype) + 2 * fixed) * contention
     else:
         factor = BACKWARD_BYTES_FACTOR.get(node.kind, 2.0)
-        backward = roofline_s(hw, 0.0, factor * nbytes, dtype) * contention + fixed
+        backward = (roofline_s(hw, 0.0, factor * nbytes, dtype) + fixed) * contention
     return OpTime(forward, backward)
 
 
 def contention_factor(hw: HardwareProfile, processes_on_host: int) -> float:
     """How much slower each process computes when ``processes_on_host`` share the host's
     cores (1 for dedicated devices such as GPUs)."""
-    cores = hw.device.host_cores
-    if cores <= 0 or processes_on_host <= cores:
+    if hw.device.host_cores <= 0:
         return 1.0
-    return processes_on_host / cores
+    cores = hw.device.effective_cores or hw.device.host_cores
+    return max(1.0, processes_on_host / cores)

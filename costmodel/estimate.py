@@ -255,9 +255,10 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
 
     b = state_bytes_per_param(dtype, optimizer)
     dev = hw.device
+    # the per-tensor fixed costs are CPU work on a CPU host and time-share its cores too
     optimizer_s = (2 * b.total * opt_numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
-                   * contention + n_tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
-                   * (dev.kernel_latency_s + dev.framework_overhead_s))
+                   + n_tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
+                   * (dev.kernel_latency_s + dev.framework_overhead_s)) * contention
 
     # -- activations ----------------------------------------------------------------------
     def split_of(tensor: str) -> int:

@@ -9,7 +9,8 @@ every number beside it; ``meshplan calibrate`` writes the same format from measu
 Fields the first presets lacked all have defaults, so older profiles still load:
 ``device.host_cores`` (CPU processes of one host share these cores; 0 = dedicated devices),
 ``device.framework_overhead_s`` (per-operator cost of the executing framework on top of the
-kernel, e.g. DTensor dispatch), ``LinkSpec.collectives`` (per-collective overrides of the
+kernel, e.g. DTensor dispatch), ``device.effective_cores`` (the cores N CPU processes
+effectively share, fitted from runs of the runtime; 0 = ``host_cores``), ``LinkSpec.collectives`` (per-collective overrides of the
 link's bandwidth and latency) and ``measured_ops`` (operator signature -> measured time).
 """
 
@@ -51,6 +52,7 @@ class DeviceSpec:
     kernel_latency_s: float  # fixed cost per launched operator
     host_cores: int = 0  # CPU processes share this many cores; 0: every device is its own
     framework_overhead_s: float = 0.0  # per-operator cost of the executing framework
+    effective_cores: float = 0.0  # fitted cores N processes share (0: host_cores)
 
     def peak_flops(self, dtype: str) -> float:
         if dtype in self.peak_tflops:

@@ -18,6 +18,7 @@ import os
 import resource
 import sys
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from meshplan.errors import MeshplanError
 from meshplan.plan import Plan, atomic_write
 from meshplan.runtime import checkpoint
+from meshplan.runtime.memory_probe import StepMemoryProbe, training_state_tensors
 from meshplan.runtime.parallelize import make_optimizer, parallelize
 from meshplan.specs import parse_model_spec, synthetic_batch
 
@@ -76,6 +78,7 @@ def main(argv=None) -> int:
                 print(f"resumed from {checkpoint.checkpoint_path(args.checkpoint_dir, first)} "
                       f"after {first} steps", flush=True)
         losses, times = [], []
+        tensor_peak = 0.0
         for step in range(first, args.steps):
             if step == args.fail_at_step and rank == args.fail_rank:
                 print(f"rank {rank}: injected failure before step {step}", file=sys.stderr,
@@ -85,7 +88,12 @@ def main(argv=None) -> int:
                                     seed=args.seed, step=step)
             dist.barrier()
             start = time.perf_counter()
-            loss = pm.train_step(batch, optimizer)
+            probe = StepMemoryProbe(training_state_tensors(pm, optimizer)) \
+                if step == min(first + 1, args.steps - 1) else nullcontext()
+            with probe:  # peak live tensor bytes of one steady step (runtime/memory_probe.py)
+                loss = pm.train_step(batch, optimizer)
+            if isinstance(probe, StepMemoryProbe):
+                tensor_peak = probe.peak_bytes / 2**30
             dist.barrier()
             elapsed = time.perf_counter() - start
             losses.append(loss)
@@ -95,7 +103,7 @@ def main(argv=None) -> int:
             if args.checkpoint_dir and args.checkpoint_every and \
                     (step + 1) % args.checkpoint_every == 0:
                 checkpoint.save(args.checkpoint_dir, pm, optimizer, step + 1)
-        peak = torch.tensor([_rss_gib() - rss_before], dtype=torch.float64)
+        peak = torch.tensor([_rss_gib() - rss_before, tensor_peak], dtype=torch.float64)
         gathered = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, peak)
         if rank == 0:
@@ -108,14 +116,17 @@ def main(argv=None) -> int:
                 "step_time_s": times, "measured_step_time_s": measured,
                 "predicted_step_time_s": plan.predicted.step_time_s,
                 "predicted_peak_memory_gib": plan.predicted.peak_memory_gib,
-                "peak_memory_gib_per_rank": [float(g.item()) for g in gathered],
+                "peak_memory_gib_per_rank": [float(g[0]) for g in gathered],
+                "peak_tensor_memory_gib_per_rank": [float(g[1]) for g in gathered],
                 "memory_measure": "peak RSS growth from model build to the end of training",
             }
             print(f"predicted step time {plan.predicted.step_time_s * 1e3:.1f} ms, measured "
                   f"{measured * 1e3:.1f} ms (median of steps after the first)", flush=True)
             print("peak memory per rank (GiB, RSS growth): predicted "
                   f"{plan.predicted.peak_memory_gib:.3f}, measured "
-                  + " ".join(f"{float(g.item()):.3f}" for g in gathered), flush=True)
+                  + " ".join(f"{float(g[0]):.3f}" for g in gathered), flush=True)
+            print("peak live tensor memory per rank (GiB): "
+                  + " ".join(f"{float(g[1]):.3f}" for g in gathered), flush=True)
             if args.metrics_out:
                 atomic_write(args.metrics_out, json.dumps(metrics, indent=1) + "\n")
     except MeshplanError as exc:
