@@ -26,12 +26,13 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 
-from meshplan.errors import MeshplanError, NotSupportedError
+from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.plan import RECOMPUTE, Plan
 
 COLUMNS = ("dp", "tp", "pp", "microbatch_size", "microbatches", "schedule", "virtual_stages",
            "recompute", "sequence_parallel", "zero")
 SHOW_PROGRESS_AFTER_S = 2.0  # a progress bar only for sweeps a person waits on
+PLOT_FORMATS = (".png", ".svg", ".pdf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,9 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
     from meshplan.api import default_dtype
     from meshplan.manual import attention_heads
 
+    if plot and not str(plot).lower().endswith(PLOT_FORMATS):
+        raise SpecError(f"--plot {plot}: the picture is written as {', '.join(PLOT_FORMATS)}; "
+                        "name the file with one of these suffixes")
     dtype = dtype or default_dtype(mesh)
     if graph is None:
         graph = meshplan.trace(model, example_inputs, model_name=model_name or type(model).__name__)
@@ -323,7 +327,8 @@ def plot_pareto(frame, path, title: str = "") -> None:
     ax.set_yscale("log")
     ax.set_xlabel("peak memory per device (GiB)")
     ax.set_ylabel("predicted step time (s)")
-    ax.set_title(title or "configurations", fontsize=10)
+    title = title or "configurations"
+    ax.set_title(title if len(title) <= 70 else title[:67] + "...", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)

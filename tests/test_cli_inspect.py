@@ -103,3 +103,6 @@ def test_unwritable_outputs(files, capsys):
     one_error_line(capsys, main(["sweep", "--model", DEMO_MODEL, "--mesh", "local:4", "--batch",
                                  "8", "--seq", "32", "-o", str(files["dir"] / "s.parquet"),
                                  "--plot", "/nonexistent/p.png"]), "cannot write")
+    one_error_line(capsys, main(["sweep", "--model", DEMO_MODEL, "--mesh", "local:4", "--batch",
+                                 "8", "--seq", "32", "-o", str(files["dir"] / "s.parquet"),
+                                 "--plot", str(files["dir"] / "p.txt")]), ".png")

@@ -19,7 +19,7 @@ GIB = 2.0 ** 30
 @pytest.fixture(scope="module")
 def plans():
     """Three manual plans of the demo GPT on 4 processes (dp=4; dp=2 x tp=2; dp=2 x pp=2)
-    and an automatic one on 2, all from one trace."""
+    and one the intra-op ILP made for 2, all from one trace."""
     spec = parse_model_spec(DEMO_MODEL)
     model = spec.build("meta")
     graph = meshplan.trace(model, example_inputs(model, 8, 32), model_name=spec.name)
@@ -28,7 +28,9 @@ def plans():
     dp = meshplan.manual_plan(model, mesh, dp=4, **kw)
     tp = meshplan.manual_plan(model, mesh, dp=2, tp=2, **kw)
     pp = meshplan.manual_plan(model, mesh, dp=2, pp=2, **kw)
-    auto = meshplan.autoparallel(model, Mesh.local(2), graph=graph, time_limit_s=5)
+    from meshplan.planner.singlestage import plan_single_stage  # the intra-op ILP's plans
+
+    auto = plan_single_stage(graph, Mesh.local(2), dtype="fp32", time_limit_s=5)
     return {"dp": dp, "tp": tp, "pp": pp, "auto": auto, "graph": graph}
 
 
