@@ -385,6 +385,9 @@ def _add_reading_commands(sub, model_mesh) -> None:
 
 
 def main(argv=None) -> int:
+    # transformers warns about synthetic configs (token ids outside a tiny vocabulary); the
+    # command line shows meshplan's own messages only.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

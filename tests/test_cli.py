@@ -45,7 +45,9 @@ def test_plan_writes_a_valid_plan(tmp_path, capsys):
     (PLAN_ARGS[:2] + ["transformers:"] + PLAN_ARGS[3:] + ["--mesh", "local:2"], "names no architecture"),
     (["plan", "--model", "nosuch.py:make", "--mesh", "local:2", "--batch", "8", "--seq", "8"],
      "model file nosuch.py does not exist"),
-    (PLAN_ARGS + ["--mesh", "local:3"], "not divisible by the data-parallel degree 3; degrees that divide it: [1, 2, 4, 8]"),
+    (PLAN_ARGS + ["--mesh", "local:3", "--manual", "dp=3"],
+     "global batch 8 is not divisible by the dp x microbatch_size 3; degrees that divide it: [1, 2, 4, 8]"),
+    (PLAN_ARGS + ["--mesh", "local:4", "--manual", "dp=2,tp=3"], "dp*tp*pp = 2*3*1 = 6 devices, but mesh local:4 has 4"),
     (PLAN_ARGS + ["--mesh", "local:2", "-o", "/nonexistent/dir/p.json"], "cannot write /nonexistent/dir/p.json"),
     (["show", "/nonexistent/plan.json"], "does not exist"),
 ])
