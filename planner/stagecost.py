@@ -51,17 +51,27 @@ class MegatronStageCost:
         self.heads = attention_heads(graph)
         self.on_host = min(num_devices, hw.devices_per_node)
         self._placements: dict = {}
+        self._walks: dict = {}
         self._probes: dict = {}
         self._neighbourhoods: dict = {}
 
     # -- placements ---------------------------------------------------------------------------
     def placements(self, dp: int, tp: int, sp: bool, zero: int):
-        """(ops, params) of the whole graph under Megatron's rules on a (dp, tp) mesh."""
-        key = (dp, tp, sp and tp > 1, zero)
+        """(ops, params) of the whole graph under Megatron's rules on a (dp, tp) mesh. The
+        operator rules do not read dp or ZeRO (only parameter storage does), so the graph
+        is walked once per (tp, sp)."""
+        sp = sp and tp > 1
+        key = (dp, tp, sp, zero)
         if key not in self._placements:
-            prop = _Propagator(self.graph, dp=dp, tp=tp, sp=key[2], seq_len=self.seq, zero=zero)
-            ops = {n.name: prop.visit(n) for n in self.graph.nodes}
-            params = {p.name: prop.storage(p.name) for p in self.graph.params}
+            walk = self._walks.get((tp, sp))
+            if walk is None:
+                prop = _Propagator(self.graph, dp=1, tp=tp, sp=sp, seq_len=self.seq, zero=0)
+                walk = self._walks[(tp, sp)] = (
+                    {n.name: prop.visit(n) for n in self.graph.nodes}, prop.consumed)
+            ops, consumed = walk
+            store = _Propagator(self.graph, dp=dp, tp=tp, sp=sp, seq_len=self.seq, zero=zero)
+            store.consumed = consumed
+            params = {p.name: store.storage(p.name) for p in self.graph.params}
             self._placements[key] = (ops, params)
         return self._placements[key]
 
