@@ -93,5 +93,6 @@ def load(directory: str, pm, optimizer, step: int | None = None) -> int:
     _materialise_optimizer_state(pm, optimizer)
     state = state_dict(pm, optimizer, 0)
     dcp.load(state, checkpoint_id=checkpoint_path(directory, step))
-    pm._gather_masters()
+    if hasattr(pm, "gather_masters"):  # ZeRO-1/2: parameters from their loaded master shards
+        pm.gather_masters()
     return int(state["step"].item())

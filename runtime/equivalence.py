@@ -67,17 +67,31 @@ def hidden_size(model) -> int:
     return int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "n_embd", 0))
 
 
+def manual_variant(name: str, graph, world: int, *, hw):
+    """``manual:dp=2,tp=2,...``: the plan meshplan.manual_plan builds (its own ops)."""
+    from meshplan.cli import _manual
+    from meshplan.manual import build_manual_plan
+
+    return build_manual_plan(graph, Mesh((world,), hw, ("proc",)),
+                             **_manual(name.removeprefix("manual:")))
+
+
 def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps: int,
                 seed: int, hw) -> dict:
-    plan, tp_axis = variant_plan(name, graph, dist.get_world_size(), hw=hw)
+    manual = name.startswith("manual:")
+    if manual:
+        plan, tp_axis = manual_variant(name, graph, dist.get_world_size(), hw=hw), None
+    else:
+        plan, tp_axis = variant_plan(name, graph, dist.get_world_size(), hw=hw)
     torch.manual_seed(seed)
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, batch, seq, seed=seed, step=s) for s in range(steps)]
     pm = parallelize(model, plan, (batches[0],), program=program)
-    with torch.no_grad():  # let DTensor choose every operator's placements once
-        pm.loss(batches[0][: batch // plan.training.microbatches], record=True)
-    pm.plan = with_observed_ops(plan, pm.last_stats.observed, graph, tp_axis=tp_axis,
-                                hidden=hidden_size(model))
+    if not manual:
+        with torch.no_grad():  # let DTensor choose every operator's placements once
+            pm.loss(batches[0][: batch // plan.training.microbatches], record=True)
+        pm.plan = with_observed_ops(plan, pm.last_stats.observed, graph, tp_axis=tp_axis,
+                                    hidden=hidden_size(model))
     optimizer = make_optimizer(pm.optimizer_params(), pm.plan)
     losses, grads = [], {}
     for step, b in enumerate(batches):
@@ -85,6 +99,17 @@ def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps:
     return {"losses": losses, "grads": grads, "plan": pm.plan.to_json_text(),
             "redistributions": pm.last_stats.redistributions,
             "deviations": len(pm.last_stats.output_deviations)}
+
+
+def check_strategies(ep, graph, seen: set) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from meshplan.runtime.parallelize import runnable_graph_module
+    from meshplan.runtime.strategy_check import check_all
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, world // 2) if world >= 4 else (world,))
+    return check_all(graph, runnable_graph_module(ep, device_type="cpu"), mesh, seen=seen)
 
 
 def quiet_dtensor_logs() -> None:
@@ -98,25 +123,31 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="meshplan-equivalence")
     ap.add_argument("--model", required=True, action="append",
                     help="a model spec; repeat for several models in one launch")
-    ap.add_argument("--variants", required=True, help="comma-separated: " + ",".join(VARIANTS))
+    ap.add_argument("--variants", default="", help="comma-separated: " + ",".join(VARIANTS))
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
+    ap.add_argument("--check-strategies", action="store_true",
+                    help="also run every strategy of every planner rule, one operator at a "
+                    "time, on a 2 x W/2 mesh (runtime/strategy_check.py)")
     args = ap.parse_args(argv)
 
     quiet_dtensor_logs()
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
     hw = Mesh.local(dist.get_world_size()).hardware
-    results = {}
+    results, seen_rules = {}, set()
     for model_text in args.model:
         spec = parse_model_spec(model_text)
         meta = spec.build(device="meta")
         ep = export_training_graph(meta_copy(meta), example_inputs(meta, args.batch, args.seq))
         graph = graph_from_export(ep, meta, model_name=spec.name)
         program = TracedProgram(ep, graph, 1)
-        for name in args.variants.split(","):
+        if args.check_strategies:
+            results[f"{model_text}|strategies"] = check_strategies(ep, graph, seen_rules)
+        for name in filter(None, args.variants.split(",")):
             key = f"{model_text}|{name}"
             try:
                 results[key] = run_variant(name, spec, graph, program, batch=args.batch,

@@ -176,7 +176,7 @@ class ParallelModel:
                     grads_out[fqn] = p.grad.full_tensor()
         if ok:
             optimizer.step()
-            self._gather_masters()
+            self.gather_masters()
         optimizer.zero_grad(set_to_none=True)
         for p in self.unique_params():
             p.grad = None
@@ -207,7 +207,7 @@ class ParallelModel:
             return flag.item() == 0.0
         return True
 
-    def _gather_masters(self) -> None:
+    def gather_masters(self) -> None:
         with torch.no_grad():
             for p in self.unique_params():
                 master = self.masters.get(id(p))

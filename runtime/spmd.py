@@ -117,6 +117,37 @@ def _selective_policy(ctx, func, *args, **kwargs):
         else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _nested_shard(t) -> bool:
+    """One tensor dim sharded over two or more mesh axes."""
+    dims = [p.dim for p in t.placements if isinstance(p, Shard)]
+    return len(dims) != len(set(dims))
+
+
+def check_executable(n: fx.Node, args) -> None:
+    """Fail fast, naming the node, on placements DTensor hangs or fails on (torch 2.13):
+    found by runtime/strategy_check.py on every planner rule."""
+    if n.target is torch.ops.aten.embedding.default and isinstance(args[0], DTensor):
+        vocab_axes = [i for i, p in enumerate(args[0].placements) if p == Shard(0)]
+        ids = args[1]
+        ids_sharded = isinstance(ids, DTensor) and any(isinstance(p, Shard) for p in ids.placements)
+        if len(vocab_axes) > 1 or (vocab_axes and ids_sharded):
+            raise NotSupportedError(
+                f"operator {n.name} (embedding): a vocab-sharded (S(0)) table on mesh axes "
+                f"{vocab_axes} with ids {placement_texts(getattr(ids, 'placements', ()))}; "
+                "DTensor's masked embedding needs one vocab axis and replicated ids. Replicate "
+                "the table or the ids on the other axes")
+    if n.target in (torch.ops.aten.linear.default, sdpa_target()) and any(
+            isinstance(a, DTensor) and a.ndim > 2 and _nested_shard(a) for a in args):
+        raise NotSupportedError(
+            f"operator {n.name} ({n.target}): an input has one dim sharded over several mesh "
+            "axes, which DTensor cannot flatten for this operator; shard that dim on one axis")
+
+
+def sdpa_target():
+    from meshplan.runtime.parallelize import sdpa_math
+    return sdpa_math
+
+
 @dataclass
 class ExecStats:
     """What the executor did: redistributions it inserted and outputs off the plan."""
@@ -178,6 +209,7 @@ class SPMDExecutor(fx.Interpreter):
                 moved = {a: self._planned(n, a, i, self.env[a], plan)
                          for i, a in enumerate(n.all_input_nodes)}
                 args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved.__getitem__)
+                check_executable(n, args)
                 out = self.call_function(n.target, args, kwargs)
             if self.record:
                 self._observe(n, moved, out)

@@ -49,6 +49,9 @@ MEGATRON_RULES: dict[str, dict[str, str]] = {
         "lm_head.weight": "S(0)",
     },
 }
+# Embedding tables stay 1-D sharded in the 2-D variant: DTensor's masked (vocab-parallel)
+# embedding output cannot be combined with a second sharded mesh axis (torch 2.13).
+_VOCAB_PARALLEL = ("wte.weight", "lm_head.weight", "embed_tokens.weight")
 # The other weight dimension, sharded on the data-parallel axis by the 2-D variant.
 _OTHER_DIM = {"S(0)": "S(1)", "S(1)": "S(0)"}
 
@@ -109,7 +112,8 @@ def with_param_placements(plan: Plan, *, tp_axis: int | None, dp_axis: int | Non
         if tp_axis is not None:
             pl[tp_axis] = tp_placement(name, family)
         if dp_axis is not None:
-            if shard_2d and pl[tp_axis] != "R" and len(graph_shape(plan, name)) == 2:
+            if shard_2d and pl[tp_axis] != "R" and len(graph_shape(plan, name)) == 2 \
+                    and not name.endswith(_VOCAB_PARALLEL):
                 pl[dp_axis] = _OTHER_DIM[pl[tp_axis]]
             elif zero >= 3:
                 pl[dp_axis] = "S(0)"

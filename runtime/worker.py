@@ -6,8 +6,8 @@ losses of two plans are comparable. Rank 0 prints loss and time per step and wri
 metrics file. With ``--checkpoint-dir`` the run saves a sharded checkpoint every
 ``--checkpoint-every`` steps and, when the directory already holds one, resumes from the
 newest. Collectives time out after ``--timeout-s`` so that a hung peer fails the run.
-``--fail-at-step K --fail-rank R`` makes rank R exit abruptly before step K (fault
-injection for the failure and resume tests).
+``--fail-at-step K --fail-rank R [--fail-mode exit|hang]`` makes rank R exit abruptly (or
+stop responding) before step K: fault injection for the failure and resume tests.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def main(argv=None) -> int:
                     help="process-group timeout: a collective waiting longer fails the run")
     ap.add_argument("--fail-at-step", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--fail-rank", type=int, default=-1, help=argparse.SUPPRESS)
+    ap.add_argument("--fail-mode", choices=("exit", "hang"), default="exit", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
     import logging
@@ -81,8 +82,10 @@ def main(argv=None) -> int:
         tensor_peak = 0.0
         for step in range(first, args.steps):
             if step == args.fail_at_step and rank == args.fail_rank:
-                print(f"rank {rank}: injected failure before step {step}", file=sys.stderr,
-                      flush=True)
+                print(f"rank {rank}: injected failure ({args.fail_mode}) before step {step} "
+                      f"at unix time {time.time():.3f}", file=sys.stderr, flush=True)
+                if args.fail_mode == "hang":
+                    time.sleep(3600)
                 os._exit(3)
             batch = synthetic_batch(model, plan.training.global_batch, plan.training.seq_len,
                                     seed=args.seed, step=step)
