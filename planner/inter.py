@@ -74,7 +74,11 @@ class StageCost:
 class StageCostFn(Protocol):
     """Cost of running layers ``[first, last)`` (stage 0 holds the embedding, the last stage
     the head) on a stage mesh; None when the option is impossible (e.g. tp does not divide
-    the heads)."""
+    the heads). A cost function may instead (or also) offer the additive form
+    ``unit_cost(i, option: StageOption, microbatch_size, *, leading, need_memory=True)``:
+    unit ``i`` as the first unit of a stage (``leading``) or its marginal cost after unit
+    ``i - 1`` (planner/stagedp). The search's pruning assumes a stage's time does not drop
+    when recompute or the ZeRO stage goes up (``relaxed_space``)."""
 
     def __call__(self, layers: tuple[int, int], mesh_shape: tuple[int, ...],
                  microbatch_size: int, recompute: str, zero: int) -> StageCost | None: ...
