@@ -68,12 +68,13 @@ def hidden_size(model) -> int:
 
 
 def manual_variant(name: str, graph, world: int, *, hw):
-    """``manual:dp=2,tp=2,...``: the plan meshplan.manual_plan builds (its own ops)."""
+    """``manual:dp=2+tp=2+...`` (``--manual`` keys joined by +): the plan
+    meshplan.manual_plan builds, run with its own operator placements."""
     from meshplan.cli import _manual
     from meshplan.manual import build_manual_plan
 
     return build_manual_plan(graph, Mesh((world,), hw, ("proc",)),
-                             **_manual(name.removeprefix("manual:")))
+                             **_manual(name.removeprefix("manual:").replace("+", ",")))
 
 
 def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps: int,

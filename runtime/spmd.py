@@ -129,13 +129,16 @@ def check_executable(n: fx.Node, args) -> None:
     if n.target is torch.ops.aten.embedding.default and isinstance(args[0], DTensor):
         vocab_axes = [i for i, p in enumerate(args[0].placements) if p == Shard(0)]
         ids = args[1]
-        ids_sharded = isinstance(ids, DTensor) and any(isinstance(p, Shard) for p in ids.placements)
-        if len(vocab_axes) > 1 or (vocab_axes and ids_sharded):
+        # ids sharded on a mesh axis after the vocab axis: the reduction's mask is the wrong
+        # shape (found by runtime/strategy_check.py); before it (batch on dp, vocab on tp) works
+        late_ids = isinstance(ids, DTensor) and vocab_axes and any(
+            isinstance(p, Shard) and i > vocab_axes[0] for i, p in enumerate(ids.placements))
+        if len(vocab_axes) > 1 or late_ids:
             raise NotSupportedError(
                 f"operator {n.name} (embedding): a vocab-sharded (S(0)) table on mesh axes "
                 f"{vocab_axes} with ids {placement_texts(getattr(ids, 'placements', ()))}; "
-                "DTensor's masked embedding needs one vocab axis and replicated ids. Replicate "
-                "the table or the ids on the other axes")
+                "DTensor's masked embedding needs one vocab axis and ids sharded only on "
+                "earlier mesh axes. Replicate the table or the ids on the other axes")
     if n.target in (torch.ops.aten.linear.default, sdpa_target()) and any(
             isinstance(a, DTensor) and a.ndim > 2 and _nested_shard(a) for a in args):
         raise NotSupportedError(
@@ -232,8 +235,11 @@ class SPMDExecutor(fx.Interpreter):
     def _planned(self, n: fx.Node, arg: fx.Node, i: int, value, plan: OpPlacement):
         if not isinstance(value, DTensor) or i >= len(plan.inputs) or not plan.inputs[i]:
             return value
-        target = tuple(plan.inputs[i])
-        if placement_texts(value.placements) == target:
+        current = placement_texts(value.placements)
+        # R -> P is DTensor-internal (an addend such as a bias joining a partial sum once):
+        # keep R there and let the operator's own strategy make it Partial.
+        target = tuple("R" if t == "P" and c == "R" else t for t, c in zip(plan.inputs[i], current))
+        if current == target:
             return value
         try:
             self.stats.redistributions += 1

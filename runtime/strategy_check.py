@@ -126,7 +126,7 @@ def check_case(graph: OpGraph, gm: fx.GraphModule, mesh, name: str, strategy) ->
         return f"NotSupportedError: {str(exc)[:300]}", ""
     except Exception as exc:  # noqa: BLE001 - reported per strategy
         return f"{type(exc).__name__}: {str(exc)[:300]}", ""
-    if not torch.allclose(got_full.float(), expected.float(), rtol=1e-4, atol=1e-5):
+    if not torch.allclose(got_full.float(), expected.float(), rtol=1e-4, atol=1e-5, equal_nan=True):
         return f"output differs by {(got_full.float() - expected.float()).abs().max():.2e}", produced
     if expected.is_floating_point() and expected.requires_grad:
         weight = torch.randn(expected.shape, generator=gen)
@@ -137,7 +137,7 @@ def check_case(graph: OpGraph, gm: fx.GraphModule, mesh, name: str, strategy) ->
             return f"backward: {type(exc).__name__}: {str(exc)[:300]}", produced
         for k, (ref, leaf) in enumerate(zip(ref_inputs, leaves)):
             if ref.grad is not None and leaf.grad is not None and not torch.allclose(
-                    leaf.grad.full_tensor(), ref.grad, rtol=1e-4, atol=1e-5):
+                    leaf.grad.full_tensor(), ref.grad, rtol=1e-4, atol=1e-5, equal_nan=True):
                 return f"gradient of input {k} differs", produced
     return "", produced
 
