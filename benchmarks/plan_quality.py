@@ -84,6 +84,7 @@ def grid(graph, mesh, cost: MegatronStageCost):
     n, layers = mesh.num_devices, graph.num_layers
     batch = graph.inputs[0][1].shape[0]
     heads = attention_heads(graph)
+    capacity = mesh.hardware.device.memory_gib
     out = []
     for tp in (1, 2, 4, 8):
         if n % tp or (heads and heads % tp) or tp > mesh.devices_per_node:
@@ -103,10 +104,12 @@ def grid(graph, mesh, cost: MegatronStageCost):
                 for rc in ("none", "selective", "full"):
                     for sp in ((False, True) if tp > 1 else (False,)):
                         for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                            if cost.weights_floor_gib(pp, dp, tp, zero) > capacity:
+                                continue  # cannot fit whatever the rest: not worth pricing
                             opt = StageOption((dp, tp), rc, zero, sp)
                             for schedule, v in scheds:
                                 step, fits = _price(cost, opt, mbs, b, bounds, schedule, v,
-                                                    mesh.hardware.device.memory_gib)
+                                                    capacity)
                                 out.append((step, not fits, dict(
                                     dp=dp, tp=tp, pp=pp, microbatch_size=mbs, schedule=schedule,
                                     virtual_stages=v, recompute=rc, sequence_parallel=sp,
@@ -157,8 +160,32 @@ def cell(name, graph, hardware, gpus):
         plan, cfg = best
         row.update(grid_step_s=plan.predicted.step_time_s, grid_mfu=plan.predicted.mfu,
                    grid=", ".join(f"{k}={v}" for k, v in cfg.items()),
-                   ratio=plan.predicted.step_time_s / auto.predicted.step_time_s)
+                   ratio=plan.predicted.step_time_s / auto.predicted.step_time_s,
+                   why=why(auto, cfg))
     return row
+
+
+def why(auto, cfg) -> str:
+    """What the auto plan does that the best grid plan does not."""
+    st, t = auto.stages, auto.training
+    out = []
+    sizes = [s.layers[1] - s.layers[0] for s in st]
+    if len(set(sizes)) > 1:
+        out.append(f"non-uniform blocks {'/'.join(map(str, sizes))}")
+    if len({(s.recompute, s.zero) for s in st}) > 1:
+        out.append("per-stage recompute/ZeRO")
+    if auto.solver.name != "meshplan-inter":
+        out.append(f"intra-op ILP placements ({auto.solver.name}) on mesh "
+                   f"{tuple(st[0].mesh_shape)}")
+    elif (*st[0].mesh_shape, len(st)) != (cfg["dp"], cfg["tp"], cfg["pp"]):
+        out.append("dp,tp,pp={},{},{}".format(*st[0].mesh_shape, len(st)))
+    if (t.schedule, t.virtual_stages) != (cfg["schedule"], cfg["virtual_stages"]):
+        out.append(f"{t.schedule} v={t.virtual_stages}")
+    if t.microbatch_size != cfg["microbatch_size"]:
+        out.append(f"mb={t.microbatch_size}")
+    if st[0].recompute != cfg["recompute"] or st[0].zero != cfg["zero"]:
+        out.append(f"recompute={st[0].recompute} zero={st[0].zero}")
+    return "; ".join(out) or "same plan"
 
 
 def describe(plan) -> str:
@@ -203,22 +230,39 @@ def main(argv=None) -> int:
                     row = cell(name, graph, hardware, gpus)
                     rows.append(row)
                     print(_line(row), flush=True)
+                    write(rows, timing, quiet=True)  # keep what is done if interrupted
     write(rows, timing)
     return 0
 
 
 def _line(r) -> str:
     if r.get("error"):
-        return f"| {r['model']} | - | - | - | - | - | tracing failed: {r['error']} |"
+        return f"| {r['model']} | - | - | - | - | - | - | tracing failed: {r['error']} | - | - |"
     ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
     grid = f"{r['grid_step_s']:.3f}" if r.get("grid_step_s") else "-"
     return (f"| {r['model']} | {r['hardware']} | {r['gpus']} | {r['auto_step_s']:.3f} | {grid} "
-            f"| {ratio} | {r['plan_s']:.1f} | {r['auto']} | {r['grid']} |")
+            f"| {ratio} | {r['plan_s']:.1f} | {r['auto']} | {r['grid']} | {r.get('why', '')} |")
 
 
-def write(rows, timing) -> None:
+def _merged(path: str, rows: list) -> list:
+    """Rows of earlier runs (other models or meshes) kept, this run's replacing equal cells."""
+    def key(r):
+        return (r.get("model"), r.get("hardware"), r.get("gpus"))
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f).get("rows", [])
+    new = {key(r) for r in rows}
+    merged = [r for r in old if key(r) not in new] + list(rows)
+    order = {m: i for i, m in enumerate(MODELS)}
+    return sorted(merged, key=lambda r: (order.get(r.get("model"), 99), r.get("hardware") or "",
+                                         r.get("gpus") or 0))
+
+
+def write(rows, timing, quiet: bool = False) -> None:
     os.makedirs(OUT, exist_ok=True)
     name = "plan_quality_timing" if timing else "plan_quality"
+    rows = _merged(os.path.join(OUT, name + ".json"), rows) if not timing else rows
     lines = [f"# {'Planning time' if timing else 'Plan quality'} (benchmarks/plan_quality.py)", ""]
     if timing:
         lines.append(f"GPT-3 175B on 1024 A100 (128 nodes x 8): {timing['seconds']:.1f} s on "
@@ -228,13 +272,15 @@ def write(rows, timing) -> None:
         lines += ["Ratio = best Megatron-grid step time / auto step time (= throughput ratio), "
                   "both priced in full by costmodel.estimate.", "",
                   "| model | hardware | GPUs | auto step s | grid best step s | ratio | plan s "
-                  "| auto plan | best grid plan |", "|---|---|---|---|---|---|---|---|---|"]
+                  "| auto plan | best grid plan | where auto differs |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         lines += [_line(r) for r in rows]
     with open(os.path.join(OUT, name + ".md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(OUT, name + ".json"), "w") as f:
         json.dump(dict(rows=rows, timing=timing), f, indent=1, default=str)
-    print("\n".join(lines))
+    if not quiet:
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
