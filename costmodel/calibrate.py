@@ -11,8 +11,19 @@ runs (OMP_NUM_THREADS=1):
 3. collectives with torch.distributed (gloo on CPU, NCCL on GPU) over 2..N local processes
    and several buffer sizes, fitted per collective to ``t = steps(n) alpha + factor(n) B / beta``
    (costmodel/comm.py's ring model) by least squares over all group sizes.
+4. on CPU, the runtime itself (``parallelize`` + ``train_step``, as ``meshplan run`` executes
+   a plan) on small GPT-2 graphs (``RUNTIME_GRAPHS``: other sizes than the accuracy
+   benchmark's, so that benchmarks/costmodel_accuracy.py is not the training set), with 1
+   process and with N processes (data parallel). ``fit_runtime`` fits, by least squares on
+   relative error: the compute scale k and the per-operator framework overhead f (the fx
+   Interpreter, DTensor dispatch and autograd of the runtime) from the 1-process steps;
+   the effective cores (contention N / cores) from the N-process forward + backward; and
+   the latency of one collective as the runtime meets it from the N-process steps (on
+   oversubscribed cores a collective ends only when every rank has been scheduled, which
+   costs milliseconds, far above the bare collective timed in 3).
 Sample counts and relative residuals go under ``fitted``. The local profile records
-``host_cores`` so that estimates slow compute when processes outnumber cores.
+``host_cores`` so that estimates slow compute when processes outnumber cores. The whole
+calibration takes about 1.5-2.5 minutes on 2 shared cores with 4 processes.
 """
 
 from __future__ import annotations
@@ -200,11 +211,11 @@ def fit_collectives(rows: list[tuple]) -> tuple[dict, dict]:
 
 # Calibration graphs: small GPT-2s at batch x seq, deliberately other sizes than
 # benchmarks/costmodel_accuracy.py (4 layers, width 256, vocab 8192, batch 8 x 128) so that the
-# accuracy benchmark is not its own training set. Two widths and two batch shapes separate
-# the per-operator cost (same op count, different work) from the compute rate.
+# accuracy benchmark is not its own training set. Tiny token counts (overhead-bound) and a
+# wide layer (compute-bound) separate the per-operator cost from the compute rate.
 RUNTIME_GRAPHS = (
-    ("transformers:gpt2?n_layer=1&n_embd=128&n_head=4&vocab_size=2048&n_positions=64", 4, 64),
-    ("transformers:gpt2?n_layer=2&n_embd=128&n_head=4&vocab_size=2048&n_positions=64", 8, 32),
+    ("transformers:gpt2?n_layer=1&n_embd=128&n_head=4&vocab_size=2048&n_positions=64", 4, 16),
+    ("transformers:gpt2?n_layer=2&n_embd=128&n_head=4&vocab_size=2048&n_positions=64", 4, 32),
     ("transformers:gpt2?n_layer=1&n_embd=384&n_head=6&vocab_size=4096&n_positions=64", 4, 64),
 )
 RUNTIME_STEPS = 4  # the first step (optimizer state allocation, warm-up) is not timed
@@ -237,7 +248,7 @@ def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
         model = spec.build("cpu")
         pm = parallelize(model, plan, (synthetic_batch(model, batch, seq, seed=0, step=0),))
         opt = make_optimizer(pm.optimizer_params(), plan)
-        times = []
+        times, compute = [], []
         for step in range(RUNTIME_STEPS):
             x = synthetic_batch(model, batch, seq, seed=0, step=step)
             dist.barrier()
@@ -245,7 +256,14 @@ def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
             pm.train_step(x, opt)
             dist.barrier()
             times.append(time.perf_counter() - start)
-        results.append((text, batch, seq, world, statistics.median(times[1:])))
+            dist.barrier()  # forward + backward alone: the compute the contention slows
+            start = time.perf_counter()
+            pm.loss(x).backward()
+            compute.append(time.perf_counter() - start)
+            for p in pm.unique_params():
+                p.grad = None
+        results.append((text, batch, seq, world, statistics.median(times[1:]),
+                        statistics.median(compute[1:])))
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
@@ -317,13 +335,13 @@ def _with_latency(profile: HardwareProfile, latency: float) -> HardwareProfile:
 
 
 def fit_runtime(profile: HardwareProfile, rows: list[tuple]) -> tuple[HardwareProfile, dict]:
-    """Fit (compute scale k, per-operator overhead f) to the 1-process runs, then the
-    effective cores to the N-process runs, each by least squares on relative error.
+    """Fit the runtime's costs to measured steps (rows of ``measure_runtime``).
 
-    The cost model is linear in k and f for a fixed graph (step = k T0 + f A, where T0 is the
-    estimate without framework overhead and A its derivative in f), so the first fit is a
-    2-parameter linear least squares; the cores enter through max(1, N / cores) and are found
-    by a 1-D search."""
+    The cost model is linear in the compute scale k and the per-operator overhead f for a
+    fixed graph (step = k T0 + f A, where T0 is the estimate without framework overhead and
+    A its derivative in f), so the 1-process fit is a 2-parameter linear least squares; the
+    contention s (cores = N / s) is the 1-parameter fit of the N-process forward + backward,
+    and the collective latency the 1-parameter fit of the rest of the N-process step."""
     from meshplan.api import manual_plan
     from meshplan.costmodel.estimate import estimate_plan
     from meshplan.mesh import Mesh
@@ -331,17 +349,17 @@ def fit_runtime(profile: HardwareProfile, rows: list[tuple]) -> tuple[HardwarePr
     from meshplan.specs import example_inputs, parse_model_spec
 
     cases = []
-    for text, batch, seq, world, measured in rows:
+    for text, batch, seq, world, measured, compute in rows:
         spec = parse_model_spec(text)
         meta = spec.build("meta")
         graph = trace(meta, example_inputs(meta, batch, seq), model_name=spec.name)
         plan = manual_plan(meta, Mesh.local(world, profile=profile), graph=graph, dtype="fp32",
                            dp=world, microbatch_size=batch // world)
-        cases.append((plan, graph, world, measured))
+        cases.append((plan, graph, world, measured, compute))
 
-    def predict(hw, case):
-        plan, graph, _, _ = case
-        return estimate_plan(plan, graph, hw=hw).step_time_s
+    def predict(hw, case, part=None):
+        est = estimate_plan(case[0], case[1], hw=hw)
+        return est.step_time_s if part is None else sum(est.breakdown[k] for k in part)
 
     ones = [c for c in cases if c[2] == 1]
     base0, base1 = _scaled(profile, 1.0, 0.0), _scaled(profile, 1.0, 1e-3)
@@ -355,16 +373,22 @@ def fit_runtime(profile: HardwareProfile, rows: list[tuple]) -> tuple[HardwarePr
     many = [c for c in cases if c[2] > 1]
     cores, latency, many_resid = float(profile.device.host_cores or 1), None, []
     if many:
-        # step = s x E(no contention, no collective latency) + latency x L: s = N / cores
-        # (time-sharing), latency = what one collective costs when every rank must be
-        # scheduled for it to finish (not the bare kernel the collective benchmark times)
+        # (a) contention s = N / cores from the forward + backward time of N processes,
+        #     against the model's forward + backward without contention;
+        # (b) then the latency of one collective as the runtime sees it (every rank must be
+        #     scheduled for it to finish, on shared cores), from the whole step
         n = many[0][2]
-        flat = _with_latency(_scaled(profile, k, f, float(n)), 0.0)
+        free = _scaled(profile, k, f, float(n))
+        fb = np.array([predict(free, c, ("forward", "backward")) for c in many])
+        meas_fb = np.array([c[4] for c in many])
+        r = fb / meas_fb  # least squares of the relative error of s x fb ~ measured
+        s = float(r.sum() / (r @ r))
+        cores = float(n / max(s, 1.0))
+        flat = _with_latency(_scaled(profile, k, f, cores), 0.0)
         e_a = np.array([predict(flat, c) for c in many])
-        e_b = np.array([predict(_with_latency(flat, 1e-3), c) for c in many])
-        s, latency = _nonneg_lstsq(np.stack([e_a, (e_b - e_a) / 1e-3], axis=1),
-                                   np.array([c[3] for c in many]))
-        cores = float(n / max(s, 1e-3))
+        dl = (np.array([predict(_with_latency(flat, 1e-3), c) for c in many]) - e_a) / 1e-3
+        y = np.array([c[3] for c in many])
+        latency = float(max(0.0, ((y - e_a) / y) @ (dl / y) / ((dl / y) @ (dl / y))))
         fitted = _with_latency(_scaled(profile, k, f, cores), latency)
         many_resid = [abs(predict(fitted, c) - c[3]) / c[3] for c in many]
     info = {"runtime_samples": [list(r) for r in rows], "compute_scale": k,

@@ -56,3 +56,33 @@ def test_effective_cores_set_the_contention():
     assert slow.device.framework_overhead_s == 1e-3
     lat = cal._with_latency(two, 3e-3)
     assert lat.intra_node.for_collective("all_reduce")[1] == 3e-3
+
+
+def test_fit_runtime_recovers_a_known_profile():
+    """Steps predicted by a known profile (compute 2x slower, 100 us per operator, 1.5
+    effective cores, 1 ms collective latency) are fitted back to it."""
+    from meshplan.api import manual_plan
+    from meshplan.costmodel.estimate import estimate_plan
+    from meshplan.mesh import Mesh
+    from meshplan.planner.trace import trace
+    from meshplan.specs import example_inputs, parse_model_spec
+
+    base = cal._with_device(load_preset("cpu-local"), host_cores=2)
+    truth = cal._with_latency(cal._scaled(base, 2.0, 1e-4, 1.5), 1e-3)
+    rows = []
+    for text, batch, seq in cal.RUNTIME_GRAPHS[:1]:
+        for world, b in ((1, 1), (1, batch), (4, batch)):
+            spec = parse_model_spec(text)
+            meta = spec.build("meta")
+            graph = trace(meta, example_inputs(meta, b, seq), model_name=spec.name)
+            plan = manual_plan(meta, Mesh.local(world, profile=truth), graph=graph,
+                               dtype="fp32", dp=world, microbatch_size=b // world)
+            est = estimate_plan(plan, graph, hw=truth)
+            rows.append((text, b, seq, world, est.step_time_s,
+                         est.breakdown["forward"] + est.breakdown["backward"]))
+    fitted, info = cal.fit_runtime(base, rows)
+    assert abs(info["compute_scale"] - 2.0) < 0.05
+    assert abs(info["framework_overhead_s"] - 1e-4) < 5e-6
+    assert abs(info["effective_cores"] - 1.5) < 0.05
+    assert abs(info["collective_latency_s"] - 1e-3) < 5e-5
+    assert info["runtime_residual_nproc"] < 0.01
