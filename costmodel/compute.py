@@ -7,8 +7,10 @@ divided by the number of devices that split it (``shard``). Forward time is
         + kernel latency + framework overhead
 
 all times the host contention: CPU processes sharing fewer cores than there are processes
-time-share them, and the framework's per-operator work (Python dispatch, DTensor, autograd)
-is CPU work too, so it slows like the kernels (measured on the 2-core development host:
+time-share them (the ranks that compute at the same time, not all processes: a pipeline
+rank waiting in the bubble sleeps in a blocking receive), and the framework's per-operator
+work (Python dispatch, DTensor, autograd) is CPU work too, so it slows like the kernels
+(measured on the 2-core development host:
 the runtime's forward + backward of a 1-layer GPT-2 took 37 ms per rank with 4 processes at
 a quarter of the batch each, 36 ms with 1 process at the whole batch; ``meshplan calibrate``
 fitted 0.82 effective cores there, under other users' load). The cores are
@@ -100,9 +102,11 @@ def op_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp32", shard: int =
     return OpTime(forward, backward)
 
 
-def contention_factor(hw: HardwareProfile, processes_on_host: int) -> float:
-    """How much slower each process computes when ``processes_on_host`` share the host's
-    cores (1 for dedicated devices such as GPUs)."""
+def contention_factor(hw: HardwareProfile, processes_on_host: float) -> float:
+    """How much slower each process computes when ``processes_on_host`` compute at once on
+    the host's cores (1 for dedicated devices such as GPUs). A float: estimate.py passes the
+    average number of ranks computing at once in a pipeline (``pipeline.busy_ranks``), since
+    a rank blocked on a receive or idle in the bubble leaves its core to the busy ones."""
     if hw.device.host_cores <= 0:
         return 1.0
     cores = hw.device.effective_cores or hw.device.host_cores

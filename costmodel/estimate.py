@@ -14,7 +14,12 @@ plan (one microbatch at a time) and composes them with the pipeline schedule:
 - pipeline: send/recv of the stage's boundary tensors per microbatch, forward and backward;
 - gradient sync once per step: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2/3) of each
   replicated parameter's gradient over the axes that split its consumers; ZeRO-3 all-gathers
-  weights before the forward and the backward of every microbatch;
+  weights before the forward and the backward of every microbatch (FSDP), or, on the DTensor
+  runtime, once per consumer in the forward with the gradient's reduce-scatter in every
+  microbatch's backward (``RuntimeModel.zero3_per_use``; gloo's reduce-scatter priced as the
+  all-reduce it costs);
+- CPU contention: compute slows by the ranks computing at once over the schedule's span
+  (``plan_stage_costs``, ``pipeline.busy_ranks``), not by every process on the host;
 - optimizer: the state it reads and writes at memory bandwidth, plus fixed costs per tensor.
 
 Overlap is explicit (``RuntimeModel``): the fraction of the gradient sync hidden behind the
@@ -32,7 +37,7 @@ from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_profile, activation_memory,
                                        grad_sync_buffer_bytes, model_state_bytes,
                                        state_bytes_per_param, zero3_buffer_bytes)
-from meshplan.costmodel.pipeline import pipeline_step_time
+from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
 from meshplan.planner.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 
@@ -51,17 +56,35 @@ class RuntimeModel:
       all-gathers (FSDP prefetches the next layer during the current one): 1.0.
     grad_bucket_bytes: gradients are synced in buckets of this size (DDP, Megatron) or, when
       0, one collective per parameter tensor (DTensor's per-parameter redistribute).
+    zero3_per_use: ZeRO-3 as meshplan's DTensor runtime runs it: each consumer of a
+      dp-sharded weight redistributes it S(0) -> R in the forward (runtime/spmd.py
+      ``_planned``), autograd keeps the gathered weight for the backward (no second
+      gather), and that redistribute's backward reduce-scatters the gradient P -> S(0) in
+      every microbatch's backward, so the step-level sync finds it already sharded
+      (runtime/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward
+      and again before the backward, one reduce-scatter per step (Rajbhandari et al. 2020,
+      section 7.2.2: 3x the data-parallel volume).
+    reduce_scatter_as_all_reduce: the backend's reduce-scatter costs a full all-reduce
+      (gloo: measured on the 2-core host with torch 2.13, 2 processes, 16 MiB fp32:
+      reduce_scatter_tensor 56 ms, all_reduce 39 ms, all_gather 25 ms; 4 MiB: 7.0 / 5.0 /
+      12.7 ms, shared machine - the reduce-scatter is never cheaper than the all-reduce).
     """
 
     grad_sync_overlap: float = 0.0
     param_gather_overlap: float = 1.0
     grad_bucket_bytes: float = DDP_BUCKET_BYTES
+    zero3_per_use: bool = False
+    reduce_scatter_as_all_reduce: bool = False
 
 
 def default_runtime(hw: HardwareProfile) -> RuntimeModel:
-    """CPU hosts run meshplan's DTensor runtime (per-tensor sync); GPUs a bucketed one."""
-    return RuntimeModel(grad_bucket_bytes=0.0) if hw.device.host_cores > 0 or \
-        hw.device.name == "cpu" else RuntimeModel()
+    """CPU hosts run meshplan's DTensor runtime on gloo (per-tensor sync, ZeRO-3 weights
+    gathered synchronously at each consumer: nothing prefetches them, so no overlap); GPUs a
+    bucketed one."""
+    if hw.device.host_cores > 0 or hw.device.name == "cpu":
+        return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
+                            reduce_scatter_as_all_reduce=True)
+    return RuntimeModel()
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -129,11 +152,16 @@ class StageCost:
 def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                optimizer: str, microbatches: int = 1, num_stages: int = 1,
                schedule: str = "1f1b", virtual_stages: int = 1, seq_len: int = 0,
-               processes_on_host: int = 1, runtime: RuntimeModel | None = None) -> StageCost:
+               processes_on_host: int = 1, runtime: RuntimeModel | None = None,
+               compute_contention: float | None = None) -> StageCost:
+    """Costs of one stage. ``compute_contention`` (default: all ``processes_on_host``
+    computing at once) slows the microbatch compute; the optimizer step, which every
+    process runs at the same time, always takes the all-process contention."""
     runtime = runtime or default_runtime(hw)
     m = max(1, microbatches)
     shape = stage.mesh_shape
-    contention = contention_factor(hw, processes_on_host)
+    all_procs = contention_factor(hw, processes_on_host)
+    contention = all_procs if compute_contention is None else compute_contention
     first = stage.devices[0] if stage.devices else 0
     links = [axis_link(shape, a, hw.devices_per_node, first) for a in range(len(shape))]
 
@@ -213,7 +241,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     dp = shape[dpa] if dpa is not None else 1
     zero = stage.zero
     weights = grads = opt = 0.0
-    grad_bytes_total = grad_sync = gather = 0.0
+    grad_bytes_total = grad_sync = gather = per_mb_sync = 0.0
     n_sync = n_tensors = 0
     largest_layer: dict[int, float] = {}
     opt_numel = 0.0
@@ -222,6 +250,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         if info is None or (info.tied_to is not None and info.tied_to in stage.params):
             continue
         numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
+        uses = max(1, len(consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())))
         w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
         weights, grads, opt = weights + w, grads + g, opt + o
         opt_numel += numel / (dp if zero >= 1 else 1)
@@ -238,27 +267,36 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                 continue
             if pl[axis] == "R" or axis == dpa:
                 kind = Collective.REDUCE_SCATTER if (axis == dpa and zero >= 2) else Collective.ALL_REDUCE
+                if kind == Collective.REDUCE_SCATTER and runtime.reduce_scatter_as_all_reduce:
+                    kind = Collective.ALL_REDUCE
                 nbytes = numel * GRAD_BYTES
+                wbytes = numel * (4 if dtype == "fp32" else 2)
+                if axis == dpa and zero >= 3 and runtime.zero3_per_use:
+                    # per microbatch and per consumer: gather in the forward, reduce-scatter
+                    # of that consumer's gradient in the backward (RuntimeModel docstring)
+                    per_mb_sync += uses * coll(kind, nbytes, axis)
+                    gather += uses * coll(Collective.ALL_GATHER, wbytes, axis)
+                    continue
                 grad_bytes_total += nbytes
                 n_sync += 1
                 grad_sync += _bucketed(coll, kind, nbytes, axis, runtime.grad_bucket_bytes,
                                        latency_only=runtime.grad_bucket_bytes > 0)
                 if axis == dpa and zero >= 3:
-                    gather += 2 * coll(Collective.ALL_GATHER, numel * (4 if dtype == "fp32" else 2), axis)
+                    gather += 2 * coll(Collective.ALL_GATHER, wbytes, axis)
     if runtime.grad_bucket_bytes > 0 and grad_bytes_total:
         grad_sync += _bucket_latency(coll, hw, grad_bytes_total, runtime.grad_bucket_bytes,
                                      dpa if dpa is not None else 0, zero)
     grad_sync *= 1 - runtime.grad_sync_overlap
     compute_mb = fwd + bwd + recompute
     gather_exposed = max(0.0, gather - runtime.param_gather_overlap * compute_mb)
-    comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed
+    comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed + per_mb_sync
 
     b = state_bytes_per_param(dtype, optimizer)
     dev = hw.device
     # the per-tensor fixed costs are CPU work on a CPU host and time-share its cores too
     optimizer_s = (2 * b.total * opt_numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
                    + n_tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
-                   * (dev.kernel_latency_s + dev.framework_overhead_s)) * contention
+                   * (dev.kernel_latency_s + dev.framework_overhead_s)) * all_procs
 
     # -- activations ----------------------------------------------------------------------
     def split_of(tensor: str) -> int:
@@ -296,11 +334,7 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
     """Predicted step time, memory, MFU and throughput of ``plan``; never raises for memory."""
     hw = hw or HardwareProfile.from_dict(plan.mesh.hardware)
     t = plan.training
-    on_host = min(plan.num_devices, hw.devices_per_node)
-    costs = [stage_cost(st, graph, hw, dtype=t.dtype, optimizer=t.optimizer,
-                        microbatches=t.microbatches, num_stages=plan.num_stages,
-                        schedule=t.schedule, virtual_stages=t.virtual_stages, seq_len=t.seq_len,
-                        processes_on_host=on_host, runtime=runtime) for st in plan.stages]
+    costs = plan_stage_costs(plan, graph, hw, runtime=runtime)
     pipe = pipeline_step_time([c.microbatch_s for c in costs], max(1, t.microbatches),
                               t.schedule, t.virtual_stages)
     tail = max(c.grad_sync_s + c.optimizer_s for c in costs)
@@ -329,14 +363,49 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
 def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None) -> Plan:
     """The plan with every stage's ``predicted`` and the top-level Estimate filled in."""
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
-    t = plan.training
-    on_host = min(plan.num_devices, hw.devices_per_node)
-    stages = tuple(replace(st, predicted=stage_costs(
-        st, graph, hw, dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
-        num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,
-        seq_len=t.seq_len, processes_on_host=on_host, runtime=runtime)) for st in plan.stages)
+    costs = plan_stage_costs(plan, graph, hw, runtime=runtime)
+    stages = tuple(replace(st, predicted=c.prediction()) for st, c in zip(plan.stages, costs))
     plan = replace(plan, stages=stages)
     return replace(plan, predicted=estimate_plan(plan, graph, runtime=runtime, hw=hw))
+
+
+CONTENTION_ITERATIONS = 4  # fixed-point passes; converged to < 1% on the accuracy plans
+
+
+def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
+                     runtime: RuntimeModel | None = None) -> list[StageCost]:
+    """Every stage's StageCost, with compute slowed by the ranks that compute at once.
+
+    Start from all processes on the host computing at once (an upper bound), price the
+    stages, count the ranks busy on average over the schedule's span
+    (``pipeline.busy_ranks``: the complement of the bubble), re-price with that contention,
+    and repeat: the busy count grows with the contention (compute stretches, the pipeline
+    send/recv does not), the contention with the busy count, so the passes descend to the
+    fixed point. Without contention (GPUs,
+    or no more processes than cores) one pass.
+    """
+    t = plan.training
+    m = max(1, t.microbatches)
+    on_host = min(plan.num_devices, hw.devices_per_node)
+    kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
+              num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,
+              seq_len=t.seq_len, processes_on_host=on_host, runtime=runtime)
+    contention = contention_factor(hw, on_host)
+    costs = [stage_cost(st, graph, hw, compute_contention=contention, **kw) for st in plan.stages]
+    if contention <= 1.0:
+        return costs
+    # ranks of the host in each stage (plans larger than a node: this host's share)
+    ranks = [len(st.devices) * on_host / max(1, plan.num_devices) for st in plan.stages]
+    for _ in range(CONTENTION_ITERATIONS):
+        pipe = pipeline_step_time([c.microbatch_s for c in costs], m, t.schedule, t.virtual_stages)
+        busy = busy_ranks([c.microbatch_s for c in costs], ranks, m, pipe.step_s)
+        new = contention_factor(hw, busy)
+        if abs(new - contention) <= 0.01 * contention:
+            break
+        contention = new
+        costs = [stage_cost(st, graph, hw, compute_contention=contention, **kw)
+                 for st in plan.stages]
+    return costs
 
 
 # -- helpers -----------------------------------------------------------------------------------

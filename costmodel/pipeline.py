@@ -10,7 +10,8 @@ stages per device (interleaved 1F1B):
 For equal stages this is (m + (p - 1) / v) * t: the bubble fraction (p - 1) / (v m) of
 Narayanan et al. 2021 (section 2.2, eq. 1 and the interleaved schedule), and for v = 1 it
 is Alpa's latency sum(t) + (m - 1) * max(t) (Zheng et al. 2022, eq. 2). GPipe and 1F1B have
-the same bubble; they differ in memory (memory.inflight_microbatches).
+the same bubble; they differ in memory (memory.inflight_microbatches). ``busy_ranks`` turns
+the schedule into the number of ranks computing at once, which sets the CPU contention.
 """
 
 from __future__ import annotations
@@ -46,3 +47,28 @@ def pipeline_step_time(stage_times: Sequence[float], microbatches: int, schedule
     step = microbatches * t_max + (sum(stage_times) - t_max) / max(1, v)
     busy = microbatches * sum(stage_times) / len(stage_times)
     return PipelineTime(step_s=step, busy_s=busy, bubble_s=step - microbatches * t_max)
+
+
+def busy_ranks(stage_compute_s: Sequence[float], stage_ranks: Sequence[int], microbatches: int,
+               step_s: float) -> float:
+    """Average number of ranks computing at the same time during the pipelined span.
+
+    Stage i has r_i ranks (its tensor/data-parallel devices), each working t_i per
+    microbatch (the stage time the schedule uses: forward + backward + recompute + the
+    stage's own communication - gloo's collectives copy and reduce on the CPU too, and a
+    data-parallel run then keeps all its ranks busy, as ``meshplan calibrate`` assumes when
+    it fits the effective cores), m times per step. Over the span ``step_s``
+    (``pipeline_step_time``, the same schedule formula) they work sum_i r_i m t_i
+    rank-seconds; the rest of the span is the bubble, where a rank sleeps in a blocking
+    receive and leaves its core to the busy ones. On average
+
+        busy = sum_i r_i m t_i / step_s
+
+    ranks work at once. For p equal stages of r ranks and v = 1 this is
+    r p m t / ((m + p - 1) t) = r p m / (m + p - 1), i.e. r p (1 - bubble fraction):
+    4 stages and 4 microbatches keep 16/7 = 2.3 of 4 ranks busy; one stage keeps all r.
+    """
+    if step_s <= 0:
+        return float(sum(stage_ranks))
+    work = sum(r * microbatches * c for r, c in zip(stage_ranks, stage_compute_s))
+    return min(float(sum(stage_ranks)), work / step_s)

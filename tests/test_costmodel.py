@@ -138,3 +138,51 @@ def test_bad_profile_rejected():
     d["device"]["matmul_efficiency"]["max_eff"] = 1.5
     with pytest.raises(MeshError, match="max_eff"):
         HardwareProfile.from_dict(json.loads(json.dumps(d)))
+
+
+def test_busy_ranks_closed_form():
+    """p equal stages of r ranks, m microbatches, v = 1: busy = r p m / (m + p - 1)."""
+    from meshplan.costmodel.pipeline import busy_ranks
+    for p, m, r in ((4, 4, 1), (2, 4, 2), (4, 8, 1), (1, 3, 4)):
+        t = [0.01] * p
+        step = pipeline_step_time(t, m).step_s
+        assert busy_ranks(t, [r] * p, m, step) == pytest.approx(r * p * m / (m + p - 1))
+    # unequal stages: 2 stages (1 s, 3 s), 2 microbatches -> span 2*3 + 1 = 7, work 2*(1+3)
+    assert busy_ranks([1.0, 3.0], [1, 1], 2, pipeline_step_time([1.0, 3.0], 2).step_s) \
+        == pytest.approx(8 / 7)
+
+
+def test_pipeline_contention_uses_busy_ranks():
+    """On a CPU host with fewer cores than processes, a 4-stage pipeline's compute is slowed
+    by the ranks busy at once (< 4), a 4-way data-parallel plan's by all 4."""
+    from meshplan.api import manual_plan
+    from meshplan.costmodel.compute import contention_factor
+    from meshplan.costmodel.estimate import plan_stage_costs, stage_cost
+    from meshplan.mesh import Mesh
+    from meshplan.planner.trace import trace
+    from meshplan.specs import example_inputs, parse_model_spec
+    from meshplan.costmodel.calibrate import _with_device
+
+    hw = _with_device(load_preset("cpu-local"), host_cores=1)
+    spec = parse_model_spec("transformers:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=512"
+                            "&n_positions=32")
+    meta = spec.build("meta")
+    graph = trace(meta, example_inputs(meta, 8, 32), model_name=spec.name)
+    mesh = Mesh.local(4, profile=hw)
+    pp = manual_plan(meta, mesh, graph=graph, dtype="fp32", pp=4, microbatch_size=2)
+    costs = plan_stage_costs(pp, graph, hw)
+    t = pp.training
+    kw = dict(dtype="fp32", optimizer=t.optimizer, microbatches=t.microbatches, num_stages=4,
+              schedule=t.schedule, seq_len=t.seq_len, processes_on_host=4)
+    full = stage_cost(pp.stages[1], graph, hw, **kw)
+    ratio = costs[1].forward_s / full.forward_s
+    # equal-ish stages, 4 microbatches: about 16/7 of 4 ranks busy, so ~ (16/7)/4 of the time
+    assert 0.4 < ratio < 0.75
+    assert costs[1].optimizer_s == pytest.approx(full.optimizer_s)  # every rank steps at once
+    dp = manual_plan(meta, mesh, graph=graph, dtype="fp32", dp=4, microbatch_size=2)
+    dcost = plan_stage_costs(dp, graph, hw)[0]
+    whole = stage_cost(dp.stages[0], graph, hw, dtype="fp32", optimizer=t.optimizer,
+                       microbatches=dp.training.microbatches, seq_len=t.seq_len,
+                       processes_on_host=4)
+    assert dcost.forward_s == pytest.approx(whole.forward_s, rel=1e-6)
+    assert contention_factor(hw, 4) == pytest.approx(4.0)
