@@ -205,8 +205,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", default=",".join(map(str, GPUS)))
     ap.add_argument("--timing-only", action="store_true",
                     help="only the planning time of GPT-3 175B on 1,024 GPUs")
+    ap.add_argument("--render-only", action="store_true",
+                    help="rewrite the table from benchmarks/results/plan_quality.json")
     args = ap.parse_args(argv)
     rows, timing = [], None
+    if args.render_only:
+        write([], None)
+        return 0
     if args.timing_only:
         graph, _ = traced("gpt3-175b")
         mesh = mesh_for("dgx-a100-80gb", 1024)
@@ -269,6 +274,10 @@ def write(rows, timing, quiet: bool = False) -> None:
                      f"this machine -> {timing['plan']}, step {timing['step_s']:.2f} s, "
                      f"MFU {timing['mfu']:.1%}")
     else:
+        ratios = [r["ratio"] for r in rows if r.get("ratio")]
+        if ratios:
+            lines += [f"{len(ratios)} cells: ratio min {min(ratios):.3f}, max {max(ratios):.3f}; "
+                      f"{sum(r > 1.005 for r in ratios)} cells above 1.005.", ""]
         lines += ["Ratio = best Megatron-grid step time / auto step time (= throughput ratio), "
                   "both priced in full by costmodel.estimate.", "",
                   "| model | hardware | GPUs | auto step s | grid best step s | ratio | plan s "
