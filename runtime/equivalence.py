@@ -77,6 +77,12 @@ def manual_variant(name: str, graph, world: int, *, hw):
                              **_manual(name.removeprefix("manual:").replace("+", ",")))
 
 
+def sp_only(plan, before: dict, observed: dict):
+    """The plan keeping only the ops the sequence-parallel rewrite changed."""
+    ops = {k: v for k, v in plan.stages[0].ops.items() if observed.get(k) != v}
+    return replace(plan, stages=(replace(plan.stages[0], ops=ops),))
+
+
 def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps: int,
                 seed: int, hw) -> dict:
     manual = name.startswith("manual:")
@@ -93,6 +99,12 @@ def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps:
             pm.loss(batches[0][: batch // plan.training.microbatches], record=True)
         pm.plan = with_observed_ops(plan, pm.last_stats.observed, graph, tp_axis=tp_axis,
                                     hidden=hidden_size(model))
+        if plan.training.sequence_parallel:  # placements downstream of the SP rewrite change:
+            pm.plan = sp_only(pm.plan, plan.stages[0].ops, pm.last_stats.observed)
+            with torch.no_grad():  # observe again with only the SP ops planned
+                pm.loss(batches[0][: batch // plan.training.microbatches], record=True)
+            pm.plan = replace(pm.plan, stages=(replace(pm.plan.stages[0],
+                                                       ops=pm.last_stats.observed),))
     optimizer = make_optimizer(pm.optimizer_params(), pm.plan)
     losses, grads = [], {}
     for step, b in enumerate(batches):

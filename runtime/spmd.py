@@ -118,8 +118,9 @@ def _selective_policy(ctx, func, *args, **kwargs):
 
 
 def _nested_shard(t) -> bool:
-    """One tensor dim sharded over two or more mesh axes."""
-    dims = [p.dim for p in t.placements if isinstance(p, Shard)]
+    """One tensor dim other than the first sharded over two or more mesh axes (the batch dim
+    may be: it survives the flatten to 2-D that these operators do)."""
+    dims = [p.dim for p in t.placements if isinstance(p, Shard) and p.dim != 0]
     return len(dims) != len(set(dims))
 
 
@@ -143,7 +144,8 @@ def check_executable(n: fx.Node, args) -> None:
             isinstance(a, DTensor) and a.ndim > 2 and _nested_shard(a) for a in args):
         raise NotSupportedError(
             f"operator {n.name} ({n.target}): an input has one dim sharded over several mesh "
-            "axes, which DTensor cannot flatten for this operator; shard that dim on one axis")
+            "axes, which DTensor cannot flatten for this operator (torch 2.13); shard that dim "
+            "on one axis")
 
 
 def sdpa_target():
@@ -220,6 +222,13 @@ class SPMDExecutor(fx.Interpreter):
                     placement_texts(out.placements) != tuple(plan.output):
                 self.stats.output_deviations[n.name] = (tuple(plan.output),
                                                         placement_texts(out.placements))
+        if isinstance(out, DTensor) and any("MaskPartial" in type(p).__name__
+                                            for p in out.placements):
+            # A vocab-parallel embedding's partial output carries its lookup mask, which DTensor
+            # (torch 2.13) cannot reduce after a later op (a dtype cast) or reduce-scatter:
+            # reduce it here, where it is made; consumers planned to take "P" take "R".
+            out = out.redistribute(self.mesh, [Replicate() if isinstance(p, Partial) else p
+                                               for p in out.placements])
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor) and out.dim() > 0:
             out = DTensor.from_local(out, self.mesh, [Replicate()] * self.mesh.ndim,
                                      run_check=False)
