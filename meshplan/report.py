@@ -151,6 +151,9 @@ def timeline_svg(plan: Plan) -> str:
     y = top + n * row + 14
     body.append(_text(left, y, "0"))
     body.append(_text(WIDTH - 20, y, fmt_time(end), "end"))
+    if plan.training.schedule == "interleaved-1f1b":
+        body.append(_text(WIDTH - 20, 14, f"interleaved ({plan.training.virtual_stages} chunks "
+                          "per device) drawn per physical stage in 1F1B order", "end"))
     busy = sum(b.end_s - b.start_s for b in blocks)
     idle = 1 - busy / (end * n) if n else 0.0
     body.append(_text(left + (WIDTH - left - 20) / 2, y, f"each stage's recorded compute + comm "
