@@ -78,7 +78,7 @@ def manual_variant(name: str, graph, world: int, *, hw):
 
 
 def sp_only(plan, before: dict, observed: dict):
-    """The plan keeping only the ops the sequence-parallel rewrite changed."""
+    """The plan keeping only the ops the SP / ZeRO-3 rewrites changed."""
     ops = {k: v for k, v in plan.stages[0].ops.items() if observed.get(k) != v}
     return replace(plan, stages=(replace(plan.stages[0], ops=ops),))
 
@@ -99,7 +99,8 @@ def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps:
             pm.loss(batches[0][: batch // plan.training.microbatches], record=True)
         pm.plan = with_observed_ops(plan, pm.last_stats.observed, graph, tp_axis=tp_axis,
                                     hidden=hidden_size(model))
-        if plan.training.sequence_parallel:  # placements downstream of the SP rewrite change:
+        if plan.training.sequence_parallel or plan.stages[0].zero >= 3:
+            # placements downstream of the SP / ZeRO-3 rewrites change:
             pm.plan = sp_only(pm.plan, plan.stages[0].ops, pm.last_stats.observed)
             with torch.no_grad():  # observe again with only the SP ops planned
                 pm.loss(batches[0][: batch // plan.training.microbatches], record=True)
