@@ -153,7 +153,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                optimizer: str, microbatches: int = 1, num_stages: int = 1,
                schedule: str = "1f1b", virtual_stages: int = 1, seq_len: int = 0,
                processes_on_host: int = 1, runtime: RuntimeModel | None = None,
-               compute_contention: float | None = None) -> StageCost:
+               compute_contention: float | None = None, cache: dict | None = None) -> StageCost:
     """Costs of one stage. ``compute_contention`` (default: all ``processes_on_host``
     computing at once) slows the microbatch compute; the optimizer step, which every
     process runs at the same time, always takes the all-process contention."""
@@ -165,66 +165,25 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     first = stage.devices[0] if stage.devices else 0
     links = [axis_link(shape, a, hw.devices_per_node, first) for a in range(len(shape))]
 
+    # identical layers ask for the same collectives again and again: price each once
+    memo = {} if cache is None else cache.setdefault(("collectives", shape, first, id(hw)), {})
+
     def coll(kind, nbytes, axis):
-        crosses, local = links[axis]
-        return collective_time_s(hw, kind, nbytes, shape[axis], crosses_nodes=crosses,
-                                 local_size=local)
+        key = (kind, nbytes, axis)
+        if key not in memo:
+            crosses, local = links[axis]
+            memo[key] = collective_time_s(hw, kind, nbytes, shape[axis], crosses_nodes=crosses,
+                                          local_size=local)
+        return memo[key]
 
     names = list(stage.ops)
-    in_stage = set(names)
     placement = {n: stage.inputs.get(n) for n in stage.inputs}
     placement.update({n: op.output for n, op in stage.ops.items()})
-    needs_grad = _requires_grad(graph)
-    needs_data = _depends_on_data(graph)
-    sent: set[str] = set()
     dbytes = DTYPE_BYTES[dtype]
-
-    fwd = bwd = rec_full = rec_sel = 0.0
-    comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
-    consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
-    for name in names:
-        node = graph.node(name)
-        op = stage.ops[name]
-        t = op_time(node, hw, dtype, split_factor(op.output, shape) * m, contention=contention)
-        fwd += t.forward_s
-        bwd += t.backward_s
-        if node.layer >= 0:
-            rec_full += t.forward_s
-            if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
-                rec_sel += t.forward_s
-        for k, p in enumerate(node.inputs):
-            if p in graph.param_map and k < len(op.inputs):
-                consumer_out.setdefault(p, []).append((op.output, op.inputs[k]))
-        for i, src_name in enumerate(node.inputs):
-            if src_name in graph.param_map or i >= len(op.inputs):
-                continue
-            src = placement.get(src_name)
-            nbytes = _bytes(graph, src_name, dbytes) / m
-            if src_name in graph and src_name not in in_stage:
-                # sent once per microbatch; tensors that depend on no data (masks, positions)
-                # are rebuilt by each stage instead of sent
-                if src_name not in sent and src_name in needs_data:
-                    sent.add(src_name)
-                    p2p_bytes += nbytes / split_factor(op.inputs[i], shape)
-                continue
-            if src is None:
-                continue
-            dst = op.inputs[i]
-            grad = src_name in needs_grad
-            for axis in range(len(shape)):
-                if shape[axis] == 1:
-                    continue
-                buf = nbytes / split_factor(src, shape, skip_axis=axis)
-                f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
-                if f:
-                    tf = coll(f, buf, axis)
-                    comm_fwd += tf
-                    comm_layers_fwd += tf if node.layer >= 0 else 0.0
-                if b:
-                    comm_bwd += coll(b, buf, axis)
-                if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
-                        and src[axis] == "R":
-                    comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
+    ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll, placement)
+    fwd, bwd, rec_full, rec_sel = ops.fwd, ops.bwd, ops.rec_full, ops.rec_sel
+    comm_fwd, comm_bwd, comm_layers_fwd = ops.comm_fwd, ops.comm_bwd, ops.comm_layers_fwd
+    p2p_bytes, consumer_out = ops.p2p_bytes, ops.consumer_out
     recompute = {"full": rec_full, "selective": rec_sel}.get(stage.recompute, 0.0)
     comm_rec = comm_layers_fwd if stage.recompute == "full" else 0.0
     p2p = 0.0
@@ -303,12 +262,16 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         pl = placement.get(tensor)
         return split_factor(pl, shape) if pl else 1
 
-    extra = 0.0
-    if dev.name == "cpu" and seq_len:  # math attention keeps the probabilities (b x heads x s x s)
-        extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
-    prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
-                              seq_len=seq_len, micro_fraction=1.0 / m,
-                              attention_extra_per_node=extra)
+    prof = ops.activations
+    if prof is None:
+        extra = 0.0
+        if dev.name == "cpu" and seq_len:  # math attention keeps the probabilities (b x heads x s x s)
+            extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
+        prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
+                                  seq_len=seq_len, micro_fraction=1.0 / m,
+                                  attention_extra_per_node=extra)
+        if cache is not None:  # independent of recompute, ZeRO-1/2 and schedule: keep it
+            object.__setattr__(ops, "activations", prof)
     kept, working = prof.stage_bytes(stage.recompute)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
@@ -323,6 +286,101 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                      grad_sync_s=grad_sync, optimizer_s=optimizer_s, memory=memory)
 
 
+@dataclass(frozen=True, slots=True)
+class _OperatorPass:
+    """What one walk over a stage's operators yields; it depends on the placements, the
+    microbatch count and the contention only, not on recompute, ZeRO-1/2 or the schedule."""
+
+    ops: dict  # the stage.ops and stage.inputs it was computed for (identity-checked)
+    inputs: dict
+    fwd: float
+    bwd: float
+    rec_full: float
+    rec_sel: float
+    comm_fwd: float
+    comm_bwd: float
+    comm_layers_fwd: float
+    p2p_bytes: float
+    consumer_out: dict
+    activations: object = None  # memory.ActivationProfile, filled on first use
+
+
+def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
+                          dtype: str, m: int, contention: float, coll, placement) -> _OperatorPass:
+    """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
+    thousands of configurations over a few dozen placement sets)."""
+    key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
+           contention, id(hw))
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
+        return hit
+    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, placement)
+    if cache is not None:
+        cache[key] = result
+    return result
+
+
+def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
+                   contention: float, coll, placement) -> _OperatorPass:
+    names = list(stage.ops)
+    in_stage = set(names)
+    shape = stage.mesh_shape
+    needs_grad = graph.grad_nodes
+    needs_data = graph.data_nodes
+    sent: set[str] = set()
+    dbytes = DTYPE_BYTES[dtype]
+
+    fwd = bwd = rec_full = rec_sel = 0.0
+    comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
+    consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
+    for name in names:
+        node = graph.node(name)
+        op = stage.ops[name]
+        t = op_time(node, hw, dtype, split_factor(op.output, shape) * m, contention=contention)
+        fwd += t.forward_s
+        bwd += t.backward_s
+        if node.layer >= 0:
+            rec_full += t.forward_s
+            if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
+                rec_sel += t.forward_s
+        for k, p in enumerate(node.inputs):
+            if p in graph.param_map and k < len(op.inputs):
+                consumer_out.setdefault(p, []).append((op.output, op.inputs[k]))
+        for i, src_name in enumerate(node.inputs):
+            if src_name in graph.param_map or i >= len(op.inputs):
+                continue
+            src = placement.get(src_name)
+            nbytes = _bytes(graph, src_name, dbytes) / m
+            if src_name in graph and src_name not in in_stage:
+                # sent once per microbatch; tensors that depend on no data (masks, positions)
+                # are rebuilt by each stage instead of sent
+                if src_name not in sent and src_name in needs_data:
+                    sent.add(src_name)
+                    p2p_bytes += nbytes / split_factor(op.inputs[i], shape)
+                continue
+            if src is None:
+                continue
+            dst = op.inputs[i]
+            grad = src_name in needs_grad
+            for axis in range(len(shape)):
+                if shape[axis] == 1:
+                    continue
+                buf = nbytes / split_factor(src, shape, skip_axis=axis)
+                f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
+                if f:
+                    tf = coll(f, buf, axis)
+                    comm_fwd += tf
+                    comm_layers_fwd += tf if node.layer >= 0 else 0.0
+                if b:
+                    comm_bwd += coll(b, buf, axis)
+                if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
+                        and src[axis] == "R":
+                    comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
+    return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
+                         comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
+                         p2p_bytes=p2p_bytes, consumer_out=consumer_out)
+
+
 def stage_costs(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                 optimizer: str, **kw) -> StagePrediction:
     """The StagePrediction written into a plan (kept for planners that call it)."""
@@ -330,11 +388,11 @@ def stage_costs(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str
 
 
 def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None,
-                  hw: HardwareProfile | None = None) -> Estimate:
+                  hw: HardwareProfile | None = None, cache: dict | None = None) -> Estimate:
     """Predicted step time, memory, MFU and throughput of ``plan``; never raises for memory."""
     hw = hw or HardwareProfile.from_dict(plan.mesh.hardware)
     t = plan.training
-    costs = plan_stage_costs(plan, graph, hw, runtime=runtime)
+    costs = plan_stage_costs(plan, graph, hw, runtime=runtime, cache=cache)
     pipe = pipeline_step_time([c.microbatch_s for c in costs], max(1, t.microbatches),
                               t.schedule, t.virtual_stages)
     tail = max(c.grad_sync_s + c.optimizer_s for c in costs)
@@ -373,7 +431,8 @@ CONTENTION_ITERATIONS = 4  # fixed-point passes; converged to < 1% on the accura
 
 
 def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
-                     runtime: RuntimeModel | None = None) -> list[StageCost]:
+                     runtime: RuntimeModel | None = None,
+                     cache: dict | None = None) -> list[StageCost]:
     """Every stage's StageCost, with compute slowed by the ranks that compute at once.
 
     Start from all processes on the host computing at once (an upper bound), price the
@@ -389,7 +448,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     on_host = min(plan.num_devices, hw.devices_per_node)
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,
-              seq_len=t.seq_len, processes_on_host=on_host, runtime=runtime)
+              seq_len=t.seq_len, processes_on_host=on_host, runtime=runtime, cache=cache)
     contention = contention_factor(hw, on_host)
     costs = [stage_cost(st, graph, hw, compute_contention=contention, **kw) for st in plan.stages]
     if contention <= 1.0:
@@ -423,25 +482,6 @@ def _bytes(graph: OpGraph, name: str, dbytes: int) -> float:
         tuple(m for n, m in graph.inputs if n == name)
     return sum(mm.numel * (dbytes if mm.dtype.startswith(("float", "bfloat")) else
                            mm.bytes / max(1, mm.numel)) for mm in metas)
-
-
-def _requires_grad(graph: OpGraph) -> set[str]:
-    out: set[str] = set()
-    trainable = {p.name for p in graph.params if p.trainable}
-    for n in graph.nodes:
-        if any(i in trainable or i in out for i in n.inputs) and n.kind != OpKind.CREATION:
-            if any(o.dtype.startswith(("float", "bfloat")) for o in n.outputs):
-                out.add(n.name)
-    return out
-
-
-def _depends_on_data(graph: OpGraph) -> set[str]:
-    """Operators whose value depends on a graph input or a parameter."""
-    out: set[str] = {name for name, _ in graph.inputs} | {p.name for p in graph.params}
-    for n in graph.nodes:
-        if any(i in out for i in n.inputs):
-            out.add(n.name)
-    return out
 
 
 def _param_layer(name: str, graph: OpGraph) -> int:

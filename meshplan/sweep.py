@@ -26,6 +26,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 
+from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.plan import RECOMPUTE, Plan
 
@@ -166,13 +167,17 @@ def price_group(configs: list[Config], *, model, mesh, graph, dtype, optimizer) 
     except MeshplanError as exc:
         base = str(exc)
     rows = []
+    cache: dict = {}  # operator walks shared by the configurations of this placement group
+    hw = mesh.hardware  # one profile object: the cache keys on it
+    if not isinstance(base, str):
+        base.check_model(graph.fingerprint)
     for c in configs:
         row = {**asdict(c), "microbatches": batch // (c.dp * c.microbatch_size)}
         if isinstance(base, str):
             rows.append({**row, "error": base})
             continue
         try:
-            est = meshplan.estimate(variant(base, c), graph)
+            est = estimate_plan(variant(base, c), graph, hw=hw, cache=cache)
             rows.append({**row, **_estimate_columns(est), "error": ""})
         except MeshplanError as exc:
             rows.append({**row, "error": str(exc)})

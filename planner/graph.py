@@ -150,6 +150,26 @@ class OpGraph:
     def forward_flops(self) -> int:
         return sum(n.flops for n in self.nodes)
 
+    @cached_property
+    def grad_nodes(self) -> frozenset[str]:
+        """Floating-point operators downstream of a trainable parameter (they carry grads)."""
+        out: set[str] = set()
+        trainable = {p.name for p in self.params if p.trainable}
+        for n in self.nodes:
+            if any(i in trainable or i in out for i in n.inputs) and n.kind != OpKind.CREATION:
+                if any(o.dtype.startswith(("float", "bfloat")) for o in n.outputs):
+                    out.add(n.name)
+        return frozenset(out)
+
+    @cached_property
+    def data_nodes(self) -> frozenset[str]:
+        """Graph inputs, parameters and every operator whose value depends on one of them."""
+        out: set[str] = {name for name, _ in self.inputs} | {p.name for p in self.params}
+        for n in self.nodes:
+            if any(i in out for i in n.inputs):
+                out.add(n.name)
+        return frozenset(out)
+
     @property
     def train_flops(self) -> int:
         """Forward + backward FLOPs of one step without recompute (backward = 2x forward)."""
