@@ -232,14 +232,24 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
 
 def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan:
     """The plan with the lowest step time that fits memory (module docstring)."""
+    return search_best(problem, space, keep=1)[0]
+
+
+def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
+                keep: int = 1) -> list[PipelinePlan]:
+    """The ``keep`` best plans of distinct pipeline shapes, fastest first (a caller that
+    prices plans more exactly than the search's tables re-ranks them)."""
     if problem.num_units < 1:
         raise PlanningError("the model has no operators to place")
     classes = RangeClasses(problem.unit_keys)
     cost_cache: dict = {}
     table_cache: dict = {}
-    best: PipelinePlan | None = None
+    top: list[PipelinePlan] = []
     combos = 0
     runs = [0]
+
+    def threshold() -> float:
+        return top[-1].step_time_s if len(top) >= keep else INF
     smallest_memory = [INF]
 
     def tables_for(size, b, mesh, v, sp, relaxed=False):
@@ -273,7 +283,7 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
             bounded.append((bound, order, combo))
     bounded.sort()
     for bound, _, combo in bounded:
-        if best is not None and bound >= best.step_time_s:
+        if bound >= threshold():
             break
         schedule, stages, virtual, b, mesh, sp = combo
         tables = tables_for(problem.num_devices // stages, b, mesh,
@@ -281,18 +291,19 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
         if tables is None:
             continue
         found = _search_combo(problem, space, tables, schedule, stages, virtual, b,
-                              best.step_time_s if best else INF, runs, smallest_memory)
+                              threshold(), runs, smallest_memory)
         combos += 1
-        if found is not None and (best is None or found.step_time_s < best.step_time_s):
-            best = found
-    if best is None:
+        if found is not None:
+            top = sorted(top + [found], key=lambda p: p.step_time_s)[:keep]
+    if not top:
         raise MemoryLimitError(
             f"no pipeline plan fits {problem.memory_limit_gib:.2f} GiB per device on "
             f"{problem.num_devices} devices; the smallest stage found needs "
             f"{smallest_memory[0]:.2f} GiB. Use more devices, a smaller batch, allow "
             "recompute='full' and zero=3, or raise memory_limit_gib.",
             min_memory_gib=smallest_memory[0])
-    return PipelinePlan(**{**_fields(best), "combos_searched": combos, "dp_runs": runs[0]})
+    return [PipelinePlan(**{**_fields(p), "combos_searched": combos, "dp_runs": runs[0]})
+            for p in top]
 
 
 def _may_fit(problem: Problem, space: SearchSpace, stages: int, mesh) -> bool:
