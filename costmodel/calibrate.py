@@ -168,23 +168,29 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, queue) ->
     dist.destroy_process_group()
 
 
-def measure_collectives(max_procs: int, backend: str, progress=None) -> list[tuple]:
+def _run_group(world: int, target, args: tuple, timeout_s: float) -> list[tuple]:
+    """Spawn ``world`` processes of ``target(rank, world, port, *args, queue)``; rank 0 puts
+    its rows on the queue."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    rows = queue.get(timeout=timeout_s)
+    for p in procs:
+        p.join(timeout=60)
+    return rows
+
+
+def measure_collectives(max_procs: int, backend: str, progress=None) -> list[tuple]:
     rows = []
     for world in range(2, max_procs + 1):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_collective_worker, args=(r, world, port, backend, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        rows += queue.get(timeout=300)
-        for p in procs:
-            p.join(timeout=60)
+        rows += _run_group(world, _collective_worker, (backend,), timeout_s=300)
         if progress:
             progress()
     return rows
@@ -271,22 +277,9 @@ def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
 
 def measure_runtime(worlds=(1,), graphs=RUNTIME_GRAPHS, progress=None) -> list[tuple]:
     """(model, batch, seq, processes, median step s) of the runtime on each graph."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
     rows = []
     for world in worlds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_runtime_worker, args=(r, world, port, graphs, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        rows += queue.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
+        rows += _run_group(world, _runtime_worker, (graphs,), timeout_s=600)
         if progress:
             progress()
     return rows

@@ -201,6 +201,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     zero = stage.zero
     weights = grads = opt = 0.0
     grad_bytes_total = grad_sync = gather = per_mb_sync = 0.0
+    gathered_bytes = updated_gather = 0.0
     n_sync = n_tensors = 0
     largest_layer: dict[int, float] = {}
     opt_numel = 0.0
@@ -242,10 +243,22 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                        latency_only=runtime.grad_bucket_bytes > 0)
                 if axis == dpa and zero >= 3:
                     gather += 2 * coll(Collective.ALL_GATHER, wbytes, axis)
+                if axis == dpa and zero in (1, 2):
+                    # each rank stepped its shard of the master weights: the updated weights
+                    # are all-gathered after the optimizer (Rajbhandari et al. 2020, sec. 5:
+                    # ZeRO-1/2 move the same volume as data parallelism, RS + AG = AR)
+                    gathered_bytes += wbytes
+                    updated_gather += _bucketed(coll, Collective.ALL_GATHER, wbytes, axis,
+                                                runtime.grad_bucket_bytes,
+                                                latency_only=runtime.grad_bucket_bytes > 0)
     if runtime.grad_bucket_bytes > 0 and grad_bytes_total:
         grad_sync += _bucket_latency(coll, hw, grad_bytes_total, runtime.grad_bucket_bytes,
                                      dpa if dpa is not None else 0, zero)
-    grad_sync *= 1 - runtime.grad_sync_overlap
+    if runtime.grad_bucket_bytes > 0 and gathered_bytes:
+        updated_gather += math.ceil(gathered_bytes / runtime.grad_bucket_bytes) * \
+            coll(Collective.ALL_GATHER, 1e-30, dpa)
+    # the gather of updated weights follows the optimizer step: nothing left to overlap with
+    grad_sync = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
     compute_mb = fwd + bwd + recompute
     gather_exposed = max(0.0, gather - runtime.param_gather_overlap * compute_mb)
     comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed + per_mb_sync

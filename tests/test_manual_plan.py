@@ -101,3 +101,14 @@ def test_175b_unsharded_on_8_gpus_does_not_fit():
     assert not est.fits
     assert est.memory.params_gib + est.memory.optimizer_gib > 80 * 20
     assert "capacity 80.0 GiB" in est.overflow
+
+
+def test_zero_1_and_2_pay_for_gathering_the_updated_weights(gpt2):
+    """ZeRO-1/2 replace the gradient all-reduce by a reduce-scatter plus an all-gather of the
+    updated weights (Rajbhandari et al. 2020): on the same ring that is the same volume, so
+    their communication is never below plain data parallelism's."""
+    model, graph = gpt2
+    mesh = meshplan.Mesh.preset("dgx-a100-80gb")
+    comm = {z: meshplan.manual_plan(model, mesh, graph=graph, dp=8, zero=z, dtype="fp32")
+            .predicted.breakdown["comm"] for z in (0, 1, 2)}
+    assert comm[1] > comm[0] and comm[2] >= 0.99 * comm[0]
