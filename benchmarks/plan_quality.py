@@ -34,6 +34,7 @@ import time
 import torch
 
 from meshplan.costmodel.pipeline import pipeline_step_time
+from meshplan.errors import MemoryLimitError
 from meshplan.manual import attention_heads, build_manual_plan, layer_bounds
 from meshplan.mesh import Mesh
 from meshplan.planner.clusters import layer_units
@@ -142,7 +143,14 @@ def cell(name, graph, hardware, gpus):
     cost = MegatronStageCost(graph, units, mesh.hardware, num_devices=gpus, dtype="bf16",
                              optimizer="adam")
     start = time.perf_counter()
-    auto = plan_auto(graph, mesh, dtype="bf16", space=search_space(), cost=cost)
+    try:
+        auto = plan_auto(graph, mesh, dtype="bf16", space=search_space(), cost=cost)
+    except MemoryLimitError as exc:
+        # nothing in the auto space fits: the grid (a subset of it) cannot fit either
+        ranked = [r for r in grid(graph, mesh, cost) if not r[1]]
+        return dict(model=name, hardware=hardware, gpus=gpus, nofit=True,
+                    plan_s=round(time.perf_counter() - start, 2), grid_fits=len(ranked),
+                    why=f"nothing fits: {exc}"[:200])
     auto_s = time.perf_counter() - start
     ranked = [r for r in grid(graph, mesh, cost) if not r[1]][:3]
     best = None
@@ -241,6 +249,9 @@ def main(argv=None) -> int:
 
 
 def _line(r) -> str:
+    if r.get("nofit"):
+        return (f"| {r['model']} | {r['hardware']} | {r['gpus']} | - | - | - | {r['plan_s']:.1f} "
+                f"| nothing fits | grid plans that fit: {r['grid_fits']} | {r['why']} |")
     if r.get("error"):
         return f"| {r['model']} | - | - | - | - | - | - | tracing failed: {r['error']} | - | - |"
     ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"

@@ -19,6 +19,7 @@ Ties keep the pipeline search's plan, so the same inputs give the same plan.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -61,6 +62,7 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     limit = memory_limit_gib if memory_limit_gib is not None else mesh.hardware.device.memory_gib
     best: Plan | None = None
     failure: MemoryLimitError | None = None
+    ilp_failure: MemoryLimitError | None = None
     try:
         best = plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer,
                            memory_limit_gib=limit, space=space, cost=cost)
@@ -74,12 +76,38 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
             ilp_plan = plan_single_stage(graph, mesh, dtype=dtype, optimizer=optimizer,
                                          memory_limit_gib=limit, time_limit_s=time_limit_s,
                                          recompute=recompute)
+        except MemoryLimitError as exc:
+            ilp_failure, ilp_plan = exc, None
         except PlanningError:
             ilp_plan = None
         if ilp_plan is not None and ilp_plan.predicted.peak_memory_gib <= limit and (
                 best is None or ilp_plan.predicted.step_time_s < best.predicted.step_time_s):
             best = ilp_plan
     if best is None:
-        raise failure or MemoryLimitError(
-            f"no plan fits {limit:.2f} GiB per device", min_memory_gib=limit)
+        # the pipeline search spans microbatching, recompute and ZeRO, so its bound is the
+        # one to report; the single-stage ILP's bound covers a smaller space
+        raise _tightest(failure) or _tightest(ilp_failure if failure is None else None) or \
+            _model_state_floor(graph, mesh, limit, dtype, optimizer)
     return replace(best, wall_time_s=time.perf_counter() - start)
+
+
+def _tightest(*failures: MemoryLimitError | None) -> MemoryLimitError | None:
+    """The failure that names the smallest finite per-device memory, if any does."""
+    finite = [f for f in failures if f is not None and math.isfinite(f.min_memory_gib)]
+    return min(finite, key=lambda f: f.min_memory_gib) if finite else None
+
+
+def _model_state_floor(graph: OpGraph, mesh, limit: float, dtype: str,
+                       optimizer: str) -> MemoryLimitError:
+    """When no candidate could even be priced under the limit: the memory that the model
+    state alone needs per device with everything sharded over every device (ZeRO-3)."""
+    from meshplan.costmodel.memory import GIB, model_state_bytes
+
+    n = mesh.num_devices
+    w, g, o = model_state_bytes(graph.param_count, dtype=dtype, optimizer=optimizer, zero=3, dp=n)
+    floor = (w + g + o) / GIB  # model_state_bytes already divides by the n ZeRO-3 ranks
+    return MemoryLimitError(
+        f"no plan fits {limit:.2f} GiB per device on {n} devices: even sharded over all "
+        f"{n} devices (ZeRO-3), the parameters, gradients and optimizer state need at least "
+        f"{floor:.2f} GiB per device before any activation. Use more devices or a smaller "
+        "model, or raise memory_limit_gib.", min_memory_gib=floor)

@@ -123,3 +123,11 @@ def test_batch_not_divisible_names_working_degrees(traced):
     with pytest.raises(PlanningError, match=r"global batch 8 is not divisible .* 3; degrees that "
                                             r"divide it: \[1, 2, 4, 8\]"):
         meshplan.manual_plan(model, meshplan.Mesh.local(3), graph=graph, dp=3)
+
+
+def test_impossible_memory_limit_names_a_finite_smallest_memory(traced):
+    model, graph = traced
+    with pytest.raises(meshplan.MemoryLimitError) as err:
+        meshplan.autoparallel(model, meshplan.Mesh.local(2), graph=graph, memory_limit_gib=1e-6)
+    need = err.value.min_memory_gib
+    assert 1e-6 < need < 1.0 and f"{need:.2f}" in str(err.value) and "GiB per device" in str(err.value)
