@@ -2,7 +2,7 @@
 
 trace -> cost -> solve -> plan -> **run**. Until the planners emit tensor-parallel plans,
 the runtime's tests need them: these helpers rewrite a data-parallel plan (from
-planner/dataparallel.py on a 1-D or 2-D mesh) into a variant by rewriting its stage records,
+``unpriced_plan`` on a 1-D or 2-D mesh) into a variant by rewriting its stage records,
 in two steps.
 
 1. ``with_param_placements``: the batch goes to the data-parallel axis, every weight gets
