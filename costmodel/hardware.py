@@ -154,14 +154,18 @@ def load_preset(name: str) -> HardwareProfile:
     return HardwareProfile.from_dict(json.loads(text), origin=f"preset {name}")
 
 
-def load_profile(path) -> HardwareProfile:
-    """A profile JSON file (e.g. written by ``meshplan calibrate -o``)."""
+def read_json(path, what: str):
+    """The JSON in ``path``; a missing or malformed file is a MeshError naming ``what``."""
     from pathlib import Path
 
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise MeshError(f"hardware profile {path} does not exist") from None
+        raise MeshError(f"{what} {path} does not exist") from None
     except json.JSONDecodeError as exc:
-        raise MeshError(f"hardware profile {path} is not valid JSON: {exc}") from None
-    return HardwareProfile.from_dict(data, origin=str(path))
+        raise MeshError(f"{what} {path} is not valid JSON: {exc}") from None
+
+
+def load_profile(path) -> HardwareProfile:
+    """A profile JSON file (e.g. written by ``meshplan calibrate -o``)."""
+    return HardwareProfile.from_dict(read_json(path, "hardware profile"), origin=str(path))

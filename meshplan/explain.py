@@ -23,7 +23,7 @@ from meshplan.costmodel.comm import Collective, collective_time_s
 from meshplan.costmodel.compute import DTYPE_BYTES, op_time
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import MeshplanError, PlanFileError, SpecError
-from meshplan.plan import Plan, Stage
+from meshplan.plan import Plan, Stage, shard_dim
 
 GIB = 2.0 ** 30
 # Bytes kept per parameter across steps: fp32 master weights (4) + fp32 gradients (4) +
@@ -144,10 +144,10 @@ def _divides(node, graph, out_pl, w_pl, mesh_shape) -> str:
     """Empty when every sharded dimension divides by its axes' sizes, else the reason."""
     need: dict[tuple[str, int], int] = {}
     for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
-        if o.startswith("S("):
-            need[("output", int(o[2:-1]))] = need.get(("output", int(o[2:-1])), 1) * mesh_shape[axis]
-        if w.startswith("S("):
-            need[("weight", int(w[2:-1]))] = need.get(("weight", int(w[2:-1])), 1) * mesh_shape[axis]
+        for role, pl in (("output", o), ("weight", w)):
+            if shard_dim(pl) is not None:
+                key = (role, shard_dim(pl))
+                need[key] = need.get(key, 1) * mesh_shape[axis]
     wshape = _weight(node, graph)[1] if _weight(node, graph) else ()
     if str(node.kind) == "embedding" and node.params:
         wshape = graph.param_map[node.params[0]].shape
@@ -208,7 +208,7 @@ def _words(output: tuple[str, ...], stage: Stage) -> str:
     words = []
     for axis, p in enumerate(output):
         if p != "R" and stage.mesh_shape[axis] > 1:
-            words.append(f"{'partial' if p == 'P' else 'dim ' + p[2:-1]} over {stage.axis_names[axis]}")
+            words.append(f"{'partial' if p == 'P' else f'dim {shard_dim(p)}'} over {stage.axis_names[axis]}")
     return ", ".join(words) or "replicated"
 
 

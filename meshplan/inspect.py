@@ -22,7 +22,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from meshplan.plan import Plan, Stage
+from meshplan.plan import Plan, Stage, shard_dim
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.
@@ -106,7 +106,7 @@ def _param_consumer_outputs(stage: Stage, graph) -> dict[str, tuple]:
 
 def _style(param_pl: str, axis: int, consumer) -> str:
     """Words for one sharded parameter on one axis."""
-    d = int(param_pl[2:-1]) if param_pl.startswith("S(") else None
+    d = shard_dim(param_pl)
     if consumer is not None:
         node, out = consumer
         kind = str(node.kind)
@@ -115,7 +115,7 @@ def _style(param_pl: str, axis: int, consumer) -> str:
         if kind == "matmul":
             if opl == "P":
                 return "row-parallel"
-            if opl.startswith("S(") and ndim and int(opl[2:-1]) == ndim - 1:
+            if ndim and shard_dim(opl) == ndim - 1:
                 return "column-parallel"
         if kind == "embedding" and d == 0:
             return "vocab-parallel"

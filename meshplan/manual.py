@@ -36,7 +36,7 @@ from meshplan.costmodel.estimate import estimate_plan, with_stage_predictions
 from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
 from meshplan.planner.graph import OpGraph, OpKind, OpNode
-from meshplan.plan import RECOMPUTE, SCHEDULES, Estimate, OpPlacement, Plan, SolverInfo, Stage
+from meshplan.plan import RECOMPUTE, SCHEDULES, Estimate, OpPlacement, Plan, SolverInfo, Stage, shard_dim
 
 NAME = "manual"
 R = "R"
@@ -250,7 +250,7 @@ class _Propagator:
         dp_pl = R
         if self.zero >= 3 and self.dp > 1:
             shape = self.g.param_map[param].shape
-            taken = int(tp_pl[2:-1]) if tp_pl.startswith("S") else -1
+            taken = shard_dim(tp_pl) if shard_dim(tp_pl) is not None else -1
             for d, s in enumerate(shape):
                 if d != taken and s % self.dp == 0:
                     dp_pl = f"S({d})"
@@ -295,7 +295,7 @@ class _Propagator:
             if src == "P":
                 return "P"
             if src.startswith("S"):
-                d = map_view_dim(node, self._shape(names[acts[0]]), int(src[2:-1]))
+                d = map_view_dim(node, self._shape(names[acts[0]]), shard_dim(src))
                 if d is None:
                     consumed[acts[0]][1] = R  # gather before an unmappable view
                     return R
@@ -318,7 +318,7 @@ class _Propagator:
         if not split:
             return R
         k0, pl = split[0]
-        d = int(pl[2:-1]) + (len(node.out.shape) - len(self._shape(names[k0])) if node.out else 0)
+        d = shard_dim(pl) + (len(node.out.shape) - len(self._shape(names[k0])) if node.out else 0)
         out_rank = len(node.out.shape) if node.out is not None else 0
         if kind == OpKind.LOSS:
             return "P"
@@ -345,7 +345,7 @@ class _Propagator:
         act_pl = ins[act][1] if act is not None else R
         out_rank = len(node.out.shape)
         bias = [k for k, p in enumerate(is_param) if p and len(self.g.param_map[node.inputs[k]].shape) == 1]
-        if act_pl.startswith("S") and int(act_pl[2:-1]) == len(self._shape(node.inputs[act])) - 1:
+        if shard_dim(act_pl) == len(self._shape(node.inputs[act])) - 1:
             consumed[wk][1] = f"S({1 - out_dim_of_weight})"  # row-parallel
             for k in bias:
                 consumed[k][1] = "P"

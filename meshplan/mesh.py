@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshplan.costmodel.hardware import HardwareProfile, load_preset, preset_names
+from meshplan.costmodel.hardware import HardwareProfile, load_preset, preset_names, read_json
 from meshplan.errors import MeshError
 
 GPU_PRESETS = ("dgx-a100-80gb", "dgx-h100", "dgx-h200")
@@ -60,13 +60,7 @@ class Mesh:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "Mesh":
         """A cluster file: {"shape": [...], "axis_names": [...], "hardware": preset name or profile}."""
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise MeshError(f"cluster file {path} does not exist") from None
-        except json.JSONDecodeError as exc:
-            raise MeshError(f"cluster file {path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, origin=str(path))
+        return cls.from_dict(read_json(path, "cluster file"), origin=str(path))
 
     @classmethod
     def from_dict(cls, data: dict, *, origin: str = "mesh") -> "Mesh":

@@ -403,6 +403,11 @@ def _is_type(value, t: str) -> bool:
     }[t]
 
 
+def shard_dim(text: str) -> int | None:
+    """"S(2)" -> 2; "R" and "P" -> None."""
+    return parse_placement(text)[1]
+
+
 def parse_placement(text: str) -> tuple[str, int | None]:
     """"S(1)" -> ("S", 1); "R" -> ("R", None); "P" -> ("P", None)."""
     m = PLACEMENT_RE.match(text)

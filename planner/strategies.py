@@ -41,6 +41,7 @@ import itertools
 import re
 from dataclasses import dataclass, replace
 
+from meshplan.plan import shard_dim
 from meshplan.planner.graph import OpGraph, OpKind, OpNode
 
 R, P = -1, -2  # Replicate, Partial; a non-negative int d is Shard(d)
@@ -59,7 +60,7 @@ def placement_str(pl: Placement) -> tuple[str, ...]:
 def placement_from_str(pl) -> Placement:
     out = []
     for p in pl:
-        out.append(R if p == "R" else P if p == "P" else int(p[2:-1]))
+        out.append(R if p == "R" else P if p == "P" else shard_dim(p))
     return tuple(out)
 
 
