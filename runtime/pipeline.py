@@ -367,7 +367,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     for piece in pieces:
         if layout.rank_group(piece.index) != my_group:
             continue
-        module = _stage_module(piece, plan, values, params, mesh, len(pieces),
+        module = _stage_module(piece, plan, gm, values, params, mesh, len(pieces),
                                block_prefix=_WRAPPER_PREFIX + graph.block_module)
         # Static shapes: the schedule then never runs a stage on uninitialised tensors to
         # infer them (garbage token ids would index out of range).
@@ -406,9 +406,12 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
 
 def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
                   layout: PipelineLayout, my_group: int, device) -> dict[str, nn.Parameter]:
-    """This rank's parameters as DTensors with their planned placements; tied names share one."""
+    """This rank's parameters as DTensors with their planned placements; tied names share one.
+    Buffers the plan does not place (meshplan/manual.py places none, e.g. Llama's rotary
+    ``inv_freq``) are replicated, as runtime/parallelize.py does for one stage."""
     real = dict(model.named_parameters(remove_duplicate=False))
-    real.update(dict(model.named_buffers(remove_duplicate=False)))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    real.update(buffers)
     aliases = _aliases(model)
     placed: dict[int, nn.Parameter] = {}
     params: dict[str, nn.Parameter] = {}
@@ -420,6 +423,8 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
             fqn = target.removeprefix(_WRAPPER_PREFIX)
             names = aliases.get(fqn, [fqn])
             listed = [stage.params[n] for n in names if n in stage.params]
+            if not listed and fqn in buffers:
+                listed = [("R",) * mesh.ndim]
             if not listed:
                 raise PlanFileError(f"stage {piece.index} reads parameter {fqn} but the plan gives "
                                     "it no placement in that stage; re-plan with this model")
@@ -438,10 +443,13 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
     return params
 
 
-def _stage_module(piece: StageGraph, plan: Plan, values: dict, params: dict, mesh: DeviceMesh,
-                  num_stages: int, *, block_prefix: str) -> _StageModule:
+def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: dict,
+                  params: dict, mesh: DeviceMesh, num_stages: int, *,
+                  block_prefix: str) -> _StageModule:
     stage = plan.stages[piece.index]
     root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] for t in piece.param_targets}
+    # bodies of higher-order operators (e.g. Llama's no-grad rotary embedding) as traced
+    root.update({t: whole.get_submodule(t) for t in piece.subgraph_targets})
     gm = fx.GraphModule(root, piece.graph, class_name=f"Stage{piece.index}")
     run = stage_executor(gm, mesh, stage, dtype=plan.training.dtype, block_prefix=block_prefix)
     first = piece.index == 0
@@ -475,11 +483,14 @@ def _tie_groups(model, pieces: list[StageGraph], params: dict, layout: PipelineL
 
     Every rank creates every group in the same order (``new_group`` is collective)."""
     aliases = _aliases(model)
+    trained = {name for name, p in model.named_parameters(remove_duplicate=False)
+               if p.requires_grad}
     owners: dict[str, set[int]] = {}
     for piece in pieces:
         for target in piece.param_targets:
             key = aliases.get(target.removeprefix(_WRAPPER_PREFIX), [target])[0]
-            owners.setdefault(key, set()).add(layout.rank_group(piece.index))
+            if key in trained:  # buffers have no gradient to sum
+                owners.setdefault(key, set()).add(layout.rank_group(piece.index))
     rank = dist.get_rank()
     my_group, coord = divmod(rank, layout.stage_size)
     out = []

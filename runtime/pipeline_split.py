@@ -12,7 +12,9 @@ stage returns the graph's output (the loss).
 
 Parameters stay ``get_attr`` nodes; the runtime builds each stage's module from a
 ``{target: parameter}`` dict, so a parameter read by two stages (tied embeddings) appears in
-both and its gradient is summed by the runtime.
+both and its gradient is summed by the runtime. A ``get_attr`` of a submodule is the body of a
+higher-order operator (Llama's rotary embedding runs under ``wrap_with_set_grad_enabled``):
+it is listed apart, in ``subgraph_targets``, and the runtime hands the stage the module itself.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class StageGraph:
     inputs: tuple[str, ...]  # names of received values: graph input names or node names
     outputs: tuple[str, ...]  # names of values sent on; the last stage: the graph output
     param_targets: tuple[str, ...]  # get_attr targets the stage reads (parameters, buffers)
+    subgraph_targets: tuple[str, ...] = ()  # get_attr targets of higher-order operator bodies
 
 
 def split_stages(graph: fx.Graph, boundaries: Sequence[tuple[str, str]]) -> list[StageGraph]:
@@ -116,6 +119,7 @@ def _stage_graph(graph: fx.Graph, k: int, stage_of: dict[fx.Node, int],
         env[n] = new.placeholder(n.name)
         env[n].meta = dict(n.meta)
     targets: list[str] = []
+    subgraphs: list[str] = []
 
     def lookup(n: fx.Node) -> fx.Node:
         if n not in env:
@@ -123,7 +127,7 @@ def _stage_graph(graph: fx.Graph, k: int, stage_of: dict[fx.Node, int],
                 raise AssertionError(f"stage {k}: {n.name} is neither received nor computed here")
             env[n] = new.get_attr(n.target)
             env[n].meta = dict(n.meta)
-            targets.append(n.target)
+            (subgraphs if _is_submodule(graph, n.target) else targets).append(n.target)
         return env[n]
 
     for n in graph.nodes:
@@ -133,4 +137,17 @@ def _stage_graph(graph: fx.Graph, k: int, stage_of: dict[fx.Node, int],
     new.output(tuple(lookup(n) for n in sent))
     new.lint()
     return StageGraph(index=k, graph=new, inputs=tuple(n.name for n in received),
-                      outputs=tuple(n.name for n in sent), param_targets=tuple(targets))
+                      outputs=tuple(n.name for n in sent), param_targets=tuple(targets),
+                      subgraph_targets=tuple(subgraphs))
+
+
+def _is_submodule(graph: fx.Graph, target: str) -> bool:
+    """Whether ``get_attr`` ``target`` of ``graph``'s module is a module (a higher-order
+    operator's body) rather than a parameter or buffer."""
+    owner = graph.owning_module
+    if owner is None:
+        return False
+    try:
+        return isinstance(owner.get_submodule(target), torch.nn.Module)
+    except AttributeError:  # a parameter or buffer: get_submodule finds no module there
+        return False

@@ -1,12 +1,14 @@
 """Pipeline runtime (runtime/pipeline.py) against a single process: losses and gradients.
 
+Two model families, a GPT-2 and a Llama (rotary embeddings, RMSNorm, SwiGLU, grouped-query
+attention, untied output head), both tiny and built from their configs with random weights.
 Spawns gloo processes once per module: one torchrun launch of 4 processes (and one of 8)
-runs every plan variant of that size for 3 training steps plus one more forward/backward,
-and writes losses, final parameters and final gradients to a file; the tests compare them
-with one process training the same model on the same batches (fp32). The plans are written
-here from a traced graph (stage node ranges cut where only tensors cross), the way
-meshplan/manual.py lays them out: stage i on rank group i % pp, devices row-major over
-(pp, dp, tp).
+runs every (model, plan variant) pair of that size for 3 training steps plus one more
+forward/backward, and writes losses, final parameters and final gradients to a file; the
+tests compare them with one process training the same model on the same batches (fp32).
+The plans are written here from a traced graph (stage node ranges cut where only tensors
+cross), the way meshplan/manual.py lays them out: stage i on rank group i % pp, devices
+row-major over (pp, dp, tp).
 
 Run as a script under torchrun, this file is the worker.
 """
@@ -21,7 +23,12 @@ import time
 import pytest
 import torch
 
-MODEL = "transformers:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
+MODELS = {
+    "gpt2": "transformers:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=256&n_positions=64",
+    "llama": ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=4&"
+              "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&"
+              "max_position_embeddings=64"),
+}
 BATCH, SEQ, STEPS, LR, SEED = 8, 16, 3, 1e-3, 0
 
 # name: (plan source, pp, (dp, tp), schedule, virtual_stages, microbatches). "manual" plans
@@ -31,28 +38,39 @@ BATCH, SEQ, STEPS, LR, SEED = 8, 16, 3, 1e-3, 0
 # executor cannot yet run manual_plan's row-parallel bias placement 'P'), with the MLP
 # weights split on tp and their operators left to DTensor's propagation.
 VARIANTS = {
-    4: {
-        "gpipe-pp4": ("manual", 4, (1, 1), "gpipe", 1, 4),
-        "1f1b-pp4": ("manual", 4, (1, 1), "1f1b", 1, 4),
-        "interleaved-pp4-v2": ("hand", 4, (1, 1), "interleaved-1f1b", 2, 4),
-        "1f1b-dp2-pp2": ("manual", 2, (2, 1), "1f1b", 1, 2),
-        "interleaved-tp2-pp2-v2": ("hand", 2, (1, 2), "interleaved-1f1b", 2, 2),
-        "interleaved-dp2-pp2-v2": ("manual", 2, (2, 1), "interleaved-1f1b", 2, 2),
-    },
-    8: {
-        "interleaved-dp2-tp2-pp2-v2": ("hand", 2, (2, 2), "interleaved-1f1b", 2, 2),
-    },
+    "gpipe-pp4": ("manual", 4, (1, 1), "gpipe", 1, 4),
+    "1f1b-pp4": ("manual", 4, (1, 1), "1f1b", 1, 4),
+    "interleaved-pp4-v2": ("hand", 4, (1, 1), "interleaved-1f1b", 2, 4),
+    "1f1b-dp2-pp2": ("manual", 2, (2, 1), "1f1b", 1, 2),
+    "interleaved-tp2-pp2-v2": ("hand", 2, (1, 2), "interleaved-1f1b", 2, 2),
+    "interleaved-dp2-pp2-v2": ("manual", 2, (2, 1), "interleaved-1f1b", 2, 2),
+    "interleaved-dp2-tp2-pp2-v2": ("hand", 2, (2, 2), "interleaved-1f1b", 2, 2),
 }
-TP_SHARDED = {"mlp.c_fc.weight": "S(1)", "mlp.c_fc.bias": "S(0)", "mlp.c_proj.weight": "S(0)"}
+# world size -> model -> variants that launch runs (starting the processes costs more than a
+# variant; Llama's hybrid DP x TP x PP needs 8 processes, so it joins the 8-process launch)
+RUNS = {
+    4: {"gpt2": ["gpipe-pp4", "1f1b-pp4", "interleaved-pp4-v2", "1f1b-dp2-pp2",
+                 "interleaved-tp2-pp2-v2", "interleaved-dp2-pp2-v2"],
+        "llama": ["gpipe-pp4", "1f1b-pp4", "interleaved-pp4-v2"]},
+    8: {"gpt2": ["interleaved-dp2-tp2-pp2-v2"],
+        "llama": ["interleaved-dp2-tp2-pp2-v2"]},
+}
+# parameter-name suffix -> tensor-parallel placement of the MLP weights (Megatron's column-
+# then row-parallel split; GPT-2's Conv1D stores weights (in, out), nn.Linear (out, in))
+TP_SHARDED = {
+    "gpt2": {"mlp.c_fc.weight": "S(1)", "mlp.c_fc.bias": "S(0)", "mlp.c_proj.weight": "S(0)"},
+    "llama": {"mlp.gate_proj.weight": "S(0)", "mlp.up_proj.weight": "S(0)",
+              "mlp.down_proj.weight": "S(1)"},
+}
 
 
 # -- plans written by hand ---------------------------------------------------------------------
 
-def build_model(device="cpu"):
+def build_model(model: str, device="cpu"):
     from meshplan.specs import parse_model_spec
 
     torch.manual_seed(SEED)
-    return parse_model_spec(MODEL).build(device=device)
+    return parse_model_spec(MODELS[model]).build(device=device)
 
 
 def cut_points(graph, num_stages: int) -> list[int]:
@@ -81,7 +99,7 @@ def cut_points(graph, num_stages: int) -> list[int]:
 
 
 def make_plan(graph, pp: int, stage_mesh: tuple[int, int], schedule: str, virtual: int,
-              microbatches: int):
+              microbatches: int, tp_sharded: dict[str, str]):
     from meshplan.mesh import Mesh
     from meshplan.planner.assemble import (mesh_info, model_info, propagate_batch_sharding,
                                            training_config)
@@ -100,8 +118,8 @@ def make_plan(graph, pp: int, stage_mesh: tuple[int, int], schedule: str, virtua
         params = {}
         for node in nodes:
             for p in node.params:
-                suffix = next((s for s in TP_SHARDED if p.endswith(s)), None)
-                params[p] = ("R", TP_SHARDED[suffix] if tp > 1 and suffix else "R")
+                suffix = next((s for s in tp_sharded if p.endswith(s)), None)
+                params[p] = ("R", tp_sharded[suffix] if tp > 1 and suffix else "R")
         # tensor-parallel MLPs: leave their operators to DTensor's own propagation
         ops = {nd.name: ops_all[nd.name] for nd in nodes
                if not (tp > 1 and ".mlp" in nd.module_path)}
@@ -111,6 +129,8 @@ def make_plan(graph, pp: int, stage_mesh: tuple[int, int], schedule: str, virtua
                             nodes=(nodes[0].name, nodes[-1].name),
                             inputs={name: batch for name, _ in graph.inputs} if i == 0 else {},
                             params=params, ops=ops))
+    assert tp == 1 or any(pl[1] != "R" for st in stages for pl in st.params.values()), \
+        f"no parameter of the model ends in one of {sorted(tp_sharded)}: tp would shard nothing"
     training = training_config(graph, microbatches=microbatches,
                                microbatch_size=BATCH // (dp * microbatches), schedule=schedule,
                                virtual_stages=virtual)
@@ -127,52 +147,64 @@ def make_plan(graph, pp: int, stage_mesh: tuple[int, int], schedule: str, virtua
 def worker(out_path: str) -> None:
     import torch.distributed as dist
 
-    import meshplan
-    from meshplan.mesh import Mesh
     from meshplan.planner.trace import trace
-    from meshplan.runtime.parallelize import make_optimizer
-    from meshplan.runtime.pipeline import parallelize_pipeline
-    from meshplan.specs import synthetic_batch
 
     dist.init_process_group("gloo")
-    world = dist.get_world_size()
-    graph = trace(build_model("meta"), (torch.zeros(BATCH, SEQ, dtype=torch.long,
-                                                    device="meta"),))
     results = {}
-    for name, (source, pp, mesh, schedule, virtual, mbs) in VARIANTS[world].items():
-        t0 = time.perf_counter()
-        model = build_model()
-        if source == "manual":
-            plan = meshplan.manual_plan(model, Mesh.local(world), graph=graph, dp=mesh[0],
-                                        tp=mesh[1], pp=pp, schedule=schedule,
-                                        virtual_stages=virtual,
-                                        microbatch_size=BATCH // (mesh[0] * mbs), dtype="fp32")
-        else:
-            plan = make_plan(graph, pp, mesh, schedule, virtual, mbs)
-        batches = [synthetic_batch(model, BATCH, SEQ, seed=SEED, step=s) for s in range(STEPS + 1)]
-        pm = parallelize_pipeline(model, plan, (batches[0],), graph=graph)
-        t1 = time.perf_counter()
-        opt = make_optimizer(pm.unique_params(), plan, lr=LR)
-        losses = [pm.train_step(batches[s], opt) for s in range(STEPS)]
-        params = pm.full_state()
-        final_loss = pm.forward_backward(batches[STEPS])
-        grads = pm.full_grads()
-        if os.environ.get("MESHPLAN_TEST_TIMING"):
-            print(f"rank {dist.get_rank()} {name}: setup {t1 - t0:.1f}s, run "
-                  f"{time.perf_counter() - t1:.1f}s", flush=True)
-        results[name] = {"losses": losses + [final_loss], "params": params, "grads": grads}
-        dist.barrier()
+    for model_name, variants in RUNS[dist.get_world_size()].items():
+        graph = trace(build_model(model_name, "meta"),
+                      (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),))
+        for variant in variants:
+            results[f"{model_name}/{variant}"] = run_variant(model_name, variant, graph)
+            dist.barrier()
     if dist.get_rank() == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()
 
 
-def reference() -> dict:
+def run_variant(model_name: str, variant: str, graph) -> dict:
+    """Train ``model_name`` (``graph``: its trace at the global batch) under the plan
+    ``variant`` on this process group: the losses, final parameters and the gradients of one
+    more forward/backward."""
+    import torch.distributed as dist
+
+    import meshplan
+    from meshplan.mesh import Mesh
+    from meshplan.runtime.parallelize import make_optimizer
+    from meshplan.runtime.pipeline import parallelize_pipeline
+    from meshplan.specs import synthetic_batch
+
+    source, pp, mesh, schedule, virtual, mbs = VARIANTS[variant]
+    world = dist.get_world_size()
+    t0 = time.perf_counter()
+    model = build_model(model_name)
+    if source == "manual":
+        plan = meshplan.manual_plan(model, Mesh.local(world), graph=graph, dp=mesh[0],
+                                    tp=mesh[1], pp=pp, schedule=schedule,
+                                    virtual_stages=virtual,
+                                    microbatch_size=BATCH // (mesh[0] * mbs), dtype="fp32")
+    else:
+        plan = make_plan(graph, pp, mesh, schedule, virtual, mbs, TP_SHARDED[model_name])
+    batches = [synthetic_batch(model, BATCH, SEQ, seed=SEED, step=s) for s in range(STEPS + 1)]
+    pm = parallelize_pipeline(model, plan, (batches[0],), graph=graph)
+    t1 = time.perf_counter()
+    opt = make_optimizer(pm.unique_params(), plan, lr=LR)
+    losses = [pm.train_step(batches[s], opt) for s in range(STEPS)]
+    params = pm.full_state()
+    final_loss = pm.forward_backward(batches[STEPS])
+    grads = pm.full_grads()
+    if os.environ.get("MESHPLAN_TEST_TIMING"):
+        print(f"rank {dist.get_rank()} {model_name}/{variant}: setup {t1 - t0:.1f}s, run "
+              f"{time.perf_counter() - t1:.1f}s", flush=True)
+    return {"losses": losses + [final_loss], "params": params, "grads": grads}
+
+
+def reference(model_name: str) -> dict:
     """One process, the plain model: the losses, parameters and gradients to match."""
     from meshplan.planner.trace import TrainingModule
     from meshplan.specs import synthetic_batch
 
-    model = build_model()
+    model = build_model(model_name)
     step = TrainingModule(model)
     opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=False)
     losses = []
@@ -192,15 +224,19 @@ def reference() -> dict:
 
 # -- the tests ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def traced():
-    """The runnable microbatch graph and the global-batch OpGraph of the test model."""
+def trace_runnable(model_name: str):
+    """The runnable graph module and the OpGraph of a test model at the global batch."""
     from meshplan.planner.trace import export_training_graph, graph_from_export
     from meshplan.runtime.parallelize import runnable_graph_module
 
-    model = build_model("meta")
+    model = build_model(model_name, "meta")
     ep = export_training_graph(model, (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),))
     return runnable_graph_module(ep, device_type="cpu"), graph_from_export(ep, model)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    return trace_runnable("gpt2")
 
 
 def test_split_makes_cross_stage_values_explicit(traced):
@@ -220,6 +256,25 @@ def test_split_makes_cross_stage_values_explicit(traced):
     # every operator lands in exactly one stage
     ops = [n.name for s in stages for n in s.graph.nodes if n.op == "call_function"]
     assert sorted(ops) == sorted(n.name for n in gm.graph.nodes if n.op == "call_function")
+
+
+def test_split_hands_operator_bodies_apart_from_parameters():
+    """Llama's rotary embedding runs inside a higher-order operator (wrap_with_set_grad_enabled)
+    whose body is a get_attr of a submodule: the stage lists it apart from the parameters and
+    buffers, which are the only targets the runtime places on the mesh."""
+    from meshplan.runtime.pipeline_split import split_stages
+
+    gm, graph = trace_runnable("llama")
+    cuts = cut_points(graph, 2) + [len(graph.nodes)]
+    bounds = [(graph.nodes[a].name, graph.nodes[b - 1].name) for a, b in zip(cuts, cuts[1:])]
+    stages = split_stages(gm.graph, bounds)
+    bodies = stages[0].subgraph_targets
+    assert bodies and all(isinstance(gm.get_submodule(t), torch.fx.GraphModule) for t in bodies)
+    assert stages[1].subgraph_targets == ()
+    tensors = {**dict(gm.named_parameters(remove_duplicate=False)),
+               **dict(gm.named_buffers(remove_duplicate=False))}
+    assert {t for s in stages for t in s.param_targets} <= set(tensors)
+    assert "model.model.rotary_emb.inv_freq" in stages[0].param_targets
 
 
 def test_split_rejects_boundaries_that_do_not_tile(traced):
@@ -273,7 +328,13 @@ def launch(nproc: int, tmp_path) -> dict:
 
 @pytest.fixture(scope="module")
 def ref():
-    return reference()
+    cache = {}
+
+    def get(model_name: str) -> dict:
+        if model_name not in cache:
+            cache[model_name] = reference(model_name)
+        return cache[model_name]
+    return get
 
 
 @pytest.fixture(scope="module")
@@ -300,14 +361,18 @@ def _check(got: dict, ref: dict) -> None:
                                    msg=lambda m: f"param {name}: {m}")
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS[4]))
-def test_four_processes_match_one(variant, runs4, ref):
-    _check(runs4[variant], ref)
+def _cases(world: int) -> list[tuple[str, str]]:
+    return [(m, v) for m, variants in RUNS[world].items() for v in variants]
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS[8]))
-def test_eight_processes_match_one(variant, runs8, ref):
-    _check(runs8[variant], ref)
+@pytest.mark.parametrize("model_name,variant", _cases(4))
+def test_four_processes_match_one(model_name, variant, runs4, ref):
+    _check(runs4[f"{model_name}/{variant}"], ref(model_name))
+
+
+@pytest.mark.parametrize("model_name,variant", _cases(8))
+def test_eight_processes_match_one(model_name, variant, runs8, ref):
+    _check(runs8[f"{model_name}/{variant}"], ref(model_name))
 
 
 if __name__ == "__main__":
