@@ -49,30 +49,28 @@ def timed_steps(step, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+MANUAL = {"tp": "dp=1,tp=4,mb=8", "zero3": "dp=4,zero=3,mb=2"}  # as `meshplan plan --manual`
+
+
 def meshplan_step_time(args, variant: str) -> tuple[float, list[float]]:
     import torch
 
-    from meshplan.runtime.equivalence import VARIANTS, hidden_size, variant_plan
-    from meshplan.runtime.parallelize import make_optimizer, parallelize
-    from meshplan.runtime.variants import with_observed_ops
+    from meshplan.cli import _manual
+    from meshplan.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.planner.trace import trace
+    from meshplan.runtime.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     spec = parse_model_spec(model_spec(args))
     meta = spec.build(device="meta")
     graph = trace(meta, example_inputs(meta, args.batch, args.seq))
-    assert variant in VARIANTS
-    plan, tp_axis = variant_plan(variant, graph, WORLD, hw=Mesh.local(WORLD).hardware)
+    plan = build_manual_plan(graph, Mesh.local(WORLD), **_manual(MANUAL[variant]))
     torch.manual_seed(0)
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
                for s in range(args.steps + args.warmup)]
-    pm = parallelize(model, plan, (batches[0],))
-    with torch.no_grad():
-        pm.loss(batches[0], record=True)
-    pm.plan = with_observed_ops(plan, pm.last_stats.observed, graph, tp_axis=tp_axis,
-                                hidden=hidden_size(model))
+    pm = parallelize(model, plan, (batches[0],), lowered=args.executor == "lowered")
     opt = make_optimizer(pm.optimizer_params(), pm.plan)
     losses = []
     t = timed_steps(lambda i: losses.append(pm.train_step(batches[i], opt)), args.steps,
@@ -134,10 +132,16 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rows = []
     for variant in ("tp", "zero3"):
+        args.executor = "lowered"
         ours, our_losses = meshplan_step_time(args, variant)
         theirs, their_losses = handwritten_step_time(args, variant)
-        rows.append({"config": variant, "meshplan_ms": ours * 1e3, "handwritten_ms": theirs * 1e3,
-                     "ratio": ours / theirs, "meshplan_first_loss": our_losses[0],
+        args.executor = "dtensor"
+        reference, _ = meshplan_step_time(args, variant)
+        rows.append({"config": variant, "plan": MANUAL[variant], "meshplan_ms": ours * 1e3,
+                     "handwritten_ms": theirs * 1e3, "ratio": ours / theirs,
+                     "dtensor_executor_ms": reference * 1e3,
+                     "dtensor_ratio": reference / theirs,
+                     "meshplan_first_loss": our_losses[0],
                      "handwritten_first_loss": their_losses[0]})
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(rows))
@@ -171,13 +175,19 @@ def main() -> int:
     setup = (f"Llama hidden={args.hidden} layers={args.layers} heads={args.heads} "
              f"vocab={args.vocab}, batch {args.batch} x seq {args.seq}, fp32, Adam, "
              f"{WORLD} CPU processes (gloo), median of {args.steps} steps after {args.warmup}")
-    lines = [f"# Runtime overhead: meshplan vs hand-written torch.distributed", "", setup, "",
-             "| config | meshplan ms | hand-written ms | ratio | first loss (meshplan / hand) |",
-             "|---|---:|---:|---:|---|"]
+    lines = ["# Runtime overhead: meshplan vs hand-written torch.distributed", "", setup, "",
+             "meshplan runs the plan `meshplan plan --manual ...` writes, with the lowered "
+             "program (runtime/lowering.py); the last columns run the same plan with every "
+             "operator on DTensor (the reference executor, `parallelize(..., lowered=False)`).",
+             "",
+             "| config | plan | meshplan ms | hand-written ms | ratio | DTensor executor ms "
+             "| its ratio | first loss (meshplan / hand) |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['meshplan_ms']:.1f} | {r['handwritten_ms']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['meshplan_first_loss']:.5f} / "
-                     f"{r['handwritten_first_loss']:.5f} |")
+        lines.append(f"| {r['config']} | `{r['plan']}` | {r['meshplan_ms']:.1f} | "
+                     f"{r['handwritten_ms']:.1f} | {r['ratio']:.2f} | "
+                     f"{r['dtensor_executor_ms']:.1f} | {r['dtensor_ratio']:.2f} | "
+                     f"{r['meshplan_first_loss']:.5f} / {r['handwritten_first_loss']:.5f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     (RESULTS / "runtime_overhead.md").write_text(text)

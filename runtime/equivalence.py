@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from dataclasses import replace
 from datetime import timedelta
 
@@ -112,7 +113,9 @@ def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps:
         losses.append(pm.train_step(b, optimizer, grads_out=grads if step == steps - 1 else None))
     return {"losses": losses, "grads": grads, "plan": pm.plan.to_json_text(),
             "redistributions": pm.last_stats.redistributions,
-            "deviations": len(pm.last_stats.output_deviations)}
+            "deviations": len(pm.last_stats.output_deviations),
+            "on_dtensor": [(s.node.name, s.why) for s in pm._executor.steps.values()
+                           if s.kind == "dtensor"] if pm._executor else []}
 
 
 def check_strategies(ep, graph, seen: set) -> list[dict]:
@@ -137,7 +140,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="meshplan-equivalence")
     ap.add_argument("--model", required=True, action="append",
                     help="a model spec; repeat for several models in one launch")
-    ap.add_argument("--variants", default="", help="comma-separated: " + ",".join(VARIANTS))
+    ap.add_argument("--variants", default=[], action="append",
+                    help="comma-separated: " + ",".join(VARIANTS) + "; once for all models, "
+                    "or once per --model in the same order")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--steps", type=int, default=3)
@@ -153,7 +158,11 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
     hw = Mesh.local(dist.get_world_size()).hardware
     results, seen_rules = {}, set()
-    for model_text in args.model:
+    if len(args.variants) not in (0, 1, len(args.model)):
+        ap.error("give --variants once, or once per --model")
+    per_model = args.variants if len(args.variants) == len(args.model) else \
+        [args.variants[0] if args.variants else ""] * len(args.model)
+    for model_text, variants in zip(args.model, per_model):
         spec = parse_model_spec(model_text)
         meta = spec.build(device="meta")
         ep = export_training_graph(meta_copy(meta), example_inputs(meta, args.batch, args.seq))
@@ -161,13 +170,14 @@ def main(argv=None) -> int:
         program = TracedProgram(ep, graph, 1)
         if args.check_strategies:
             results[f"{model_text}|strategies"] = check_strategies(ep, graph, seen_rules)
-        for name in filter(None, args.variants.split(",")):
+        for name in filter(None, variants.split(",")):
             key = f"{model_text}|{name}"
             try:
                 results[key] = run_variant(name, spec, graph, program, batch=args.batch,
                                            seq=args.seq, steps=args.steps, seed=args.seed, hw=hw)
             except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the rest
-                results[key] = {"error": f"{type(exc).__name__}: {exc}"}
+                results[key] = {"error": f"{type(exc).__name__}: {exc}",
+                                "traceback": traceback.format_exc()}
     if dist.get_rank() == 0:
         torch.save(results, args.out)
     dist.destroy_process_group()

@@ -34,6 +34,7 @@ from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
+from meshplan.runtime import lowering
 from meshplan.runtime.spmd import SPMDExecutor, to_placements  # noqa: F401 (re-exported)
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
@@ -61,6 +62,9 @@ def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
     return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+lowering.LOCAL_EQUIVALENT[sdpa_math] = torch.nn.functional.scaled_dot_product_attention
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -138,6 +142,8 @@ class ParallelModel:
     program: object = None  # the TracedProgram, reusable by the next parallelize call
     masters: dict = field(default_factory=dict)  # ZeRO-1/2: id(param) -> sharded fp32 master
     last_stats: object = None
+    lowered: bool = True  # run the lowered program (runtime/lowering.py), not DTensor per op
+    _executor: object = None
 
     @property
     def stage(self) -> Stage:
@@ -146,10 +152,13 @@ class ParallelModel:
     def loss(self, batch: torch.Tensor, *, record: bool = False) -> DTensor:
         """Forward of one (micro)batch: the global loss as a DTensor. ``record`` keeps the
         placements every operator ran with in ``last_stats.observed``."""
-        executor = SPMDExecutor(self.gm, self.mesh, self.stage.ops,
-                                input_placements=self.input_placements,
-                                recompute=self.stage.recompute, block_prefix=self.block_prefix,
-                                dtype=self.plan.training.dtype, record=record)
+        executor = self._executor if not record and self._executor is not None and \
+            self._executor.ops is self.stage.ops else SPMDExecutor(
+                self.gm, self.mesh, self.stage.ops, input_placements=self.input_placements,
+                recompute=self.stage.recompute, block_prefix=self.block_prefix,
+                dtype=self.plan.training.dtype, record=record, lowered=self.lowered)
+        if not record:  # the lowered program is built by the first call and then reused
+            self._executor = executor
         with torch.nn.utils.stateless._reparametrize_module(self.gm, self.params):
             out = executor.run(batch)
         self.last_stats = executor.stats
@@ -237,17 +246,21 @@ class ParallelModel:
 
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
-                loss_fn=None, program: "TracedProgram | None" = None) -> ParallelModel:
+                loss_fn=None, program: "TracedProgram | None" = None,
+                lowered: bool = True) -> ParallelModel:
     """Place ``model`` (real weights, on CPU) on the current process group per ``plan``.
 
     ``program`` reuses the trace of an earlier call on the same model and shapes
-    (``ParallelModel.program``), which saves the export when several plans run in a row."""
+    (``ParallelModel.program``), which saves the export when several plans run in a row.
+    ``lowered=False`` runs every operator on DTensor (the reference executor) instead of
+    the lowered program (runtime/lowering.py)."""
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs inside a torchrun worker: init_process_group first")
     if plan.num_stages > 1:
         from meshplan.runtime.pipeline import parallelize_pipeline
 
-        return parallelize_pipeline(model, plan, example_inputs, loss_fn=loss_fn)
+        return parallelize_pipeline(model, plan, example_inputs, loss_fn=loss_fn,
+                                    lowered=lowered)
     if dist.get_world_size() != plan.num_devices:
         raise PlanFileError(f"plan needs {plan.num_devices} processes, this run has "
                             f"{dist.get_world_size()}; launch with --nproc_per_node "
@@ -269,6 +282,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     gm = runnable_graph_module(ep, device_type=device_type)
     params = distribute_params(model, gm, mesh, stage, device_type)
     pm = ParallelModel(plan=plan, mesh=mesh, gm=gm, params=params, program=program,
+                       lowered=lowered,
                        input_placements=[stage.inputs[name] for name, _ in graph.inputs],
                        block_prefix=_WRAPPER_PREFIX + find_repeated_blocks(model)[0])
     if stage.zero in (1, 2):

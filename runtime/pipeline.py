@@ -328,7 +328,8 @@ class PipelineModel:
 
 
 def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
-                         loss_fn=None, graph: OpGraph | None = None) -> PipelineModel:
+                         loss_fn=None, graph: OpGraph | None = None,
+                         lowered: bool = True) -> PipelineModel:
     """Place ``model`` (real weights, on CPU) on the current process group as the pipeline
     ``plan`` describes; ``example_inputs`` is one global batch. Pass ``graph`` (the model's
     trace at that batch, meshplan.trace) to skip re-tracing for the fingerprint check."""
@@ -368,7 +369,8 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
         if layout.rank_group(piece.index) != my_group:
             continue
         module = _stage_module(piece, plan, gm, values, params, mesh, len(pieces),
-                               block_prefix=_WRAPPER_PREFIX + graph.block_module)
+                               block_prefix=_WRAPPER_PREFIX + graph.block_module,
+                               lowered=lowered)
         # Static shapes: the schedule then never runs a stage on uninitialised tensors to
         # infer them (garbage token ids would index out of range).
         stages.append(PipelineStage(module, piece.index, len(pieces), device,
@@ -445,13 +447,14 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
 
 def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: dict,
                   params: dict, mesh: DeviceMesh, num_stages: int, *,
-                  block_prefix: str) -> _StageModule:
+                  block_prefix: str, lowered: bool = True) -> _StageModule:
     stage = plan.stages[piece.index]
     root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] for t in piece.param_targets}
     # bodies of higher-order operators (e.g. Llama's no-grad rotary embedding) as traced
     root.update({t: whole.get_submodule(t) for t in piece.subgraph_targets})
     gm = fx.GraphModule(root, piece.graph, class_name=f"Stage{piece.index}")
-    run = stage_executor(gm, mesh, stage, dtype=plan.training.dtype, block_prefix=block_prefix)
+    run = stage_executor(gm, mesh, stage, dtype=plan.training.dtype, block_prefix=block_prefix,
+                         lowered=lowered)
     first = piece.index == 0
 
     def spec(name):

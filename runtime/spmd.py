@@ -15,6 +15,13 @@ split of Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Tr
 Models", Sec. 5). Mixed precision runs the fragment under ``torch.autocast``: master weights
 stay fp32, matmuls run in bf16/fp16.
 
+That DTensor interpretation is the reference. By default the executor runs it once, on its
+first call and without gradients, to build a lowered program (runtime/lowering.py): the same
+operators on local shards, with each redistribution (planned, or DTensor-internal) as one
+collective whose backward is its exact adjoint. Every call after that replays the lowered
+program, which costs what hand-written tensor parallelism or FSDP costs
+(benchmarks/runtime_overhead.py).
+
 The pipeline runtime (runtime/pipeline.py) builds one ``SPMDExecutor`` per stage submesh.
 """
 
@@ -27,13 +34,16 @@ from functools import partial
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from meshplan.errors import NotSupportedError
+from meshplan.runtime import lowering
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
     from torch.utils.checkpoint import _StopRecomputationError
@@ -160,6 +170,8 @@ class ExecStats:
     redistributions: int = 0
     output_deviations: dict = field(default_factory=dict)  # node -> (planned, actual)
     observed: dict = field(default_factory=dict)  # node -> OpPlacement DTensor ran it with
+    lowered: int = 0  # operators the lowered program runs on local shards
+    on_dtensor: list = field(default_factory=list)  # operators it leaves on DTensor
 
 
 class SPMDExecutor(fx.Interpreter):
@@ -173,7 +185,8 @@ class SPMDExecutor(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, ops: dict[str, OpPlacement], *,
                  input_placements: Sequence[Sequence[str]] = (), recompute: str = "none",
-                 block_prefix: str = "", dtype: str = "fp32", record: bool = False):
+                 block_prefix: str = "", dtype: str = "fp32", record: bool = False,
+                 lowered: bool = True):
         super().__init__(gm)
         if recompute not in ("none", "selective", "full"):
             raise NotSupportedError(f"recompute={recompute!r}; the runtime knows none, "
@@ -189,6 +202,14 @@ class SPMDExecutor(fx.Interpreter):
             [Segment(tuple(gm.graph.nodes))]
         self.stats = ExecStats()
         self.record = record
+        self.lowered = lowered
+        self.steps: dict | None = None  # node -> lowering.Step, built by the first call
+        self.block_prefix = block_prefix
+        self.hoisted: dict = {}  # get_attr node -> (src, dst): gathered once per call
+        self.bucket_of: dict = {}  # get_attr node -> (mesh axis, nodes gathered together)
+        self._gathered: dict = {}
+        self.specs: dict = {}  # node -> DTensorSpec structure of its value
+        self._building: list | None = None
 
     # -- one node ------------------------------------------------------------------------
     def run_node(self, n: fx.Node):
@@ -203,25 +224,37 @@ class SPMDExecutor(fx.Interpreter):
                                f"failed: {type(exc).__name__}: {exc}") from exc
 
     def _run_node(self, n: fx.Node):
-        plan = self.ops.get(n.name) if n.op == "call_function" else None
-        if plan is None:
+        if n.op != "call_function":
             out = super().run_node(n)
-            if self.record and n.op == "call_function":
-                self._observe(n, {a: self.env[a] for a in n.all_input_nodes}, out)
-        else:
-            with self._set_current_node(n):
-                args, kwargs = self.fetch_args_kwargs_from_env(n)
-                moved = {a: self._planned(n, a, i, self.env[a], plan)
-                         for i, a in enumerate(n.all_input_nodes)}
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved.__getitem__)
+            if self._building is not None:
+                self.specs[n] = lowering.spec_tree(out)
+            return out
+        plan = self.ops.get(n.name)
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            moved = {a: self._planned(n, a, i, self.env[a], plan)
+                     for i, a in enumerate(n.all_input_nodes)}
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved.__getitem__)
+            if plan is not None:
                 check_executable(n, args)
+            recorder = lowering.Recorder() if self._building is not None else None
+            if recorder is None:
                 out = self.call_function(n.target, args, kwargs)
-            if self.record:
-                self._observe(n, moved, out)
-            if isinstance(out, DTensor) and plan.output and \
-                    placement_texts(out.placements) != tuple(plan.output):
-                self.stats.output_deviations[n.name] = (tuple(plan.output),
-                                                        placement_texts(out.placements))
+            else:
+                with recorder:
+                    out = self.call_function(n.target, args, kwargs)
+        if self.record:
+            self._observe(n, moved, out)
+        if plan is not None and isinstance(out, DTensor) and plan.output and \
+                placement_texts(out.placements) != tuple(plan.output):
+            self.stats.output_deviations[n.name] = (tuple(plan.output),
+                                                    placement_texts(out.placements))
+        settled = self._settle(out)
+        if self._building is not None:
+            self._lower(n, moved, args, kwargs, settled, recorder.calls if settled is out else None)
+        return settled
+
+    def _settle(self, out):
         if isinstance(out, DTensor) and any("MaskPartial" in type(p).__name__
                                             for p in out.placements):
             # A vocab-parallel embedding's partial output carries its lookup mask, which DTensor
@@ -241,8 +274,9 @@ class SPMDExecutor(fx.Interpreter):
         self.stats.observed[n.name] = OpPlacement(
             inputs=tuple(texts(args[a]) for a in n.all_input_nodes), output=texts(first))
 
-    def _planned(self, n: fx.Node, arg: fx.Node, i: int, value, plan: OpPlacement):
-        if not isinstance(value, DTensor) or i >= len(plan.inputs) or not plan.inputs[i]:
+    def _planned(self, n: fx.Node, arg: fx.Node, i: int, value, plan: OpPlacement | None):
+        if plan is None or not isinstance(value, DTensor) or i >= len(plan.inputs) or \
+                not plan.inputs[i]:
             return value
         current = placement_texts(value.placements)
         # R -> P is DTensor-internal (an addend such as a bias joining a partial sum once):
@@ -259,40 +293,214 @@ class SPMDExecutor(fx.Interpreter):
                 f"{list(placement_texts(value.placements))} to the planned {list(target)}: "
                 f"{exc}. 'P' targets are only reachable from 'P' or 'R'") from None
 
+    # -- lowering: the first call builds the local program (runtime/lowering.py) -----------
+    def _lower(self, n: fx.Node, moved: dict, args, kwargs, out, calls) -> None:
+        moves = {a: (self.env[a]._spec, v._spec) for a, v in moved.items()
+                 if isinstance(v, DTensor) and v is not self.env[a]}
+        step = lowering.Step(n, moves, lowering.spec_tree(out))
+        self.specs[n] = step.out_spec
+        self.steps[n] = step
+        target = n.target
+        mutable = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+        specs = pytree.tree_leaves(step.out_spec, is_leaf=lambda x: x is None)
+        ok = not mutable and target not in lowering._KEEP_ON_DTENSOR and all(
+            lowering.plain(p) for spec in specs if spec is not None for p in spec.placements)
+        # Every attempt's verdict is agreed by the mesh before the next: all ranks then try
+        # the same attempts and issue the same collectives (a lookup outside a rank's vocab
+        # shard fails on some ranks only).
+        if ok:
+            ok = self._try_lowering(step, moved, out, "aten" if lowering.aten_step(
+                step, n, args, kwargs) else "call")
+            if not ok and calls:
+                recorded = lowering.record_steps(calls, moved, out)
+                if recorded is not None:
+                    step.subs, step.result = recorded
+                    step.kind = "recorded"
+                    ok = lowering.agree_across(self.mesh, [lowering.check_recorded(
+                        step, calls)])[0]
+                    step.why = "" if ok else "its recorded decomposition differs from DTensor's"
+        if not ok:
+            step.kind = "dtensor"
+        self._building.append(step)
+
+    def _try_lowering(self, step, moved: dict, out, kind: str) -> bool:
+        """Run ``step`` as ``kind`` on the reference's local inputs; True if it reproduces
+        the reference's local output."""
+        step.kind = kind
+        if kind == "call":
+            step.extra = lowering.broadcast_moves(step.node, moved, out)
+        run = {"aten": lowering.run_aten, "call": lowering.run_call,
+               "recorded": lowering.run_recorded}[kind]
+        local = {a: lowering.local_tree(v) for a, v in moved.items()}
+        try:  # moves come first in run(), so a local failure skips no collective
+            ok = lowering.agrees(run(step, local.__getitem__), out)
+            step.why = "" if ok else f"its local result ({kind}) differs from DTensor's"
+        except Exception as exc:  # noqa: BLE001 - the local call does not reproduce DTensor
+            ok = False
+            step.why = f"{kind}: {type(exc).__name__}: {exc}"
+        return lowering.agree_across(self.mesh, [ok])[0]
+
+    def build(self, *inputs) -> None:
+        """Run the reference once (no grad) and lower every operator it can."""
+        self.steps, self.specs, self._building = {}, {}, []
+        try:
+            with torch.no_grad():
+                self._run_reference(*inputs, checkpointed=False)
+        finally:
+            self._building = None
+        self._hoist()
+        self.stats.on_dtensor = [s.node.name for s in self.steps.values() if s.kind == "dtensor"]
+        self.stats.lowered = len(self.steps) - len(self.stats.on_dtensor)
+
+    def _hoist(self) -> None:
+        """Parameters every consumer gathers the same way (ZeRO-3) are gathered once, and
+        the parameters first used by one transformer block share one collective (and one
+        reduce-scatter of their gradients), as FSDP's per-block units do. Not under
+        recompute, which re-gathers inside each block instead."""
+        self.hoisted, self.bucket_of = {}, {}
+        if self.recompute != "none":
+            return
+        nodes = list(self.module.graph.nodes)
+        order = {n: i for i, n in enumerate(nodes)}
+        in_block = [order[n] for n in nodes if n.op == "call_function" and
+                    block_index(n, self.block_prefix) >= 0]
+        first_block = min(in_block) if in_block else len(nodes)
+        groups: dict = {}
+        for g in nodes:
+            spec = self.specs.get(g)
+            if g.op != "get_attr" or not isinstance(spec, DTensorSpec) or not g.users:
+                continue
+            users = list(g.users)
+            moves = {self.steps[u].moves.get(g) if u in self.steps else None for u in users}
+            if len(moves) != 1 or None in moves:
+                continue
+            (src, dst), = moves
+            self.hoisted[g] = (src, dst)
+            for u in users:
+                del self.steps[u].moves[g]
+            self.specs[g] = dst
+            axis = lowering.bucket_axis(src, dst)
+            if axis is not None:
+                first = min(users, key=order.get)
+                layer = block_index(first, self.block_prefix)
+                where = layer if layer >= 0 else ("pre" if order[first] < first_block else "post")
+                groups.setdefault((where, axis, src.placements, dst.placements), []).append(g)
+        for (_, axis, _, _), members in groups.items():
+            if len(members) > 1:
+                for m in members:
+                    self.bucket_of[m] = (axis, members)
+
+    def _value(self, a: fx.Node):
+        """A node's local value as its consumers take it (hoisted gathers done once)."""
+        if a not in self.hoisted:
+            return self.env[a]
+        if a not in self._gathered:
+            if a in self.bucket_of:
+                axis, members = self.bucket_of[a]
+                shards = [lowering.enter(self.fetch_attr(m.target))[0] for m in members]
+                self._gathered.update(zip(members, lowering.gather_bucket(self.mesh, axis,
+                                                                          shards)))
+            else:
+                self._gathered[a] = lowering.move(self.env[a], *self.hoisted[a])
+        return self._gathered[a]
+
     # -- the whole fragment ---------------------------------------------------------------
     def run(self, *inputs):
+        if not self.lowered or self.record:
+            return self._run_reference(*inputs)
+        if self.steps is None:
+            self.build(*inputs)
+        return self._run_lowered(*inputs)
+
+    def _autocast(self):
+        return torch.autocast(self.mesh.device_type, dtype=self.compute_dtype,
+                              enabled=self.compute_dtype is not None)
+
+    def _run_reference(self, *inputs, checkpointed: bool = True):
         inputs = [self._distribute(x, i) for i, x in
                   enumerate(self.module.graph.process_inputs(*inputs))]
-        autocast = torch.autocast(self.mesh.device_type, dtype=self.compute_dtype,
-                                  enabled=self.compute_dtype is not None)
-        with implicit_replication(), autocast:
+        with implicit_replication(), self._autocast():
             self.env = {}
             self.args_iter = iter(inputs)
-            for seg in self.segments:
-                if seg.layer >= 0 and self.recompute != "none":
-                    self._run_checkpointed(seg)
-                    continue
-                for node in seg.nodes:
-                    if node.op == "output":
-                        value = self.fetch_args_kwargs_from_env(node)[0][0]
-                        return self.module.graph.process_outputs(value)
-                    self.env[node] = self.run_node(node)
+            return self._run_segments(self.run_node, checkpointed)
+
+    def _run_lowered(self, *inputs):
+        inputs = [self._distribute(x, i, comm=False) for i, x in
+                  enumerate(self.module.graph.process_inputs(*inputs))]
+        with implicit_replication(), self._autocast():
+            self.env, self._gathered = {}, {}
+            self.args_iter = iter(inputs)
+            try:
+                return self._run_segments(self._replay_node, True)
+            finally:
+                self._gathered = {}
+
+    def _run_segments(self, run_node, checkpointed: bool):
+        for seg in self.segments:
+            if checkpointed and seg.layer >= 0 and self.recompute != "none":
+                self._run_checkpointed(seg, run_node)
+                continue
+            for node in seg.nodes:
+                if node.op == "output":
+                    value = self.fetch_args_kwargs_from_env(node)[0][0]
+                    if run_node == self._replay_node:
+                        value = lowering.leave_tree(value, self.specs.get(node.args[0]) if
+                                                    isinstance(node.args[0], fx.Node) else
+                                                    self._output_specs(node))
+                    return self.module.graph.process_outputs(value)
+                self.env[node] = run_node(node)
         raise AssertionError("graph has no output node")
 
-    def _distribute(self, x, i: int):
+    def _output_specs(self, node: fx.Node):
+        return fx.node.map_arg(node.args[0], lambda a: self.specs.get(a))
+
+    def _replay_node(self, n: fx.Node):
+        if n.op in ("placeholder", "get_attr"):
+            return lowering.enter_tree(super().run_node(n))
+        if n.op != "call_function":  # e.g. export's input guards: as the reference runs them
+            saved = self.env
+            self.env = {a: lowering.leave_tree(self._value(a), self.specs.get(a))
+                        for a in n.all_input_nodes}
+            try:
+                return lowering.enter_tree(super().run_node(n))
+            finally:
+                self.env = saved
+        step = self.steps[n]
+        moved = {a: lowering.move(self._value(a), *step.moves[a]) if a in step.moves
+                 else self._value(a) for a in n.all_input_nodes}
+        try:
+            if step.kind == "aten":
+                return lowering.run_aten(step, moved.__getitem__)
+            if step.kind == "call":
+                return lowering.run_call(step, moved.__getitem__)
+            if step.kind == "recorded":
+                return lowering.run_recorded(step, moved.__getitem__)
+            dt = {a: lowering.leave_tree(v, step.moves[a][1] if a in step.moves else self.specs[a])
+                  for a, v in moved.items()}
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), dt.__getitem__)
+            return lowering.enter_tree(self._settle(n.target(*args, **kwargs)), reduced=True)
+        except (NotSupportedError, _StopRecomputationError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - name the operator that failed
+            raise RuntimeError(f"operator {n.name} ({n.target}) failed in the lowered program: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+    def _distribute(self, x, i: int, comm: bool = True):
         if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):
             return x
         placements = self.input_placements[i] if i < len(self.input_placements) else \
             [Replicate()] * self.mesh.ndim
         from torch.distributed.tensor import distribute_tensor
-        return distribute_tensor(x.to(self.mesh.device_type), self.mesh, placements)
+        # every rank holds the whole batch: the lowered program cuts its shard locally
+        return distribute_tensor(x.to(self.mesh.device_type), self.mesh, placements,
+                                 **({} if comm else {"src_data_rank": None}))
 
-    def _run_checkpointed(self, seg: Segment) -> None:
+    def _run_checkpointed(self, seg: Segment, run_node) -> None:
         def block(*values):
             saved, self.env = self.env, dict(zip(seg.inputs, values))
             try:
                 for node in seg.nodes:
-                    self.env[node] = self.run_node(node)
+                    self.env[node] = run_node(node)
                 return tuple(self.env[o] for o in seg.outputs)
             finally:
                 self.env = saved
@@ -305,7 +513,8 @@ class SPMDExecutor(fx.Interpreter):
 
 
 def stage_executor(gm: fx.GraphModule, mesh: DeviceMesh, stage, *, dtype: str = "fp32",
-                   block_prefix: str = "", input_names: Sequence[str] = ()) -> Callable:
+                   block_prefix: str = "", input_names: Sequence[str] = (),
+                   lowered: bool = True) -> Callable:
     """The seam for runtime/pipeline.py: a callable running ``gm`` as ``stage`` plans it.
 
     ``stage`` is a meshplan.plan.Stage (its ops, inputs and recompute are read). The callable
@@ -314,8 +523,7 @@ def stage_executor(gm: fx.GraphModule, mesh: DeviceMesh, stage, *, dtype: str = 
     """
     placements = [stage.inputs[name] for name in input_names if name in stage.inputs]
 
-    def run(*inputs):
-        return SPMDExecutor(gm, mesh, stage.ops, input_placements=placements,
-                            recompute=stage.recompute, block_prefix=block_prefix,
-                            dtype=dtype).run(*inputs)
-    return run
+    executor = SPMDExecutor(gm, mesh, stage.ops, input_placements=placements,
+                            recompute=stage.recompute, block_prefix=block_prefix, dtype=dtype,
+                            lowered=lowered)
+    return executor.run

@@ -1,0 +1,579 @@
+"""Lower a planned stage to local operators plus explicit collectives.
+
+trace -> cost -> solve -> plan -> **run**. The reference executor (runtime/spmd.py) runs
+every operator of the traced graph on DTensor values, which is exact but pays DTensor's
+dispatch (sharding propagation, wrapping, unwrapping) on every operator, forward and
+backward: about 3x the step time of the same parallelism written by hand on CPU. This module
+replays the same computation on plain local tensors:
+
+1. **Setup, once per stage executor**: the reference executor runs the first call under
+   ``no_grad`` and, at each operator, asks DTensor's own sharding propagator what it would
+   do with the planned input placements: which inputs it would redistribute internally,
+   which local arguments it would pass (view operators get local shapes), and what
+   placement comes out. Operators DTensor decomposes (``aten.linear``), Python functions
+   (attention's math form) and higher-order operators run as they are on the local shards.
+   Every lowered operator's local result is compared with the reference's local shard, and
+   the mesh agrees (an all-reduce of the verdicts) before anything is trusted; an operator
+   that disagrees on any rank, a random operator, or one that needs DTensor's stateful
+   placements (a vocab-parallel embedding's mask) keeps running on DTensor.
+2. **Replay, every call**: local operators on local shards; each redistribution, planned
+   or DTensor-internal, is one ``_Move`` (the same collective DTensor would issue).
+
+Gradients follow from one rule: local autograd differentiates the SPMD program exactly, so
+each collective's backward is its exact adjoint (all-gather <-> reduce-scatter, all-reduce
+<-> all-reduce). The gradient a rank holds for a local value is then a *representation* of
+the logical gradient with placements ``grad_placements(p)``: a replicated value's gradient
+is a partial sum over the ranks that hold copies, a shard's is the shard of the gradient,
+a partial sum's is replicated (an average's, replicated and divided by the group size).
+At the boundary (parameters, stage inputs and outputs, operators left on DTensor) values
+and gradients convert to and from DTensor with these placements, so the rest of the runtime
+(gradient sync, ZeRO, pipelining) sees the DTensor gradients it always saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_DISPATCHER = DTensor._op_dispatcher
+
+# Operators DTensor handles with per-call state or special handlers: never lowered.
+_KEEP_ON_DTENSOR = set(_DISPATCHER._random_ops) | set(_DISPATCHER._custom_op_handlers)
+
+
+def plain(p) -> bool:
+    """Placements the lowered program carries: Shard, Replicate, Partial sum/avg."""
+    return type(p) in (Shard, Replicate) or (type(p) is Partial and p.reduce_op in ("sum", "avg"))
+
+
+def grad_placements(spec: DTensorSpec) -> tuple[tuple, float]:
+    """How a rank's local gradient of a value placed as ``spec`` represents the logical
+    gradient: (placements, scale), local = scale * (a local shard under placements)."""
+    out, scale = [], 1.0
+    for axis, p in enumerate(spec.placements):
+        if isinstance(p, Replicate):
+            out.append(Partial("sum"))
+        elif isinstance(p, Partial):
+            out.append(Replicate())
+            if p.reduce_op == "avg":
+                scale /= spec.mesh.size(axis)
+        else:
+            out.append(p)
+    return tuple(out), scale
+
+
+def _with(spec: DTensorSpec, placements, dtype) -> DTensorSpec:
+    """``spec`` with other placements and dtype; when the shards are the same (only
+    Replicate and Partial swapped), the order in which mesh axes shard a dim is kept."""
+    placements = tuple(placements)
+    meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, dtype)
+    if all(a == b or not (isinstance(a, Shard) or isinstance(b, Shard))
+           for a, b in zip(spec.placements, placements)):
+        strided = spec.use_strided_shard_as_shard_order
+        return DTensorSpec(spec.mesh, placements, tensor_meta=meta,
+                           shard_order=None if strided else spec.shard_order,
+                           use_strided_shard_as_shard_order=strided)
+    return DTensorSpec(spec.mesh, placements, tensor_meta=meta)
+
+
+def reshard(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
+    """``redistribute_local_tensor`` that also goes Shard -> Partial (via Replicate)."""
+    if src.placements == dst.placements:
+        return x
+    mid = tuple(Replicate() if isinstance(s, Shard) and isinstance(d, Partial) else s
+                for s, d in zip(src.placements, dst.placements))
+    if mid != tuple(src.placements):
+        mid_spec = _with(src, mid, x.dtype)
+        x = redistribute_local_tensor(x, _with(src, src.placements, x.dtype), mid_spec)
+        src = mid_spec
+    return redistribute_local_tensor(x, _with(src, src.placements, x.dtype),
+                                     _with(dst, dst.placements, x.dtype))
+
+
+def convert_grad(g: torch.Tensor, of: DTensorSpec, to: DTensorSpec) -> torch.Tensor:
+    """A gradient held for a value placed as ``of`` re-represented for placement ``to``
+    (the same logical gradient: this is what a redistribution's backward does)."""
+    pa, sa = grad_placements(of)
+    pb, sb = grad_placements(to)
+    if sa != 1.0:
+        g = g / sa
+    g = reshard(g, _with(of, pa, g.dtype), _with(to, pb, g.dtype))
+    return g * sb if sb != 1.0 else g
+
+
+class _Move(torch.autograd.Function):
+    """A redistribution of a local shard; backward is its exact adjoint."""
+
+    @staticmethod
+    def forward(ctx, x, src, dst):
+        ctx.src, ctx.dst = src, dst
+        return redistribute_local_tensor(x, src, dst)
+
+    @staticmethod
+    def backward(ctx, g):
+        return convert_grad(g, ctx.dst, ctx.src), None, None
+
+
+class _Enter(torch.autograd.Function):
+    """DTensor -> its local shard; the gradient goes back as a DTensor (grad_placements).
+    ``reduced``: a replicated value's gradient goes back reduced (Replicate, not Partial),
+    for DTensor operators whose backward accepts no partial gradient (a masked embedding)."""
+
+    @staticmethod
+    def forward(ctx, dt, reduced=False):
+        ctx.spec, ctx.reduced = dt._spec, reduced
+        local = dt._local_tensor
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, g):
+        placements, scale = grad_placements(ctx.spec)
+        if scale != 1.0:
+            g = g / scale
+        spec = _with(ctx.spec, placements, g.dtype)
+        if ctx.reduced:
+            settled = _with(ctx.spec, [Replicate() if isinstance(p, Partial) else p
+                                       for p in placements], g.dtype)
+            g, spec = reshard(g, spec, settled), settled
+        # DTensor's own backward ops assume the (contiguous) strides of the forward spec
+        return DTensor(g.contiguous(), spec, requires_grad=False), None
+
+
+class _Leave(torch.autograd.Function):
+    """Local shard -> DTensor with ``spec``; a DTensor gradient comes back as a local one."""
+
+    @staticmethod
+    def forward(ctx, x, spec):
+        ctx.spec = spec
+        return DTensor(x.view_as(x), _with(spec, spec.placements, x.dtype),
+                       requires_grad=x.requires_grad)
+
+    @staticmethod
+    def backward(ctx, g):
+        if not isinstance(g, DTensor):  # a plain tensor gradient is the replicated one
+            g = DTensor(g, _with(ctx.spec, [Replicate()] * ctx.spec.mesh.ndim, g.dtype),
+                        requires_grad=False)
+        placements, scale = grad_placements(ctx.spec)
+        local = reshard(g._local_tensor, g._spec, _with(ctx.spec, placements, g.dtype))
+        return (local * scale if scale != 1.0 else local), None
+
+
+def enter(value):
+    """A DTensor as (local tensor, spec); anything else as (itself, None)."""
+    if isinstance(value, DTensor):
+        return _Enter.apply(value), value._spec
+    return value, None
+
+
+def leave(value, spec):
+    """The inverse of ``enter``."""
+    if spec is None or not isinstance(value, torch.Tensor):
+        return value
+    return _Leave.apply(value, spec)
+
+
+def enter_tree(value, reduced: bool = False):
+    """``enter`` over a value that may be a tuple of DTensors (local values only)."""
+    if isinstance(value, DTensor):
+        return _Enter.apply(value, reduced)
+    if isinstance(value, (tuple, list)):
+        return type(value)(enter_tree(v, reduced) for v in value)
+    return value
+
+
+def leave_tree(value, spec):
+    if isinstance(value, (tuple, list)) and isinstance(spec, (tuple, list)):
+        return type(value)(leave_tree(v, s) for v, s in zip(value, spec))
+    if isinstance(spec, DTensorSpec):
+        return leave(value, spec)
+    return value
+
+
+def move(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
+    return _Move.apply(x, src, dst)
+
+
+def spec_tree(value):
+    """The DTensorSpec structure of a reference output (None for non-DTensor leaves)."""
+    if isinstance(value, DTensor):
+        return value._spec
+    if isinstance(value, (tuple, list)):
+        return tuple(spec_tree(v) for v in value)
+    return None
+
+
+def local_tree(value):
+    if isinstance(value, DTensor):
+        return value._local_tensor
+    if isinstance(value, (tuple, list)):
+        return type(value)(local_tree(v) for v in value)
+    return value
+
+
+def agrees(local, ref) -> bool:
+    """Whether a lowered operator's local result equals the reference's local shard."""
+    if isinstance(ref, DTensor):
+        ref = ref._local_tensor
+    if isinstance(ref, torch.Tensor):
+        if not isinstance(local, torch.Tensor) or isinstance(local, DTensor) or \
+                local.shape != ref.shape or local.dtype != ref.dtype:
+            return False
+        if not local.dtype.is_floating_point:
+            return torch.equal(local, ref)
+        return bool(torch.allclose(local, ref, rtol=1e-4, atol=1e-5, equal_nan=True))
+    if isinstance(ref, (tuple, list)):
+        return isinstance(local, (tuple, list)) and len(local) == len(ref) and \
+            all(agrees(a, b) for a, b in zip(local, ref))
+    try:
+        return bool(local == ref)
+    except Exception:  # noqa: BLE001 - incomparable means not the same
+        return False
+
+
+@dataclass
+class Step:
+    """How one call_function node runs in the lowered program."""
+
+    node: fx.Node
+    moves: dict  # input node -> (src spec, dst spec): the plan's redistributions
+    out_spec: object  # DTensorSpec structure of the output
+    kind: str = "dtensor"  # "aten" (propagator's local call) | "call" (as is) |
+    # "recorded" (DTensor's own decomposition, replayed) | "dtensor" (left on DTensor)
+    flat: list = field(default_factory=list)  # aten: ("node", n, move|None) | ("const", v)
+    tree_spec: object = None
+    kwargs: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # call: input node -> implicit broadcast move
+    subs: list = field(default_factory=list)  # recorded: the decomposition's SubSteps
+    result: object = None  # recorded: where the output is among their values
+    why: str = ""  # why a step stays on DTensor
+
+
+def aten_step(step: Step, n: fx.Node, args, kwargs) -> bool:
+    """Fill ``step`` with DTensor's local call for an aten operator; False if it has none."""
+    op = n.target
+    if not isinstance(op, torch._ops.OpOverload) or op in _KEEP_ON_DTENSOR:
+        return False
+    try:
+        info = _DISPATCHER.unwrap_to_op_info(op, args, kwargs)
+        _DISPATCHER.sharding_propagator.propagate(info)
+    except Exception:  # noqa: BLE001 - no strategy (a composite op): run it as is
+        return False
+    sharding = info.output_sharding
+    if sharding is None:
+        return False
+    node_args = pytree.tree_flatten(n.args)[0] if info.args_tree_spec else list(n.args)
+    if len(node_args) != len(info.flat_args_schema):
+        return False
+    new_schema = None
+    if sharding.needs_redistribute:
+        schema = sharding.redistribute_schema
+        new_schema = pytree.tree_leaves(schema.args_schema) if info.args_tree_spec \
+            else schema.args_schema
+    flat = []
+    for i, spec in enumerate(info.flat_args_schema):
+        if isinstance(spec, DTensorSpec):
+            if not isinstance(node_args[i], fx.Node):
+                return False
+            target = new_schema[i] if new_schema is not None else spec
+            if not all(plain(p) for p in (*spec.placements, *target.placements)):
+                return False
+            flat.append(("node", node_args[i], None if target == spec else (spec, target)))
+        else:
+            value = new_schema[i] if new_schema is not None and \
+                sharding.use_val_from_redistribute_schema else info.local_args[i]
+            flat.append(("const", value))
+    if new_schema is not None and sharding.use_val_from_redistribute_schema:
+        flat.extend(("const", v) for v in new_schema[len(info.flat_args_schema):])
+    step.kind, step.flat, step.tree_spec = "aten", flat, info.args_tree_spec
+    step.kwargs = dict(n.kwargs)
+    return True
+
+
+def run_aten(step: Step, value) -> object:
+    """Replay an aten step: ``value(node)`` gives the (planned-moved) local input."""
+    args = []
+    for entry in step.flat:
+        if entry[0] == "const":
+            args.append(entry[1])
+            continue
+        x = value(entry[1])
+        if entry[2] is not None:
+            x = move(x, *entry[2])
+        args.append(x)
+    args = pytree.tree_unflatten(args, step.tree_spec) if step.tree_spec else tuple(args)
+    kwargs = fx.node.map_aggregate(step.kwargs,
+                                   lambda a: value(a) if isinstance(a, fx.Node) else a)
+    target = step.node.target
+    # the local chain may hand a view a non-contiguous shard where DTensor's had a contiguous
+    # one (strides of composite operators differ); reshape is view where it can be
+    target = _VIEW_AS_RESHAPE.get(target, target)
+    return target(*args, **kwargs)
+
+
+_VIEW_AS_RESHAPE = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                    torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+
+
+class Recorder(TorchDispatchMode):
+    """Records the aten calls a DTensor operator makes at the DTensor level (a composite
+    operator's decomposition, a Python function's operators), with their DTensor values."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.calls.append((func, args, kwargs, out))
+        return out
+
+
+@dataclass
+class SubStep:
+    """One recorded aten call: flat args are ("in", node) | ("val", index) | ("const", v),
+    each tensor with an optional internal move; outputs fill values[index...]."""
+
+    op: object
+    flat: list
+    tree_spec: object
+    kwargs: dict
+    n_out: int  # values this call defines (1, or the length of its tuple output)
+    first: int  # index of its first value
+
+
+def record_steps(calls: list, moved: dict, out) -> tuple[list, object] | None:
+    """The recorded calls as SubSteps over local shards, and where the node's output is
+    among their values; None when some call cannot be lowered."""
+    where: dict[int, tuple] = {id(v): ("in", a) for a, v in moved.items()
+                               if isinstance(v, torch.Tensor)}
+    keep = []  # the recorded objects must outlive the id() lookups
+    subs, count = [], 0
+    for func, args, kwargs, result in calls:
+        if func in _KEEP_ON_DTENSOR or not isinstance(func, torch._ops.OpOverload):
+            return None
+        dt = any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs)))
+        flat_args, tree_spec = pytree.tree_flatten(args)
+        new_schema, flat_schema, use_val = None, None, False
+        if dt:
+            try:
+                info = _DISPATCHER.unwrap_to_op_info(func, args, kwargs)
+                _DISPATCHER.sharding_propagator.propagate(info)
+            except Exception:  # noqa: BLE001 - DTensor decomposed it further: not lowered
+                return None
+            sharding = info.output_sharding
+            if sharding is None or any(isinstance(v, DTensor) for v in kwargs.values()):
+                return None
+            flat_args = pytree.tree_flatten(args)[0] if info.args_tree_spec else list(args)
+            tree_spec = info.args_tree_spec
+            flat_schema = info.flat_args_schema
+            if len(flat_schema) != len(flat_args):
+                return None
+            if sharding.needs_redistribute:
+                schema = sharding.redistribute_schema
+                new_schema = pytree.tree_leaves(schema.args_schema) if info.args_tree_spec \
+                    else schema.args_schema
+                use_val = sharding.use_val_from_redistribute_schema
+        flat = []
+        for i, a in enumerate(flat_args):
+            spec = flat_schema[i] if flat_schema is not None else None
+            if isinstance(a, torch.Tensor):
+                ref = where.get(id(a))
+                if ref is None:
+                    if isinstance(a, DTensor):
+                        return None  # a DTensor from outside the node
+                    ref = ("const", a)
+                mv = None
+                if isinstance(spec, DTensorSpec) and new_schema is not None and \
+                        new_schema[i] != spec:
+                    if not all(plain(p) for p in (*spec.placements, *new_schema[i].placements)):
+                        return None
+                    mv = (spec, new_schema[i])
+                if isinstance(spec, DTensorSpec) and not all(plain(p) for p in spec.placements):
+                    return None
+                flat.append((*ref, mv))
+            else:
+                value = new_schema[i] if new_schema is not None and use_val else a
+                flat.append(("const", value, None))
+        if new_schema is not None and use_val:
+            flat.extend(("const", v, None) for v in new_schema[len(flat_args):])
+        if func._schema.is_mutable and any(f[0] == "in" for f in flat):
+            return None  # an in-place write to the node's input: replaying it twice is wrong
+        outs = result if isinstance(result, (tuple, list)) else (result,)
+        for k, o in enumerate(outs):
+            if isinstance(o, DTensor) and not all(plain(p) for p in o.placements):
+                return None
+            if isinstance(o, torch.Tensor):
+                where[id(o)] = ("val", count + k)
+        keep.append(result)
+        subs.append(SubStep(func, flat, tree_spec,
+                            {k: v for k, v in kwargs.items()}, len(outs), count))
+        count += len(outs)
+
+    def locate(o):
+        if isinstance(o, (tuple, list)):
+            found = [locate(x) for x in o]
+            return None if any(f is None for f in found) else ("tuple", found)
+        if isinstance(o, torch.Tensor):
+            ref = where.get(id(o))
+            return ref if ref is not None and ref[0] == "val" else None
+        return ("const", o)
+    result_ref = locate(out)
+    return (subs, result_ref) if result_ref is not None else None
+
+
+def run_recorded(step: Step, value) -> object:
+    """Replay a recorded decomposition on local shards."""
+    vals: list = []
+    for sub in step.subs:
+        args = []
+        for kind, ref, mv in sub.flat:
+            x = value(ref) if kind == "in" else vals[ref] if kind == "val" else ref
+            if mv is not None:
+                x = move(x, *mv)
+            args.append(x)
+        args = pytree.tree_unflatten(args, sub.tree_spec) if sub.tree_spec else tuple(args)
+        op = _VIEW_AS_RESHAPE.get(sub.op, sub.op)
+        out = op(*args, **sub.kwargs)
+        vals.extend(out if sub.n_out > 1 or isinstance(out, (tuple, list)) else (out,))
+
+    def build(ref):
+        if ref[0] == "tuple":
+            return tuple(build(r) for r in ref[1])
+        return vals[ref[1]] if ref[0] == "val" else ref[1]
+    return build(step.result)
+
+
+def bucket_axis(src: DTensorSpec, dst: DTensorSpec) -> int | None:
+    """The mesh axis of a parameter gather that can share one collective with others
+    (Shard(0) -> Replicate on exactly one axis, evenly divided), else None."""
+    diff = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
+    if len(diff) != 1:
+        return None
+    a = diff[0]
+    if type(src.placements[a]) is not Shard or src.placements[a].dim != 0 or \
+            not isinstance(dst.placements[a], Replicate) or \
+            any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(src.placements)
+                if i != a) or src.tensor_meta.shape[0] % src.mesh.size(a):
+        return None
+    return a
+
+
+class _BucketGather(torch.autograd.Function):
+    """All-gather several dim-0 shards in one collective (ZeRO-3 parameters of one block);
+    backward reduce-scatters their gradients in one collective."""
+
+    @staticmethod
+    def forward(ctx, mesh, axis, *shards):
+        ctx.mesh, ctx.axis = mesh, axis
+        ctx.shapes = [s.shape for s in shards]
+        n = mesh.size(axis)
+        flat = torch.cat([s.reshape(-1) for s in shards])
+        full = flat.new_empty(n * flat.numel())
+        dist.all_gather_single(full, flat, group=mesh.get_group(axis))
+        rows, out, off = full.view(n, -1), [], 0
+        for shape in ctx.shapes:
+            size = shape.numel()
+            out.append(rows[:, off:off + size].reshape(n * shape[0], *shape[1:]))
+            off += size
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.mesh.size(ctx.axis)
+        parts = [(g if g is not None else torch.zeros(n * s[0], *s[1:])).reshape(n, -1)
+                 for g, s in zip(grads, ctx.shapes)]
+        whole = torch.cat(parts, dim=1).reshape(-1)
+        mine = whole.new_empty(whole.numel() // n)
+        dist.reduce_scatter_single(mine, whole, group=ctx.mesh.get_group(ctx.axis))
+        out, off = [], 0
+        for shape in ctx.shapes:
+            out.append(mine[off:off + shape.numel()].view(shape))
+            off += shape.numel()
+        return (None, None, *out)
+
+
+def gather_bucket(mesh, axis: int, shards: list) -> tuple:
+    return _BucketGather.apply(mesh, axis, *shards)
+
+
+def check_recorded(step: Step, calls: list) -> bool:
+    """Each recorded call replayed on the recorded DTensors' local shards (every move is
+    issued whatever the local results, so all ranks run the same collectives)."""
+    ok = True
+    for sub, (_, args, kwargs, result) in zip(step.subs, calls):
+        flat_args = pytree.tree_flatten(args)[0] if sub.tree_spec else list(args)
+        local = []
+        for (kind, ref, mv), a in zip(sub.flat, list(flat_args) + [None] * len(sub.flat)):
+            x = a._local_tensor if isinstance(a, DTensor) else a if kind != "const" else ref
+            if mv is not None:
+                x = move(x, *mv)
+            local.append(x)
+        if not ok:
+            continue
+        try:
+            args_l = pytree.tree_unflatten(local, sub.tree_spec) if sub.tree_spec \
+                else tuple(local)
+            ok = agrees(_VIEW_AS_RESHAPE.get(sub.op, sub.op)(*args_l, **sub.kwargs), result)
+        except Exception:  # noqa: BLE001 - not reproduced locally
+            ok = False
+    return ok
+
+
+def run_call(step: Step, value) -> object:
+    n = step.node
+    if step.extra:
+        plain_value = value
+
+        def value(a):  # noqa: F811 - the inputs DTensor would have broadcast-sharded
+            x = plain_value(a)
+            return move(x, *step.extra[a]) if a in step.extra else x
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
+    return LOCAL_EQUIVALENT.get(n.target, n.target)(*args, **kwargs)
+
+
+# Python functions the runtime substitutes for DTensor's sake, and what runs on local shards
+# instead (local autograd needs no DTensor rule): attention's math form -> the fused kernel.
+LOCAL_EQUIVALENT: dict = {}
+
+
+def broadcast_moves(n: fx.Node, moved: dict, out) -> dict:
+    """Replicated inputs DTensor shards implicitly when it broadcasts them against a sharded
+    operand (a [batch, 1, s, s] mask beside batch-sharded scores): input node -> move."""
+    if not isinstance(out, DTensor):
+        return {}
+    extra = {}
+    for a, v in moved.items():
+        if not isinstance(v, DTensor) or v.ndim == 0:
+            continue
+        lead = out.ndim - v.ndim
+        target = list(v.placements)
+        for axis, p in enumerate(out.placements):
+            if isinstance(p, Shard) and isinstance(v.placements[axis], Replicate):
+                d = p.dim - lead
+                if 0 <= d < v.ndim and v.shape[d] == out.shape[p.dim] and v.shape[d] > 1:
+                    target[axis] = Shard(d)
+        if target != list(v.placements):
+            extra[a] = (v._spec, _with(v._spec, target, v.dtype))
+    return extra
+
+
+def agree_across(mesh, flags: list[bool]) -> list[bool]:
+    """Every flag true on every rank of ``mesh`` (MIN-reduced along each mesh axis)."""
+
+    if not flags:
+        return flags
+    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32,
+                     device=mesh.device_type)
+    for axis in range(mesh.ndim):
+        if mesh.size(axis) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mesh.get_group(axis))
+    return [bool(v) for v in t.tolist()]
