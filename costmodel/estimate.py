@@ -14,10 +14,10 @@ plan (one microbatch at a time) and composes them with the pipeline schedule:
 - pipeline: send/recv of the stage's boundary tensors per microbatch, forward and backward;
 - gradient sync once per step: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2/3) of each
   replicated parameter's gradient over the axes that split its consumers; ZeRO-3 all-gathers
-  weights before the forward and the backward of every microbatch (FSDP), or, on the DTensor
-  runtime, once per consumer in the forward with the gradient's reduce-scatter in every
-  microbatch's backward (``RuntimeModel.zero3_per_use``; gloo's reduce-scatter priced as the
-  all-reduce it costs);
+  weights before the forward and the backward of every microbatch (FSDP), or, on meshplan's
+  CPU runtime, each block's weights in one all-gather per microbatch's forward with their
+  gradients' reduce-scatter in its backward (``RuntimeModel.zero3_per_use``; gloo's
+  reduce-scatter priced as the all-reduce it costs);
 - CPU contention: compute slows by the ranks computing at once over the schedule's span
   (``plan_stage_costs``, ``pipeline.busy_ranks``), not by every process on the host;
 - optimizer: the state it reads and writes at memory bandwidth, plus fixed costs per tensor.
@@ -56,11 +56,12 @@ class RuntimeModel:
       all-gathers (FSDP prefetches the next layer during the current one): 1.0.
     grad_bucket_bytes: gradients are synced in buckets of this size (DDP, Megatron) or, when
       0, one collective per parameter tensor (DTensor's per-parameter redistribute).
-    zero3_per_use: ZeRO-3 as meshplan's DTensor runtime runs it: each consumer of a
-      dp-sharded weight redistributes it S(0) -> R in the forward (runtime/spmd.py
-      ``_planned``), autograd keeps the gathered weight for the backward (no second
-      gather), and that redistribute's backward reduce-scatters the gradient P -> S(0) in
-      every microbatch's backward, so the step-level sync finds it already sharded
+    zero3_per_use: ZeRO-3 as meshplan's runtime runs it: the dp-sharded weights a block
+      first uses are gathered S(0) -> R together, in one all-gather per microbatch
+      (runtime/spmd.py ``_hoist``; under recompute, once per consumer instead), autograd
+      keeps the gathered weights for the backward (no second gather), and the gather's
+      backward reduce-scatters their gradients P -> S(0) in one collective in every
+      microbatch's backward, so the step-level sync finds them already sharded
       (runtime/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward
       and again before the backward, one reduce-scatter per step (Rajbhandari et al. 2020,
       section 7.2.2: 3x the data-parallel volume).
@@ -204,6 +205,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     gathered_bytes = updated_gather = 0.0
     n_sync = n_tensors = 0
     largest_layer: dict[int, float] = {}
+    zero3_units: set[int] = set()  # blocks whose ZeRO-3 weights share one collective
     opt_numel = 0.0
     for pname, pl in stage.params.items():
         info = graph.param_map.get(pname)
@@ -232,6 +234,15 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                 nbytes = numel * GRAD_BYTES
                 wbytes = numel * (4 if dtype == "fp32" else 2)
                 if axis == dpa and zero >= 3 and runtime.zero3_per_use:
+                    if stage.recompute == "none":
+                        # gathered once per microbatch, with the other weights its block
+                        # first uses: bandwidth here, one latency per block below
+                        per_mb_sync += _bucketed(coll, kind, nbytes, axis, 1.0,
+                                                 latency_only=True)
+                        gather += _bucketed(coll, Collective.ALL_GATHER, wbytes, axis, 1.0,
+                                            latency_only=True)
+                        zero3_units.add(layer)
+                        continue
                     # per microbatch and per consumer: gather in the forward, reduce-scatter
                     # of that consumer's gradient in the backward (RuntimeModel docstring)
                     per_mb_sync += uses * coll(kind, nbytes, axis)
@@ -251,6 +262,12 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                     updated_gather += _bucketed(coll, Collective.ALL_GATHER, wbytes, axis,
                                                 runtime.grad_bucket_bytes,
                                                 latency_only=runtime.grad_bucket_bytes > 0)
+    if zero3_units:  # one all-gather and one reduce-scatter per unit (-1: before and after)
+        units = len(zero3_units) + (1 if -1 in zero3_units else 0)
+        kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
+            else Collective.REDUCE_SCATTER
+        per_mb_sync += units * coll(kind, 1e-30, dpa)
+        gather += units * coll(Collective.ALL_GATHER, 1e-30, dpa)
     if runtime.grad_bucket_bytes > 0 and grad_bytes_total:
         grad_sync += _bucket_latency(coll, hw, grad_bytes_total, runtime.grad_bucket_bytes,
                                      dpa if dpa is not None else 0, zero)

@@ -85,9 +85,21 @@ def _with(spec: DTensorSpec, placements, dtype) -> DTensorSpec:
 
 
 def reshard(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
-    """``redistribute_local_tensor`` that also goes Shard -> Partial (via Replicate)."""
+    """``redistribute_local_tensor`` that also goes Shard -> Partial: the shard zero-padded
+    to the full dim (no communication) where one mesh axis shards that dim, else through
+    Replicate."""
     if src.placements == dst.placements:
         return x
+    placements = list(src.placements)
+    for axis, (s, d) in enumerate(zip(src.placements, dst.placements)):
+        if type(s) is Shard and type(d) is Partial and d.reduce_op == "sum" and \
+                sum(isinstance(p, Shard) and p.dim == s.dim for p in placements) == 1:
+            x = _zero_pad(x, src, axis, s.dim)
+            placements[axis] = Partial("sum")
+    if tuple(placements) != tuple(src.placements):
+        src = _with(src, placements, x.dtype)
+        if tuple(placements) == tuple(dst.placements):
+            return x
     mid = tuple(Replicate() if isinstance(s, Shard) and isinstance(d, Partial) else s
                 for s, d in zip(src.placements, dst.placements))
     if mid != tuple(src.placements):
@@ -96,6 +108,19 @@ def reshard(x: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor
         src = mid_spec
     return redistribute_local_tensor(x, _with(src, src.placements, x.dtype),
                                      _with(dst, dst.placements, x.dtype))
+
+
+def _zero_pad(x: torch.Tensor, spec: DTensorSpec, axis: int, dim: int) -> torch.Tensor:
+    """This rank's shard of ``dim`` (sharded on mesh ``axis`` only) inside zeros of the full
+    dim: a Partial(sum) whose sum over the axis is the whole tensor."""
+    full = spec.tensor_meta.shape[dim]
+    coord = spec.mesh.get_coordinate()[axis]
+    _, offset = Shard.local_shard_size_and_offset(full, spec.mesh.size(axis), coord)
+    shape = list(x.shape)
+    shape[dim] = full
+    out = x.new_zeros(shape)
+    out.narrow(dim, offset, x.shape[dim]).copy_(x)
+    return out
 
 
 def convert_grad(g: torch.Tensor, of: DTensorSpec, to: DTensorSpec) -> torch.Tensor:

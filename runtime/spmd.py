@@ -436,6 +436,12 @@ class SPMDExecutor(fx.Interpreter):
                 self._gathered = {}
 
     def _run_segments(self, run_node, checkpointed: bool):
+        try:
+            return self._run_segments_once(run_node, checkpointed)
+        finally:  # the executor outlives the call: keep no activation past it
+            self.env, self.args_iter = {}, iter(())
+
+    def _run_segments_once(self, run_node, checkpointed: bool):
         for seg in self.segments:
             if checkpointed and seg.layer >= 0 and self.recompute != "none":
                 self._run_checkpointed(seg, run_node)
