@@ -1,11 +1,13 @@
 """Runtime overhead: a meshplan-executed plan against the same parallelism written by hand.
 
 trace -> cost -> solve -> plan -> **run**. On 4 local CPU processes (gloo) the same Llama
-model trains with (a) 1-D tensor parallelism and (b) ZeRO-3, once executed by meshplan
-(the plan's placements realised by the fx/DTensor executor, runtime/spmd.py) and once
-written by hand with torch.distributed's own APIs (``parallelize_module`` with
-ColwiseParallel / RowwiseParallel; ``fully_shard`` per block and at the root). The table
-gives the median step time of each and their ratio (meshplan / hand-written).
+model trains with (a) 1-D tensor parallelism, (b) ZeRO-3 and (c) dp=2 x pp=2 pipelining
+(1F1B), once executed by meshplan (the plan's placements realised by the fx/DTensor
+executor, runtime/spmd.py; pipelines by runtime/pipeline.py) and once written by hand with
+torch.distributed's own APIs (``parallelize_module`` with ColwiseParallel / RowwiseParallel;
+``fully_shard`` per block and at the root; ``PipelineStage`` + ``Schedule1F1B`` on stage
+modules cut from the HF Llama, with a flat gradient all-reduce over the dp group). The
+table gives the median step time of each and their ratio (meshplan / hand-written).
 
     python benchmarks/runtime_overhead.py [--hidden 256 --layers 2 --batch 8 --seq 128]
 
@@ -23,6 +25,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
+from torch import nn
 
 WORLD = 4
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -49,12 +54,16 @@ def timed_steps(step, steps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-MANUAL = {"tp": "dp=1,tp=4,mb=8", "zero3": "dp=4,zero=3,mb=2"}  # as `meshplan plan --manual`
+MANUAL = {"tp": "dp=1,tp=4,mb=8", "zero3": "dp=4,zero=3,mb=2",  # as `meshplan plan --manual`
+          "pipeline": "dp=2,pp=2,mb=2"}
+# The pipeline row, as the manual plan lays it out (checked against the plan below):
+# ranks row-major over (pp, dp), blocks split evenly in order, embedding and rotary cos/sin
+# in stage 0, final norm, lm_head and loss in the last stage; 1F1B over batch / (dp x mb)
+# microbatches.
+PP, PIPE_DP, PIPE_MB = 2, 2, 2
 
 
 def meshplan_step_time(args, variant: str) -> tuple[float, list[float]]:
-    import torch
-
     from meshplan.cli import _manual
     from meshplan.manual import build_manual_plan
     from meshplan.mesh import Mesh
@@ -66,6 +75,11 @@ def meshplan_step_time(args, variant: str) -> tuple[float, list[float]]:
     meta = spec.build(device="meta")
     graph = trace(meta, example_inputs(meta, args.batch, args.seq))
     plan = build_manual_plan(graph, Mesh.local(WORLD), **_manual(MANUAL[variant]))
+    if variant == "pipeline":  # the hand-written version below hard-codes this layout
+        t = plan.training
+        assert [tuple(st.layers) for st in plan.stages] == layer_ranges(args.layers), plan.stages
+        assert [tuple(st.mesh_shape) for st in plan.stages] == [(PIPE_DP, 1)] * PP
+        assert (t.schedule, t.microbatches) == ("1f1b", args.batch // (PIPE_DP * PIPE_MB)), t
     torch.manual_seed(0)
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
@@ -79,7 +93,6 @@ def meshplan_step_time(args, variant: str) -> tuple[float, list[float]]:
 
 
 def handwritten_step_time(args, variant: str) -> tuple[float, list[float]]:
-    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -122,6 +135,108 @@ def handwritten_step_time(args, variant: str) -> tuple[float, list[float]]:
     return timed_steps(step, args.steps, args.warmup), losses
 
 
+def layer_ranges(layers: int) -> list[tuple[int, int]]:
+    """Blocks of each pipeline stage: contiguous and equal (meshplan/manual.py's split)."""
+    assert layers % PP == 0, f"--layers {layers} must be a multiple of pp={PP}"
+    return [(s * layers // PP, (s + 1) * layers // PP) for s in range(PP)]
+
+
+class LlamaStage(nn.Module):
+    """Blocks [first, last) of an HF ``LlamaForCausalLM``, as torchtitan cuts one: stage 0
+    also embeds the tokens and makes the rotary cos/sin (sent on with the hidden states),
+    the last stage also applies the final norm and lm_head. The mask is made as
+    ``LlamaModel.forward`` makes it (None for SDPA without padding: causal attention)."""
+
+    def __init__(self, model: nn.Module, first: int, last: int, *, is_first: bool,
+                 is_last: bool):
+        super().__init__()
+        assert not model.config.tie_word_embeddings, "a tied lm_head spans two stages"
+        self.config = model.config
+        self.embed_tokens = model.model.embed_tokens if is_first else None
+        self.rotary_emb = model.model.rotary_emb if is_first else None
+        self.layers = nn.ModuleList(model.model.layers[first:last])
+        self.norm = model.model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+
+    def forward(self, x, cos=None, sin=None):
+        from transformers.masking_utils import create_causal_mask
+
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        if self.rotary_emb is not None:
+            cos, sin = self.rotary_emb(h, position_ids=positions)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                                  past_key_values=None, position_ids=positions)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=(cos, sin),
+                      position_ids=positions)
+        if self.lm_head is not None:
+            return self.lm_head(self.norm(h))
+        return h, cos, sin
+
+
+def handwritten_pipeline_step_time(args) -> tuple[float, list[float]]:
+    """dp=2 x pp=2 with torch.distributed.pipelining: one ``PipelineStage`` per rank on its
+    pp lane, ``Schedule1F1B``, then one flat all-reduce of the stage's gradients over its dp
+    group, then Adam. Returns the global-batch mean loss of each step (gathered after timing)."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from meshplan.planner.trace import next_token_loss
+    from meshplan.specs import parse_model_spec, synthetic_batch
+
+    torch.manual_seed(0)
+    model = parse_model_spec(model_spec(args)).build(device="cpu")
+    batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
+               for s in range(args.steps + args.warmup)]
+    mesh = init_device_mesh("cpu", (PP, PIPE_DP), mesh_dim_names=("pp", "dp"))
+    stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    first, last = stage_index == 0, stage_index == PP - 1
+    module = LlamaStage(model, *layer_ranges(args.layers)[stage_index], is_first=first,
+                        is_last=last)
+    microbatches = args.batch // (PIPE_DP * PIPE_MB)
+    # Static shapes, as meshplan gives them: cos/sin carry no gradient back.
+    head_dim = args.hidden // args.heads
+    sent = (torch.empty(PIPE_MB, args.seq, args.hidden, requires_grad=True),
+            torch.empty(1, args.seq, head_dim), torch.empty(1, args.seq, head_dim))
+    stage = PipelineStage(
+        module, stage_index, PP, torch.device("cpu"),
+        input_args=(torch.zeros(PIPE_MB, args.seq, dtype=torch.long),) if first else sent,
+        output_args=(torch.empty(PIPE_MB, args.seq, args.vocab),) if last else sent,
+        group=mesh["pp"].get_group())
+
+    def loss_fn(logits, ids):  # the sum over microbatches and dp ranks is the global mean
+        return next_token_loss(logits, ids) / (microbatches * PIPE_DP)
+    schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=loss_fn,
+                            scale_grads=False)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-3, foreach=False)
+    dp_group = mesh["dp"].get_group()
+
+    def local(b):  # microbatch j of dp rank d = rows [j*dp*mb + d*mb, ... + mb), as meshplan
+        return b.view(microbatches, PIPE_DP, PIPE_MB, args.seq)[:, dp_rank].reshape(-1, args.seq)
+    step_losses = []
+
+    def step(i):
+        ids = local(batches[i])
+        losses: list = []
+        schedule.step(ids, target=ids, losses=losses, return_outputs=False)
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=dp_group)
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step_losses.append(float(sum(loss.item() for loss in losses)))
+    t = timed_steps(step, args.steps, args.warmup)
+    total = torch.tensor(step_losses, dtype=torch.float64)  # zeros off the last stage
+    dist.all_reduce(total)
+    return t, total.tolist()
+
+
 def worker(args) -> None:
     import logging
 
@@ -131,10 +246,11 @@ def worker(args) -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     dist.init_process_group("gloo")
     rows = []
-    for variant in ("tp", "zero3"):
+    for variant in args.configs.split(","):
         args.executor = "lowered"
         ours, our_losses = meshplan_step_time(args, variant)
-        theirs, their_losses = handwritten_step_time(args, variant)
+        theirs, their_losses = (handwritten_pipeline_step_time(args) if variant == "pipeline"
+                                else handwritten_step_time(args, variant))
         args.executor = "dtensor"
         reference, _ = meshplan_step_time(args, variant)
         rows.append({"config": variant, "plan": MANUAL[variant], "meshplan_ms": ours * 1e3,
@@ -158,6 +274,8 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--configs", default="tp,zero3,pipeline",
+                    help="comma-separated rows: tp, zero3, pipeline")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if "LOCAL_RANK" in os.environ:
@@ -179,6 +297,17 @@ def main() -> int:
              "meshplan runs the plan `meshplan plan --manual ...` writes, with the lowered "
              "program (runtime/lowering.py); the last columns run the same plan with every "
              "operator on DTensor (the reference executor, `parallelize(..., lowered=False)`).",
+             "",
+             "Hand-written: tp = `parallelize_module` (Colwise q/k/v/gate/up, Rowwise o/down) "
+             "per block; zero3 = `fully_shard` per block and at the root; pipeline = ranks "
+             "(pp, dp) row-major as meshplan places them, `PipelineStage` per rank (stage 0: "
+             "embed_tokens, rotary cos/sin, blocks of the first half; last stage: the other "
+             "blocks, norm, lm_head), `Schedule1F1B` with the plan's microbatches and the "
+             "next-token loss as its loss_fn, then one flat all-reduce of the stage's "
+             "gradients over its dp group; Adam (lr 1e-3, foreach=False) everywhere. "
+             "meshplan's pipeline step also broadcasts the loss to every rank; the "
+             "hand-written one gathers its losses after timing. The zero3 hand-written "
+             "first loss is rank 0's shard of the batch, the others the global mean.",
              "",
              "| config | plan | meshplan ms | hand-written ms | ratio | DTensor executor ms "
              "| its ratio | first loss (meshplan / hand) |",
