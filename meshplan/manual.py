@@ -190,6 +190,13 @@ def _norm_dim(d, rank: int) -> int:
     return d + rank if isinstance(d, int) and d < 0 else d
 
 
+def splits_dim(node: OpNode, in_shape: tuple[int, ...], d: int) -> bool:
+    """Whether ``node`` is a split/chunk along dim ``d``."""
+    args = _args(node)
+    return ("aten.split" in node.target or "aten.chunk" in node.target) and len(args) >= 3 \
+        and isinstance(args[2], int) and _norm_dim(args[2], len(in_shape)) == d
+
+
 def map_view_dim(node: OpNode, in_shape: tuple[int, ...], d: int) -> int | None:
     """The output dim carrying input dim ``d`` through a view-class op, or None."""
     out = node.out.shape if node.out is not None else ()
@@ -294,6 +301,12 @@ class _Propagator:
             src = ins[acts[0]][1]
             if src == "P":
                 return "P"
+            if src.startswith("S") and splits_dim(node, self._shape(names[acts[0]]),
+                                                   shard_dim(src)):
+                # DTensor gathers the dim it splits (GPT-2's fused q/k/v), and each chunk
+                # is sliced back to its shard by its consumer (R -> S is local)
+                consumed[acts[0]][1] = R
+                return src
             if src.startswith("S"):
                 d = map_view_dim(node, self._shape(names[acts[0]]), shard_dim(src))
                 if d is None:
@@ -321,6 +334,9 @@ class _Propagator:
         d = shard_dim(pl) + (len(node.out.shape) - len(self._shape(names[k0])) if node.out else 0)
         out_rank = len(node.out.shape) if node.out is not None else 0
         if kind == OpKind.LOSS:
+            if shard_dim(pl) == len(self._shape(names[k0])) - 1:
+                consumed[k0][1] = R  # DTensor gathers the class dim (no loss-parallel)
+                return R
             return "P"
         if kind == OpKind.NORM and d == out_rank - 1:
             for k, _ in split:
