@@ -602,3 +602,35 @@ def agree_across(mesh, flags: list[bool]) -> list[bool]:
         if mesh.size(axis) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MIN, group=mesh.get_group(axis))
     return [bool(v) for v in t.tolist()]
+
+
+def reduce_partial_grads(params: list) -> None:
+    """Gradients that only need Partial(sum) -> Replicate to reach their parameter's
+    placements are all-reduced together, one flat buffer per (mesh, placements, dtype), as
+    DDP's buckets do; ``param.grad`` is replaced by the reduced DTensor. Others are left."""
+    groups: dict = {}
+    for p in params:
+        g = p.grad
+        if not isinstance(g, DTensor) or not isinstance(p, DTensor) or \
+                tuple(g.placements) == tuple(p.placements):
+            continue
+        if all(a == b or (isinstance(a, Partial) and a.reduce_op == "sum" and
+                          isinstance(b, Replicate))
+               for a, b in zip(g.placements, p.placements)):
+            key = (id(g.device_mesh), tuple(g.placements), tuple(p.placements), g.dtype)
+            groups.setdefault(key, []).append(p)
+    for members in groups.values():
+        g0 = members[0].grad
+        flat = torch.cat([p.grad._local_tensor.reshape(-1) for p in members])
+        meta = TensorMeta(flat.shape, (1,), flat.dtype)
+        src = DTensorSpec(g0.device_mesh, tuple(g0.placements), tensor_meta=meta)
+        dst = DTensorSpec(g0.device_mesh, tuple(members[0].placements), tensor_meta=meta)
+        flat = redistribute_local_tensor(flat, src, dst)
+        off = 0
+        for p in members:
+            local = p.grad._local_tensor
+            part = flat[off:off + local.numel()].view(local.shape)
+            off += local.numel()
+            p.grad = DTensor(part, DTensorSpec(p.device_mesh, tuple(p.placements),
+                                               tensor_meta=p.grad._spec.tensor_meta),
+                             requires_grad=False)

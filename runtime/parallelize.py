@@ -193,6 +193,8 @@ class ParallelModel:
 
     def _sync_grads(self, scale: float) -> bool:
         finite = True
+        if not self.masters:  # data-parallel gradients: one flat all-reduce per group
+            lowering.reduce_partial_grads(self.unique_params())
         for p in self.unique_params():
             if p.grad is None:
                 continue

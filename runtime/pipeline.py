@@ -47,6 +47,7 @@ from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph
 from meshplan.plan import Plan
 from meshplan.runtime.parallelize import meta_copy, runnable_graph_module
 from meshplan.runtime.pipeline_split import StageGraph, split_stages
+from meshplan.runtime import lowering
 from meshplan.runtime.spmd import stage_executor, to_placements
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
@@ -179,7 +180,8 @@ class _StageModule(nn.Module):
 
     def __init__(self, gm: fx.GraphModule, run, mesh: DeviceMesh, *, first: bool, last: bool,
                  input_specs: Sequence[tuple], output_specs: Sequence[tuple],
-                 loss_dtype: torch.dtype = torch.float32):
+                 loss_dtype: torch.dtype = torch.float32, input_grads: Sequence[bool] = (),
+                 output_grads: Sequence[bool] = ()):
         super().__init__()
         self.gm = gm
         self._run = run
@@ -188,18 +190,23 @@ class _StageModule(nn.Module):
         self._input_specs = list(input_specs)  # (placements, global shape, dtype) per input
         self._output_specs = list(output_specs)
         self._loss_dtype = loss_dtype
+        # values no parameter reaches (token ids, masks, the no-grad rotary cos/sin) carry no
+        # gradient between stages
+        self._input_grads = list(input_grads) or [True] * len(self._input_specs)
+        self._output_grads = list(output_grads) or [True] * len(self._output_specs)
 
     def example_inputs(self, device) -> tuple[torch.Tensor, ...]:
         """Empty tensors shaped as this rank receives the inputs (the first stage: whole
         microbatches; later stages: local shards)."""
         return tuple(_example(shape if self._first else _local_shape(shape, self._mesh, pl),
-                              dtype, device) for pl, shape, dtype in self._input_specs)
+                              dtype, device, grad)
+                     for (pl, shape, dtype), grad in zip(self._input_specs, self._input_grads))
 
     def example_outputs(self, device) -> tuple[torch.Tensor, ...]:
         if self._last:
             return (_example((), self._loss_dtype, device),)
-        return tuple(_example(_local_shape(shape, self._mesh, pl), dtype, device)
-                     for pl, shape, dtype in self._output_specs)
+        return tuple(_example(_local_shape(shape, self._mesh, pl), dtype, device, grad)
+                     for (pl, shape, dtype), grad in zip(self._output_specs, self._output_grads))
 
     def forward(self, *xs):
         ins = []
@@ -220,8 +227,28 @@ def _local_shape(shape, mesh: DeviceMesh, placements) -> tuple[int, ...]:
     return tuple(compute_local_shape_and_global_offset(shape, mesh, placements)[0])
 
 
-def _example(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device).requires_grad_(dtype.is_floating_point)
+def _example(shape, dtype: torch.dtype, device, grad: bool = True) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device).requires_grad_(
+        grad and dtype.is_floating_point)
+
+
+def needs_grad(gm: fx.GraphModule) -> dict[str, bool]:
+    """Per node name: whether its value depends on a trainable parameter (outside a no-grad
+    region such as Llama's rotary embedding)."""
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False)
+                 if p.requires_grad}
+    out: dict[str, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            out[n.name] = n.target in trainable
+        elif n.op == "placeholder":
+            out[n.name] = False
+        elif n.op == "call_function" and "wrap_with_set_grad_enabled" in str(n.target) and \
+                n.args and n.args[0] is False:
+            out[n.name] = False
+        else:
+            out[n.name] = any(out.get(a.name, True) for a in n.all_input_nodes)
+    return out
 
 
 def _local(value, mesh: DeviceMesh, placements) -> torch.Tensor:
@@ -296,6 +323,7 @@ class PipelineModel:
 
     @torch.no_grad()
     def _finish_grads(self) -> None:
+        lowering.reduce_partial_grads(self.unique_params())
         for p in self.unique_params():
             if p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
                 p.grad = p.grad.redistribute(placements=p.placements)
@@ -462,9 +490,12 @@ def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: 
         return (to_placements(_placement_of(plan, name, values, len(mesh.shape))),
                 tuple(val.shape), val.dtype)
     last = piece.index == num_stages - 1
+    grads = needs_grad(whole)
     return _StageModule(gm, run, mesh, first=first, last=last,
                         input_specs=[spec(n) for n in piece.inputs],
                         output_specs=[] if last else [spec(n) for n in piece.outputs],
+                        input_grads=[grads.get(n, True) for n in piece.inputs],
+                        output_grads=[] if last else [grads.get(n, True) for n in piece.outputs],
                         loss_dtype=values[piece.outputs[0]].meta["val"].dtype if last else
                         torch.float32)
 
