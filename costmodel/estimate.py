@@ -65,6 +65,9 @@ class RuntimeModel:
       (runtime/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward
       and again before the backward, one reduce-scatter per step (Rajbhandari et al. 2020,
       section 7.2.2: 3x the data-parallel volume).
+    flat_grad_sync: without ZeRO, every gradient that needs an all-reduce goes in one flat
+      buffer per step (runtime/lowering.py ``reduce_partial_grads``): one latency, and a
+      buffer the size of the gradients.
     reduce_scatter_as_all_reduce: the backend's reduce-scatter costs a full all-reduce
       (gloo: measured on the 2-core host with torch 2.13, 2 processes, 16 MiB fp32:
       reduce_scatter_tensor 56 ms, all_reduce 39 ms, all_gather 25 ms; 4 MiB: 7.0 / 5.0 /
@@ -76,15 +79,16 @@ class RuntimeModel:
     grad_bucket_bytes: float = DDP_BUCKET_BYTES
     zero3_per_use: bool = False
     reduce_scatter_as_all_reduce: bool = False
+    flat_grad_sync: bool = False
 
 
 def default_runtime(hw: HardwareProfile) -> RuntimeModel:
-    """CPU hosts run meshplan's DTensor runtime on gloo (per-tensor sync, ZeRO-3 weights
-    gathered synchronously at each consumer: nothing prefetches them, so no overlap); GPUs a
-    bucketed one."""
+    """CPU hosts run meshplan's runtime on gloo (one flat gradient all-reduce, or per tensor
+    with ZeRO-1/2; ZeRO-3 weights gathered per block when first used: nothing prefetches
+    them, so no overlap); GPUs a bucketed one."""
     if hw.device.host_cores > 0 or hw.device.name == "cpu":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
-                            reduce_scatter_as_all_reduce=True)
+                            reduce_scatter_as_all_reduce=True, flat_grad_sync=True)
     return RuntimeModel()
 
 
@@ -206,6 +210,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     n_sync = n_tensors = 0
     largest_layer: dict[int, float] = {}
     zero3_units: set[int] = set()  # blocks whose ZeRO-3 weights share one collective
+    # meshplan's CPU runtime all-reduces plain data-parallel gradients as one flat buffer
+    bucket = math.inf if runtime.flat_grad_sync and zero == 0 else runtime.grad_bucket_bytes
     opt_numel = 0.0
     for pname, pl in stage.params.items():
         info = graph.param_map.get(pname)
@@ -250,8 +256,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                     continue
                 grad_bytes_total += nbytes
                 n_sync += 1
-                grad_sync += _bucketed(coll, kind, nbytes, axis, runtime.grad_bucket_bytes,
-                                       latency_only=runtime.grad_bucket_bytes > 0)
+                grad_sync += _bucketed(coll, kind, nbytes, axis, bucket,
+                                       latency_only=bucket > 0)
                 if axis == dpa and zero >= 3:
                     gather += 2 * coll(Collective.ALL_GATHER, wbytes, axis)
                 if axis == dpa and zero in (1, 2):
@@ -268,8 +274,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
             else Collective.REDUCE_SCATTER
         per_mb_sync += units * coll(kind, 1e-30, dpa)
         gather += units * coll(Collective.ALL_GATHER, 1e-30, dpa)
-    if runtime.grad_bucket_bytes > 0 and grad_bytes_total:
-        grad_sync += _bucket_latency(coll, hw, grad_bytes_total, runtime.grad_bucket_bytes,
+    if bucket > 0 and grad_bytes_total:
+        grad_sync += _bucket_latency(coll, hw, grad_bytes_total, bucket,
                                      dpa if dpa is not None else 0, zero)
     if runtime.grad_bucket_bytes > 0 and gathered_bytes:
         updated_gather += math.ceil(gathered_bytes / runtime.grad_bucket_bytes) * \
@@ -305,6 +311,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     kept, working = prof.stage_bytes(stage.recompute)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
+    # a flat gradient buffer (flat_grad_sync) exists after the backward has freed the
+    # activations, so it does not raise the peak; DDP's buckets live during the backward
     buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, grads)
     if zero >= 3:
         layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0) * dp
