@@ -38,7 +38,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshplan.errors import NotSupportedError, PlanFileError
@@ -219,8 +219,25 @@ class _StageModule(nn.Module):
         outs = self._run(*ins)
         if self._last:
             loss = outs[0]
-            return loss.full_tensor() if isinstance(loss, DTensor) else loss
+            if not isinstance(loss, DTensor):
+                return loss
+            # This rank's local loss, no collective: its gradient seed stands for the global
+            # loss's (Replicate), which the executor turns into each rank's share (a partial
+            # average's 1/dp). The reported loss is reduced once per step (forward_backward).
+            self.loss_weight = _reduction_weight(loss.placements, self._mesh)
+            return loss.to_local(grad_placements=[Replicate()] * self._mesh.ndim)
         return tuple(_local(o, self._mesh, pl) for o, (pl, _, _) in zip(outs, self._output_specs))
+
+
+def _reduction_weight(placements, mesh: DeviceMesh) -> float:
+    """What one rank's local value of a scalar counts for when every rank's local values are
+    summed: 1/size on an axis where it is replicated or a partial average, 1 on a partial
+    sum."""
+    w = 1.0
+    for axis, p in enumerate(placements):
+        if isinstance(p, Replicate) or (isinstance(p, Partial) and p.reduce_op == "avg"):
+            w /= mesh.size(axis)
+    return w
 
 
 def _local_shape(shape, mesh: DeviceMesh, placements) -> tuple[int, ...]:
@@ -283,7 +300,6 @@ class PipelineModel:
     stages: list  # this rank's PipelineStage objects
     params: dict  # parameter FQN (every tied alias) -> nn.Parameter(DTensor) on this rank
     tie_groups: list = field(default_factory=list)  # (process group, [parameters])
-    loss_src_rank: int = 0
     device: torch.device = torch.device("cpu")
 
     def forward_backward(self, batch: torch.Tensor) -> float:
@@ -296,7 +312,10 @@ class PipelineModel:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
             total += loss.detach().to(torch.float64)
-        dist.broadcast(total, src=self.loss_src_rank)
+        if losses:  # the last stage's ranks hold local losses: weigh them into the mean
+            total *= next((st.submod.loss_weight for st in self.stages
+                           if hasattr(st.submod, "loss_weight")), 1.0)
+        dist.all_reduce(total)
         return float(total.item())
 
     def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
@@ -414,7 +433,6 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
                                 scale_grads=False)
     return PipelineModel(plan=plan, layout=layout, schedule=schedule, stages=stages,
                          params=params, tie_groups=_tie_groups(model, pieces, params, layout),
-                         loss_src_rank=layout.rank_group(len(pieces) - 1) * layout.stage_size,
                          device=device)
 
 
