@@ -335,7 +335,8 @@ def run_aten(step: Step, value) -> object:
         args.append(x)
     args = pytree.tree_unflatten(args, step.tree_spec) if step.tree_spec else tuple(args)
     kwargs = fx.node.map_aggregate(step.kwargs,
-                                   lambda a: value(a) if isinstance(a, fx.Node) else a)
+                                   lambda a: value(a) if isinstance(a, fx.Node) else a) \
+        if step.kwargs else step.kwargs
     target = step.node.target
     # the local chain may hand a view a non-contiguous shard where DTensor's had a contiguous
     # one (strides of composite operators differ); reshape is view where it can be

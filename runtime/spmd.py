@@ -472,15 +472,20 @@ class SPMDExecutor(fx.Interpreter):
             finally:
                 self.env = saved
         step = self.steps[n]
-        moved = {a: lowering.move(self._value(a), *step.moves[a]) if a in step.moves
-                 else self._value(a) for a in n.all_input_nodes}
+        if step.moves:
+            moved = {a: lowering.move(self._value(a), *step.moves[a]) if a in step.moves
+                     else self._value(a) for a in n.all_input_nodes}
+            value = moved.__getitem__
+        else:  # the common case: inputs as they are (this runs once per node per call)
+            value = self._value if self.hoisted else self.env.__getitem__
         try:
             if step.kind == "aten":
-                return lowering.run_aten(step, moved.__getitem__)
+                return lowering.run_aten(step, value)
             if step.kind == "call":
-                return lowering.run_call(step, moved.__getitem__)
+                return lowering.run_call(step, value)
             if step.kind == "recorded":
-                return lowering.run_recorded(step, moved.__getitem__)
+                return lowering.run_recorded(step, value)
+            moved = {a: value(a) for a in n.all_input_nodes}
             dt = {a: lowering.leave_tree(v, step.moves[a][1] if a in step.moves else self.specs[a])
                   for a, v in moved.items()}
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), dt.__getitem__)
