@@ -275,8 +275,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="tp,zero3,pipeline",
                     help="comma-separated rows: tp, zero3, pipeline")
     ap.add_argument("--out", default="")
