@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _DISPATCHER = DTensor._op_dispatcher
 
 # Operators DTensor handles with per-call state or special handlers: never lowered.
-_KEEP_ON_DTENSOR = set(_DISPATCHER._random_ops) | set(_DISPATCHER._custom_op_handlers)
+KEEP_ON_DTENSOR = set(_DISPATCHER._random_ops) | set(_DISPATCHER._custom_op_handlers)
 
 
 def plain(p) -> bool:
@@ -281,43 +281,61 @@ class Step:
     why: str = ""  # why a step stays on DTensor
 
 
+def propagated_call(func, args, kwargs):
+    """DTensor's local call of ``func`` on these (DTensor) arguments, from its own sharding
+    propagator: (the args' tree spec, per flat argument ``("tensor", move or None)`` or
+    ``("const", local value)`` (view operators get local shapes), trailing constants); None
+    when DTensor has no strategy or uses a placement the lowered program does not carry."""
+    try:
+        info = _DISPATCHER.unwrap_to_op_info(func, args, kwargs)
+        _DISPATCHER.sharding_propagator.propagate(info)
+    except Exception:  # noqa: BLE001 - no strategy (a composite op, a decomposition)
+        return None
+    sharding = info.output_sharding
+    if sharding is None:
+        return None
+    new, use_val = None, False
+    if sharding.needs_redistribute:
+        schema = sharding.redistribute_schema
+        new = pytree.tree_leaves(schema.args_schema) if info.args_tree_spec \
+            else schema.args_schema
+        use_val = sharding.use_val_from_redistribute_schema
+    entries = []
+    for i, spec in enumerate(info.flat_args_schema):
+        if isinstance(spec, DTensorSpec):
+            target = new[i] if new is not None else spec
+            if not all(plain(p) for p in (*spec.placements, *target.placements)):
+                return None
+            entries.append(("tensor", None if target == spec else (spec, target)))
+        else:
+            entries.append(("const", new[i] if use_val else info.local_args[i]))
+    extra = list(new[len(entries):]) if use_val else []
+    return info.args_tree_spec, entries, extra
+
+
+def _flat(args, tree_spec) -> list:
+    return pytree.tree_flatten(args)[0] if tree_spec else list(args)
+
+
 def aten_step(step: Step, n: fx.Node, args, kwargs) -> bool:
     """Fill ``step`` with DTensor's local call for an aten operator; False if it has none."""
     op = n.target
-    if not isinstance(op, torch._ops.OpOverload) or op in _KEEP_ON_DTENSOR:
+    if not isinstance(op, torch._ops.OpOverload) or op in KEEP_ON_DTENSOR:
         return False
-    try:
-        info = _DISPATCHER.unwrap_to_op_info(op, args, kwargs)
-        _DISPATCHER.sharding_propagator.propagate(info)
-    except Exception:  # noqa: BLE001 - no strategy (a composite op): run it as is
+    call = propagated_call(op, args, kwargs)
+    if call is None:
         return False
-    sharding = info.output_sharding
-    if sharding is None:
+    tree_spec, entries, extra = call
+    node_args = _flat(n.args, tree_spec)
+    if len(node_args) != len(entries):
         return False
-    node_args = pytree.tree_flatten(n.args)[0] if info.args_tree_spec else list(n.args)
-    if len(node_args) != len(info.flat_args_schema):
-        return False
-    new_schema = None
-    if sharding.needs_redistribute:
-        schema = sharding.redistribute_schema
-        new_schema = pytree.tree_leaves(schema.args_schema) if info.args_tree_spec \
-            else schema.args_schema
     flat = []
-    for i, spec in enumerate(info.flat_args_schema):
-        if isinstance(spec, DTensorSpec):
-            if not isinstance(node_args[i], fx.Node):
-                return False
-            target = new_schema[i] if new_schema is not None else spec
-            if not all(plain(p) for p in (*spec.placements, *target.placements)):
-                return False
-            flat.append(("node", node_args[i], None if target == spec else (spec, target)))
-        else:
-            value = new_schema[i] if new_schema is not None and \
-                sharding.use_val_from_redistribute_schema else info.local_args[i]
-            flat.append(("const", value))
-    if new_schema is not None and sharding.use_val_from_redistribute_schema:
-        flat.extend(("const", v) for v in new_schema[len(info.flat_args_schema):])
-    step.kind, step.flat, step.tree_spec = "aten", flat, info.args_tree_spec
+    for a, (kind, v) in zip(node_args, entries):
+        if kind == "tensor" and not isinstance(a, fx.Node):
+            return False
+        flat.append(("node", a, v) if kind == "tensor" else ("const", v))
+    flat.extend(("const", v) for v in extra)
+    step.kind, step.flat, step.tree_spec = "aten", flat, tree_spec
     step.kwargs = dict(n.kwargs)
     return True
 
@@ -381,56 +399,34 @@ def record_steps(calls: list, moved: dict, out) -> tuple[list, object] | None:
     among their values; None when some call cannot be lowered."""
     where: dict[int, tuple] = {id(v): ("in", a) for a, v in moved.items()
                                if isinstance(v, torch.Tensor)}
-    keep = []  # the recorded objects must outlive the id() lookups
     subs, count = [], 0
     for func, args, kwargs, result in calls:
-        if func in _KEEP_ON_DTENSOR or not isinstance(func, torch._ops.OpOverload):
+        if func in KEEP_ON_DTENSOR or not isinstance(func, torch._ops.OpOverload) or \
+                any(isinstance(v, DTensor) for v in kwargs.values()):
             return None
-        dt = any(isinstance(a, DTensor) for a in pytree.tree_leaves((args, kwargs)))
-        flat_args, tree_spec = pytree.tree_flatten(args)
-        new_schema, flat_schema, use_val = None, None, False
-        if dt:
-            try:
-                info = _DISPATCHER.unwrap_to_op_info(func, args, kwargs)
-                _DISPATCHER.sharding_propagator.propagate(info)
-            except Exception:  # noqa: BLE001 - DTensor decomposed it further: not lowered
+        if any(isinstance(a, DTensor) for a in pytree.tree_leaves(args)):
+            call = propagated_call(func, args, kwargs)
+            if call is None:
                 return None
-            sharding = info.output_sharding
-            if sharding is None or any(isinstance(v, DTensor) for v in kwargs.values()):
-                return None
-            flat_args = pytree.tree_flatten(args)[0] if info.args_tree_spec else list(args)
-            tree_spec = info.args_tree_spec
-            flat_schema = info.flat_args_schema
-            if len(flat_schema) != len(flat_args):
-                return None
-            if sharding.needs_redistribute:
-                schema = sharding.redistribute_schema
-                new_schema = pytree.tree_leaves(schema.args_schema) if info.args_tree_spec \
-                    else schema.args_schema
-                use_val = sharding.use_val_from_redistribute_schema
+            tree_spec, entries, extra = call
+            flat_args = _flat(args, tree_spec)
+        else:  # plain tensors made inside the operator (a causal mask): run as they are
+            flat_args, tree_spec = pytree.tree_flatten(args)
+            entries, extra = [("const", a) for a in flat_args], []
+        if len(flat_args) != len(entries):
+            return None
         flat = []
-        for i, a in enumerate(flat_args):
-            spec = flat_schema[i] if flat_schema is not None else None
+        for a, (kind, v) in zip(flat_args, entries):
             if isinstance(a, torch.Tensor):
                 ref = where.get(id(a))
                 if ref is None:
                     if isinstance(a, DTensor):
                         return None  # a DTensor from outside the node
                     ref = ("const", a)
-                mv = None
-                if isinstance(spec, DTensorSpec) and new_schema is not None and \
-                        new_schema[i] != spec:
-                    if not all(plain(p) for p in (*spec.placements, *new_schema[i].placements)):
-                        return None
-                    mv = (spec, new_schema[i])
-                if isinstance(spec, DTensorSpec) and not all(plain(p) for p in spec.placements):
-                    return None
-                flat.append((*ref, mv))
+                flat.append((*ref, v if kind == "tensor" else None))
             else:
-                value = new_schema[i] if new_schema is not None and use_val else a
-                flat.append(("const", value, None))
-        if new_schema is not None and use_val:
-            flat.extend(("const", v, None) for v in new_schema[len(flat_args):])
+                flat.append(("const", v, None))
+        flat.extend(("const", v, None) for v in extra)
         if func._schema.is_mutable and any(f[0] == "in" for f in flat):
             return None  # an in-place write to the node's input: replaying it twice is wrong
         outs = result if isinstance(result, (tuple, list)) else (result,)
@@ -439,7 +435,6 @@ def record_steps(calls: list, moved: dict, out) -> tuple[list, object] | None:
                 return None
             if isinstance(o, torch.Tensor):
                 where[id(o)] = ("val", count + k)
-        keep.append(result)
         subs.append(SubStep(func, flat, tree_spec,
                             {k: v for k, v in kwargs.items()}, len(outs), count))
         count += len(outs)
@@ -536,7 +531,7 @@ def check_recorded(step: Step, calls: list) -> bool:
     issued whatever the local results, so all ranks run the same collectives)."""
     ok = True
     for sub, (_, args, kwargs, result) in zip(step.subs, calls):
-        flat_args = pytree.tree_flatten(args)[0] if sub.tree_spec else list(args)
+        flat_args = _flat(args, sub.tree_spec)
         local = []
         for (kind, ref, mv), a in zip(sub.flat, list(flat_args) + [None] * len(sub.flat)):
             x = a._local_tensor if isinstance(a, DTensor) else a if kind != "const" else ref

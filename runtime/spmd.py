@@ -209,7 +209,7 @@ class SPMDExecutor(fx.Interpreter):
         self.bucket_of: dict = {}  # get_attr node -> (mesh axis, nodes gathered together)
         self._gathered: dict = {}
         self.specs: dict = {}  # node -> DTensorSpec structure of its value
-        self._building: list | None = None
+        self._building = False  # the first call is running the reference to lower it
 
     # -- one node ------------------------------------------------------------------------
     def run_node(self, n: fx.Node):
@@ -226,7 +226,7 @@ class SPMDExecutor(fx.Interpreter):
     def _run_node(self, n: fx.Node):
         if n.op != "call_function":
             out = super().run_node(n)
-            if self._building is not None:
+            if self._building:
                 self.specs[n] = lowering.spec_tree(out)
             return out
         plan = self.ops.get(n.name)
@@ -237,7 +237,7 @@ class SPMDExecutor(fx.Interpreter):
             args, kwargs = fx.node.map_arg((n.args, n.kwargs), moved.__getitem__)
             if plan is not None:
                 check_executable(n, args)
-            recorder = lowering.Recorder() if self._building is not None else None
+            recorder = lowering.Recorder() if self._building else None
             if recorder is None:
                 out = self.call_function(n.target, args, kwargs)
             else:
@@ -250,7 +250,7 @@ class SPMDExecutor(fx.Interpreter):
             self.stats.output_deviations[n.name] = (tuple(plan.output),
                                                     placement_texts(out.placements))
         settled = self._settle(out)
-        if self._building is not None:
+        if self._building:
             self._lower(n, moved, args, kwargs, settled, recorder.calls if settled is out else None)
         return settled
 
@@ -303,7 +303,7 @@ class SPMDExecutor(fx.Interpreter):
         target = n.target
         mutable = isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
         specs = pytree.tree_leaves(step.out_spec, is_leaf=lambda x: x is None)
-        ok = not mutable and target not in lowering._KEEP_ON_DTENSOR and all(
+        ok = not mutable and target not in lowering.KEEP_ON_DTENSOR and all(
             lowering.plain(p) for spec in specs if spec is not None for p in spec.placements)
         # Every attempt's verdict is agreed by the mesh before the next: all ranks then try
         # the same attempts and issue the same collectives (a lookup outside a rank's vocab
@@ -321,7 +321,6 @@ class SPMDExecutor(fx.Interpreter):
                     step.why = "" if ok else "its recorded decomposition differs from DTensor's"
         if not ok:
             step.kind = "dtensor"
-        self._building.append(step)
 
     def _try_lowering(self, step, moved: dict, out, kind: str) -> bool:
         """Run ``step`` as ``kind`` on the reference's local inputs; True if it reproduces
@@ -342,12 +341,12 @@ class SPMDExecutor(fx.Interpreter):
 
     def build(self, *inputs) -> None:
         """Run the reference once (no grad) and lower every operator it can."""
-        self.steps, self.specs, self._building = {}, {}, []
+        self.steps, self.specs, self._building = {}, {}, True
         try:
             with torch.no_grad():
                 self._run_reference(*inputs, checkpointed=False)
         finally:
-            self._building = None
+            self._building = False
         self._hoist()
         self.stats.on_dtensor = [s.node.name for s in self.steps.values() if s.kind == "dtensor"]
         self.stats.lowered = len(self.steps) - len(self.stats.on_dtensor)
@@ -450,15 +449,11 @@ class SPMDExecutor(fx.Interpreter):
                 if node.op == "output":
                     value = self.fetch_args_kwargs_from_env(node)[0][0]
                     if run_node == self._replay_node:
-                        value = lowering.leave_tree(value, self.specs.get(node.args[0]) if
-                                                    isinstance(node.args[0], fx.Node) else
-                                                    self._output_specs(node))
+                        value = lowering.leave_tree(value, fx.node.map_arg(
+                            node.args[0], lambda a: self.specs.get(a)))
                     return self.module.graph.process_outputs(value)
                 self.env[node] = run_node(node)
         raise AssertionError("graph has no output node")
-
-    def _output_specs(self, node: fx.Node):
-        return fx.node.map_arg(node.args[0], lambda a: self.specs.get(a))
 
     def _replay_node(self, n: fx.Node):
         if n.op in ("placeholder", "get_attr"):
