@@ -191,6 +191,118 @@ class _Leave(torch.autograd.Function):
         return (local * scale if scale != 1.0 else local), None
 
 
+class ParamLeaves:
+    """Each trainable DTensor parameter's local shard as a plain autograd leaf (sharing its
+    storage), so the lowered program reads parameters with no autograd function and local
+    autograd accumulates their gradients as plain tensors. After each accumulation a hook
+    moves the local gradient into ``param.grad``, a DTensor with the placements
+    ``grad_placements`` gives (a replicated parameter's gradient is a partial sum), which is
+    what the rest of the runtime (gradient sync, ZeRO, pipelining) reads: the same gradient
+    ``_Enter`` hands back, without a DTensor operation per parameter per microbatch."""
+
+    def __init__(self):
+        self._leaves: dict = {}  # id(param) -> (param, its local tensor, leaf)
+
+    def local(self, p):
+        """The value the lowered program reads for a fetched parameter or buffer."""
+        if not isinstance(p, DTensor):
+            return p
+        if not (p.requires_grad and p.is_leaf):
+            return p._local_tensor
+        held = self._leaves.get(id(p))
+        if held is not None and held[0] is p and held[1] is p._local_tensor:
+            return held[2]
+        leaf = p._local_tensor.detach().requires_grad_(True)
+        placements, scale = grad_placements(p._spec)
+        if scale != 1.0:  # parameters are never Partial; keep the rule exact if one is
+            return _Enter.apply(p)
+        leaf.register_post_accumulate_grad_hook(_grad_to_param(p, placements))
+        self._leaves[id(p)] = (p, p._local_tensor, leaf)
+        return leaf
+
+
+def _grad_to_param(p, placements):
+    ref = __import__("weakref").ref(p)
+
+    def hook(leaf):
+        g, leaf.grad = leaf.grad, None
+        param = ref()
+        if param is None or g is None:
+            return
+        spec = _with(param._spec, placements, g.dtype)
+        held = param.grad
+        if held is None:
+            param.grad = DTensor(g, spec, requires_grad=False)
+        elif isinstance(held, DTensor) and held._spec.placements == spec.placements and \
+                held._local_tensor.shape == g.shape:
+            held._local_tensor.add_(g)
+        else:  # a gradient of other placements (zero_grad(set_to_none=False) after a sync)
+            param.grad = held + DTensor(g, spec, requires_grad=False)
+    return hook
+
+
+def _same(a, b, mesh) -> bool:
+    """Placements that hold the same local values (any placement on a one-rank axis)."""
+    return all(x == y or mesh.size(i) == 1 for i, (x, y) in enumerate(zip(a, b)))
+
+
+class _Regrad(torch.autograd.Function):
+    """Identity forward; backward re-represents the gradient: /pre, ``src`` -> ``dst``
+    placements of ``spec``'s tensor, *post."""
+
+    @staticmethod
+    def forward(ctx, x, spec, src, dst, pre, post):
+        ctx.args = spec, src, dst, pre, post
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        spec, src, dst, pre, post = ctx.args
+        if pre != 1.0:
+            g = g / pre
+        g = reshard(g, _with(spec, src, g.dtype), _with(spec, dst, g.dtype))
+        return (g * post if post != 1.0 else g), None, None, None, None, None
+
+
+def _regrad(x, spec, src, dst, pre=1.0, post=1.0):
+    if not isinstance(x, torch.Tensor) or not x.requires_grad or \
+            (_same(src, dst, spec.mesh) and pre == 1.0 and post == 1.0):
+        return x
+    return _Regrad.apply(x, spec, tuple(src), tuple(dst), pre, post)
+
+
+def from_shard(x: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """A received local shard of a value placed as ``spec`` into the lowered program: its
+    gradient leaves as the shard of the logical gradient (what ``DTensor.from_local`` and
+    ``_Enter`` give together)."""
+    placements, scale = grad_placements(spec)
+    return _regrad(x, spec, placements, spec.placements, pre=scale)
+
+
+def to_shard(x: torch.Tensor, spec: DTensorSpec, *, grad_as=None) -> torch.Tensor:
+    """A local value of the lowered program, placed as ``spec``, handed out as a local shard
+    whose incoming gradient is the shard of the logical gradient under ``grad_as`` (default:
+    ``spec``'s placements; a loss seeded as replicated: Replicate everywhere)."""
+    placements, scale = grad_placements(spec)
+    src = tuple(grad_as) if grad_as is not None else spec.placements
+    return _regrad(x, spec, src, placements, post=scale)
+
+
+def to_planned_shard(x: torch.Tensor, spec: DTensorSpec, placements) -> torch.Tensor:
+    """``to_shard`` after moving ``x`` to the planned ``placements`` where they differ."""
+    placements = tuple(placements)
+    if not _same(spec.placements, placements, spec.mesh):
+        target = _with(spec, placements, x.dtype)
+        x, spec = move(x, _with(spec, spec.placements, x.dtype), target), target
+    return to_shard(x, spec)
+
+
+def shard_of(x: torch.Tensor, mesh, placements) -> torch.Tensor:
+    """This rank's shard of a tensor every rank holds whole (no communication)."""
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(x, mesh, placements, src_data_rank=None)._local_tensor
+
+
 def enter(value):
     """A DTensor as (local tensor, spec); anything else as (itself, None)."""
     if isinstance(value, DTensor):

@@ -342,8 +342,12 @@ def _texts(placements) -> tuple[str, ...]:
 
 
 def make_optimizer(params, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """The plan's optimizer over DTensor parameters (fp32 master weights)."""
+    """The plan's optimizer over DTensor parameters (fp32 master weights); it steps each
+    parameter on its local shard when its gradient is in the same placements
+    (runtime/optim.py), which the gradient sync in ``train_step`` arranges."""
+    from meshplan.runtime.optim import LocalShardAdam, LocalShardSGD
+
     params = list(params.values()) if isinstance(params, dict) else list(params)
     if plan.training.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    return torch.optim.Adam(params, lr=lr, foreach=False)
+        return LocalShardSGD(params, lr=lr, momentum=0.9)
+    return LocalShardAdam(params, lr=lr, foreach=False)

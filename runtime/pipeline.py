@@ -184,7 +184,8 @@ class _StageModule(nn.Module):
                  output_grads: Sequence[bool] = ()):
         super().__init__()
         self.gm = gm
-        self._run = run
+        self._executor = run  # an SPMDExecutor (runtime/spmd.py), or any callable
+        self._run = getattr(run, "run", run)
         self._mesh = mesh
         self._first, self._last = first, last
         self._input_specs = list(input_specs)  # (placements, global shape, dtype) per input
@@ -209,6 +210,10 @@ class _StageModule(nn.Module):
                      for (pl, shape, dtype), grad in zip(self._output_specs, self._output_grads))
 
     def forward(self, *xs):
+        executor = self._executor
+        if getattr(executor, "lowered", False) and executor.steps is not None and \
+                not executor.record:
+            return self._forward_local(executor, xs)
         ins = []
         for x, (placements, shape, _) in zip(xs, self._input_specs):
             if self._first:
@@ -227,6 +232,26 @@ class _StageModule(nn.Module):
             self.loss_weight = _reduction_weight(loss.placements, self._mesh)
             return loss.to_local(grad_placements=[Replicate()] * self._mesh.ndim)
         return tuple(_local(o, self._mesh, pl) for o, (pl, _, _) in zip(outs, self._output_specs))
+
+    def _forward_local(self, executor, xs):
+        """The built lowered program, local shards in and out: what ``forward`` computes,
+        with no DTensor at the boundary (runtime/lowering.py, ``from_shard``/``to_shard``)."""
+        if self._first:
+            xs = [lowering.shard_of(x, self._mesh, pl)
+                  for x, (pl, _, _) in zip(xs, self._input_specs)]
+        outs, specs = executor.run_local(*xs)
+        if self._last:
+            loss, spec = outs[0], specs[0]
+            if spec is None:
+                return loss
+            self.loss_weight = _reduction_weight(spec.placements, self._mesh)
+            return lowering.to_shard(loss, spec, grad_as=[Replicate()] * self._mesh.ndim)
+        sent = []
+        for o, spec, (pl, _, _) in zip(outs, specs, self._output_specs):
+            if spec is not None:
+                o = lowering.to_planned_shard(o, spec, pl)
+            sent.append(o.contiguous())  # P2P sends need contiguous buffers
+        return tuple(sent)
 
 
 def _reduction_weight(placements, mesh: DeviceMesh) -> float:
@@ -495,6 +520,13 @@ def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: 
                   params: dict, mesh: DeviceMesh, num_stages: int, *,
                   block_prefix: str, lowered: bool = True) -> _StageModule:
     stage = plan.stages[piece.index]
+    if piece.recomputed:
+        # shape-only values of earlier stages (masks, rotary cos/sin) are rebuilt here: run
+        # their operators as the stage that owns them plans them (every stage mesh has the
+        # same shape), so they come out with the placement that stage would have sent
+        owned = {name: st.ops[name] for st in plan.stages for name in piece.recomputed
+                 if name in st.ops}
+        stage = replace(stage, ops={**stage.ops, **owned})
     root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] for t in piece.param_targets}
     # bodies of higher-order operators (e.g. Llama's no-grad rotary embedding) as traced
     root.update({t: whole.get_submodule(t) for t in piece.subgraph_targets})

@@ -5,10 +5,16 @@ loss, in graph order) and the plan's per-stage ``(first, last)`` node names in, 
 graph per stage out. Every value that crosses a stage boundary is made explicit: stage
 ``k`` takes, as positional inputs, exactly the values stage ``k - 1`` returns, and returns
 every value produced at stage ``k`` or earlier that a later stage reads. A value read two or
-more stages later (position ids and the attention mask made in stage 0, the token ids the
-loss reads at the last stage) passes through the stages in between, because
-``torch.distributed.pipelining`` sends only from stage ``k`` to stage ``k + 1``. The last
-stage returns the graph's output (the loss).
+more stages later (the token ids the loss reads at the last stage) passes through the stages
+in between, because ``torch.distributed.pipelining`` sends only from stage ``k`` to stage
+``k + 1``. The last stage returns the graph's output (the loss).
+
+Values built from shapes, constants and buffers alone (``shape_only_nodes``: a causal mask,
+position ids, Llama's rotary cos/sin) never cross a boundary: each stage that reads one
+recomputes it from a copy of its operators, which costs a few cheap operators instead of one
+point-to-point send per tensor per microbatch. The cost model already prices boundaries this
+way: costmodel/estimate.py counts only values that depend on a graph input or a parameter
+(``OpGraph.data_nodes``).
 
 Parameters stay ``get_attr`` nodes; the runtime builds each stage's module from a
 ``{target: parameter}`` dict, so a parameter read by two stages (tied embeddings) appears in
@@ -19,15 +25,27 @@ it is listed apart, in ``subgraph_targets``, and the runtime hands the stage the
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 
 from meshplan.errors import NotSupportedError, PlanFileError
 
 GRAPH_INPUTS = -1  # producer "stage" of the graph's own inputs: fed to stage 0 by the schedule
+# Higher-order operators that only run their body (under a grad or autocast mode): pure when
+# the body is. Others (e.g. run_with_rng_state) are never recomputed.
+_BODY_ONLY_HOPS = frozenset({"wrap", "wrap_with_set_grad_enabled", "wrap_with_autocast"})
+# Operators whose schema annotates no write but which update their running-statistics buffers
+# in training (torch 2.13 keeps them un-decomposed in the exported training graph).
+_UNANNOTATED_WRITES = frozenset({"aten::batch_norm", "aten::instance_norm"})
+# Operators returning uninitialised memory: two copies need not hold the same values.
+_UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided",
+                            "aten::empty_permuted", "aten::new_empty", "aten::new_empty_strided"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +58,14 @@ class StageGraph:
     outputs: tuple[str, ...]  # names of values sent on; the last stage: the graph output
     param_targets: tuple[str, ...]  # get_attr targets the stage reads (parameters, buffers)
     subgraph_targets: tuple[str, ...] = ()  # get_attr targets of higher-order operator bodies
+    recomputed: tuple[str, ...] = ()  # shape-only operators of earlier stages copied here
 
 
 def split_stages(graph: fx.Graph, boundaries: Sequence[tuple[str, str]]) -> list[StageGraph]:
     """Cut ``graph`` into ``len(boundaries)`` stages; ``boundaries[k]`` = (first, last) node names
     of stage ``k`` in graph order, the stages covering every operator in order."""
     stage_of = assign_stages(graph, boundaries)
+    rebuilt = shape_only_nodes(graph)
     num_stages = len(boundaries)
     last_use: dict[fx.Node, int] = {}
     for node in graph.nodes:
@@ -57,6 +77,7 @@ def split_stages(graph: fx.Graph, boundaries: Sequence[tuple[str, str]]) -> list
     carried: list[list[fx.Node]] = []  # carried[k]: values stage k sends to stage k + 1
     for k in range(num_stages - 1):
         carried.append([n for n in graph.nodes if n.op in ("placeholder", "call_function")
+                        and n not in rebuilt  # each reader rebuilds these itself
                         and _producer(n, stage_of) <= k < last_use.get(n, GRAPH_INPUTS)])
     for values in carried:
         for n in values:
@@ -67,8 +88,114 @@ def split_stages(graph: fx.Graph, boundaries: Sequence[tuple[str, str]]) -> list
     for k in range(num_stages):
         received = placeholders if k == 0 else carried[k - 1]
         sent = carried[k] if k < num_stages - 1 else None
-        stages.append(_stage_graph(graph, k, stage_of, received, sent, results))
+        stages.append(_stage_graph(graph, k, stage_of, received, sent, results, rebuilt))
     return stages
+
+
+def shape_only_nodes(graph: fx.Graph, *, frozen_params: bool = False) -> set[fx.Node]:
+    """Operators whose value depends on no graph input and no parameter: only on shapes,
+    constants and buffers (a causal mask, position ids, rotary cos/sin).
+
+    Every operator on the way is deterministic (no random op such as dropout or randperm, no
+    uninitialised ``empty``), writes nothing (no mutable schema), and reads only buffers that
+    no operator of the graph writes, so any stage can recompute the value and get the one the
+    whole graph computes. A higher-order operator counts when it only runs a body made of such
+    operators. Parameters count as inputs even when frozen: the plan places a parameter only
+    in the stages that read it (``frozen_params=True`` counts parameters that need no
+    gradient as buffers: the runtime's executor, which places buffers as frozen parameters,
+    folds such values once per stage). ``graph.owning_module`` resolves ``get_attr``
+    targets; without one, nothing that reads an attribute qualifies.
+    """
+    owner = graph.owning_module
+    written = _written_targets(graph, owner)
+    out: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and _recomputable_target(n.target) and all(
+                a in out or _readable_attr(a, owner, written, frozen_params)
+                for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
+def _recomputable_target(target) -> bool:
+    if target is operator.getitem:
+        return True
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return target.name() in _BODY_ONLY_HOPS  # its body, a get_attr input, is checked apart
+    if isinstance(target, torch._ops.OpOverload):
+        return not (target._schema.is_mutable or target._schema.name in _UNINITIALISED
+                    or target._schema.name in _UNANNOTATED_WRITES
+                    or torch.Tag.nondeterministic_seeded in target.tags)
+    return False  # a Python function: unknown
+
+
+def _readable_attr(node: fx.Node, owner: nn.Module | None, written: set[str],
+                   frozen_params: bool = False) -> bool:
+    """A ``get_attr`` any stage may read: a buffer or constant no operator writes, or the body
+    of a higher-order operator made only of recomputable operators."""
+    if node.op != "get_attr" or owner is None or node.target in written:
+        return False
+    value = _attr(owner, node.target)
+    if isinstance(value, fx.GraphModule):
+        return _pure_body(value)
+    return isinstance(value, torch.Tensor) and not (
+        isinstance(value, nn.Parameter) and (value.requires_grad or not frozen_params))
+
+
+def _pure_body(body: fx.GraphModule) -> bool:
+    written = _written_targets(body.graph, body)
+    return all(n.op in ("placeholder", "output")
+               or (n.op == "get_attr" and _readable_attr(n, body, written))
+               or (n.op == "call_function" and _recomputable_target(n.target))
+               for n in body.graph.nodes)
+
+
+def _written_targets(graph: fx.Graph, owner: nn.Module | None) -> set[str]:
+    """``get_attr`` targets some operator of ``graph`` may write: those behind an argument of a
+    mutable operator (or of a higher-order operator with an impure body), through views."""
+    written: set[str] = set()
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if isinstance(n.target, torch._ops.OpOverload):
+            writes = n.target._schema.is_mutable or n.target._schema.name in _UNANNOTATED_WRITES
+        elif isinstance(n.target, torch._ops.HigherOrderOperator):
+            writes = not _pure_hop(n, owner)
+        else:  # getitem, or the runtime's own pure functions (sdpa_math)
+            writes = False
+        if not writes:
+            continue
+        stack = list(n.all_input_nodes)
+        while stack:  # a write through a view writes its base
+            a = stack.pop()
+            if a.op == "get_attr":
+                written.add(a.target)
+            elif a.op == "call_function" and _may_alias(a.target):
+                stack.extend(a.all_input_nodes)
+    return written
+
+
+def _pure_hop(node: fx.Node, owner: nn.Module | None) -> bool:
+    """A higher-order operator that only runs bodies made of recomputable operators."""
+    if node.target.name() not in _BODY_ONLY_HOPS or owner is None:
+        return False
+    bodies = [_attr(owner, a.target) for a in node.all_input_nodes if a.op == "get_attr"]
+    return all(_pure_body(b) for b in bodies if isinstance(b, fx.GraphModule))
+
+
+def _may_alias(target) -> bool:
+    if target is operator.getitem:
+        return True
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in target._schema.returns)
+    return False
+
+
+def _attr(owner: nn.Module, target: str):
+    try:
+        return functools.reduce(getattr, target.split("."), owner)
+    except AttributeError:
+        return None
 
 
 def assign_stages(graph: fx.Graph, boundaries: Sequence[tuple[str, str]]) -> dict[fx.Node, int]:
@@ -112,7 +239,10 @@ def _check_sendable(node: fx.Node) -> None:
 
 def _stage_graph(graph: fx.Graph, k: int, stage_of: dict[fx.Node, int],
                  received: list[fx.Node], sent: list[fx.Node] | None,
-                 results: list[fx.Node]) -> StageGraph:
+                 results: list[fx.Node], rebuilt: set[fx.Node]) -> StageGraph:
+    sent = sent if sent is not None else results
+    own = [n for n in graph.nodes if stage_of.get(n) == k]
+    copies = _recomputed_here(graph, own, sent, k, stage_of, rebuilt)
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in received:
@@ -130,15 +260,29 @@ def _stage_graph(graph: fx.Graph, k: int, stage_of: dict[fx.Node, int],
             (subgraphs if _is_submodule(graph, n.target) else targets).append(n.target)
         return env[n]
 
-    for n in graph.nodes:
-        if stage_of.get(n) == k:
-            env[n] = new.node_copy(n, lookup)
-    sent = sent if sent is not None else results
+    for n in copies + own:  # copies first: they come from earlier stages, so precede ``own``
+        env[n] = new.node_copy(n, lookup)
     new.output(tuple(lookup(n) for n in sent))
     new.lint()
     return StageGraph(index=k, graph=new, inputs=tuple(n.name for n in received),
                       outputs=tuple(n.name for n in sent), param_targets=tuple(targets),
-                      subgraph_targets=tuple(subgraphs))
+                      subgraph_targets=tuple(subgraphs),
+                      recomputed=tuple(n.name for n in copies))
+
+
+def _recomputed_here(graph: fx.Graph, own: list[fx.Node], sent: list[fx.Node], k: int,
+                     stage_of: dict[fx.Node, int], rebuilt: set[fx.Node]) -> list[fx.Node]:
+    """The shape-only operators of other stages that stage ``k`` reads, with their shape-only
+    ancestors, in graph order (their other inputs are ``get_attr`` nodes)."""
+    stack = [a for n in own for a in n.all_input_nodes]
+    stack += sent
+    found: set[fx.Node] = set()
+    while stack:
+        a = stack.pop()
+        if a in rebuilt and stage_of[a] != k and a not in found:
+            found.add(a)
+            stack.extend(a.all_input_nodes)
+    return [n for n in graph.nodes if n in found] if found else []
 
 
 def _is_submodule(graph: fx.Graph, target: str) -> bool:

@@ -210,6 +210,12 @@ class SPMDExecutor(fx.Interpreter):
         self._gathered: dict = {}
         self.specs: dict = {}  # node -> DTensorSpec structure of its value
         self._building = False  # the first call is running the reference to lower it
+        self.leaves = lowering.ParamLeaves()  # parameters as plain local autograd leaves
+        self.constant: set = set()  # nodes computed from shapes and buffers only
+        self.folded: dict = {}  # constant node read by a non-constant one -> its local value
+        self._folded_from: tuple = ()  # (buffer, version) the folded values were made from
+        self._local_out = False  # run_local: outputs stay local shards
+        self._collecting = False  # this call computes the constants (and folds them)
 
     # -- one node ------------------------------------------------------------------------
     def run_node(self, n: fx.Node):
@@ -348,6 +354,7 @@ class SPMDExecutor(fx.Interpreter):
         finally:
             self._building = False
         self._hoist()
+        self.constant = constant_nodes(self.module)
         self.stats.on_dtensor = [s.node.name for s in self.steps.values() if s.kind == "dtensor"]
         self.stats.lowered = len(self.steps) - len(self.stats.on_dtensor)
 
@@ -396,7 +403,7 @@ class SPMDExecutor(fx.Interpreter):
         if a not in self._gathered:
             if a in self.bucket_of:
                 axis, members = self.bucket_of[a]
-                shards = [lowering.enter(self.fetch_attr(m.target))[0] for m in members]
+                shards = [self.leaves.local(self.fetch_attr(m.target)) for m in members]
                 self._gathered.update(zip(members, lowering.gather_bucket(self.mesh, axis,
                                                                           shards)))
             else:
@@ -426,13 +433,66 @@ class SPMDExecutor(fx.Interpreter):
     def _run_lowered(self, *inputs):
         inputs = [self._distribute(x, i, comm=False) for i, x in
                   enumerate(self.module.graph.process_inputs(*inputs))]
+        return self._replay(inputs)
+
+    def run_local(self, *shards):
+        """Replay the lowered program on local shards of the inputs (placed as the first
+        call's inputs were); returns (local outputs, their DTensorSpec structure). Gradients
+        cross this boundary as shards of the logical gradients (``lowering.from_shard`` /
+        ``to_shard``). The first call must have been ``run`` (it builds the program)."""
+        if self.steps is None:
+            raise RuntimeError("run_local replays a lowered program: call run() first")
+        inputs = [lowering.from_shard(x, self.specs[n]) if isinstance(self.specs.get(n),
+                                                                     DTensorSpec) else x
+                  for x, n in zip(shards, self.module.graph.find_nodes(op="placeholder"))]
+        self._local_out = True
+        try:
+            out = self._replay(inputs)
+        finally:
+            self._local_out = False
+        return out, fx.node.map_arg(self.module.graph.output_node().args[0], self.specs.get)
+
+    def _replay(self, inputs):
+        collect = self._collecting = self._fold_check()
         with implicit_replication(), self._autocast():
             self.env, self._gathered = {}, {}
             self.args_iter = iter(inputs)
             try:
-                return self._run_segments(self._replay_node, True)
+                out = self._run_segments(self._replay_node, True)
             finally:
-                self._gathered = {}
+                self._gathered, self._collecting = {}, False
+        if collect:
+            self._fold_done()
+        return out
+
+    # -- constant folding: values made from shapes and buffers only ------------------------
+    def _fold_sources(self) -> tuple:
+        out = []
+        for g in self.module.graph.find_nodes(op="get_attr"):
+            if g in self.constant:
+                value = self.fetch_attr(g.target)
+                if isinstance(value, torch.Tensor):
+                    local = value._local_tensor if isinstance(value, DTensor) else value
+                    out.append((id(local), local._version))
+        return tuple(out)
+
+    def _fold_check(self) -> bool:
+        """True if this call computes the constant values (first replay, or a buffer they
+        are made from changed, e.g. a checkpoint was loaded); else the folded ones serve."""
+        if not self.constant:
+            return False
+        if self.folded and self._folded_from == self._fold_sources():
+            return False
+        self.folded = {}
+        return True
+
+    def _fold_done(self) -> None:
+        size = sum(v.numel() * v.element_size() for v in self.folded.values()
+                   if isinstance(v, torch.Tensor))
+        if size > FOLD_LIMIT_BYTES:  # not worth holding: compute them every call
+            self.constant, self.folded = set(), {}
+            return
+        self._folded_from = self._fold_sources()
 
     def _run_segments(self, run_node, checkpointed: bool):
         try:
@@ -448,7 +508,7 @@ class SPMDExecutor(fx.Interpreter):
             for node in seg.nodes:
                 if node.op == "output":
                     value = self.fetch_args_kwargs_from_env(node)[0][0]
-                    if run_node == self._replay_node:
+                    if run_node == self._replay_node and not self._local_out:
                         value = lowering.leave_tree(value, fx.node.map_arg(
                             node.args[0], lambda a: self.specs.get(a)))
                     return self.module.graph.process_outputs(value)
@@ -456,7 +516,19 @@ class SPMDExecutor(fx.Interpreter):
         raise AssertionError("graph has no output node")
 
     def _replay_node(self, n: fx.Node):
-        if n.op in ("placeholder", "get_attr"):
+        if n in self.constant:
+            if not self._collecting:
+                return self.folded.get(n)  # None for values only other constants read
+            value = self._replay_one(n)
+            if any(u not in self.constant for u in n.users):
+                self.folded[n] = value.detach() if isinstance(value, torch.Tensor) else value
+            return value
+        return self._replay_one(n)
+
+    def _replay_one(self, n: fx.Node):
+        if n.op == "get_attr":
+            return self.leaves.local(super().run_node(n))
+        if n.op == "placeholder":
             return lowering.enter_tree(super().run_node(n))
         if n.op != "call_function":  # e.g. export's input guards: as the reference runs them
             saved = self.env
@@ -518,18 +590,32 @@ class SPMDExecutor(fx.Interpreter):
         self.env.update(zip(seg.outputs, outs))
 
 
+FOLD_LIMIT_BYTES = 256 * 2**20  # folded constants held beyond a call (masks, rotary tables)
+
+
+def constant_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose values depend on no graph input and no trainable parameter (a causal
+    mask, rotary cos/sin): runtime/pipeline_split.py's rule, with frozen parameters (the
+    runtime's placed buffers) read as buffers. Call it where ``gm``'s attributes are the
+    parameters the program runs with (inside the reparametrisation)."""
+    from meshplan.runtime.pipeline_split import shape_only_nodes
+
+    nodes = shape_only_nodes(gm.graph, frozen_params=True)
+    return nodes | {a for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
+
+
 def stage_executor(gm: fx.GraphModule, mesh: DeviceMesh, stage, *, dtype: str = "fp32",
                    block_prefix: str = "", input_names: Sequence[str] = (),
-                   lowered: bool = True) -> Callable:
-    """The seam for runtime/pipeline.py: a callable running ``gm`` as ``stage`` plans it.
+                   lowered: bool = True) -> "SPMDExecutor":
+    """The seam for runtime/pipeline.py: the executor running ``gm`` as ``stage`` plans it.
 
-    ``stage`` is a meshplan.plan.Stage (its ops, inputs and recompute are read). The callable
-    takes the fragment's inputs and returns its outputs; call it under
-    ``torch.nn.utils.stateless._reparametrize_module(gm, dtensor_params)``.
+    ``stage`` is a meshplan.plan.Stage (its ops, inputs and recompute are read). Its ``run``
+    takes the fragment's inputs (DTensors) and returns its outputs; once built, ``run_local``
+    does the same on local shards. ``gm``'s attributes must be the DTensor parameters.
     """
     placements = [stage.inputs[name] for name in input_names if name in stage.inputs]
 
     executor = SPMDExecutor(gm, mesh, stage.ops, input_placements=placements,
                             recompute=stage.recompute, block_prefix=block_prefix, dtype=dtype,
                             lowered=lowered)
-    return executor.run
+    return executor
