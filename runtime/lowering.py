@@ -32,6 +32,7 @@ and gradients convert to and from DTensor with these placements, so the rest of 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -216,28 +217,29 @@ class ParamLeaves:
         placements, scale = grad_placements(p._spec)
         if scale != 1.0:  # parameters are never Partial; keep the rule exact if one is
             return _Enter.apply(p)
-        leaf.register_post_accumulate_grad_hook(_grad_to_param(p, placements))
+        leaf.register_post_accumulate_grad_hook(
+            _grad_to_param(weakref.ref(p), _with(p._spec, placements, p.dtype)))
         self._leaves[id(p)] = (p, p._local_tensor, leaf)
         return leaf
 
 
-def _grad_to_param(p, placements):
-    ref = __import__("weakref").ref(p)
-
+def _grad_to_param(ref, spec: DTensorSpec):
+    """The hook moving a leaf's accumulated local gradient into its parameter's ``.grad``."""
     def hook(leaf):
         g, leaf.grad = leaf.grad, None
         param = ref()
         if param is None or g is None:
             return
-        spec = _with(param._spec, placements, g.dtype)
         held = param.grad
         if held is None:
-            param.grad = DTensor(g, spec, requires_grad=False)
-        elif isinstance(held, DTensor) and held._spec.placements == spec.placements and \
+            param.grad = DTensor(g, spec if g.dtype == spec.tensor_meta.dtype else
+                                 _with(spec, spec.placements, g.dtype), requires_grad=False)
+        elif type(held) is DTensor and held._spec.placements == spec.placements and \
                 held._local_tensor.shape == g.shape:
             held._local_tensor.add_(g)
         else:  # a gradient of other placements (zero_grad(set_to_none=False) after a sync)
-            param.grad = held + DTensor(g, spec, requires_grad=False)
+            param.grad = held + DTensor(g, _with(spec, spec.placements, g.dtype),
+                                        requires_grad=False)
     return hook
 
 
@@ -730,10 +732,10 @@ def reduce_partial_grads(params: list) -> None:
     for members in groups.values():
         g0 = members[0].grad
         flat = torch.cat([p.grad._local_tensor.reshape(-1) for p in members])
-        meta = TensorMeta(flat.shape, (1,), flat.dtype)
-        src = DTensorSpec(g0.device_mesh, tuple(g0.placements), tensor_meta=meta)
-        dst = DTensorSpec(g0.device_mesh, tuple(members[0].placements), tensor_meta=meta)
-        flat = redistribute_local_tensor(flat, src, dst)
+        mesh = g0.device_mesh
+        for axis, (a, b) in enumerate(zip(g0.placements, members[0].placements)):
+            if a != b and mesh.size(axis) > 1:  # Partial(sum) -> Replicate: sum in place
+                dist.all_reduce(flat, group=mesh.get_group(axis))
         off = 0
         for p in members:
             local = p.grad._local_tensor
