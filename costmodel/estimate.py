@@ -65,9 +65,11 @@ class RuntimeModel:
       (runtime/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward
       and again before the backward, one reduce-scatter per step (Rajbhandari et al. 2020,
       section 7.2.2: 3x the data-parallel volume).
-    flat_grad_sync: without ZeRO, every gradient that needs an all-reduce goes in one flat
-      buffer per step (runtime/lowering.py ``reduce_partial_grads``): one latency, and a
-      buffer the size of the gradients.
+    flat_grad_sync: every gradient that needs an all-reduce goes in one flat buffer per step
+      (runtime/lowering.py ``reduce_partial_grads``), and with ZeRO-1/2 the reduce-scatter of
+      the gradients and the all-gather of the updated shards take one flat buffer each
+      (runtime/zero.py): one latency per collective, and a buffer the size of the
+      gradients.
     reduce_scatter_as_all_reduce: the backend's reduce-scatter costs a full all-reduce
       (gloo: measured on the 2-core host with torch 2.13, 2 processes, 16 MiB fp32:
       reduce_scatter_tensor 56 ms, all_reduce 39 ms, all_gather 25 ms; 4 MiB: 7.0 / 5.0 /
@@ -83,8 +85,8 @@ class RuntimeModel:
 
 
 def default_runtime(hw: HardwareProfile) -> RuntimeModel:
-    """CPU hosts run meshplan's runtime on gloo (one flat gradient all-reduce, or per tensor
-    with ZeRO-1/2; ZeRO-3 weights gathered per block when first used: nothing prefetches
+    """CPU hosts run meshplan's runtime on gloo (flat gradient and ZeRO-1/2 collectives;
+    ZeRO-3 weights gathered per block when first used: nothing prefetches
     them, so no overlap); GPUs a bucketed one."""
     if hw.device.host_cores > 0 or hw.device.name == "cpu":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
@@ -210,8 +212,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     n_sync = n_tensors = 0
     largest_layer: dict[int, float] = {}
     zero3_units: set[int] = set()  # blocks whose ZeRO-3 weights share one collective
-    # meshplan's CPU runtime all-reduces plain data-parallel gradients as one flat buffer
-    bucket = math.inf if runtime.flat_grad_sync and zero == 0 else runtime.grad_bucket_bytes
+    # meshplan's CPU runtime syncs gradients (and ZeRO-1/2 shards) as one flat buffer
+    bucket = math.inf if runtime.flat_grad_sync and zero <= 2 else runtime.grad_bucket_bytes
     opt_numel = 0.0
     for pname, pl in stage.params.items():
         info = graph.param_map.get(pname)
@@ -266,8 +268,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                     # ZeRO-1/2 move the same volume as data parallelism, RS + AG = AR)
                     gathered_bytes += wbytes
                     updated_gather += _bucketed(coll, Collective.ALL_GATHER, wbytes, axis,
-                                                runtime.grad_bucket_bytes,
-                                                latency_only=runtime.grad_bucket_bytes > 0)
+                                                bucket, latency_only=bucket > 0)
     if zero3_units:  # one all-gather and one reduce-scatter per unit (-1: before and after)
         units = len(zero3_units) + (1 if -1 in zero3_units else 0)
         kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
@@ -277,8 +278,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     if bucket > 0 and grad_bytes_total:
         grad_sync += _bucket_latency(coll, hw, grad_bytes_total, bucket,
                                      dpa if dpa is not None else 0, zero)
-    if runtime.grad_bucket_bytes > 0 and gathered_bytes:
-        updated_gather += math.ceil(gathered_bytes / runtime.grad_bucket_bytes) * \
+    if bucket > 0 and gathered_bytes:
+        updated_gather += _buckets(gathered_bytes, bucket) * \
             coll(Collective.ALL_GATHER, 1e-30, dpa)
     # the gather of updated weights follows the optimizer step: nothing left to overlap with
     grad_sync = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
@@ -540,8 +541,12 @@ def _bucketed(coll, kind, nbytes, axis, bucket_bytes, *, latency_only: bool) -> 
 
 def _bucket_latency(coll, hw, total_bytes, bucket_bytes, axis, zero) -> float:
     kind = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
-    buckets = math.ceil(total_bytes / bucket_bytes)
-    return buckets * coll(kind, 1e-30, axis)
+    return _buckets(total_bytes, bucket_bytes) * coll(kind, 1e-30, axis)
+
+
+def _buckets(total_bytes: float, bucket_bytes: float) -> int:
+    """Collectives a bucketed sync of ``total_bytes`` makes (one flat buffer: ``inf``)."""
+    return max(1, math.ceil(total_bytes / bucket_bytes)) if total_bytes > 0 else 0
 
 
 def _attention_probs_bytes(graph: OpGraph, names, dbytes: int, split_of) -> float:

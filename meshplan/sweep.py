@@ -108,7 +108,7 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
     row ``kind == "auto"`` for the automatic plan) and writes it when ``output`` is given.
 
     ``workers`` processes (0: one per available core) price groups of configurations that
-    share their placements; they fork after the trace, so the graph is not rebuilt."""
+    share their placements; they receive the traced graph, so it is not rebuilt."""
     import pandas as pd
 
     import meshplan
@@ -184,7 +184,11 @@ def price_group(configs: list[Config], *, model, mesh, graph, dtype, optimizer) 
     return rows
 
 
-_JOB: dict = {}  # what forked workers inherit (set just before the pool forks)
+_JOB: dict = {}  # a worker's shared arguments (the model, mesh and graph), set once
+
+
+def _init_worker(job: dict) -> None:
+    _JOB.update(job)
 
 
 def _run_job(configs):
@@ -192,24 +196,26 @@ def _run_job(configs):
 
 
 def _map(fn, jobs, job: dict, workers: int):
-    """``fn(jobs[i], **job)`` for every job, in 1 process or forked workers (results as they
-    finish). Fork keeps the traced graph shared instead of pickling it."""
+    """``price_group(jobs[i], **job)`` for every job, in 1 process or in worker processes
+    (results as they finish). Workers start from a fork server, not by forking this process:
+    a process that has imported pandas holds other threads (pyarrow's jemalloc background
+    thread among them), and a child forked from it can deadlock on a lock one of them held;
+    a sweep test hung that way. Each worker receives ``job`` (a meta model and the traced
+    graph, tens of KB pickled) once. As with any start method but fork, a script that calls
+    this with workers needs the ``if __name__ == "__main__":`` guard."""
     import multiprocessing
     import os
 
     workers = workers or len(os.sched_getaffinity(0))
     workers = min(workers, len(jobs))
-    if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+    if workers <= 1 or "forkserver" not in multiprocessing.get_all_start_methods():
         for j in jobs:
             yield fn(j, **job)
         return
-    _JOB.clear()
-    _JOB.update(job)
-    try:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            yield from pool.imap_unordered(_run_job, jobs)
-    finally:
-        _JOB.clear()
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["meshplan.sweep"])  # imported once, in the server
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
+        yield from pool.imap_unordered(_run_job, jobs)
 
 
 def _estimate_columns(est) -> dict:

@@ -34,7 +34,7 @@ from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
-from meshplan.runtime import lowering
+from meshplan.runtime import lowering, zero
 from meshplan.runtime.spmd import SPMDExecutor, to_placements  # noqa: F401 (re-exported)
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
@@ -193,9 +193,22 @@ class ParallelModel:
 
     def _sync_grads(self, scale: float) -> bool:
         finite = True
-        if not self.masters:  # data-parallel gradients: one flat all-reduce per group
-            lowering.reduce_partial_grads(self.unique_params())
-        for p in self.unique_params():
+        params = self.unique_params()
+        flat: set[int] = set()  # ZeRO-2 gradients reduce-scattered into their masters
+        if not self.masters or self.stage.zero == 1:
+            # data parallelism and ZeRO-1: one flat all-reduce per group (ZeRO-1 then keeps
+            # its master's shard below, without communication)
+            lowering.reduce_partial_grads(params)
+        else:
+            flat = zero.reduce_scatter_grads([(p, self.masters[id(p)]) for p in params
+                                              if id(p) in self.masters])
+        for p in params:
+            if id(p) in flat:
+                master = self.masters[id(p)]
+                if scale != 1.0:
+                    master.grad = master.grad / scale
+                    finite = finite and bool(torch.isfinite(master.grad.to_local()).all())
+                continue
             if p.grad is None:
                 continue
             master = self.masters.get(id(p))
@@ -219,10 +232,13 @@ class ParallelModel:
         return True
 
     def gather_masters(self) -> None:
+        params = self.unique_params()
+        flat = zero.gather_into_params([(p, self.masters[id(p)]) for p in params
+                                        if id(p) in self.masters])
         with torch.no_grad():
-            for p in self.unique_params():
+            for p in params:
                 master = self.masters.get(id(p))
-                if master is not None:
+                if master is not None and id(p) not in flat:
                     p.copy_(master.redistribute(placements=p.placements))
 
     def unique_params(self) -> list[nn.Parameter]:

@@ -53,11 +53,50 @@ def run(lowered: bool) -> dict:
             "constant": sorted(n.name for n in pm._executor.constant)}
 
 
+def run_zero(level: int) -> dict:
+    """Three steps of a Llama with an odd vocabulary (uneven dim-0 shards) at ZeRO ``level``
+    over 2 data-parallel ranks; which parameters took the flat collectives."""
+    from meshplan.manual import build_manual_plan
+    from meshplan.mesh import Mesh
+    from meshplan.planner.trace import trace
+    from meshplan.runtime import zero
+    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
+
+    spec = parse_model_spec(LLAMA.replace("vocab_size=256", "vocab_size=255"))
+    meta = spec.build(device="meta")
+    graph = trace(meta, example_inputs(meta, 4, 32))
+    plan = build_manual_plan(graph, Mesh.local(2), dp=2, zero=level)
+    torch.manual_seed(0)
+    model = spec.build(device="cpu")
+    pm = parallelize(model, plan, (synthetic_batch(model, 4, 32, seed=0, step=0),))
+    opt = make_optimizer(pm.optimizer_params(), pm.plan)
+    flat = {"grads": 0, "gathers": 0}
+    spied = (zero.reduce_scatter_grads, zero.gather_into_params)
+
+    def count(key, real):
+        def call(pairs):
+            done = real(pairs)
+            flat[key] += len(done)
+            return done
+        return call
+    zero.reduce_scatter_grads = count("grads", spied[0])
+    zero.gather_into_params = count("gathers", spied[1])
+    try:
+        losses = [pm.train_step(synthetic_batch(model, 4, 32, seed=0, step=s), opt)
+                  for s in range(3)]
+    finally:
+        zero.reduce_scatter_grads, zero.gather_into_params = spied
+    return {"losses": losses, "flat": flat, "masters": len(pm.masters),
+            "params": {k: v.detach() for k, v in pm.full_state().items()}}
+
+
 def worker(out_path: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    results = {"lowered": run(True), "dtensor": run(False)}
+    results = {"lowered": run(True), "dtensor": run(False),
+               "zero": {level: run_zero(level) for level in (0, 1, 2)}}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()
@@ -95,6 +134,23 @@ def test_mask_and_rotary_are_folded_and_refreshed_when_a_buffer_changes(results)
     # that the change matters
     ref = results["dtensor"]["losses"]
     assert abs(ref[CHANGE_AT] - ours["losses"][CHANGE_AT]) < 1e-5
+
+
+def test_zero_1_and_2_use_flat_collectives_and_train_like_data_parallelism(results):
+    """runtime/zero.py: every master's gradient comes by one flat reduce-scatter (ZeRO-2) or
+    the flat all-reduce (ZeRO-1), every parameter is refreshed by one flat all-gather, with
+    uneven shards (vocabulary 255 over 2 ranks), and the run equals plain data parallelism."""
+    runs = results["zero"]
+    for level in (1, 2):
+        got = runs[level]
+        assert got["masters"] > 0
+        steps = 3
+        assert got["flat"]["gathers"] == steps * got["masters"], got["flat"]
+        assert got["flat"]["grads"] == (steps * got["masters"] if level == 2 else 0)
+        torch.testing.assert_close(got["losses"], runs[0]["losses"], rtol=1e-5, atol=1e-6)
+        for name, value in runs[0]["params"].items():
+            torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"ZeRO-{level} {name}: {m}")
 
 
 if __name__ == "__main__":

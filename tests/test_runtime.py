@@ -25,7 +25,8 @@ LLAMA = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_lay
 BATCH, SEQ, STEPS, SEED = 8, 16, 3, 0
 
 RUNS = {  # world size -> model -> variants
-    4: {GPT2: ["dp", "tp", "sp", "2d", "zero3", "recompute-selective", "microbatches", "bf16",
+    4: {GPT2: ["dp", "tp", "sp", "2d", "zero3", "zero2", "recompute-selective", "microbatches",
+               "bf16",
                # plans meshplan.manual_plan builds, executed with their own op placements
                "manual:dp=2+tp=2+mb=4", "manual:tp=4+mb=8", "manual:dp=2+tp=2+sp=1+mb=2"],
         LLAMA: ["dp", "tp", "hybrid", "sp", "2d", "zero3", "zero1", "recompute-full",
