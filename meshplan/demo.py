@@ -51,5 +51,11 @@ def run_demo(*, procs: int = 4, steps: int = 5, workdir: str = "") -> int:
           f"({'equal within 1e-5' if worst < 1e-5 else 'DIFFERENT'})")
     print(f"step time on {procs} processes: predicted {multi['predicted_step_time_s'] * 1e3:.1f} ms, "
           f"measured {multi['measured_step_time_s'] * 1e3:.1f} ms")
+    hw = Mesh.local(procs).hardware
+    if not hw.fitted:  # the preset: order-of-magnitude defaults, not this machine
+        print(f"(predicted with the uncalibrated '{hw.name}' profile; `meshplan calibrate` "
+              "measures this machine in about a minute, and later plans use it)")
+    else:
+        print(f"(predicted with this machine's calibration, profile '{hw.name}')")
     print(f"plans and metrics in {workdir}")
     return 0 if worst < 1e-5 else 1
