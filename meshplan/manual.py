@@ -57,12 +57,12 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     groups = stage_node_groups(graph, pp)
     per_stage = dp * tp
     bounds = layer_bounds(graph.num_layers, pp)
-    prop = _Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
+    prop = Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
                        seq_len=training.seq_len, zero=zero)
     stages = []
     for s, names in enumerate(groups):
         ops = {n: prop.visit(graph.node(n)) for n in names}
-        params = {p: prop.storage(p) for p in _stage_params(graph, names)}
+        params = {p: prop.storage(p) for p in stage_params(graph, names)}
         inputs = {name: ("S(0)", R) for name, _ in graph.inputs}
         stages.append(Stage(index=s, devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
                             mesh_shape=(dp, tp), axis_names=("dp", "tp"), layers=bounds[s],
@@ -162,7 +162,7 @@ def token_embedding_weights(graph: OpGraph, tp: int) -> set[str]:
     return out | names | {p.name for p in graph.params if p.tied_to in names}
 
 
-def _stage_params(graph: OpGraph, names) -> list[str]:
+def stage_params(graph: OpGraph, names) -> list[str]:
     """Parameters the stage's operators read, with every name tied to them (the runtime
     looks each name of the module up)."""
     seen: dict[str, None] = {}
@@ -235,7 +235,11 @@ def map_view_dim(node: OpNode, in_shape: tuple[int, ...], d: int) -> int | None:
     return None
 
 
-class _Propagator:
+class Propagator:
+    """Megatron-style placements of a graph's operators for (dp, tp, sp, zero), walked in
+    graph order from the inputs; the planner's stage pricing (planner/stagecost.py) reuses
+    it to price uniform stages."""
+
     def __init__(self, graph: OpGraph, *, dp: int, tp: int, sp: bool, seq_len: int, zero: int):
         self.g, self.dp, self.tp, self.sp, self.seq, self.zero = graph, dp, tp, sp, seq_len, zero
         self.state: dict[str, tuple[str, str]] = {n: ("S(0)", R) for n, _ in graph.inputs}

@@ -27,7 +27,7 @@ from dataclasses import replace
 from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
-from meshplan.manual import _Propagator, _stage_params, attention_heads
+from meshplan.manual import Propagator, stage_params, attention_heads
 from meshplan.planner.assemble import mesh_info, model_info, training_config
 from meshplan.planner.clusters import LayerUnit, layer_units
 from meshplan.planner.graph import OpGraph
@@ -66,11 +66,11 @@ class MegatronStageCost:
         if key not in self._placements:
             walk = self._walks.get((tp, sp))
             if walk is None:
-                prop = _Propagator(self.graph, dp=1, tp=tp, sp=sp, seq_len=self.seq, zero=0)
+                prop = Propagator(self.graph, dp=1, tp=tp, sp=sp, seq_len=self.seq, zero=0)
                 walk = self._walks[(tp, sp)] = (
                     {n.name: prop.visit(n) for n in self.graph.nodes}, prop.consumed)
             ops, consumed = walk
-            store = _Propagator(self.graph, dp=dp, tp=tp, sp=sp, seq_len=self.seq, zero=zero)
+            store = Propagator(self.graph, dp=dp, tp=tp, sp=sp, seq_len=self.seq, zero=zero)
             store.consumed = consumed
             params = {p.name: store.storage(p.name) for p in self.graph.params}
             self._placements[key] = (ops, params)
@@ -83,7 +83,7 @@ class MegatronStageCost:
                      mesh_shape=(dp, tp), axis_names=("dp", "tp"), layers=layers,
                      nodes=(names[0], names[-1]), recompute=option.recompute, zero=option.zero,
                      inputs={name: ("S(0)", "R") for name, _ in self.graph.inputs},
-                     params={p: params[p] for p in _stage_params(self.graph, names)},
+                     params={p: params[p] for p in stage_params(self.graph, names)},
                      ops={n: ops[n] for n in names})
 
     def weights_floor_gib(self, stages: int, dp: int, tp: int, zero: int) -> float:
