@@ -277,7 +277,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         gather += units * coll(Collective.ALL_GATHER, 1e-30, dpa)
     if bucket > 0 and grad_bytes_total:
         grad_sync += _bucket_latency(coll, hw, grad_bytes_total, bucket,
-                                     dpa if dpa is not None else 0, zero)
+                                     dpa if dpa is not None else 0, zero,
+                                     runtime.reduce_scatter_as_all_reduce)
     if bucket > 0 and gathered_bytes:
         updated_gather += _buckets(gathered_bytes, bucket) * \
             coll(Collective.ALL_GATHER, 1e-30, dpa)
@@ -539,8 +540,10 @@ def _bucketed(coll, kind, nbytes, axis, bucket_bytes, *, latency_only: bool) -> 
     return coll(kind, nbytes, axis) - coll(kind, 1e-30, axis) if nbytes else 0.0
 
 
-def _bucket_latency(coll, hw, total_bytes, bucket_bytes, axis, zero) -> float:
-    kind = Collective.REDUCE_SCATTER if zero >= 2 else Collective.ALL_REDUCE
+def _bucket_latency(coll, hw, total_bytes, bucket_bytes, axis, zero,
+                    rs_as_all_reduce: bool = False) -> float:
+    kind = Collective.REDUCE_SCATTER if zero >= 2 and not rs_as_all_reduce \
+        else Collective.ALL_REDUCE
     return _buckets(total_bytes, bucket_bytes) * coll(kind, 1e-30, axis)
 
 

@@ -212,6 +212,10 @@ def _map(fn, jobs, job: dict, workers: int):
         for j in jobs:
             yield fn(j, **job)
         return
+    from meshplan.runtime.parallelize import meta_copy
+
+    # the workers need shapes only: send a meta copy, not a caller's real weights
+    job = {**job, "model": meta_copy(job["model"])}
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["meshplan.sweep"])  # imported once, in the server
     with ctx.Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:

@@ -41,6 +41,7 @@ VARIANTS = {
     "zero2": (lambda w: (w,), 0, None, {"zero": 2}),
     "zero3": (lambda w: (w,), 0, None, {"zero": 3}),
     "hybrid-zero3": (lambda w: (2, w // 2), 0, 1, {"zero": 3}),
+    "hybrid-zero2": (lambda w: (2, w // 2), 0, 1, {"zero": 2}),
     "recompute-full": (lambda w: (2, w // 2), 0, 1, {"recompute": "full"}),
     "recompute-selective": (lambda w: (2, w // 2), 0, 1, {"recompute": "selective"}),
     "microbatches": (lambda w: (w,), 0, None, {"microbatches": 2}),

@@ -202,24 +202,30 @@ class ParamLeaves:
     ``_Enter`` hands back, without a DTensor operation per parameter per microbatch."""
 
     def __init__(self):
-        self._leaves: dict = {}  # id(param) -> (param, its local tensor, leaf)
+        self._leaves: dict = {}  # id(param) -> (weak param, weak local tensor, leaf)
 
     def local(self, p):
-        """The value the lowered program reads for a fetched parameter or buffer."""
+        """The value the lowered program reads for a fetched parameter or buffer. (The
+        DTensor parameter itself is then not in the autograd graph: ``torch.autograd.grad``
+        with respect to it, or hooks on it, see nothing; ``.grad`` is filled as before.)"""
         if not isinstance(p, DTensor):
             return p
-        if not (p.requires_grad and p.is_leaf):
+        if not p.requires_grad:
             return p._local_tensor
+        if not p.is_leaf:  # a computed weight: its gradient flows on to what it came from
+            return _Enter.apply(p)
         held = self._leaves.get(id(p))
-        if held is not None and held[0] is p and held[1] is p._local_tensor:
+        if held is not None and held[0]() is p and held[1]() is p._local_tensor:
             return held[2]
-        leaf = p._local_tensor.detach().requires_grad_(True)
         placements, scale = grad_placements(p._spec)
         if scale != 1.0:  # parameters are never Partial; keep the rule exact if one is
             return _Enter.apply(p)
+        leaf = p._local_tensor.detach().requires_grad_(True)
         leaf.register_post_accumulate_grad_hook(
             _grad_to_param(weakref.ref(p), _with(p._spec, placements, p.dtype)))
-        self._leaves[id(p)] = (p, p._local_tensor, leaf)
+        key = id(p)
+        self._leaves[key] = (weakref.ref(p), weakref.ref(p._local_tensor), leaf)
+        weakref.finalize(p, self._leaves.pop, key, None)  # a replaced parameter is let go
         return leaf
 
 
@@ -273,12 +279,18 @@ def _regrad(x, spec, src, dst, pre=1.0, post=1.0):
     return _Regrad.apply(x, spec, tuple(src), tuple(dst), pre, post)
 
 
+def _as_grad(placements) -> tuple:
+    """The placements a local gradient crosses a boundary in: a partial value's gradient is
+    replicated (as DTensor's ``from_local`` / ``to_local`` backward normalise it)."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
 def from_shard(x: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """A received local shard of a value placed as ``spec`` into the lowered program: its
     gradient leaves as the shard of the logical gradient (what ``DTensor.from_local`` and
     ``_Enter`` give together)."""
     placements, scale = grad_placements(spec)
-    return _regrad(x, spec, placements, spec.placements, pre=scale)
+    return _regrad(x, spec, placements, _as_grad(spec.placements), pre=scale)
 
 
 def to_shard(x: torch.Tensor, spec: DTensorSpec, *, grad_as=None) -> torch.Tensor:
@@ -286,7 +298,7 @@ def to_shard(x: torch.Tensor, spec: DTensorSpec, *, grad_as=None) -> torch.Tenso
     whose incoming gradient is the shard of the logical gradient under ``grad_as`` (default:
     ``spec``'s placements; a loss seeded as replicated: Replicate everywhere)."""
     placements, scale = grad_placements(spec)
-    src = tuple(grad_as) if grad_as is not None else spec.placements
+    src = tuple(grad_as) if grad_as is not None else _as_grad(spec.placements)
     return _regrad(x, spec, src, placements, post=scale)
 
 

@@ -107,10 +107,12 @@ def shape_only_nodes(graph: fx.Graph, *, frozen_params: bool = False) -> set[fx.
     targets; without one, nothing that reads an attribute qualifies.
     """
     owner = graph.owning_module
-    written = _written_targets(graph, owner)
+    written_nodes = _written_nodes(graph, owner)
+    written = {n.target for n in written_nodes if n.op == "get_attr"}
     out: set[fx.Node] = set()
     for n in graph.nodes:
-        if n.op == "call_function" and _recomputable_target(n.target) and all(
+        if n.op == "call_function" and n not in written_nodes and \
+                _recomputable_target(n.target) and all(
                 a in out or _readable_attr(a, owner, written, frozen_params)
                 for a in n.all_input_nodes):
             out.add(n)
@@ -151,9 +153,15 @@ def _pure_body(body: fx.GraphModule) -> bool:
 
 
 def _written_targets(graph: fx.Graph, owner: nn.Module | None) -> set[str]:
-    """``get_attr`` targets some operator of ``graph`` may write: those behind an argument of a
-    mutable operator (or of a higher-order operator with an impure body), through views."""
-    written: set[str] = set()
+    """``get_attr`` targets some operator of ``graph`` may write."""
+    return {n.target for n in _written_nodes(graph, owner) if n.op == "get_attr"}
+
+
+def _written_nodes(graph: fx.Graph, owner: nn.Module | None) -> set[fx.Node]:
+    """Nodes whose storage some operator of ``graph`` may write: those behind an argument of a
+    mutable operator (or of a higher-order operator with an impure body), through views, and
+    every view of them. A value written in place after it is made is not a constant."""
+    written: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op != "call_function":
             continue
@@ -165,14 +173,34 @@ def _written_targets(graph: fx.Graph, owner: nn.Module | None) -> set[str]:
             writes = False
         if not writes:
             continue
-        stack = list(n.all_input_nodes)
+        stack = _write_args(n)
         while stack:  # a write through a view writes its base
             a = stack.pop()
-            if a.op == "get_attr":
-                written.add(a.target)
-            elif a.op == "call_function" and _may_alias(a.target):
+            if a in written:
+                continue
+            written.add(a)
+            if a.op == "call_function" and _may_alias(a.target):
                 stack.extend(a.all_input_nodes)
+    for n in graph.nodes:  # and every view of a written value sees the write
+        if n.op == "call_function" and _may_alias(n.target) and \
+                any(a in written for a in n.all_input_nodes):
+            written.add(n)
     return written
+
+
+def _write_args(n: fx.Node) -> list[fx.Node]:
+    """The inputs a writing operator may write: those its schema marks written (``a!``), or
+    all of them where the schema does not say (running statistics, higher-order bodies)."""
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        out = []
+        for i, arg in enumerate(target._schema.arguments):
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                out += [v for v in (value if isinstance(value, (list, tuple)) else [value])
+                        if isinstance(v, fx.Node)]
+        return out
+    return list(n.all_input_nodes)
 
 
 def _pure_hop(node: fx.Node, owner: nn.Module | None) -> bool:

@@ -28,6 +28,7 @@ The pipeline runtime (runtime/pipeline.py) builds one ``SPMDExecutor`` per stage
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -213,7 +214,7 @@ class SPMDExecutor(fx.Interpreter):
         self.leaves = lowering.ParamLeaves()  # parameters as plain local autograd leaves
         self.constant: set = set()  # nodes computed from shapes and buffers only
         self.folded: dict = {}  # constant node read by a non-constant one -> its local value
-        self._folded_from: tuple = ()  # (buffer, version) the folded values were made from
+        self._folded_from: list = []  # (weak buffer, version) the folded values come from
         self._local_out = False  # run_local: outputs stay local shards
         self._collecting = False  # this call computes the constants (and folds them)
 
@@ -466,25 +467,39 @@ class SPMDExecutor(fx.Interpreter):
         return out
 
     # -- constant folding: values made from shapes and buffers only ------------------------
-    def _fold_sources(self) -> tuple:
+    def _fold_sources(self) -> list:
+        """(tensor, version, requires_grad) of every buffer the constants read."""
         out = []
         for g in self.module.graph.find_nodes(op="get_attr"):
             if g in self.constant:
                 value = self.fetch_attr(g.target)
                 if isinstance(value, torch.Tensor):
                     local = value._local_tensor if isinstance(value, DTensor) else value
-                    out.append((id(local), local._version))
-        return tuple(out)
+                    out.append((local, local._version, value.requires_grad))
+        return out
 
     def _fold_check(self) -> bool:
         """True if this call computes the constant values (first replay, or a buffer they
-        are made from changed, e.g. a checkpoint was loaded); else the folded ones serve."""
+        are made from was replaced or written in place, e.g. by a checkpoint load); else
+        the folded ones serve. A write through ``.data`` bumps no version: call
+        ``refold()`` after one. A frozen parameter made trainable makes the constants be
+        found again."""
         if not self.constant:
             return False
-        if self.folded and self._folded_from == self._fold_sources():
+        now = self._fold_sources()
+        if any(grad for _, _, grad in now):
+            self.constant = constant_nodes(self.module)
+            now = self._fold_sources()
+        if self.folded and len(now) == len(self._folded_from) and all(
+                ref() is t and v == version for (t, version, _), (ref, v) in
+                zip(now, self._folded_from)):
             return False
         self.folded = {}
-        return True
+        return bool(self.constant)
+
+    def refold(self) -> None:
+        """Compute the folded constants again on the next call."""
+        self.folded = {}
 
     def _fold_done(self) -> None:
         size = sum(v.numel() * v.element_size() for v in self.folded.values()
@@ -492,7 +507,7 @@ class SPMDExecutor(fx.Interpreter):
         if size > FOLD_LIMIT_BYTES:  # not worth holding: compute them every call
             self.constant, self.folded = set(), {}
             return
-        self._folded_from = self._fold_sources()
+        self._folded_from = [(weakref.ref(t), v) for t, v, _ in self._fold_sources()]
 
     def _run_segments(self, run_node, checkpointed: bool):
         try:

@@ -61,21 +61,26 @@ def _chunk(rows: int, n: int) -> int:
 
 def reduce_scatter_grads(pairs) -> set[int]:
     """Each eligible (parameter, master) pair whose gradient is a partial sum on the master's
-    axis (and matches the parameter elsewhere) gets ``master.grad``, the reduced shard, and
-    loses ``param.grad``. Returns the ids of the parameters handled."""
+    axis (and matches the parameter elsewhere, or is a partial sum where it is replicated,
+    all-reduced first) gets ``master.grad``, the reduced shard, and loses ``param.grad``.
+    Returns the ids of the parameters handled."""
     def key(p, m, axis):
+        """(dtype, other axes to all-reduce first), or None if not eligible."""
         g = p.grad
         if not isinstance(g, DTensor):
             return None
-        want = list(p.placements)
-        want[axis] = Partial("sum")
-        mesh = p.device_mesh  # any placement is the same on a one-rank axis
-        same = all(a == b or mesh.size(i) == 1
-                   for i, (a, b) in enumerate(zip(g.placements, want)))
-        return g.dtype if same else None
+        mesh, summed = p.device_mesh, []
+        for i, (a, b) in enumerate(zip(g.placements, p.placements)):
+            if mesh.size(i) == 1 or i == axis and a == Partial("sum"):
+                continue  # any placement is the same on a one-rank axis
+            if a == Partial("sum") and isinstance(b, Replicate):
+                summed.append(i)  # e.g. a norm weight replicated over tensor parallelism
+            elif a != b or i == axis:
+                return None
+        return g.dtype, tuple(summed)
 
     done: set[int] = set()
-    for (_, axis, _), members in _groups(pairs, key).items():
+    for (_, axis, (_, summed)), members in _groups(pairs, key).items():
         mesh = members[0][0].device_mesh
         n = mesh.size(axis)
         blocks = []
@@ -86,6 +91,8 @@ def reduce_scatter_grads(pairs) -> set[int]:
             padded[:g.shape[0]].copy_(g)
             blocks.append(padded.view(n, -1))
         flat = torch.cat(blocks, dim=1)
+        for other in summed:
+            dist.all_reduce(flat, group=mesh.get_group(other))
         mine = flat.new_empty(flat.shape[1])
         dist.reduce_scatter_tensor(mine, flat.reshape(-1), group=mesh.get_group(axis))
         off = 0

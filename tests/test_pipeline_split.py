@@ -169,3 +169,27 @@ def test_llama_split_matches_the_whole_graph(llama):
         whole = gm(batch)
         split = _run_stages(gm, stages, (batch,))
     torch.testing.assert_close(split[0], whole if isinstance(whole, torch.Tensor) else whole[0])
+
+
+class WrittenLater(nn.Module):
+    """A mask made from shapes alone, then written in place from the input: not a constant
+    (folding or rebuilding it would drop the write)."""
+
+    def forward(self, x):  # x: [4, 4]
+        mask = torch.zeros(4, 4).masked_fill(torch.ones(4, 4, dtype=torch.bool).triu(1), -1.0)
+        kept = torch.arange(4) * 2  # shapes only and never written: still a constant
+        mask.masked_fill_(x > 0, -100.0)
+        return (x * mask).sum() + kept.sum()
+
+
+def test_a_value_written_in_place_later_is_not_shape_only():
+    model = WrittenLater()
+    ep = export_training_graph(model, (torch.randn(4, 4),), loss_fn=lambda out, x: out)
+    gm = runnable_graph_module(ep, device_type="cpu")
+    only = shape_only_nodes(gm.graph)
+    writes = [n for n in gm.graph.nodes if n.op == "call_function"
+              and str(n.target).startswith("aten.masked_fill_")]
+    assert writes, "the export kept the in-place write"
+    written = writes[0].args[0]
+    assert written not in only and writes[0] not in only
+    assert any(str(n.target).startswith("aten.arange") for n in only)  # `kept` still is

@@ -29,7 +29,8 @@ RUNS = {  # world size -> model -> variants
                "bf16",
                # plans meshplan.manual_plan builds, executed with their own op placements
                "manual:dp=2+tp=2+mb=4", "manual:tp=4+mb=8", "manual:dp=2+tp=2+sp=1+mb=2"],
-        LLAMA: ["dp", "tp", "hybrid", "sp", "2d", "zero3", "zero1", "recompute-full",
+        LLAMA: ["dp", "tp", "hybrid", "sp", "2d", "zero3", "zero1", "hybrid-zero2",
+                "recompute-full",
                 "manual:dp=2+tp=2+sp=1+mb=4"]},
     8: {GPT2: ["dp", "hybrid", "sp", "zero3"],
         LLAMA: ["hybrid", "2d", "hybrid-zero3"]},
