@@ -317,15 +317,8 @@ def shard_of(x: torch.Tensor, mesh, placements) -> torch.Tensor:
     return distribute_tensor(x, mesh, placements, src_data_rank=None)._local_tensor
 
 
-def enter(value):
-    """A DTensor as (local tensor, spec); anything else as (itself, None)."""
-    if isinstance(value, DTensor):
-        return _Enter.apply(value), value._spec
-    return value, None
-
-
 def leave(value, spec):
-    """The inverse of ``enter``."""
+    """A local value back to a DTensor with ``spec`` (the inverse of ``_Enter``)."""
     if spec is None or not isinstance(value, torch.Tensor):
         return value
     return _Leave.apply(value, spec)

@@ -26,7 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from meshplan.runtime.lowering import _with
 
 
 def shard_axis(param: DTensor, master: DTensor) -> int | None:
@@ -50,8 +51,9 @@ def _groups(pairs, key):
     groups: dict = {}
     for p, m in pairs:
         axis = shard_axis(p, m)
-        if axis is not None and key(p, m, axis) is not None:
-            groups.setdefault((id(p.device_mesh), axis, key(p, m, axis)), []).append((p, m))
+        k = key(p, m, axis) if axis is not None else None
+        if k is not None:
+            groups.setdefault((id(p.device_mesh), axis, k), []).append((p, m))
     return groups
 
 
@@ -101,9 +103,7 @@ def reduce_scatter_grads(pairs) -> set[int]:
             rows = m._local_tensor.shape[0]
             local = mine[off:off + size].view(-1, *p.grad._local_tensor.shape[1:])[:rows]
             off += size
-            spec = m._spec
-            meta = TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype)
-            m.grad = DTensor(local, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
+            m.grad = DTensor(local, _with(m._spec, m._spec.placements, local.dtype),
                              requires_grad=False)
             p.grad = None
             done.add(id(p))
