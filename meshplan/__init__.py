@@ -4,6 +4,10 @@
     mesh = meshplan.Mesh.preset("dgx-a100-80gb", nodes=8)
     plan = meshplan.autoparallel(model, mesh, example_inputs=(ids,))
     print(plan.summary())
+
+    # inside a torchrun worker, in the user's own training loop:
+    run = meshplan.parallelize(model, meshplan.Plan.from_json("plan.json"))
+    loss = run.train_step((x,), targets=(y,))
 """
 
 from meshplan.errors import (MemoryLimitError, MeshError, MeshplanError, NotSupportedError,
@@ -16,6 +20,15 @@ from meshplan.api import autoparallel, estimate, manual_plan
 __all__ = [
     "Mesh", "Plan", "Estimate", "autoparallel", "manual_plan", "estimate", "trace",
     "MeshplanError", "TraceError", "MeshError", "SpecError", "PlanFileError", "PlanningError",
-    "MemoryLimitError", "NotSupportedError",
+    "MemoryLimitError", "NotSupportedError", "parallelize", "ParallelRun", "DataError",
 ]
+
+
+def __getattr__(name: str):
+    # the runtime (torch.distributed) loads only when a script asks for it
+    if name in ("parallelize", "ParallelRun", "DataError"):
+        from meshplan.runtime import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
 __version__ = "0.1.0"

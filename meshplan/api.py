@@ -17,7 +17,7 @@ from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.planner.graph import OpGraph
-from meshplan.planner.trace import trace
+from meshplan.planner.trace import Inputs, trace
 from meshplan.plan import Estimate, Plan
 
 
@@ -26,7 +26,8 @@ def default_dtype(mesh: Mesh) -> str:
     return "fp32" if mesh.hardware.device.name == "cpu" else "bf16"
 
 
-def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor] = (), *,
+def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
+                 example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
                  loss_fn: Callable | None = None, optimizer: str = "adam",
                  dtype: str | None = None, memory_limit_gib: float | None = None,
                  microbatches: Sequence[int] | None = None, schedules: Sequence[str] | None = None,
@@ -35,13 +36,16 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Te
                  graph: OpGraph | None = None) -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
-    ``example_inputs`` is one GLOBAL batch (token ids, batch x seq), usually on the meta
-    device. Pass ``graph`` to reuse a trace.
+    ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
+    batch x seq), a tuple (positional model arguments) or a dict (keyword arguments).
+    ``example_targets`` go only to ``loss_fn(outputs, *targets)``; with neither targets nor
+    loss_fn the language-model default applies (next-token loss on the first input).
+    Pass ``graph`` to reuse a trace.
     """
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
     if graph is None:
-        graph = trace(model, example_inputs, loss_fn=loss_fn,
+        graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
     # the pipeline search (stages, submeshes, microbatches, schedule, recompute, ZeRO) and
     # the single-stage intra-op ILP compete under one cost model (planner/hybrid); raises
@@ -52,7 +56,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Te
                      memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
 
 
-def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Tensor] = (), *,
+def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
+                example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
                 dp: int = 1, tp: int = 1, pp: int = 1, microbatch_size: int = 1,
                 schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
@@ -68,7 +73,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Sequence[torch.Ten
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
     if graph is None:
-        graph = trace(model, example_inputs, loss_fn=loss_fn,
+        graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
     return build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,

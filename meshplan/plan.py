@@ -97,6 +97,9 @@ class ModelInfo:
     train_flops_per_step: int  # forward + backward, no recompute, one global batch
     num_layers: int
     num_nodes: int
+    # the call the plan was made for: {name, role (arg | kwarg | target), key, shape, dtype}
+    # per flat graph input, global shapes (planner/assemble.input_records)
+    inputs: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +270,9 @@ def _plan_from_dict(d: dict) -> Plan:
     mesh["axis_names"] = tuple(mesh["axis_names"])
     solver = dict(d["solver"])
     solver["notes"] = tuple(solver.get("notes", ()))
-    return Plan(model=ModelInfo(**d["model"]), mesh=MeshInfo(**mesh),
+    model = dict(d["model"])
+    model["inputs"] = tuple(dict(r) for r in model.get("inputs", ()))
+    return Plan(model=ModelInfo(**model), mesh=MeshInfo(**mesh),
                 training=TrainingConfig(**d["training"]), stages=tuple(stages),
                 predicted=est(d["predicted"]), solver=SolverInfo(**solver), schema=d["schema"])
 

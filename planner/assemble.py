@@ -18,7 +18,18 @@ OPTIMIZERS = ("adam", "sgd")
 def model_info(graph: OpGraph) -> ModelInfo:
     return ModelInfo(name=graph.model_name, fingerprint=graph.fingerprint,
                      param_count=graph.param_count, train_flops_per_step=graph.train_flops,
-                     num_layers=graph.num_layers, num_nodes=len(graph.nodes))
+                     num_layers=graph.num_layers, num_nodes=len(graph.nodes),
+                     inputs=input_records(graph))
+
+
+def input_records(graph: OpGraph) -> tuple[dict, ...]:
+    """The call the plan was made for: every flat graph input with its role in the call
+    (positional argument, keyword argument or loss target), global shape and dtype. The
+    runtime rebuilds the example call from these and checks each step's data against them."""
+    roles = graph.signature.roles() if graph.signature is not None else \
+        tuple(("arg", str(i)) for i in range(len(graph.inputs)))
+    return tuple({"name": name, "role": role, "key": key, "shape": list(meta.shape),
+                  "dtype": meta.dtype} for (name, meta), (role, key) in zip(graph.inputs, roles))
 
 
 def mesh_info(mesh) -> MeshInfo:

@@ -93,6 +93,32 @@ class OpNode:
         return self.outputs[0] if self.outputs else None
 
 
+@dataclass(frozen=True, slots=True)
+class CallSignature:
+    """How the flat graph inputs (``inputs_0``, ``inputs_1``, ...) map back to one call of the
+    model and its loss: ``num_args`` positional arguments, then the keyword arguments named
+    ``kwarg_names`` (in that order), then ``num_targets`` loss targets."""
+
+    num_args: int
+    kwarg_names: tuple[str, ...] = ()
+    num_targets: int = 0
+
+    def __post_init__(self):
+        if self.num_args < 0 or self.num_targets < 0:
+            raise ValueError(f"negative counts in {self}")
+
+    @property
+    def size(self) -> int:
+        return self.num_args + len(self.kwarg_names) + self.num_targets
+
+    def roles(self) -> tuple[tuple[str, str], ...]:
+        """(role, key) of every flat input: ("arg", "0"), ("kwarg", "attention_mask"),
+        ("target", "0")."""
+        return (tuple(("arg", str(i)) for i in range(self.num_args))
+                + tuple(("kwarg", k) for k in self.kwarg_names)
+                + tuple(("target", str(i)) for i in range(self.num_targets)))
+
+
 @dataclass(frozen=True)
 class OpGraph:
     """The traced model. ``nodes`` are call_function nodes in topological order."""
@@ -104,6 +130,7 @@ class OpGraph:
     layer_fingerprints: tuple[str, ...]  # one structural fingerprint per layer index
     block_module: str = ""  # module path prefix of the repeated blocks, e.g. "m.transformer.h"
     model_name: str = ""
+    signature: CallSignature | None = None  # None: every input is a positional model argument
     _index: dict = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

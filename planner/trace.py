@@ -13,11 +13,12 @@ weight is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import re
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -25,7 +26,8 @@ import torch.nn.functional as F
 
 import meshplan.errors
 from meshplan.errors import TraceError
-from meshplan.planner.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta, dtype_bytes
+from meshplan.planner.graph import (CallSignature, OpGraph, OpKind, OpNode, ParamInfo, TensorMeta,
+                                    dtype_bytes)
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -36,53 +38,131 @@ def next_token_loss(output: torch.Tensor, ids: torch.Tensor, *rest) -> torch.Ten
     return F.cross_entropy(output[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
 
 
-class TrainingModule(nn.Module):
-    """model + loss as one module: forward(*inputs) -> scalar loss.
+def target_loss(output: torch.Tensor, target: torch.Tensor, *rest) -> torch.Tensor:
+    """The default loss when targets are given without a loss_fn: cross entropy of the last
+    output dim against the targets (class labels, or one label per token)."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
-    HF transformers models are called with ``use_cache=False`` and their ``.logits`` taken;
-    encoder-decoder models get the same ids as decoder input (synthetic sequence-to-sequence).
+
+Inputs = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]
+
+
+def flatten_call(inputs: Inputs, targets: torch.Tensor | Sequence[torch.Tensor] = ()
+                 ) -> tuple[tuple[torch.Tensor, ...], CallSignature]:
+    """The model's inputs (a tensor, a tuple of positional arguments or a dict of keyword
+    arguments) and the loss targets as one flat tuple, with the signature that undoes it."""
+    targets = (targets,) if isinstance(targets, torch.Tensor) else tuple(targets or ())
+    if isinstance(inputs, torch.Tensor):
+        args, kwargs = (inputs,), {}
+    elif isinstance(inputs, Mapping):
+        args, kwargs = (), dict(inputs)
+    elif isinstance(inputs, Sequence):
+        args, kwargs = tuple(inputs), {}
+    else:
+        raise TraceError(f"inputs of type {type(inputs).__name__} are not supported; pass a "
+                         "tensor, a tuple of tensors (positional arguments) or a dict of "
+                         "tensors (keyword arguments)")
+    flat = (*args, *kwargs.values(), *targets)
+    for i, x in enumerate(flat):
+        if not isinstance(x, torch.Tensor):
+            raise TraceError(f"input {i} is a {type(x).__name__}; every model input and "
+                             "target must be a tensor (bind other arguments in the model or "
+                             "a wrapper module)")
+    return flat, CallSignature(len(args), tuple(kwargs), len(targets))
+
+
+def unflatten_call(flat: Sequence, sig: CallSignature) -> tuple[tuple, dict, tuple]:
+    """(args, kwargs, targets) from the flat inputs, as ``flatten_call`` made them."""
+    if len(flat) != sig.size:
+        raise TraceError(f"got {len(flat)} flat inputs for a call with {sig.size}")
+    k = sig.num_args + len(sig.kwarg_names)
+    return (tuple(flat[:sig.num_args]), dict(zip(sig.kwarg_names, flat[sig.num_args:k])),
+            tuple(flat[k:]))
+
+
+def model_output(out):
+    """What a loss reads from a model's output: ``.logits`` of a transformers output, the
+    first element of a tuple, or the tensor itself."""
+    if hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    return out
+
+
+class TrainingModule(nn.Module):
+    """model + loss as one module: forward(*flat inputs) -> scalar loss.
+
+    The flat inputs are the model's positional arguments, its keyword arguments and the
+    loss targets (``CallSignature``). The loss is ``loss_fn(outputs, *targets)``; without a
+    loss_fn it is ``target_loss`` when targets are given and ``next_token_loss`` on the
+    first input otherwise (the language-model default). HF transformers models are called
+    with ``use_cache=False`` and their ``.logits`` taken; an encoder-decoder model called
+    with token ids alone gets the same ids as decoder input (synthetic sequence-to-sequence).
+    With ``loss=False`` forward returns the model's outputs instead (eval).
     """
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn | None = None):
+    def __init__(self, model: nn.Module, loss_fn: LossFn | None = None,
+                 signature: CallSignature | None = None, *, loss: bool = True):
         super().__init__()
         self.model = model
-        self.loss_fn = loss_fn or next_token_loss
+        self.loss_fn = loss_fn
+        self.signature = signature
+        self.with_loss = loss
         params = inspect.signature(model.forward).parameters
         self._kwargs = {"use_cache": False} if "use_cache" in params else {}
         config = getattr(model, "config", None)
         self._seq2seq = bool(getattr(config, "is_encoder_decoder", False))
 
     def forward(self, *inputs):
-        if self._seq2seq:
-            out = self.model(input_ids=inputs[0], decoder_input_ids=inputs[0], **self._kwargs)
+        sig = self.signature or CallSignature(len(inputs))
+        args, kwargs, targets = unflatten_call(inputs, sig)
+        if self._seq2seq and len(args) == 1 and not kwargs:
+            out = self.model(input_ids=args[0], decoder_input_ids=args[0], **self._kwargs)
         else:
-            out = self.model(*inputs, **self._kwargs)
-        if hasattr(out, "logits"):
-            out = out.logits
-        elif isinstance(out, (tuple, list)):
-            out = out[0]
-        return self.loss_fn(out, *inputs)
+            out = self.model(*args, **kwargs, **self._kwargs)
+        out = model_output(out)
+        if not self.with_loss:
+            return out
+        if self.loss_fn is not None:
+            return self.loss_fn(out, *targets)
+        if targets:
+            return target_loss(out, *targets)
+        first = args[0] if args else next(iter(kwargs.values()))
+        return next_token_loss(out, first)
 
 
 _WRAPPER_PREFIX = "model."
 
 
-def export_training_graph(model: nn.Module, example_inputs: Sequence[torch.Tensor],
-                          loss_fn: LossFn | None = None) -> torch.export.ExportedProgram:
-    """Export model + loss with torch.export (non-strict). Raises TraceError naming the op."""
-    wrapped = TrainingModule(model, loss_fn)
-    inputs = tuple(example_inputs)
+def export_training_graph(model: nn.Module, example_inputs: Inputs,
+                          loss_fn: LossFn | None = None, *, example_targets=(),
+                          signature: CallSignature | None = None,
+                          loss: bool = True) -> torch.export.ExportedProgram:
+    """Export model + loss with torch.export (non-strict). Raises TraceError naming the op.
+
+    ``example_inputs`` is a tensor, a tuple (positional arguments) or a dict (keyword
+    arguments); ``example_targets`` go only to the loss. ``signature`` says that
+    ``example_inputs`` is already flat (as ``flatten_call`` made it)."""
+    if signature is None:
+        flat, signature = flatten_call(example_inputs, example_targets)
+    else:
+        flat = tuple(example_inputs)
+    wrapped = TrainingModule(model, loss_fn, signature, loss=loss)
     try:
-        return torch.export.export(wrapped, inputs, strict=False)
+        return torch.export.export(wrapped, flat, strict=False)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear TraceError
         raise TraceError(_explain_trace_failure(exc, model)) from exc
 
 
-def trace(model: nn.Module, example_inputs: Sequence[torch.Tensor], *,
-          loss_fn: LossFn | None = None, model_name: str = "") -> OpGraph:
-    """Trace ``model`` (+ loss) on ``example_inputs`` into an OpGraph."""
-    ep = export_training_graph(model, example_inputs, loss_fn)
-    return graph_from_export(ep, model, model_name=model_name or type(model).__name__)
+def trace(model: nn.Module, example_inputs: Inputs, *, loss_fn: LossFn | None = None,
+          example_targets=(), model_name: str = "") -> OpGraph:
+    """Trace ``model`` (+ loss) on ``example_inputs`` (and ``example_targets``) into an
+    OpGraph; the convention of the inputs is ``export_training_graph``'s."""
+    flat, signature = flatten_call(example_inputs, example_targets)
+    ep = export_training_graph(model, flat, loss_fn, signature=signature)
+    graph = graph_from_export(ep, model, model_name=model_name or type(model).__name__)
+    return dataclasses.replace(graph, signature=signature)
 
 
 # -- building the OpGraph ------------------------------------------------------------------

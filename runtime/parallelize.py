@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: no public local-shape helper in 2.13
 
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
@@ -149,9 +150,10 @@ class ParallelModel:
     def stage(self) -> Stage:
         return self.plan.stages[0]
 
-    def loss(self, batch: torch.Tensor, *, record: bool = False) -> DTensor:
-        """Forward of one (micro)batch: the global loss as a DTensor. ``record`` keeps the
-        placements every operator ran with in ``last_stats.observed``."""
+    def loss(self, *inputs: torch.Tensor, record: bool = False) -> DTensor:
+        """Forward of one (micro)batch (the flat graph inputs, global shapes): the global loss
+        as a DTensor. ``record`` keeps the placements every operator ran with in
+        ``last_stats.observed``."""
         executor = self._executor if not record and self._executor is not None and \
             self._executor.ops is self.stage.ops else SPMDExecutor(
                 self.gm, self.mesh, self.stage.ops, input_placements=self.input_placements,
@@ -160,25 +162,33 @@ class ParallelModel:
         if not record:  # the lowered program is built by the first call and then reused
             self._executor = executor
         with torch.nn.utils.stateless._reparametrize_module(self.gm, self.params):
-            out = executor.run(batch)
+            out = executor.run(*inputs)
         self.last_stats = executor.stats
         return out.float()
 
-    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer, *,
-                   grads_out: dict | None = None) -> float:
-        """Forward and backward of every microbatch, gradient sync, optimizer step.
-        ``grads_out`` (a dict) receives every gradient as a full tensor, by FQN."""
+    def forward_backward(self, batch) -> tuple[float, bool]:
+        """Forward and backward of every microbatch of one global batch (a tensor or the
+        tuple of flat graph inputs), then the gradient sync: gradients are left on what
+        ``optimizer_params`` returns. Returns (global mean loss, gradients finite)."""
+        inputs = batch if isinstance(batch, tuple) else (batch,)
         n = self.plan.training.microbatches
-        if batch.shape[0] % n:
-            raise PlanFileError(f"batch of {batch.shape[0]} sequences does not split into "
+        if inputs[0].shape[0] % n:
+            raise PlanFileError(f"batch of {inputs[0].shape[0]} sequences does not split into "
                                 f"{n} microbatches; use a batch divisible by {n}")
         scale = FP16_LOSS_SCALE if self.plan.training.dtype == "fp16" else 1.0
         total = None
-        for chunk in batch.chunk(n):
-            loss = self.loss(chunk)
+        for chunk in zip(*(x.chunk(n) for x in inputs)):
+            loss = self.loss(*chunk)
             (loss * (scale / n)).backward()
             total = loss.detach() if total is None else total + loss.detach()
         ok = self._sync_grads(scale)
+        return float(total.full_tensor().item()) / n, ok
+
+    def train_step(self, batch, optimizer: torch.optim.Optimizer, *,
+                   grads_out: dict | None = None) -> float:
+        """Forward and backward of every microbatch, gradient sync, optimizer step.
+        ``grads_out`` (a dict) receives every gradient as a full tensor, by FQN."""
+        loss, ok = self.forward_backward(batch)
         if grads_out is not None:
             for fqn, p in self.optimizer_params().items():
                 if p.grad is not None:
@@ -189,7 +199,7 @@ class ParallelModel:
         optimizer.zero_grad(set_to_none=True)
         for p in self.unique_params():
             p.grad = None
-        return float(total.full_tensor().item()) / n
+        return loss
 
     def _sync_grads(self, scale: float) -> bool:
         finite = True
@@ -265,7 +275,7 @@ class ParallelModel:
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
                 loss_fn=None, program: "TracedProgram | None" = None,
-                lowered: bool = True) -> ParallelModel:
+                lowered: bool = True, signature=None) -> ParallelModel:
     """Place ``model`` (real weights, on CPU) on the current process group per ``plan``.
 
     ``program`` reuses the trace of an earlier call on the same model and shapes
@@ -278,7 +288,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
         from meshplan.runtime.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(model, plan, example_inputs, loss_fn=loss_fn,
-                                    lowered=lowered)
+                                    lowered=lowered, signature=signature)
     if dist.get_world_size() != plan.num_devices:
         raise PlanFileError(f"plan needs {plan.num_devices} processes, this run has "
                             f"{dist.get_world_size()}; launch with --nproc_per_node "
@@ -287,9 +297,9 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     # with the plan (a trace on CPU differs in no-op layout ops such as contiguous).
     meta_inputs = tuple(torch.empty_like(x, device="meta") for x in example_inputs)
     if program is None or program.microbatches != plan.training.microbatches:
-        ep = export_training_graph(meta_copy(model), meta_inputs, loss_fn)
+        ep = export_training_graph(meta_copy(model), meta_inputs, loss_fn, signature=signature)
         graph = graph_from_export(ep, model)
-        ep = microbatch_program(model, plan, ep, meta_inputs, loss_fn)
+        ep = microbatch_program(model, plan, ep, meta_inputs, loss_fn, signature)
         program = TracedProgram(ep, graph, plan.training.microbatches)
     ep, graph = program.exported, program.graph
     plan.check_model(graph.fingerprint)
@@ -311,7 +321,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     return pm
 
 
-def microbatch_program(model, plan: Plan, ep, meta_inputs, loss_fn):
+def microbatch_program(model, plan: Plan, ep, meta_inputs, loss_fn, signature=None):
     """The exported graph at the microbatch shape (views in the graph carry global shapes)."""
     n = plan.training.microbatches
     if n == 1:
@@ -320,7 +330,7 @@ def microbatch_program(model, plan: Plan, ep, meta_inputs, loss_fn):
         raise PlanFileError(f"global batch {meta_inputs[0].shape[0]} does not split into "
                             f"{n} microbatches")
     micro = tuple(x[: x.shape[0] // n] for x in meta_inputs)
-    ep_micro = export_training_graph(meta_copy(model), micro, loss_fn)
+    ep_micro = export_training_graph(meta_copy(model), micro, loss_fn, signature=signature)
     names = [n_.name for n_ in ep.graph.nodes]
     if [n_.name for n_ in ep_micro.graph.nodes] != names:
         raise NotSupportedError("the model traces to a different graph at the microbatch "
@@ -339,17 +349,39 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
             fqn = name.removeprefix(_WRAPPER_PREFIX)
             if fqn not in stage.params:
                 raise PlanFileError(f"the plan places no parameter {fqn}; re-plan this model")
-            tensor = real[fqn].detach().to(device_type, torch.float32)
-            by_id[id(meta_param)] = nn.Parameter(
-                distribute_tensor(tensor, mesh, to_placements(storage_placements(stage, fqn))))
+            by_id[id(meta_param)] = nn.Parameter(place_tensor(
+                real[fqn], mesh, to_placements(storage_placements(stage, fqn)), device_type,
+                torch.float32))
         params[name] = by_id[id(meta_param)]
     real_buffers = dict(model.named_buffers(remove_duplicate=False))
     for name, _ in gm.named_buffers(remove_duplicate=False):  # e.g. rotary inv_freq
         fqn = name.removeprefix(_WRAPPER_PREFIX)
         if fqn in real_buffers:
-            params[name] = distribute_tensor(real_buffers[fqn].to(device_type), mesh,
-                                             [Replicate()] * mesh.ndim)
+            params[name] = place_tensor(real_buffers[fqn], mesh, [Replicate()] * mesh.ndim,
+                                        device_type)
     return params
+
+
+def place_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements, device,
+                 dtype: torch.dtype | None = None) -> DTensor:
+    """``tensor`` as a DTensor with ``placements``. A tensor on the meta device (a model built
+    under ``torch.device("meta")``) gets an uninitialised local shard and nothing else: the
+    weights come later (meshplan.parallelize's load_full_state_dict or init_weights)."""
+    dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    if tensor.is_meta:
+        shape, _ = compute_local_shape_and_global_offset(tensor.shape, mesh, placements)
+        local = torch.empty(shape, dtype=dtype, device=device)
+        return DTensor.from_local(local, mesh, placements, run_check=False,
+                                  shape=tensor.shape, stride=_contiguous(tensor.shape))
+    return distribute_tensor(tensor.detach().to(device, dtype), mesh, placements)
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    stride, out = 1, []
+    for s in reversed(tuple(shape)):
+        out.append(stride)
+        stride *= s
+    return tuple(reversed(out))
 
 
 def _texts(placements) -> tuple[str, ...]:

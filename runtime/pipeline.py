@@ -45,7 +45,7 @@ from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
-from meshplan.runtime.parallelize import meta_copy, runnable_graph_module
+from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module
 from meshplan.runtime.pipeline_split import StageGraph, split_stages
 from meshplan.runtime import lowering
 from meshplan.runtime.spmd import stage_executor, to_placements
@@ -327,12 +327,13 @@ class PipelineModel:
     tie_groups: list = field(default_factory=list)  # (process group, [parameters])
     device: torch.device = torch.device("cpu")
 
-    def forward_backward(self, batch: torch.Tensor) -> float:
-        """Run the schedule on one global batch; gradients are left in ``.grad``. Returns the
-        mean loss over the global batch (on every rank)."""
-        batch = batch.to(self.device)
+    def forward_backward(self, batch) -> float:
+        """Run the schedule on one global batch (a tensor or the tuple of flat graph inputs);
+        gradients are left in ``.grad``. Returns the mean loss over the global batch (on
+        every rank)."""
+        inputs = tuple(x.to(self.device) for x in (batch if isinstance(batch, tuple) else (batch,)))
         losses: list = []
-        self.schedule.step(batch, target=batch, losses=losses, return_outputs=False)
+        self.schedule.step(*inputs, target=inputs[0], losses=losses, return_outputs=False)
         self._finish_grads()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
@@ -401,7 +402,7 @@ class PipelineModel:
 
 def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
                          loss_fn=None, graph: OpGraph | None = None,
-                         lowered: bool = True) -> PipelineModel:
+                         lowered: bool = True, signature=None) -> PipelineModel:
     """Place ``model`` (real weights, on CPU) on the current process group as the pipeline
     ``plan`` describes; ``example_inputs`` is one global batch. Pass ``graph`` (the model's
     trace at that batch, meshplan.trace) to skip re-tracing for the fingerprint check."""
@@ -417,13 +418,14 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     meta_model = meta_copy(model)
     meta_inputs = tuple(torch.empty_like(x, device="meta") for x in example_inputs)
     if graph is None:
-        graph = graph_from_export(export_training_graph(meta_model, meta_inputs, loss_fn), model)
+        graph = graph_from_export(export_training_graph(meta_model, meta_inputs, loss_fn,
+                                                        signature=signature), model)
     plan.check_model(graph.fingerprint)
     if plan.training.virtual_stages > 1 and lists_rank_groups(plan):
         plan = expand_interleaved(plan, graph)
     layout = pipeline_layout(plan)
     micro_inputs = tuple(x[:layout.microbatch_batch] for x in meta_inputs)
-    ep = export_training_graph(meta_model, micro_inputs, loss_fn)
+    ep = export_training_graph(meta_model, micro_inputs, loss_fn, signature=signature)
     device = _device()
     gm = runnable_graph_module(ep, device_type=device.type)
     pieces = split_stages(gm.graph, [st.nodes for st in plan.stages])
@@ -503,9 +505,8 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
                                     "it no placement in that stage; re-plan with this model")
             tensor = real[fqn]
             if id(tensor) not in placed:
-                local = tensor.detach().to(device)
                 placed[id(tensor)] = nn.Parameter(
-                    distribute_tensor(local, mesh, to_placements(listed[0])),
+                    place_tensor(tensor, mesh, to_placements(listed[0]), device),
                     requires_grad=tensor.requires_grad)
             elif [str(p) for p in placed[id(tensor)].placements] != \
                     [str(p) for p in to_placements(listed[0])]:

@@ -64,7 +64,7 @@ def _run_stages(gm: torch.fx.GraphModule, stages, inputs):
 def tiny():
     torch.manual_seed(0)
     model = Tiny()
-    ep = export_training_graph(model, (torch.randn(2, 4),), loss_fn=lambda out, x: out)
+    ep = export_training_graph(model, (torch.randn(2, 4),), loss_fn=lambda out: out)
     gm = runnable_graph_module(ep, device_type="cpu")
     last = next(n.name for n in gm.graph.nodes if n.op == "call_function"
                 and any(a.op == "get_attr" and a.target.endswith(".w") for a in n.args
@@ -184,7 +184,7 @@ class WrittenLater(nn.Module):
 
 def test_a_value_written_in_place_later_is_not_shape_only():
     model = WrittenLater()
-    ep = export_training_graph(model, (torch.randn(4, 4),), loss_fn=lambda out, x: out)
+    ep = export_training_graph(model, (torch.randn(4, 4),), loss_fn=lambda out: out)
     gm = runnable_graph_module(ep, device_type="cpu")
     only = shape_only_nodes(gm.graph)
     writes = [n for n in gm.graph.nodes if n.op == "call_function"
