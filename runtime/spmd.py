@@ -45,7 +45,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from meshplan.errors import NotSupportedError
 from meshplan.runtime import lowering
-from meshplan.runtime.pipeline_split import writes_in_place
+from meshplan.runtime.pipeline_split import writes_in_place, written_attrs
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
     from torch.utils.checkpoint import _StopRecomputationError
@@ -202,6 +202,16 @@ class SPMDExecutor(fx.Interpreter):
         self.compute_dtype = COMPUTE_DTYPES[dtype]
         self.segments = split_segments(gm, block_prefix) if recompute != "none" else \
             [Segment(tuple(gm.graph.nodes))]
+        written = set(written_attrs(gm.graph, gm)) if recompute != "none" else set()
+        for seg in self.segments:
+            writer = next((n for n in seg.nodes if seg.layer >= 0 and n.op == "call_function"
+                           and writes_in_place(n.target)
+                           and any(a in written for a in n.all_input_nodes)), None)
+            if writer is not None:
+                raise NotSupportedError(
+                    f"recompute={recompute!r} re-runs operator {writer.name} ({writer.target}), "
+                    "which updates buffers in place (BatchNorm's running statistics would be "
+                    "updated twice); plan this model with recompute='none'")
         self.stats = ExecStats()
         self.record = record
         self.lowered = lowered
@@ -393,8 +403,6 @@ class SPMDExecutor(fx.Interpreter):
 
     def _buffers_written(self) -> list[torch.Tensor]:
         """Local tensors of the buffers some operator of the graph updates in place."""
-        from meshplan.runtime.pipeline_split import written_attrs
-
         out = []
         for g in written_attrs(self.module.graph, self.module):
             value = self.fetch_attr(g.target)

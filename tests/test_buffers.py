@@ -163,6 +163,26 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
     return out
 
 
+# -- planning: batch norm never normalises a batch shard -----------------------------------
+
+def test_planner_and_manual_plans_run_batch_norm_on_the_whole_batch():
+    import meshplan
+    from meshplan.mesh import Mesh
+    from meshplan.planner.strategies import R, enumerate_strategies, op_spec
+    from meshplan.planner.trace import trace
+
+    graph = trace(build("mlp"), (batches("mlp")[0],), loss_fn=loss_fn)
+    norms = [n for n in graph.nodes if n.target == "aten.batch_norm.default"]
+    assert len(norms) == 3
+    for node in norms:  # one candidate: every input and the output replicated
+        (only,) = enumerate_strategies(op_spec(graph, node), (2, 2))
+        assert set(only.output) == {R} and all(set(pl) == {R} for pl in only.inputs)
+    plan = meshplan.manual_plan(build("mlp"), Mesh.local(4), graph=graph, dp=2, tp=2,
+                                microbatch_size=4, dtype="fp32")
+    for node in norms:
+        assert all(pl == ("R", "R") for pl in plan.stages[0].ops[node.name].inputs)
+
+
 # -- the single-process reference -----------------------------------------------------------
 
 def reference(model_name: str, microbatches: int) -> dict:
