@@ -22,7 +22,9 @@ Placements come from propagating two rules through the graph in order (Shoeybi e
 - P is resolved at its first non-view consumer: all-reduce to R, or, with sequence
   parallelism, reduce-scatter to S(seq) (the norms, dropouts and residual adds then run
   sequence-split, and the next column-parallel matmul all-gathers);
-- views, elementwise ops and attention carry a split dim through (views by shape).
+- views, elementwise ops and attention carry a split dim through (views by shape);
+- batch norm reads its input replicated (all-gathered) so its statistics are the global
+  batch's; its output stays batch-split on dp (each rank keeps its slice).
 ZeRO-3 stores each weight S(d) on dp (the first dim dp divides) and ops read it R.
 """
 
@@ -36,6 +38,7 @@ from meshplan.costmodel.estimate import estimate_plan, with_stage_predictions
 from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
 from meshplan.planner.graph import OpGraph, OpKind, OpNode
+from meshplan.planner.strategies import BATCH_NORMS
 from meshplan.plan import RECOMPUTE, SCHEDULES, Estimate, OpPlacement, Plan, SolverInfo, Stage, shard_dim
 
 NAME = "manual"
@@ -235,6 +238,10 @@ def map_view_dim(node: OpNode, in_shape: tuple[int, ...], d: int) -> int | None:
     return None
 
 
+def is_batch_norm(node: OpNode) -> bool:
+    return node.target.rsplit(".", 1)[0].removeprefix("aten.") in BATCH_NORMS
+
+
 class Propagator:
     """Megatron-style placements of a graph's operators for (dp, tp, sp, zero), walked in
     graph order from the inputs; the planner's stage pricing (planner/stagecost.py) reuses
@@ -279,7 +286,13 @@ class Propagator:
         dp_out = (("P" if out_rank == 0 else "S(0)") if dp_split else R)
         consumed = [list(p) for p in ins]
         tp_out = R
-        if self.tp > 1 and node.kind != OpKind.CREATION:
+        if is_batch_norm(node):
+            # statistics of the global batch (SyncBatchNorm's): the input is gathered on
+            # every axis and normalised whole, and each rank's consumers slice their batch
+            # shard back (planner/strategies.py gives batch norm the same single strategy)
+            consumed = [[R, R] for _ in ins]
+            tp_out = R
+        elif self.tp > 1 and node.kind != OpKind.CREATION:
             tp_out = self._tp_rule(node, ins, is_param, consumed, acts)
         for k, p in enumerate(is_param):
             if p:

@@ -27,6 +27,10 @@ narrower one (listed as ``PROJECT_RULES``):
 - ``linear`` / ``matmul`` / ``einsum``: composite in DTensor (decomposed at dispatch); here
   priced as one einsum with the same per-axis candidates as their ``mm`` decomposition;
 - ``rms_norm``: the same candidates as ``layer_norm``;
+- ``batch_norm`` (training): replicated only, so its statistics are those of the global
+  batch (an input split on the batch is all-gathered first, which the solver prices);
+  DTensor's channel split is left out because the running statistics are stored replicated
+  and updated in place;
 - follower views (``view``/``reshape``/``transpose``/``permute``/``split``/...): the output
   placement follows the input's; a split of a sharded dimension the view cannot keep is first
   gathered (``Replicate``), as DTensor's view rule does.
@@ -50,7 +54,10 @@ Placement = tuple[int, ...]  # one entry per mesh axis
 
 PROJECT_RULES = ("aten.scaled_dot_product_attention", "aten.cross_entropy_loss",
                  "aten.nll_loss", "aten.linear", "aten.matmul", "aten.einsum",
-                 "aten.rms_norm", "follower views")
+                 "aten.rms_norm", "aten.batch_norm", "follower views")
+# Batch normalisation in training (running statistics updated in place): replicated only.
+BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit_functional",
+               "_native_batch_norm_legit", "instance_norm")
 
 
 def placement_str(pl: Placement) -> tuple[str, ...]:
@@ -188,6 +195,13 @@ def op_spec(graph: OpGraph, node: OpNode) -> OpSpec | None:
         return None  # a tensor passed twice: positions are ambiguous, replicate
     op = node.target.rsplit(".", 1)[0]
     name = op.removeprefix("aten.")
+    if name in BATCH_NORMS:
+        # Statistics over the whole batch (SyncBatchNorm's semantics): the batch and spatial
+        # dims are never split. DTensor could split channels, but the running statistics
+        # are stored replicated and updated in place; a channel shard would update a copy.
+        return OpSpec(sizes=tuple(out), splittable=(False,) * len(out),
+                      operands=(None,) * len(node.inputs), output=tuple(range(len(out))),
+                      rule="meshplan:batch_norm (global statistics, replicated)")
     if name in ("mm", "bmm", "addmm", "baddbmm"):
         core = {"mm": "mk,kn->mn", "addmm": "mk,kn->mn", "bmm": "bmk,bkn->bmn",
                 "baddbmm": "bmk,bkn->bmn"}[name]

@@ -2,7 +2,7 @@
 
 trace -> cost -> solve -> plan -> **run**. A checkpoint holds what a resumed run needs to
 continue with exactly the losses of an uninterrupted one: every parameter (DTensor shards,
-each rank writes its own), the optimizer state per parameter (moments and step counts, in
+each rank writes its own) and buffer (BatchNorm's running statistics), the optimizer state per parameter (moments and step counts, in
 the placements of what the optimizer steps: the parameter, or its ZeRO-1/2 master shard)
 and the step counter. Data needs no state: the batch of step ``s`` is a function of
 (seed, s) (meshplan/specs.py ``synthetic_batch``).
@@ -61,8 +61,10 @@ def _materialise_optimizer_state(pm, optimizer) -> None:
 
 
 def state_dict(pm, optimizer, step: int) -> dict:
-    return {"model": dict(pm.optimizer_params()), "optim": _optimizer_state(pm, optimizer),
-            "step": torch.tensor(step, dtype=torch.int64)}
+    """Parameters (or their ZeRO-1/2 master shards), buffers (running statistics), optimizer
+    state and the step; DCP loads into these tensors in place."""
+    return {"model": {**pm.named_buffers(), **pm.optimizer_params()},
+            "optim": _optimizer_state(pm, optimizer), "step": torch.tensor(step, dtype=torch.int64)}
 
 
 def save(directory: str, pm, optimizer, step: int) -> str:

@@ -267,10 +267,16 @@ class ParallelModel:
         """What the optimizer steps, by FQN: the parameters, or their ZeRO-1/2 master shards."""
         return {fqn: self.masters.get(id(p), p) for fqn, p in self.named_unique_params().items()}
 
+    def named_buffers(self) -> dict[str, DTensor]:
+        """Every buffer the graph reads (BatchNorm's running statistics, rotary tables), by
+        FQN, as placed (replicated): what a checkpoint saves beside the parameters."""
+        return {name.removeprefix(_WRAPPER_PREFIX): t for name, t in self.params.items()
+                if not isinstance(t, nn.Parameter)}
+
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered to a full tensor (for tests and checkpoints)."""
-        return {name.removeprefix(_WRAPPER_PREFIX): p.full_tensor() for name, p in self.params.items()
-                if isinstance(p, nn.Parameter)}
+        """Every parameter and buffer gathered to a full tensor, by FQN (for tests and
+        checkpoints)."""
+        return {name.removeprefix(_WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
 
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,

@@ -326,6 +326,7 @@ class PipelineModel:
     params: dict  # parameter FQN (every tied alias) -> nn.Parameter(DTensor) on this rank
     tie_groups: list = field(default_factory=list)  # (process group, [parameters])
     device: torch.device = torch.device("cpu")
+    buffer_names: frozenset = frozenset()  # FQNs in ``params`` that are module buffers
 
     def forward_backward(self, batch) -> float:
         """Run the schedule on one global batch (a tensor or the tuple of flat graph inputs);
@@ -364,7 +365,13 @@ class PipelineModel:
 
     def optimizer_params(self) -> dict[str, nn.Parameter]:
         """What the optimizer steps, by FQN (as ParallelModel.optimizer_params; no ZeRO here)."""
-        return self.named_unique_params()
+        return {name: p for name, p in self.named_unique_params().items()
+                if name not in self.buffer_names}
+
+    def named_buffers(self) -> dict[str, nn.Parameter]:
+        """This rank's buffers (BatchNorm's running statistics, rotary tables) by FQN, placed
+        as frozen replicated parameters (as ParallelModel.named_buffers)."""
+        return {name: p for name, p in self.params.items() if name in self.buffer_names}
 
     @torch.no_grad()
     def _finish_grads(self) -> None:
@@ -380,7 +387,8 @@ class PipelineModel:
                 dist.all_reduce(p.grad.to_local(), group=group)
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered to a full tensor on every rank (for tests, checkpoints)."""
+        """Every parameter and buffer gathered to a full tensor on every rank, by FQN (for
+        tests, checkpoints)."""
         return self._gather(lambda p: p)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -460,7 +468,8 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
                                 scale_grads=False)
     return PipelineModel(plan=plan, layout=layout, schedule=schedule, stages=stages,
                          params=params, tie_groups=_tie_groups(model, pieces, params, layout),
-                         device=device)
+                         device=device, buffer_names=frozenset(
+                             name for name, _ in model.named_buffers(remove_duplicate=False)))
 
 
 def _device() -> torch.device:

@@ -152,6 +152,19 @@ def _pure_body(body: fx.GraphModule) -> bool:
                for n in body.graph.nodes)
 
 
+def writes_in_place(target) -> bool:
+    """Whether an operator may write its arguments (a mutable schema, or BatchNorm's
+    un-annotated update of its running statistics)."""
+    return isinstance(target, torch._ops.OpOverload) and (
+        target._schema.is_mutable or target._schema.name in _UNANNOTATED_WRITES)
+
+
+def written_attrs(graph: fx.Graph, owner: nn.Module | None) -> list[fx.Node]:
+    """``get_attr`` nodes (buffers) some operator of ``graph`` may write, in graph order."""
+    written = _written_nodes(graph, owner)
+    return [n for n in graph.nodes if n.op == "get_attr" and n in written]
+
+
 def _written_targets(graph: fx.Graph, owner: nn.Module | None) -> set[str]:
     """``get_attr`` targets some operator of ``graph`` may write."""
     return {n.target for n in _written_nodes(graph, owner) if n.op == "get_attr"}

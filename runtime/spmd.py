@@ -45,6 +45,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from meshplan.errors import NotSupportedError
 from meshplan.runtime import lowering
+from meshplan.runtime.pipeline_split import writes_in_place, written_attrs
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
     from torch.utils.checkpoint import _StopRecomputationError
@@ -201,6 +202,16 @@ class SPMDExecutor(fx.Interpreter):
         self.compute_dtype = COMPUTE_DTYPES[dtype]
         self.segments = split_segments(gm, block_prefix) if recompute != "none" else \
             [Segment(tuple(gm.graph.nodes))]
+        written = set(written_attrs(gm.graph, gm)) if recompute != "none" else set()
+        for seg in self.segments:
+            writer = next((n for n in seg.nodes if seg.layer >= 0 and n.op == "call_function"
+                           and writes_in_place(n.target)
+                           and any(a in written for a in n.all_input_nodes)), None)
+            if writer is not None:
+                raise NotSupportedError(
+                    f"recompute={recompute!r} re-runs operator {writer.name} ({writer.target}), "
+                    "which updates buffers in place (BatchNorm's running statistics would be "
+                    "updated twice); plan this model with recompute='none'")
         self.stats = ExecStats()
         self.record = record
         self.lowered = lowered
@@ -245,11 +256,14 @@ class SPMDExecutor(fx.Interpreter):
             if plan is not None:
                 check_executable(n, args)
             recorder = lowering.Recorder() if self._building else None
+            written = self._written_buffers(n, moved) if self._building else {}
+            before = {a: t.clone() for a, t in written.items()}
             if recorder is None:
                 out = self.call_function(n.target, args, kwargs)
             else:
                 with recorder:
                     out = self.call_function(n.target, args, kwargs)
+            updates = {a: (before[a], t.clone()) for a, t in written.items()}
         if self.record:
             self._observe(n, moved, out)
         if plan is not None and isinstance(out, DTensor) and plan.output and \
@@ -258,8 +272,29 @@ class SPMDExecutor(fx.Interpreter):
                                                     placement_texts(out.placements))
         settled = self._settle(out)
         if self._building:
-            self._lower(n, moved, args, kwargs, settled, recorder.calls if settled is out else None)
+            self._lower(n, moved, args, kwargs, settled, recorder.calls if settled is out else None,
+                        updates={a: (written[a], *u) for a, u in updates.items()})
         return settled
+
+    def _written_buffers(self, n: fx.Node, moved: dict) -> dict:
+        """Buffers ``n`` updates in place (BatchNorm's running statistics) -> their local
+        tensors. The update must land in the stored buffer, so a plan that redistributes
+        one first (its copy would be updated and dropped) is refused."""
+        if n.op != "call_function" or not writes_in_place(n.target):
+            return {}
+        out = {}
+        for a in n.all_input_nodes:
+            value = self.env.get(a)
+            if a.op != "get_attr" or not isinstance(value, DTensor) or value.requires_grad:
+                continue
+            if moved[a] is not value:
+                raise NotSupportedError(
+                    f"operator {n.name} ({n.target}) updates buffer {a.target} in place, but "
+                    f"the plan moves it from {list(placement_texts(value.placements))} to "
+                    f"{list(placement_texts(moved[a].placements))}, which would update a copy; "
+                    "plan this input in its stored placement (R)")
+            out[a] = value._local_tensor
+        return out
 
     def _settle(self, out):
         if isinstance(out, DTensor) and any("MaskPartial" in type(p).__name__
@@ -301,7 +336,8 @@ class SPMDExecutor(fx.Interpreter):
                 f"{exc}. 'P' targets are only reachable from 'P' or 'R'") from None
 
     # -- lowering: the first call builds the local program (runtime/lowering.py) -----------
-    def _lower(self, n: fx.Node, moved: dict, args, kwargs, out, calls) -> None:
+    def _lower(self, n: fx.Node, moved: dict, args, kwargs, out, calls, *,
+               updates: dict) -> None:
         moves = {a: (self.env[a]._spec, v._spec) for a, v in moved.items()
                  if isinstance(v, DTensor) and v is not self.env[a]}
         step = lowering.Step(n, moves, lowering.spec_tree(out))
@@ -317,21 +353,21 @@ class SPMDExecutor(fx.Interpreter):
         # shard fails on some ranks only).
         if ok:
             ok = self._try_lowering(step, moved, out, "aten" if lowering.aten_step(
-                step, n, args, kwargs) else "call")
+                step, n, args, kwargs) else "call", updates)
             if not ok and calls:
                 recorded = lowering.record_steps(calls, moved, out)
                 if recorded is not None:
                     step.subs, step.result = recorded
                     step.kind = "recorded"
-                    ok = lowering.agree_across(self.mesh, [lowering.check_recorded(
-                        step, calls)])[0]
+                    ok = lowering.agree_across(self.mesh, [_same_updates(
+                        updates, lambda: lowering.check_recorded(step, calls))])[0]
                     step.why = "" if ok else "its recorded decomposition differs from DTensor's"
         if not ok:
             step.kind = "dtensor"
 
-    def _try_lowering(self, step, moved: dict, out, kind: str) -> bool:
+    def _try_lowering(self, step, moved: dict, out, kind: str, updates: dict) -> bool:
         """Run ``step`` as ``kind`` on the reference's local inputs; True if it reproduces
-        the reference's local output."""
+        the reference's local output and its in-place buffer updates (``updates``)."""
         step.kind = kind
         if kind == "call":
             step.extra = lowering.broadcast_moves(step.node, moved, out)
@@ -339,7 +375,7 @@ class SPMDExecutor(fx.Interpreter):
                "recorded": lowering.run_recorded}[kind]
         local = {a: lowering.local_tree(v) for a, v in moved.items()}
         try:  # moves come first in run(), so a local failure skips no collective
-            ok = lowering.agrees(run(step, local.__getitem__), out)
+            ok = _same_updates(updates, lambda: lowering.agrees(run(step, local.__getitem__), out))
             step.why = "" if ok else f"its local result ({kind}) differs from DTensor's"
         except Exception as exc:  # noqa: BLE001 - the local call does not reproduce DTensor
             ok = False
@@ -349,15 +385,30 @@ class SPMDExecutor(fx.Interpreter):
     def build(self, *inputs) -> None:
         """Run the reference once (no grad) and lower every operator it can."""
         self.steps, self.specs, self._building = {}, {}, True
+        # the reference run (and each lowering attempt) updates the running statistics; the
+        # replay that follows this build is the call's one update
+        saved = [(t, t.clone()) for t in self._buffers_written()]
         try:
             with torch.no_grad():
                 self._run_reference(*inputs, checkpointed=False)
         finally:
             self._building = False
+            with torch.no_grad():
+                for t, value in saved:
+                    t.copy_(value)
         self._hoist()
         self.constant = constant_nodes(self.module)
         self.stats.on_dtensor = [s.node.name for s in self.steps.values() if s.kind == "dtensor"]
         self.stats.lowered = len(self.steps) - len(self.stats.on_dtensor)
+
+    def _buffers_written(self) -> list[torch.Tensor]:
+        """Local tensors of the buffers some operator of the graph updates in place."""
+        out = []
+        for g in written_attrs(self.module.graph, self.module):
+            value = self.fetch_attr(g.target)
+            if isinstance(value, torch.Tensor) and not value.requires_grad:
+                out.append(value._local_tensor if isinstance(value, DTensor) else value)
+        return out
 
     def _hoist(self) -> None:
         """Parameters every consumer gathers the same way (ZeRO-3) are gathered once, and
@@ -603,6 +654,22 @@ class SPMDExecutor(fx.Interpreter):
         outs = checkpoint(block, *(self.env[i] for i in seg.inputs), use_reentrant=False,
                           **kwargs)
         self.env.update(zip(seg.outputs, outs))
+
+
+def _same_updates(updates: dict, attempt) -> bool:
+    """``attempt()`` (a lowering trial that may update buffers in place) run from the
+    buffers as the reference found them; True if it also left them as the reference did.
+    The buffers end as the reference left them. ``updates``: node -> (local tensor,
+    before, after)."""
+    with torch.no_grad():
+        for t, before, _ in updates.values():
+            t.copy_(before)
+        try:
+            ok = attempt()
+            return ok and all(lowering.agrees(t, after) for t, _, after in updates.values())
+        finally:
+            for t, _, after in updates.values():
+                t.copy_(after)
 
 
 FOLD_LIMIT_BYTES = 256 * 2**20  # folded constants held beyond a call (masks, rotary tables)
