@@ -13,9 +13,8 @@ a checkpoint, loads it into a freshly placed model and reports the state it got 
 Layers before a BatchNorm have no bias, as in ResNets: its gradient is zero up to rounding,
 which Adam's normalised update would turn into steps of random sign.
 
-Labels: the runtime's ``loss_fn(output, *inputs)`` gets no separate targets
-(``ParallelModel.train_step`` takes the batch only), so the class of a sample is derived from
-its input (the argmax of its first features).
+Labels are loss targets (``loss_fn(output, labels)``), derived from each input (the argmax of
+its first features) so that every batch has a known class per sample.
 
 Run as a script under torchrun, this file is the worker.
 """
@@ -70,9 +69,13 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def loss_fn(output, x):
-    """Cross entropy on integer labels derived from the input (see the module docstring)."""
-    return F.cross_entropy(output, x.flatten(1)[:, :CLASSES].argmax(1))
+def labels(x: torch.Tensor) -> torch.Tensor:
+    return x.flatten(1)[:, :CLASSES].argmax(1)
+
+
+def loss_fn(output, y):
+    """Cross entropy on integer labels (see the module docstring)."""
+    return F.cross_entropy(output, y)
 
 
 MODELS = {"convnet": (ConvNet, (3, 4, 4)), "mlp": (MLP, (16,))}
@@ -122,6 +125,7 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
     import meshplan
     from meshplan.mesh import Mesh
     from meshplan.runtime import checkpoint
+    from meshplan.planner.graph import CallSignature
     from meshplan.runtime.parallelize import make_optimizer, parallelize
 
     model_name, source, options = CASES[case]
@@ -129,13 +133,15 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
     mesh = Mesh.local(dist.get_world_size())
     if source == "auto":
         plan = meshplan.autoparallel(build(model_name), mesh, (data[0],), loss_fn=loss_fn,
-                                     dtype="fp32")
+                                     example_targets=(labels(data[0]),), dtype="fp32")
     else:
         plan = meshplan.manual_plan(build(model_name), mesh, (data[0],), loss_fn=loss_fn,
-                                    dtype="fp32", **options)
+                                    example_targets=(labels(data[0]),), dtype="fp32",
+                                    **options)
 
     def place():
-        return parallelize(build(model_name), plan, (data[0],), loss_fn=loss_fn)
+        return parallelize(build(model_name), plan, (data[0], labels(data[0])),
+                           loss_fn=loss_fn, signature=CallSignature(1, (), 1))
     pm = place()
     pipeline = plan.num_stages > 1
     opt = make_optimizer(pm.optimizer_params(), plan, lr=LR)
@@ -143,13 +149,13 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
     for step, x in enumerate(data):
         last = step == len(data) - 1
         if pipeline:
-            losses.append(pm.forward_backward(x))
+            losses.append(pm.forward_backward((x, labels(x))))
             if last:
                 grads = pm.full_grads()
             opt.step()
             opt.zero_grad(set_to_none=True)
         else:
-            losses.append(pm.train_step(x, opt, grads_out=grads if last else None))
+            losses.append(pm.train_step((x, labels(x)), opt, grads_out=grads if last else None))
     out = {"losses": losses, "grads": grads, "state": pm.full_state(),
            "microbatches": plan.training.microbatches,
            "plan": f"{plan.num_stages} stage(s), mesh {plan.stages[0].mesh_shape}"}
@@ -171,7 +177,8 @@ def test_planner_and_manual_plans_run_batch_norm_on_the_whole_batch():
     from meshplan.planner.strategies import R, enumerate_strategies, op_spec
     from meshplan.planner.trace import trace
 
-    graph = trace(build("mlp"), (batches("mlp")[0],), loss_fn=loss_fn)
+    x = batches("mlp")[0]
+    graph = trace(build("mlp"), (x,), example_targets=(labels(x),), loss_fn=loss_fn)
     norms = [n for n in graph.nodes if n.target == "aten.batch_norm.default"]
     assert len(norms) == 3
     for node in norms:  # one candidate: every input and the output replicated
@@ -194,7 +201,7 @@ def reference(model_name: str, microbatches: int) -> dict:
     for step, x in enumerate(batches(model_name)):
         total = 0.0
         for chunk in x.chunk(microbatches):
-            loss = loss_fn(model(chunk), chunk) / microbatches
+            loss = loss_fn(model(chunk), labels(chunk)) / microbatches
             loss.backward()
             total += loss.item()
         losses.append(total)
