@@ -28,6 +28,7 @@ The pipeline runtime (runtime/pipeline.py) builds one ``SPMDExecutor`` per stage
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -220,6 +221,8 @@ class SPMDExecutor(fx.Interpreter):
         self.hoisted: dict = {}  # get_attr node -> (src, dst): gathered once per call
         self.bucket_of: dict = {}  # get_attr node -> (mesh axis, nodes gathered together)
         self._gathered: dict = {}
+        self._frees = None  # node -> values it reads last (_last_uses)
+        self._regather = None  # the saved-tensor hooks of the current replay (_Regather)
         self.specs: dict = {}  # node -> DTensorSpec structure of its value
         self._building = False  # the first call is running the reference to lower it
         self.leaves = lowering.ParamLeaves()  # parameters as plain local autograd leaves
@@ -453,14 +456,39 @@ class SPMDExecutor(fx.Interpreter):
         if a not in self.hoisted:
             return self.env[a]
         if a not in self._gathered:
-            if a in self.bucket_of:
-                axis, members = self.bucket_of[a]
-                shards = [self.leaves.local(self.fetch_attr(m.target)) for m in members]
-                self._gathered.update(zip(members, lowering.gather_bucket(self.mesh, axis,
-                                                                          shards)))
-            else:
-                self._gathered[a] = lowering.move(self.env[a], *self.hoisted[a])
+            shards = self._shards(a)
+            gathered = self._gather(a, shards)
+            self._gathered.update(gathered)
+            if self._regather is not None:
+                self._regather.register(gathered, shards)
         return self._gathered[a]
+
+    def _shards(self, a: fx.Node) -> list:
+        """The local shards ``_gather`` reads for ``a``'s bucket (kept by the regather hooks:
+        the module's attributes are the parameters only while the call runs)."""
+        if a in self.bucket_of:
+            return [self.leaves.local(self.fetch_attr(m.target)) for m in self.bucket_of[a][1]]
+        return [self.env[a]]
+
+    def _gather(self, a: fx.Node, shards: list) -> dict:
+        """ZeRO-3: the full parameter(s) of ``a``'s bucket (one collective per bucket)."""
+        if a in self.bucket_of:
+            axis, members = self.bucket_of[a]
+            return dict(zip(members, lowering.gather_bucket(self.mesh, axis, shards)))
+        return {a: lowering.move(shards[0], *self.hoisted[a])}
+
+    def _last_uses(self) -> dict:
+        """node -> the values whose last reader it is (graph order), so the replay drops
+        each value (and each gathered ZeRO-3 parameter) as soon as nothing needs it."""
+        if self._frees is None:
+            last = {}
+            for n in self.module.graph.nodes:
+                for a in n.all_input_nodes:
+                    last[a] = n
+            self._frees = {}
+            for a, n in last.items():
+                self._frees.setdefault(n, []).append(a)
+        return self._frees
 
     # -- the whole fragment ---------------------------------------------------------------
     def run(self, *inputs):
@@ -506,13 +534,21 @@ class SPMDExecutor(fx.Interpreter):
 
     def _replay(self, inputs):
         collect = self._collecting = self._fold_check()
-        with implicit_replication(), self._autocast():
+        regather = self.hoisted and torch.is_grad_enabled()
+        self._regather = _Regather(self) if regather else None
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._regather.pack,
+                                                         self._regather.unpack) \
+            if regather else nullcontext()
+        with implicit_replication(), self._autocast(), hooks:
             self.env, self._gathered = {}, {}
             self.args_iter = iter(inputs)
             try:
                 out = self._run_segments(self._replay_node, True)
             finally:
                 self._gathered, self._collecting = {}, False
+                if self._regather is not None:
+                    self._regather.forward_done()
+                self._regather = None
         if collect:
             self._fold_done()
         return out
@@ -571,6 +607,8 @@ class SPMDExecutor(fx.Interpreter):
             if checkpointed and seg.layer >= 0 and self.recompute != "none":
                 self._run_checkpointed(seg, run_node)
                 continue
+            frees = self._last_uses() if run_node == self._replay_node and \
+                len(self.segments) == 1 else {}
             for node in seg.nodes:
                 if node.op == "output":
                     value = self.fetch_args_kwargs_from_env(node)[0][0]
@@ -579,6 +617,10 @@ class SPMDExecutor(fx.Interpreter):
                             node.args[0], lambda a: self.specs.get(a)))
                     return self.module.graph.process_outputs(value)
                 self.env[node] = run_node(node)
+                for a in frees.get(node, ()):  # nothing reads these again in this call
+                    self.env.pop(a, None)
+                    if self._gathered.pop(a, None) is not None and self._regather is not None:
+                        self._regather.release(a)
         raise AssertionError("graph has no output node")
 
     def _replay_node(self, n: fx.Node):
@@ -654,6 +696,68 @@ class SPMDExecutor(fx.Interpreter):
         outs = checkpoint(block, *(self.env[i] for i in seg.inputs), use_reentrant=False,
                           **kwargs)
         self.env.update(zip(seg.outputs, outs))
+
+
+class _Regather:
+    """Saved-tensor hooks that keep ZeRO-3's gathered parameters out of what autograd saves:
+    a saved tensor living in a gathered parameter's storage is packed as a ticket (which
+    parameter, and the view's size, stride and offset) and gathered again when the backward
+    unpacks it, one bucket at a time. So a block's full parameters live only while the block
+    runs, forward or backward, as with FSDP's reshard-after-forward (Rajbhandari et al.
+    2020, ZeRO stage 3); the backward pays a second all-gather per bucket, which the cost
+    model prices (costmodel/estimate.py, ZeRO-3 gathers). Storages are matched by address
+    only while the gathered tensor is alive (``release`` forgets it when it is dropped)."""
+
+    def __init__(self, executor: "SPMDExecutor"):
+        self.executor = executor
+        self.by_storage: dict[int, tuple[fx.Node, int]] = {}  # storage address -> (node, -)
+        self.live: dict[fx.Node, int] = {}
+        self.shards: dict[fx.Node, list] = {}  # node -> the local shards its bucket gathers
+        self.cache: tuple = (None, {})  # the last bucket gathered again in backward
+
+    def register(self, gathered: dict, shards: list) -> None:
+        for node, tensor in gathered.items():
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr:  # empty tensors have no storage to recognise
+                self.by_storage[ptr] = (node, 0)
+                self.live[node] = ptr
+            self.shards[node] = shards
+
+    def release(self, node: fx.Node) -> None:
+        ptr = self.live.pop(node, None)
+        if ptr is not None and self.by_storage.get(ptr, (None,))[0] is node:
+            del self.by_storage[ptr]
+
+    def forward_done(self) -> None:
+        self.by_storage, self.live = {}, {}
+
+    def pack(self, t: torch.Tensor):
+        if type(t) is not torch.Tensor or not self.by_storage:
+            return t
+        hit = self.by_storage.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return t
+        return _Ticket(hit[0], tuple(t.size()), tuple(t.stride()), t.storage_offset(),
+                       t.requires_grad)
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Ticket):
+            return packed
+        key = self.executor.bucket_of.get(packed.node, (None, (packed.node,)))[1]
+        if self.cache[0] != key:
+            with torch.no_grad():
+                self.cache = (key, self.executor._gather(packed.node, self.shards[packed.node]))
+        base = self.cache[1][packed.node]
+        return base.as_strided(packed.size, packed.stride, packed.offset)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ticket:
+    node: fx.Node
+    size: tuple
+    stride: tuple
+    offset: int
+    requires_grad: bool
 
 
 def _same_updates(updates: dict, attempt) -> bool:
