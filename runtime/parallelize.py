@@ -306,7 +306,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     if stage.zero in (1, 2):
         axes = data_parallel_axes(stage)
         for p in pm.unique_params():
-            target = to_placements(sharded_over(_texts(p.placements), axes))
+            target = to_placements(sharded_over(_texts(p.placements), axes), mesh)
             pm.masters[id(p)] = nn.Parameter(p.detach().redistribute(placements=target))
     return pm
 
@@ -341,7 +341,7 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
                 raise PlanFileError(f"the plan places no parameter {fqn}; re-plan this model")
             tensor = real[fqn].detach().to(device_type, torch.float32)
             by_id[id(meta_param)] = nn.Parameter(
-                distribute_tensor(tensor, mesh, to_placements(storage_placements(stage, fqn))))
+                distribute_tensor(tensor, mesh, to_placements(storage_placements(stage, fqn), mesh)))
         params[name] = by_id[id(meta_param)]
     real_buffers = dict(model.named_buffers(remove_duplicate=False))
     for name, _ in gm.named_buffers(remove_duplicate=False):  # e.g. rotary inv_freq
