@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard  # private: no public name
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
@@ -77,10 +78,13 @@ def to_placements(texts: Sequence[str], mesh: DeviceMesh | None = None) -> list:
 
 
 def placement_texts(placements) -> tuple[str, ...]:
-    """DTensor placements -> plan strings."""
+    """DTensor placements -> plan strings. A ``_StridedShard`` (what flattening a dim
+    sharded on a later mesh axis gives, torch 2.13: not a Shard subclass) is "S(d)": read
+    as "R" it hid a sharded value from the planned redistribution (Phi-3's logits reached
+    the loss row-sharded on tp, and nll_loss refused the uneven rows)."""
     out = []
     for p in placements:
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             out.append(f"S({p.dim})")
         elif isinstance(p, Partial):
             out.append("P")
