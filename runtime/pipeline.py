@@ -515,10 +515,10 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
             tensor = real[fqn]
             if id(tensor) not in placed:
                 placed[id(tensor)] = nn.Parameter(
-                    place_tensor(tensor, mesh, to_placements(listed[0]), device),
+                    place_tensor(tensor, mesh, to_placements(listed[0], mesh), device),
                     requires_grad=tensor.requires_grad)
             elif [str(p) for p in placed[id(tensor)].placements] != \
-                    [str(p) for p in to_placements(listed[0])]:
+                    [str(p) for p in to_placements(listed[0], mesh)]:
                 raise NotSupportedError(f"parameter {fqn} has different placements in two stages "
                                         "on the same devices; give it one placement")
             for name in names:
@@ -547,7 +547,7 @@ def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: 
 
     def spec(name):
         val = values[name].meta["val"]
-        return (to_placements(_placement_of(plan, name, values, len(mesh.shape))),
+        return (to_placements(_placement_of(plan, name, values, len(mesh.shape)), mesh),
                 tuple(val.shape), val.dtype)
     last = piece.index == num_stages - 1
     grads = needs_grad(whole)

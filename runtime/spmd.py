@@ -40,6 +40,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard  # private: no public name
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
@@ -63,20 +64,29 @@ COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAVED_IN_SELECTIVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
-def to_placements(texts: Sequence[str]) -> list:
-    """Plan strings ("R", "P", "S(d)") -> DTensor placements."""
+def to_placements(texts: Sequence[str], mesh: DeviceMesh | None = None) -> list:
+    """Plan strings ("R", "P", "S(d)") -> DTensor placements. With ``mesh``, a Shard on a
+    one-rank mesh axis becomes Replicate: the rank holds the whole dim either way, but
+    DTensor's view rules refuse to flatten or squeeze a sharded dim (a microbatch of one
+    sequence "S(0)" on a dp axis of size 1 reshaped by a linear), so a plan that shards on
+    a one-rank axis would crash at step 1."""
     out = []
-    for text in texts:
+    for axis, text in enumerate(texts):
         kind, dim = parse_placement(text)
+        if kind == "S" and mesh is not None and mesh.size(axis) == 1:
+            kind = "R"
         out.append(Replicate() if kind == "R" else Partial() if kind == "P" else Shard(dim))
     return out
 
 
 def placement_texts(placements) -> tuple[str, ...]:
-    """DTensor placements -> plan strings."""
+    """DTensor placements -> plan strings. A ``_StridedShard`` (what flattening a dim
+    sharded on a later mesh axis gives, torch 2.13: not a Shard subclass) is "S(d)": read
+    as "R" it hid a sharded value from the planned redistribution (Phi-3's logits reached
+    the loss row-sharded on tp, and nll_loss refused the uneven rows)."""
     out = []
     for p in placements:
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             out.append(f"S({p.dim})")
         elif isinstance(p, Partial):
             out.append("P")
@@ -198,7 +208,7 @@ class SPMDExecutor(fx.Interpreter):
             raise NotSupportedError(f"dtype={dtype!r}; the runtime knows {list(COMPUTE_DTYPES)}")
         self.mesh = mesh
         self.ops = ops
-        self.input_placements = [to_placements(p) for p in input_placements]
+        self.input_placements = [to_placements(p, mesh) for p in input_placements]
         self.recompute = recompute
         self.compute_dtype = COMPUTE_DTYPES[dtype]
         self.segments = split_segments(gm, block_prefix) if recompute != "none" else \
@@ -327,11 +337,12 @@ class SPMDExecutor(fx.Interpreter):
         # R -> P is DTensor-internal (an addend such as a bias joining a partial sum once):
         # keep R there and let the operator's own strategy make it Partial.
         target = tuple("R" if t == "P" and c == "R" else t for t, c in zip(plan.inputs[i], current))
+        target = placement_texts(to_placements(target, self.mesh))  # one-rank axes: R
         if current == target:
             return value
         try:
             self.stats.redistributions += 1
-            return value.redistribute(self.mesh, to_placements(target))
+            return value.redistribute(self.mesh, to_placements(target, self.mesh))
         except Exception as exc:  # noqa: BLE001 - name the node and the placements
             raise NotSupportedError(
                 f"operator {n.name} ({n.target}): cannot redistribute input {arg.name} from "
@@ -355,8 +366,13 @@ class SPMDExecutor(fx.Interpreter):
         # the same attempts and issue the same collectives (a lookup outside a rank's vocab
         # shard fails on some ranks only).
         if ok:
-            ok = self._try_lowering(step, moved, out, "aten" if lowering.aten_step(
-                step, n, args, kwargs) else "call", updates)
+            kind = "aten" if lowering.aten_step(step, n, args, kwargs) else "call"
+            # a composite run whole on local shards cannot partition or reduce inside
+            # itself; where DTensor's decomposition does, only the recorded one is exact
+            if kind == "call" and calls and lowering.partitions_or_reduces(calls):
+                ok, step.why = False, "call: DTensor partitions or reduces inside it"
+            else:
+                ok = self._try_lowering(step, moved, out, kind, updates)
             if not ok and calls:
                 recorded = lowering.record_steps(calls, moved, out)
                 if recorded is not None:
