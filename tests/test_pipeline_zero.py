@@ -4,7 +4,8 @@ One torchrun launch of 4 gloo processes (dp2 x pp2) runs, for a tiny GPT-2 (tied
 and head, so a parameter on two rank groups) and a tiny Llama, every ZeRO stage under one of
 the three schedules (each schedule meets each ZeRO stage once over the two models), plus the
 plan ``meshplan.autoparallel`` makes for the GPT-2 on ``Mesh.local(4)`` under a tight memory
-limit (pipelined, interleaved, ZeRO-1 on one stage and ZeRO-2 on the other). Each run trains
+limit (pipelined, interleaved, ZeRO-1 on one stage and ZeRO-2 on the other), and a GPT-2 plan
+with ZeRO-3 on its second stage only (the tied weight stored two ways). Each run trains
 one optimizer step and does one more forward/backward; losses, the parameters after the step
 and the last gradients are compared with one process (fp32).
 
@@ -57,6 +58,8 @@ def auto_plan(graph, model):
 # -- the worker (torchrun runs this file) ------------------------------------------------------
 
 def worker(out_path: str) -> None:
+    from dataclasses import replace
+
     import torch.distributed as dist
 
     import meshplan
@@ -75,6 +78,13 @@ def worker(out_path: str) -> None:
             results[f"{name}/zero{zero}-{schedule}"] = run(name, plan, graph)
         if name == "gpt2":
             results["gpt2/auto"] = run(name, auto_plan(graph, build_model(name, "meta")), graph)
+            # the tied embedding/head replicated on stage 0 and ZeRO-3-sharded on stage 1: its
+            # two rank groups store it differently, so their gradients meet unsharded
+            plan = meshplan.manual_plan(build_model(name, "meta"), Mesh.local(4), graph=graph,
+                                        dp=2, pp=2, schedule="1f1b", microbatch_size=2,
+                                        dtype="fp32")
+            plan = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], zero=3)))
+            results["gpt2/mixed"] = run(name, plan, graph)
     if dist.get_rank() == 0:
         torch.save(results, out_path)
     dist.destroy_process_group()
@@ -173,6 +183,12 @@ def test_zero_inside_pipeline_matches_one_process(name, zero, schedule, runs, re
     else:  # replicated storage, a sharded master per trained parameter
         assert got["dp_sharded"] == 0 and got["masters"] > 0
     _check(got, ref(name))
+
+
+def test_tied_parameter_stored_differently_on_two_rank_groups(runs, ref):
+    got = runs["gpt2/mixed"]
+    assert got["zero"] == [0, 3]
+    _check(got, ref("gpt2"))
 
 
 def test_automatic_plan_with_zero_and_pipelining_matches_one_process(runs, ref):
