@@ -24,6 +24,12 @@ over the global batch, as in one process (all microbatches have the same size). 
 schedule, gradients are redistributed to their parameters' placements (the data-parallel
 all-reduce) and a parameter read by stages on different rank groups (tied embeddings) has
 its gradient summed over those groups.
+
+ZeRO per stage, as runtime/parallelize.py does for one stage: a ZeRO-3 stage stores its
+parameters sharded over the data-parallel axes (its gradients are reduce-scattered to those
+shards), ZeRO-1/2 stages keep sharded fp32 masters that the optimizer steps (ZeRO-2's untied
+gradients reduce-scattered into them in one flat buffer, runtime/zero.py) and all-gather
+the parameters after the step. What the runtime accepts is stated in meshplan/support.py.
 """
 
 from __future__ import annotations
