@@ -203,11 +203,29 @@ def stage_layout_rule(plan: Plan) -> tuple[str, ...]:
     return tuple(out)
 
 
+def interleaved_split_rule(plan: Plan) -> tuple[str, ...]:
+    """An interleaved plan listing one record per rank group runs its blocks cut into
+    pp x v equal chunks (runtime/pipeline.expand_interleaved), whatever ranges the records
+    give: each record must then hold num_layers / pp blocks, or the plan would run otherwise
+    than it was priced."""
+    if not lists_rank_groups(plan):
+        return ()
+    pp, blocks = plan.num_stages, plan.model.num_layers
+    want = blocks // pp
+    for st in plan.stages:
+        held = st.layers[1] - st.layers[0]
+        if blocks % pp == 0 and held != want:
+            return (f"interleaved stage {st.index} holds blocks [{st.layers[0]}, "
+                    f"{st.layers[1]}) ({held}); the runtime gives each of the {pp} rank groups "
+                    f"{want} of the {blocks} blocks; cut the stages evenly or re-plan",)
+    return ()
+
+
 def plan_problems(plan: Plan) -> tuple[str, ...]:
     """Why ``plan`` cannot run (empty: it runs)."""
     if not plan.stages:
         return ("the plan has no stages; re-plan",)
-    out = stage_layout_rule(plan)
+    out = stage_layout_rule(plan) + interleaved_split_rule(plan)
     c = candidate_of(plan)
     if plan.num_stages == 1:
         # one stage: the schedule, microbatch size and interleaving are not used by the

@@ -271,7 +271,9 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
                                     b, mesh, sp)
             table_cache[key] = build_tables(classes, problem, options, b, hops,
                                             relaxed_cache if relaxed else cost_cache,
-                                            need_memory=not relaxed, layer_multiple=v) \
+                                            need_memory=not relaxed,
+                                            stage_blocks=problem.num_layers * size
+                                            // problem.num_devices if v > 1 else None) \
                 if options else None
         return table_cache[key]
 

@@ -192,3 +192,19 @@ def test_the_small_sweep_covers_pipelines_with_zero_and_interleaving(graphs):
     model, graph = graphs(GPT2_WIDE, 16)
     plan = meshplan.autoparallel(model, Mesh.local(4), graph=graph, dtype="bf16", time_limit_s=5)
     assert plan.training.schedule == "interleaved-1f1b" and plan.num_stages > 1
+
+
+def test_interleaved_records_must_hold_equal_blocks(gpt2):
+    """The runtime cuts an interleaved plan's blocks evenly (expand_interleaved); a plan whose
+    rank-group records say otherwise would run otherwise than it was priced."""
+    model, graph = gpt2
+    plan = meshplan.manual_plan(model, Mesh.local(4), graph=graph, dp=2, pp=2,
+                                microbatch_size=2, schedule="interleaved-1f1b",
+                                virtual_stages=2, dtype="fp32")
+    assert support.interleaved_split_rule(plan) == ()
+    uneven = dataclasses.replace(plan, stages=(
+        dataclasses.replace(plan.stages[0], layers=(0, 1)),
+        dataclasses.replace(plan.stages[1], layers=(1, 4))))
+    assert "each of the 2 rank groups 2 of the 4 blocks" in support.interleaved_split_rule(uneven)[0]
+    with pytest.raises(PlanFileError, match="cannot run: interleaved stage 0 holds blocks"):
+        Plan.from_json_text(uneven.to_json_text())
