@@ -226,6 +226,11 @@ class Plan:
         problems = check_consistency(plan)
         if problems:
             raise PlanFileError(f"{origin} is inconsistent: {problems[0]}")
+        from meshplan.support import plan_problems  # imports this module
+
+        problems = plan_problems(plan)
+        if problems:
+            raise PlanFileError(f"{origin} cannot run: {problems[0]}")
         return plan
 
 

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: no public local-shape helper in 2.13
 
+from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
@@ -307,6 +308,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     the lowered program (runtime/lowering.py)."""
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs inside a torchrun worker: init_process_group first")
+    support.check_plan(plan)  # what the runtime executes (meshplan/support.py)
     if plan.num_stages > 1:
         from meshplan.runtime.pipeline import parallelize_pipeline
 

@@ -74,7 +74,8 @@ def brute_force(prob: Problem, space: SearchSpace) -> float:
                     for s, (j, e) in enumerate(zip((0, *cuts), (*cuts, k))):
                         m = in_flight(schedule, s, stages, b, v)
                         ok = []
-                        if (e - j) % v:  # the interleaved schedule cuts a stage into v chunks
+                        if v > 1 and (k % (stages * v) or e - j != k // stages):
+                            # the runtime cuts the blocks into stages x v equal chunks
                             per_stage.append(ok)
                             continue
                         for opt in options:
