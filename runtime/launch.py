@@ -159,7 +159,7 @@ def run_plan(plan_path: str, *, model: str, steps: int = 5, seed: int = 0,
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers inherit the launcher's environment
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if quiet_launcher:  # the agent logs every start and stop; we print one line on failure
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        _quiet("torch.distributed.elastic")
     many = nodes.nnodes > 1
     config = LaunchConfig(min_nodes=nodes.nnodes, max_nodes=nodes.nnodes,
                           nproc_per_node=nodes.nproc_per_node,
@@ -178,6 +178,14 @@ def run_plan(plan_path: str, *, model: str, steps: int = 5, seed: int = 0,
         print("meshplan run: interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     return 0
+
+
+def _quiet(prefix: str) -> None:
+    """Silence ``prefix`` and its existing child loggers (torch's elastic loggers set their
+    own level, so the parent's level alone does not reach them)."""
+    for name in [prefix, *logging.root.manager.loggerDict]:
+        if name.startswith(prefix):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def failure_line(exc) -> str:
