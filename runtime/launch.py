@@ -152,6 +152,7 @@ def run_plan(plan_path: str, *, model: str, steps: int = 5, seed: int = 0,
     ``extra`` passes more worker options (``--checkpoint-dir``, ``--timeout-s``, ...)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     plan = Plan.from_json(plan_path)
@@ -173,6 +174,13 @@ def run_plan(plan_path: str, *, model: str, steps: int = 5, seed: int = 0,
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as exc:
         print(f"meshplan run: error: {failure_line(exc)}", file=sys.stderr, flush=True)
+        return EXIT_RANK_FAILED
+    except RendezvousError as exc:
+        cause = exc.__cause__ or exc
+        print(f"meshplan run: error: rendezvous at {config.rdzv_endpoint} failed "
+              f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
+              "start node rank 0 first and check that every node can reach the endpoint",
+              file=sys.stderr, flush=True)
         return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):
         print("meshplan run: interrupted", file=sys.stderr, flush=True)
