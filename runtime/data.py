@@ -58,19 +58,20 @@ class TokenFile:
                             f"global batch of {batch} x {seq} = {batch * seq}; use more data or "
                             "a smaller plan batch")
 
-    def batch(self, batch: int, seq: int, *, seed: int, step: int,
-              rows=None, vocab_size: int | None = None) -> torch.Tensor:
+    def batch(self, batch: int, seq: int, *, seed: int, step: int, rows=None) -> torch.Tensor:
         """The (batch, seq) int64 global batch of ``step``; only ``rows`` (default: all) are
         read from the file, the others are zero."""
         starts = window_starts(self.num_tokens, batch, seq, seed=seed, step=step).tolist()
         out = torch.zeros((batch, seq), dtype=torch.int64)
         for r in range(batch) if rows is None else rows:
             out[r] = torch.from_numpy(self._tokens[starts[r]:starts[r] + seq].astype(np.int64))
-        if vocab_size is not None and out.numel() and int(out.max()) >= vocab_size:
-            raise SpecError(f"--data {self.path} holds token id {int(out.max())} at step {step}, "
-                            f"but the model's vocabulary has {vocab_size} ids; tokenize for "
-                            "this model or check --data-dtype")
         return out
+
+    def check_vocab(self, largest_id: int, vocab_size: int, step: int) -> None:
+        if largest_id >= vocab_size:
+            raise SpecError(f"--data {self.path} holds token id {largest_id} (step {step}), but "
+                            f"the model's vocabulary has {vocab_size} ids; tokenize for this "
+                            "model or check --data-dtype")
 
 
 def rows_read_by(plan: Plan, rank: int) -> list[int]:

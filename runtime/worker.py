@@ -184,8 +184,15 @@ def batch_source(args, plan: Plan, model, rank: int):
     tokens.check_batch(b, seq)
     rows = rows_read_by(plan, rank)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    return lambda step: tokens.batch(b, seq, seed=args.seed, step=step, rows=rows,
-                                     vocab_size=vocab)
+
+    def read(step: int) -> torch.Tensor:
+        batch = tokens.batch(b, seq, seed=args.seed, step=step, rows=rows)
+        if vocab:  # every rank agrees, so a bad id fails all ranks at once, not by timeout
+            largest = torch.tensor([int(batch.max())])
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            tokens.check_vocab(int(largest), vocab, step)
+        return batch
+    return read
 
 
 if __name__ == "__main__":
