@@ -170,7 +170,10 @@ class ParallelRun:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale every gradient so that their global norm (over every rank and pipeline
         stage, each shard counted once) is at most ``max_norm``; returns the norm before."""
-        return clip_grad_norm_(self.engine, self.parameters(), max_norm, norm_type)
+        if not max_norm > 0:
+            raise DataError(f"max_norm={max_norm} must be a positive number")
+        from meshplan.runtime.grad_clip import clip_grad_norm_
+        return clip_grad_norm_(self.engine, max_norm, norm_type)
 
     # -- state -----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -438,50 +441,6 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     if init_weights is not None:
         run.init_weights(init_weights)
     return run
-
-
-# -- the global gradient norm ----------------------------------------------------------------
-
-@torch.no_grad()
-def clip_grad_norm_(engine, params: Sequence[nn.Parameter], max_norm: float,
-                    norm_type: float = 2.0) -> float:
-    """Global gradient norm over every rank and pipeline stage, then scale in place.
-
-    Each DTensor gradient contributes its local shard once: a shard replicated over mesh
-    axes is divided by their size, and a weight shared by several pipeline rank groups (tied
-    embeddings, its gradient summed over them) by their number."""
-    if max_norm <= 0:
-        raise DataError(f"max_norm={max_norm} must be positive")
-    shared = {id(p): pg for pg, ps in getattr(engine, "tie_groups", []) for p in ps}
-    inf = norm_type == float("inf")
-    total = torch.zeros((), dtype=torch.float64)
-    grads = []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        local = g.to_local() if isinstance(g, DTensor) else g
-        grads.append(local)
-        if inf:
-            total = torch.maximum(total, local.detach().abs().max().to("cpu", torch.float64))
-            continue
-        part = local.detach().to(torch.float64).abs().pow(norm_type).sum().cpu()
-        if isinstance(g, DTensor):
-            for size, pl in zip(g.device_mesh.shape, g.placements):
-                if not pl.is_shard():
-                    part /= size
-        if id(p) in shared:
-            part /= dist.get_world_size(shared[id(p)])
-        total += part
-    device = grads[0].device if grads else torch.device("cpu")
-    total = total.to(device)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-    norm = float(total) if inf else float(total) ** (1.0 / norm_type)
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-    return norm
 
 
 # -- small helpers ---------------------------------------------------------------------------
