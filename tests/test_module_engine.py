@@ -23,6 +23,11 @@ CASES = {  # name -> (model, manual_plan options, built on meta)
     "llama-dp2xtp2": ("llama", dict(dp=2, tp=2), False),
     "llama-tp4-recompute-full": ("llama", dict(tp=4, recompute="full"), False),
     "moduledict-dp2xtp2": ("toy", dict(dp=2, tp=2), False),
+    # 4 microbatches, gradient sync deferred to the last one
+    "llama-dp2xtp2-zero1-selective": ("llama", dict(dp=2, tp=2, zero=1, recompute="selective"),
+                                      False),
+    "llama-dp4-zero2": ("llama", dict(dp=4, zero=2), False),  # reduce-scatter per microbatch
+    "llama-dp2xtp2-zero3-bf16": ("llama", dict(dp=2, tp=2, zero=3, dtype="bf16"), False),
 }
 
 
@@ -199,6 +204,10 @@ def launched(tmp_path_factory):
 def test_matches_one_process(launched, name):
     kind = CASES[name][0]
     ref, got = reference(kind), launched[name]
+    if "bf16" in name:  # bf16 matmuls (fp32 master weights and reductions): ~3 digits
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=5e-3, atol=0)
+        return
     close = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **close)
     for step in range(STEPS):
