@@ -34,7 +34,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               SequenceParallel, parallelize_module)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from meshplan.errors import NotSupportedError, PlanFileError
@@ -79,7 +80,11 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
     nn.Linear weight S(0) -> ColwiseParallel (bias S(0)), S(1) -> RowwiseParallel (bias R);
     nn.Embedding S(0) -> RowwiseParallel(input_layouts=Replicate()) (vocab-parallel),
     S(1) -> ColwiseParallel. A column-parallel layer outside the repeated blocks (the output
-    head) gathers its output (Replicate), so the loss sees whole logits."""
+    head) gathers its output (Replicate), so the loss sees whole logits. With sequence
+    parallelism (Megatron's, Korthikanti et al. 2022) the residual stream is split by
+    sequence (dim 1) between the layers: the embedding and row-parallel layers reduce-scatter
+    to Shard(1), column-parallel layers all-gather Shard(1) inputs, and the norms on the
+    residual stream (tp-replicated weights of the embedding's width) are SequenceParallel."""
     stage = plan.stages[0]
     _, tp, why = _axes(stage)
     if why or tp is None:
@@ -90,6 +95,9 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
     for mname, mod in model.named_modules(remove_duplicate=False):
         for pname, p in mod.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((mname, mod, pname))
+    sp = plan.training.sequence_parallel
+    seq = dict(output_layouts=Shard(1)) if sp else {}
+    into = dict(input_layouts=Shard(1)) if sp else {}
     styles: dict = {}
     tied = ""  # reported after every layer's style is known: a missing style says more
     for fqn, p in model.named_parameters():
@@ -106,13 +114,15 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         inner = bool(blocks) and mname.startswith(blocks + ".")
         style = None
         if isinstance(mod, nn.Linear) and w_tp == "S(0)" and bias_tp in (None, "S(0)"):
-            style = ColwiseParallel() if inner else ColwiseParallel(output_layouts=Replicate())
+            style = ColwiseParallel(**into) if inner \
+                else ColwiseParallel(**into, output_layouts=Replicate())
         elif isinstance(mod, nn.Linear) and w_tp == "S(1)" and bias_tp in (None, "R"):
-            style = RowwiseParallel()
+            style = RowwiseParallel(**seq)
         elif isinstance(mod, nn.Embedding) and w_tp == "S(0)":
-            style = RowwiseParallel(input_layouts=Replicate())
+            style = RowwiseParallel(input_layouts=Replicate(), **seq)
         elif isinstance(mod, nn.Embedding) and w_tp == "S(1)":
-            style = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            style = ColwiseParallel(input_layouts=Replicate(), output_layouts=seq.get(
+                "output_layouts", Replicate()))
         if style is None:
             return {}, (f"{mname}.{pname} is {on_tp} on the tensor-parallel axis (weight "
                         f"{w_tp}, bias {bias_tp}) in a {type(mod).__name__}; the module engine "
@@ -126,7 +136,24 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
             return {}, (f"{fqn} dim of size {size} is not divisible by tp="
                         f"{stage.mesh_shape[tp]}; choose a tp that divides it")
         styles[mname] = style
-    return ({}, tied) if tied else (styles, None)
+    if tied:
+        return {}, tied
+    if sp:
+        styles.update(_sequence_parallel_norms(model, styles))
+    return styles, None
+
+
+def _sequence_parallel_norms(model: nn.Module, styles: dict) -> dict:
+    """Norms on the residual stream: tp-replicated, as wide as the embedding's output."""
+    width = {m.embedding_dim for name, m in model.named_modules()
+             if isinstance(m, nn.Embedding) and name in styles}
+    out = {}
+    for name, mod in model.named_modules():
+        weight = getattr(mod, "weight", None)
+        if name not in styles and type(mod).__name__.endswith("Norm") and \
+                isinstance(weight, torch.Tensor) and weight.numel() in width:
+            out[name] = SequenceParallel(use_local_output=True)
+    return out
 
 
 def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str | None:
@@ -149,16 +176,33 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
             shape = list(p.shape)
             shape[dim] //= n
             setattr(mod, pname, nn.Parameter(torch.empty(shape, device="meta", dtype=p.dtype)))
-        full = mod.weight.shape[0] * n if isinstance(mod, nn.Linear) else mod.weight.shape[1] * n
-        if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Replicate):
-            mod.register_forward_hook(
-                lambda _m, _a, out, full=full: out.new_empty((*out.shape[:-1], full)))
+        _shape_hooks(mod, style, n)
     try:  # exported (non-strict) as the planner traces: HF code makes data-dependent checks
         torch.export.export(_Forward(shadow), inputs, strict=False)
     except Exception as exc:  # noqa: BLE001 - any failure means "not on local shards"
         return (f"the model's forward fails on tensor-parallel local shards ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160]}); the graph engine runs this plan")
     return None
+
+
+def _shape_hooks(mod: nn.Module, style, n: int) -> None:
+    """Make the meta module's inputs and outputs the local shapes the style gives them."""
+    def resized(t, dim, factor):
+        shape = list(t.shape)
+        shape[dim] = shape[dim] * factor if factor >= 1 else shape[dim] // round(1 / factor)
+        return t.new_empty(shape)
+    if isinstance(style, SequenceParallel):
+        return
+    first = style.input_layouts[0]
+    if isinstance(first, Shard) and first.dim == 1:  # all-gather the sequence first
+        mod.register_forward_pre_hook(lambda _m, args: (resized(args[0], 1, n), *args[1:]))
+    out = style.output_layouts[0]
+    if isinstance(style, ColwiseParallel) and isinstance(out, Replicate):
+        mod.register_forward_hook(lambda _m, _a, y: resized(y, -1, n))
+    elif isinstance(style, ColwiseParallel) and isinstance(out, Shard) and out.dim == 1:
+        mod.register_forward_hook(lambda _m, _a, y: resized(resized(y, -1, n), 1, 1 / n))
+    elif isinstance(style, RowwiseParallel) and isinstance(out, Shard):
+        mod.register_forward_hook(lambda _m, _a, y: resized(y, 1, 1 / n))
 
 
 class _Forward(nn.Module):
@@ -171,6 +215,8 @@ class _Forward(nn.Module):
 
 
 def _sharded_dim(mod: nn.Module, pname: str, style) -> int | None:
+    if isinstance(style, SequenceParallel):
+        return None
     if isinstance(mod, nn.Embedding):
         return 0 if isinstance(style, RowwiseParallel) else 1
     if pname == "bias":
@@ -184,10 +230,9 @@ def _meta_inputs(plan: Plan, dp_size: int) -> tuple | None:
     rows = max(1, t.global_batch // (dp_size * t.microbatches))
     graph = plan.graph
     if graph is not None:
-        return tuple(torch.empty((rows, *m.shape[1:]), dtype=getattr(torch, m.dtype, torch.long)
-                                 if isinstance(m.dtype, str) else m.dtype, device="meta")
-                     for _, m in graph.inputs)
-    if len(plan.stages[0].inputs) == 1:
+        return tuple(torch.empty((rows, *m.shape[1:]), dtype=getattr(torch, m.dtype),
+                                 device="meta") for _, m in graph.inputs)
+    if len(plan.stages[0].inputs) == 1:  # a plan read from JSON: token ids (the CLI's inputs)
         return (torch.zeros(rows, t.seq_len, dtype=torch.long, device="meta"),)
     return None
 
@@ -202,10 +247,6 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     if t.dtype not in COMPUTE_DTYPES:
         return (f"dtype {t.dtype} needs loss scaling, which the module engine does not do; "
                 "use bf16 or fp32, or the graph engine")
-    if t.sequence_parallel:
-        return ("sequence_parallel needs the model's forward to run on a sequence-split "
-                "residual stream (HF models size masks and rotary tables from it); the graph "
-                "engine runs it")
     dp, tp, why = _axes(stage)
     if why:
         return why
@@ -444,10 +485,12 @@ class ModuleEngine:
         """Load full tensors (every rank passes them, or rank 0 only with
         ``broadcast_from_rank0``); non-persistent buffers in ``sd`` are copied too."""
         persistent = set(get_model_state_dict(self.model).keys())
-        set_model_state_dict(self.model, {k: v for k, v in sd.items() if k in persistent},
+        extra = {_clean(n) for n, _ in self.model.named_buffers()} - persistent
+        # strict: a missing weight or an unknown name raises (torch's message names it)
+        set_model_state_dict(self.model, {k: v for k, v in sd.items() if k not in extra},
                              options=StateDictOptions(full_state_dict=True,
                                                       broadcast_from_rank0=broadcast_from_rank0,
-                                                      strict=False))
+                                                      strict=not broadcast_from_rank0))
         with torch.no_grad():
             for name, buf in self.model.named_buffers():
                 if _clean(name) in sd and _clean(name) not in persistent:

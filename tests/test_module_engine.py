@@ -27,6 +27,7 @@ CASES = {  # name -> (model, manual_plan options, built on meta)
     "llama-dp2xtp2-zero1-selective": ("llama", dict(dp=2, tp=2, zero=1, recompute="selective"),
                                       False),
     "llama-dp4-zero2": ("llama", dict(dp=4, zero=2), False),  # reduce-scatter per microbatch
+    "moduledict-dp2xtp2-sp": ("toy", dict(dp=2, tp=2, sequence_parallel=True), False),
     "llama-dp2xtp2-zero3-bf16": ("llama", dict(dp=2, tp=2, zero=3, dtype="bf16"), False),
 }
 
@@ -110,6 +111,22 @@ def test_llama_and_moduledict_tensor_parallel_are_expressible(metas):
     assert isinstance(styles["head"], ColwiseParallel)  # the head gathers its logits
 
 
+def test_sequence_parallel_runs_a_plain_residual_stream_but_not_hf_llama(metas):
+    """The hand-written model splits its residual stream by sequence; HF Llama sizes its
+    rotary table from the (then local) sequence, so its shards do not line up."""
+    from meshplan.runtime.modules import module_engine_refusal, tp_styles
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    plan = plan_for(metas["toy"], dp=2, tp=2, sequence_parallel=True)
+    assert module_engine_refusal(plan, metas["toy"]) is None
+    styles, _ = tp_styles(plan, metas["toy"])
+    assert {n for n, st in styles.items() if isinstance(st, SequenceParallel)} == \
+        {"layers.0.norm", "layers.1.norm", "norm"}
+    why = module_engine_refusal(plan_for(metas["llama"], tp=4, sequence_parallel=True),
+                                metas["llama"])
+    assert why is not None and "local shards" in why
+
+
 def test_gpt2_conv1d_fused_qkv_is_refused(metas):
     from meshplan.runtime.modules import module_engine_refusal
 
@@ -156,6 +173,9 @@ def reference(kind: str) -> dict:
         opt.step()
         opt.zero_grad()
     out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():  # the first batch's logits after training (forward, not loss)
+        ids = batches(kind)[0][0]
+        out["eval"] = model(ids, use_cache=False).logits if kind == "llama" else model(ids)
     return out
 
 
@@ -186,6 +206,9 @@ def worker(path: str) -> None:
             opt.step()
             opt.zero_grad()
         got["weights"] = engine.full_state_dict()
+        ids = batches(kind)[0][0]
+        got["eval"] = engine.eval().forward((ids[:BATCH // engine.dp_size],))
+        got["dp_size"] = engine.dp_size
         results[name] = got
     if dist.get_rank() == 0:
         torch.save(results, path)
@@ -222,6 +245,9 @@ def test_matches_one_process(launched, name):
     for fqn, weight in ref["weights"].items():
         torch.testing.assert_close(got["weights"][fqn], weight, rtol=1e-5, atol=1e-2 * LR,
                                    msg=lambda m: f"{fqn}: {m}")
+    # the eval forward on rank 0's rows; logits move with the weights (same tolerance)
+    torch.testing.assert_close(got["eval"], ref["eval"][:BATCH // got["dp_size"]], rtol=1e-5,
+                               atol=1e-2 * LR)
 
 
 if __name__ == "__main__":
