@@ -68,10 +68,10 @@ def build(kind: str, device: str = "cpu") -> nn.Module:
     return parse_model_spec(LLAMA if kind == "llama" else GPT2).build(device=device)
 
 
-def plan_for(model: nn.Module, **options) -> meshplan.Plan:
+def plan_for(model: nn.Module, graph=None, **options) -> meshplan.Plan:
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
     return meshplan.manual_plan(model, meshplan.Mesh.local(4), example_inputs=(ids,),
-                                **{"pp": 1, **options})
+                                graph=graph, **{"pp": 1, **options})
 
 
 def batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -184,10 +184,16 @@ def worker(path: str) -> None:
 
     from meshplan.runtime.modules import ModuleEngine
 
+    from meshplan.planner.trace import trace
+
     dist.init_process_group("gloo")
-    results = {}
+    results, graphs = {}, {}
     for name, (kind, options, on_meta) in CASES.items():
-        holder = [plan_for(build(kind, "meta"), **options) if dist.get_rank() == 0 else None]
+        if dist.get_rank() == 0 and kind not in graphs:  # one trace per model
+            graphs[kind] = trace(build(kind, "meta"), (torch.zeros(BATCH, SEQ, dtype=torch.long,
+                                                                   device="meta"),))
+        holder = [plan_for(build(kind, "meta"), graphs.get(kind), **options)
+                  if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(holder)
         model = build(kind, "meta" if on_meta else "cpu")
         engine = ModuleEngine(model, holder[0])
