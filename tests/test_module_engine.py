@@ -157,6 +157,20 @@ def test_pipeline_and_fp16_plans_are_refused(metas):
                                            metas["llama"])
 
 
+def test_a_plan_for_another_model_is_rejected(metas):
+    from meshplan.errors import PlanFileError
+    from meshplan.runtime.modules import check_model
+
+    plan = plan_for(metas["toy"], dp=4)
+    check_model(plan, metas["toy"])
+    with pytest.raises(PlanFileError, match="places no parameter"):
+        check_model(plan, metas["llama"])
+    with torch.device("meta"):
+        wider = BiasedModuleDict(dim=48)
+    with pytest.raises(PlanFileError, match="trainable parameters"):
+        check_model(plan, wider)
+
+
 # -- 4 gloo processes against one process ------------------------------------------------------
 
 def reference(kind: str) -> dict:
