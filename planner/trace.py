@@ -313,10 +313,13 @@ def _kwarg_vals(node: torch.fx.Node) -> dict:
 # -- repeated layers ------------------------------------------------------------------------
 
 def find_repeated_blocks(model: nn.Module) -> tuple[str, int]:
-    """The ModuleList whose children hold the most parameters: the transformer blocks."""
+    """The ModuleList, or ModuleDict keyed "0", "1", ... (torchtitan's layers), whose
+    children hold the most parameters: the transformer blocks."""
     best, best_len, best_params = "", 0, 0
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+        numbered = isinstance(mod, nn.ModuleDict) and \
+            list(mod.keys()) == [str(i) for i in range(len(mod))]
+        if (isinstance(mod, nn.ModuleList) or numbered) and len(mod) > 0:
             n = sum(p.numel() for p in mod.parameters())
             if n > best_params:
                 best, best_len, best_params = name, len(mod), n
