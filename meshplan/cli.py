@@ -63,11 +63,11 @@ def cmd_plan(args) -> int:
     spec, model, inputs = _load_model_and_inputs(args)
     if args.manual:
         plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
-                                    **_manual(args.manual))
+                                    engine=args.engine, **_manual(args.manual))
     else:
         plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
                                      memory_limit_gib=args.memory_limit_gib,
-                                     time_limit_s=args.time_limit_s)
+                                     time_limit_s=args.time_limit_s, engine=args.engine)
     print(plan.summary())
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
@@ -250,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "recompute=none,sp=0,zero=0")
     p.add_argument("--memory-limit-gib", type=float, default=None)
     p.add_argument("--time-limit-s", type=float, default=30.0)
+    p.add_argument("--engine", choices=("auto", "modules", "graph"), default="auto",
+                   help="the runtime the plan names: auto picks the module engine (PyTorch's "
+                   "composables) where the plan is expressible in it")
     p.add_argument("-o", "--output", default="", help="write the plan JSON here")
     p.set_defaults(func=cmd_plan)
 

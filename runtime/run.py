@@ -86,15 +86,8 @@ class ParallelRun:
         self._forward = None
         self._uninitialized = set(uninitialized or ())
         self._aliases = _aliases(self._pristine)
-        stage = plan.stages[0]
-        self._stage_size = len(stage.devices)
         self._dp_axes = _data_parallel_axes(plan)
-        coords = _mesh_coords(dist.get_rank() % self._stage_size, stage.mesh_shape)
-        self.dp_size = 1
-        self.dp_rank = 0
-        for a in self._dp_axes:
-            self.dp_rank = self.dp_rank * stage.mesh_shape[a] + coords[a]
-            self.dp_size *= stage.mesh_shape[a]
+        self.dp_rank, self.dp_size = data_parallel_coordinate(plan, dist.get_rank())
         self._placements = _input_placements(plan)
 
     # -- what the user's loop calls ------------------------------------------------------
@@ -548,6 +541,18 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
 
 
 # -- small helpers ---------------------------------------------------------------------------
+
+def data_parallel_coordinate(plan: Plan, rank: int) -> tuple[int, int]:
+    """(dp_rank, dp_size) of global ``rank``: its row-major coordinate over the stage mesh's
+    data-parallel axes (the axes the batch is split over), the same on every stage."""
+    stage = plan.stages[0]
+    coords = _mesh_coords(rank % len(stage.devices), stage.mesh_shape)
+    dp_rank, dp_size = 0, 1
+    for a in _data_parallel_axes(plan):
+        dp_rank = dp_rank * stage.mesh_shape[a] + coords[a]
+        dp_size *= stage.mesh_shape[a]
+    return dp_rank, dp_size
+
 
 def _data_parallel_axes(plan: Plan) -> tuple[int, ...]:
     from meshplan.runtime.parallelize import data_parallel_axes

@@ -87,7 +87,8 @@ def main(argv=None) -> int:
         batch0 = synthetic_batch(model, plan.training.global_batch, plan.training.seq_len,
                                  seed=args.seed, step=0)
         rss_before = _rss_gib()
-        pm = parallelize(model, plan, (batch0,))
+        pm = ModuleWorkerModel(model, plan) if plan.engine == "modules" else \
+            parallelize(model, plan, (batch0,))
         optimizer = make_optimizer(pm.optimizer_params(), plan, lr=args.lr)
         first = 0
         if checkpoint.latest_step(args.checkpoint_dir) is not None:
@@ -175,6 +176,45 @@ def warmup_schedule(optimizer, warmup: int, first: int):
         last_epoch=first - 1)
 
 
+class ModuleWorkerModel:
+    """A plan whose engine is "modules" (PyTorch's composables) behind the interface this
+    worker drives the graph engine with: ``train_step(global batch, optimizer)``,
+    ``optimizer_params()``, ``named_buffers()``, ``unique_params()`` (runtime/checkpoint.py,
+    grad_clip.py and memory_probe.py read those). Each rank takes its data-parallel rows."""
+
+    def __init__(self, model, plan: Plan):
+        from meshplan.runtime.run import parallelize as public_parallelize
+
+        self.plan = plan
+        self.run = public_parallelize(model, plan)
+        self.tie_groups = ()
+
+    @staticmethod
+    def rows(plan: Plan, rank: int) -> range:
+        from meshplan.runtime.run import data_parallel_coordinate
+
+        dp_rank, dp_size = data_parallel_coordinate(plan, rank)
+        n = plan.training.global_batch // dp_size
+        return range(dp_rank * n, (dp_rank + 1) * n)
+
+    def train_step(self, batch: torch.Tensor, optimizer) -> float:
+        n = batch.shape[0] // self.run.dp_size
+        loss = self.run.train_step((batch[self.run.dp_rank * n:(self.run.dp_rank + 1) * n],))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def optimizer_params(self) -> dict:
+        return self.run.named_parameters()
+
+    def unique_params(self) -> list:
+        return self.run.parameters()
+
+    def named_buffers(self) -> dict:
+        from meshplan.runtime.modules import _clean
+        return {_clean(n): b for n, b in self.run.engine.model.named_buffers()}
+
+
 def batch_source(args, plan: Plan, model, rank: int):
     """step -> the global batch (this rank's rows filled in, for a token file)."""
     b, seq = plan.training.global_batch, plan.training.seq_len
@@ -182,7 +222,8 @@ def batch_source(args, plan: Plan, model, rank: int):
         return lambda step: synthetic_batch(model, b, seq, seed=args.seed, step=step)
     tokens = TokenFile(args.data, args.data_dtype)
     tokens.check_batch(b, seq)
-    rows = rows_read_by(plan, rank)
+    rows = rows_read_by(plan, rank) if plan.engine != "modules" else \
+        ModuleWorkerModel.rows(plan, rank)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
 
     def read(step: int) -> torch.Tensor:
