@@ -170,9 +170,15 @@ def trace(model: nn.Module, example_inputs: Inputs, *, loss_fn: LossFn | None = 
 def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
                       model_name: str = "") -> OpGraph:
     sig = ep.graph_signature
-    placeholder_to_param = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    # parameters, buffers and lifted tensor constants (Falcon's index tensors) are read by
+    # name like buffers; only the user's inputs are graph inputs
+    placeholder_to_param = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
+                            **sig.inputs_to_lifted_tensor_constants}
+    user_inputs = set(sig.user_inputs)
     trainable = set(sig.inputs_to_parameters.values())
-    block_path, block_len = find_repeated_blocks(model)
+    block_paths = find_block_paths(model)
+    blocks = {path: i for i, path in enumerate(block_paths)}
+    block_path, _ = find_repeated_blocks(model)
 
     params: list[ParamInfo] = []
     seen_storage: dict[int, str] = {}
@@ -190,7 +196,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
         if node.op == "placeholder":
             if node.name in placeholder_to_param:
                 param_of[node.name] = placeholder_to_param[node.name].removeprefix(_WRAPPER_PREFIX)
-            else:
+            elif node.name in user_inputs:
                 inputs.append((node.name, _tensor_meta(node.meta.get("val"))[0]))
             continue
         if node.op == "output":
@@ -199,10 +205,10 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
             continue
         if node.op != "call_function":
             continue
-        nodes.append(_make_node(node, param_of, block_path))
+        nodes.append(_make_node(node, param_of, blocks))
 
     nodes = _drop_dead_asserts(nodes)
-    fingerprints = _layer_fingerprints(nodes, block_len)
+    fingerprints = _layer_fingerprints(nodes, len(block_paths))
     return OpGraph(nodes=tuple(nodes), params=tuple(params), inputs=tuple(inputs),
                    output=output_name, layer_fingerprints=fingerprints,
                    block_module=block_path, model_name=model_name)
@@ -212,7 +218,8 @@ def _named_tensors(model: nn.Module):
     yield from model.named_parameters(remove_duplicate=False)
 
 
-def _make_node(node: torch.fx.Node, param_of: dict[str, str], block_path: str) -> OpNode:
+def _make_node(node: torch.fx.Node, param_of: dict[str, str],
+               blocks: Mapping[str, int]) -> OpNode:
     target = _target_name(node.target)
     arg_nodes = [a for a in node.all_input_nodes]
     inputs = tuple(param_of.get(a.name, a.name) for a in arg_nodes)
@@ -226,7 +233,7 @@ def _make_node(node: torch.fx.Node, param_of: dict[str, str], block_path: str) -
         flops=forward_flops(node, target), bytes_read=0 if kind == OpKind.VIEW else in_bytes,
         bytes_written=0 if kind == OpKind.VIEW else sum(m.bytes for m in outputs),
         params=params, module_path=module_path,
-        layer=_layer_index(module_path, block_path), source=_user_source(node),
+        layer=_layer_index(module_path, blocks), source=_user_source(node),
         args_repr=_args_repr(node),
     )
 
@@ -312,22 +319,63 @@ def _kwarg_vals(node: torch.fx.Node) -> dict:
 
 # -- repeated layers ------------------------------------------------------------------------
 
+STACK_SHARE = 0.25  # a further stack counts when it holds >= 1/4 of the largest one's parameters
+
+
+def find_block_paths(model: nn.Module) -> tuple[str, ...]:
+    """Module paths of the repeated blocks, one per layer index, in registration order.
+
+    A *stack* is an ``nn.ModuleList`` or ``nn.ModuleDict`` of modules that hold parameters,
+    or any other module (``nn.Sequential``) with two or more such children, all named by
+    numbers and of one class. The stack with the most parameters holds the blocks; further
+    stacks outside it and outside each other with at least ``STACK_SHARE`` of its
+    parameters count too, so the encoder and the decoder of T5 or BART are both block runs
+    (encoder blocks first: the order modules are registered in, the order they run in)."""
+    stacks = []
+    for order, (name, mod) in enumerate(model.named_modules()):
+        children = [(k, c) for k, c in mod.named_children()
+                    if next(c.parameters(), None) is not None]
+        container = isinstance(mod, (nn.ModuleList, nn.ModuleDict))
+        if not children or not container and (
+                len(children) < 2 or len({type(c) for _, c in children}) != 1
+                or not all(k.isdigit() for k, _ in children)):
+            continue
+        numel = sum(p.numel() for _, c in children for p in c.parameters())
+        stacks.append((numel, order, name, [k for k, _ in children]))
+    chosen: list[tuple[int, str, list[str]]] = []
+    for numel, order, name, keys in sorted(stacks, key=lambda s: (-s[0], s[1])):
+        if chosen and numel < STACK_SHARE * max(stacks)[0]:
+            break
+        if any(_nested(name, other) for _, other, _ in chosen):
+            continue
+        chosen.append((order, name, keys))
+    return tuple(f"{name}.{k}" if name else k for _, name, keys in sorted(chosen) for k in keys)
+
+
 def find_repeated_blocks(model: nn.Module) -> tuple[str, int]:
-    """The ModuleList whose children hold the most parameters: the transformer blocks."""
-    best, best_len, best_params = "", 0, 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_params:
-                best, best_len, best_params = name, len(mod), n
-    return best, best_len
+    """(container path, block count) of the main stack: the one holding the first block
+    among those with the most blocks (``find_block_paths``); the runtime's recompute
+    segments read blocks under this one prefix."""
+    paths = find_block_paths(model)
+    if not paths:
+        return "", 0
+    parents = [p.rpartition(".")[0] for p in paths]
+    best = max(dict.fromkeys(parents), key=parents.count)
+    return best, parents.count(best)
 
 
-def _layer_index(module_path: str, block_path: str) -> int:
-    if not block_path or not module_path.startswith(block_path + "."):
-        return -1
-    head = module_path[len(block_path) + 1:].split(".", 1)[0]
-    return int(head) if head.isdigit() else -1
+def _nested(a: str, b: str) -> bool:
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _layer_index(module_path: str, blocks: Mapping[str, int]) -> int:
+    """The layer index of the innermost block that ``module_path`` lies in, -1 outside."""
+    parts = module_path.split(".")
+    for k in range(len(parts), 0, -1):
+        layer = blocks.get(".".join(parts[:k]))
+        if layer is not None:
+            return layer
+    return -1
 
 
 def _layer_fingerprints(nodes: list[OpNode], num_layers: int) -> tuple[str, ...]:
