@@ -13,6 +13,7 @@ weight is allocated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -135,24 +136,89 @@ class TrainingModule(nn.Module):
 _WRAPPER_PREFIX = "model."
 
 
+TRACE_DEVICE = "cpu"  # the device meta models are traced for: the runtime's (gloo on CPU)
+
+
 def export_training_graph(model: nn.Module, example_inputs: Inputs,
                           loss_fn: LossFn | None = None, *, example_targets=(),
-                          signature: CallSignature | None = None,
-                          loss: bool = True) -> torch.export.ExportedProgram:
+                          signature: CallSignature | None = None, loss: bool = True,
+                          device: str = TRACE_DEVICE) -> torch.export.ExportedProgram:
     """Export model + loss with torch.export (non-strict). Raises TraceError naming the op.
 
     ``example_inputs`` is a tensor, a tuple (positional arguments) or a dict (keyword
     arguments); ``example_targets`` go only to the loss. ``signature`` says that
-    ``example_inputs`` is already flat (as ``flatten_call`` made it)."""
+    ``example_inputs`` is already flat (as ``flatten_call`` made it). A model or inputs on
+    the meta device are traced as fake tensors on ``device`` (``on_device``), so the graph
+    takes the branches the model takes there; nothing is allocated either way."""
     if signature is None:
         flat, signature = flatten_call(example_inputs, example_targets)
     else:
         flat = tuple(example_inputs)
     wrapped = TrainingModule(model, loss_fn, signature, loss=loss)
     try:
-        return torch.export.export(wrapped, flat, strict=False)
+        with on_device(model, flat, device) as (fake_flat, originals):
+            ep = torch.export.export(wrapped, fake_flat, strict=False)
+            # the program keeps the model's own (meta) tensors, not the fakes
+            for table in (ep.state_dict, ep.constants):
+                for key, t in table.items():
+                    table[key] = originals.get(id(t), t)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear TraceError
         raise TraceError(_explain_trace_failure(exc, model)) from exc
+    return ep
+
+
+@contextlib.contextmanager
+def on_device(model: nn.Module, flat: tuple[torch.Tensor, ...], device: str):
+    """Meta tensors (the model's and the inputs) as fake tensors on ``device`` while the
+    block runs; yields the inputs to trace with and {id(fake): original tensor}, and puts
+    the model's own tensors back.
+
+    Models branch on their tensors' device: transformers' MoE routing runs ``histc`` on int32
+    on any device but CPU, which CPU then cannot run (``"histogram_cpu" not implemented for
+    'Int'``). A fake tensor on CPU takes the CPU branch and allocates nothing; export adopts
+    the fake mode of its inputs. Private torch API: torch._subclasses.FakeTensorMode."""
+    tensors = [t for _, t in _module_tensors(model)] + list(flat)
+    if not any(t.is_meta for t in tensors):
+        yield flat, {}
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    memo: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:  # tied parameters stay one tensor
+            if t.is_meta:
+                with mode:
+                    f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            else:
+                f = mode.from_tensor(t)
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) \
+                if isinstance(t, nn.Parameter) else f
+            originals[id(memo[id(t)])] = t
+        return memo[id(t)]
+
+    swapped = []
+    try:
+        for table, key in _module_tensors(model, slots=True):
+            original = table[key]
+            table[key] = fake(original)
+            swapped.append((table, key, original))
+        yield tuple(fake(x) for x in flat), originals
+    finally:
+        for table, key, original in reversed(swapped):
+            table[key] = original
+
+
+def _module_tensors(model: nn.Module, *, slots: bool = False):
+    """(name, tensor) of every parameter and buffer, duplicates included; with ``slots``
+    ((its module's table, its key)) to replace it with."""
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for key, t in list(table.items()):
+                if t is not None:
+                    yield (table, key) if slots else (key, t)
 
 
 def trace(model: nn.Module, example_inputs: Inputs, *, loss_fn: LossFn | None = None,

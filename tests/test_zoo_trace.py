@@ -82,3 +82,44 @@ def test_lifted_tensor_constants_are_not_model_inputs():
     plan = meshplan.manual_plan(model, meshplan.Mesh.local(4), example_inputs=_ids(), dp=2, pp=2,
                                 graph=g)
     assert plan.training.global_batch == B and _cuts(plan) == [(0, 1), (1, 2)]
+
+
+MIXTRAL = ("transformers:mixtral?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
+           "&num_attention_heads=4&num_key_value_heads=4&vocab_size=256&num_local_experts=4"
+           "&num_experts_per_tok=2")
+OLMOE = ("transformers:olmoe?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
+         "&num_attention_heads=4&num_key_value_heads=4&vocab_size=256&num_experts=4"
+         "&num_experts_per_tok=2")
+
+
+@pytest.mark.parametrize("text", [MIXTRAL, OLMOE], ids=["mixtral", "olmoe"])
+def test_moe_graph_traced_on_meta_runs_a_training_step_on_cpu(text):
+    """On the meta device transformers' routing takes histc on int32, which CPU cannot run;
+    the trace is made for CPU, so the graph runs and equals the eager model."""
+    from meshplan.planner.trace import TrainingModule, export_training_graph, flatten_call
+    from meshplan.runtime.parallelize import runnable_graph_module
+
+    spec = parse_model_spec(text)
+    ep = export_training_graph(spec.build(), _ids())
+    assert all(v.is_meta for v in ep.state_dict.values())  # no weight was allocated
+    histc = [n for n in ep.graph.nodes if n.target is torch.ops.aten.histc.default]
+    assert histc and all(n.args[0].meta["val"].dtype.is_floating_point for n in histc)
+    gm = runnable_graph_module(ep, device_type="cpu")
+    torch.manual_seed(0)
+    model = spec.build("cpu")
+    ids = torch.randint(0, 256, (B, S))
+    params = dict(model.named_parameters())
+    state = {f"model.{k}": v for k, v in [*params.items(), *model.named_buffers()]}
+    loss = torch.func.functional_call(gm, state, (ids,))
+    grads = torch.autograd.grad(loss, list(params.values()))
+    ref = TrainingModule(model, None, flatten_call(ids)[1])(ids)
+    ref_grads = torch.autograd.grad(ref, list(params.values()))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    for name, g, r in zip(params, grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for p, g in zip(params.values(), grads):
+        p.grad = g
+    opt.step()
+    after = torch.func.functional_call(gm, state, (ids,))
+    assert after.item() < loss.item()
