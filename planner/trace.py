@@ -19,6 +19,7 @@ import inspect
 import os
 import re
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -274,6 +275,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
         nodes.append(_make_node(node, param_of, blocks))
 
     nodes = _drop_dead_asserts(nodes)
+    warn_uncounted(nodes, model_name or type(model).__name__)
     fingerprints = _layer_fingerprints(nodes, len(block_paths))
     return OpGraph(nodes=tuple(nodes), params=tuple(params), inputs=tuple(inputs),
                    output=output_name, layer_fingerprints=fingerprints,
@@ -339,16 +341,17 @@ def classify(target: str) -> OpKind:
 
 
 def forward_flops(node: torch.fx.Node, target: str) -> int:
-    """Forward FLOPs of one node.
+    """Forward FLOPs of one node (2 FLOPs per multiply-add; only matmul-class work counts).
 
-    torch.utils.flop_counter's registry has formulas for mm/addmm/bmm/baddbmm and the fused
-    attention kernels; the composite ops an exported training graph keeps (linear, matmul,
-    einsum, scaled_dot_product_attention) are counted here with the same convention
-    (2 FLOPs per multiply-add, only matmul-class work counted).
+    torch.utils.flop_counter's registry has formulas for mm/addmm/bmm/baddbmm, convolution
+    and the fused attention kernels (and any a user adds with its ``register_flop_formula``);
+    the ops an exported training graph keeps instead (linear, matmul, einsum, conv2d,
+    scaled_dot_product_attention, grouped matmuls, transformers' grouped-mm custom op) are
+    counted here with the same convention.
     """
-    from torch.utils.flop_counter import flop_registry
+    from torch.utils.flop_counter import conv_flop_count, flop_registry
 
-    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
+    vals = list(torch.fx.node.map_arg(node.args, lambda a: a.meta.get("val")))
     out = node.meta.get("val")
     packet = getattr(node.target, "overloadpacket", None)
     if packet in flop_registry:
@@ -361,21 +364,83 @@ def forward_flops(node: torch.fx.Node, target: str) -> int:
     if target in ("aten.linear.default", "aten.matmul.default"):
         k = vals[0].shape[-1]
         return 2 * out.numel() * k
+    if _CONV.search(target):
+        return int(conv_flop_count(list(vals[0].shape), list(vals[1].shape), list(out.shape),
+                                   transposed="transpose" in target))
+    if _GROUPED_MM.search(target):
+        # (tokens, K) x (experts, K, N) -> (tokens, N), or (E, M, K) x (E, K, N): each row
+        # of the input meets one expert's K x N weight
+        return 2 * vals[0].numel() * out.shape[-1]
     if target.startswith("aten.einsum"):
-        operands = vals[1]
-        total = 1
-        for d in set("".join(vals[0].split("->")[0].split(","))) - set(" "):
-            for spec, t in zip(vals[0].split("->")[0].split(","), operands):
-                if d in spec.strip():
-                    total *= t.shape[spec.strip().index(d)]
-                    break
-        return 2 * total
-    if target.startswith("aten.scaled_dot_product_attention"):
-        q, k = vals[0], vals[1]
+        return _einsum_flops(vals[0], vals[1])
+    if _ATTENTION.search(target):
+        q, k, v = vals[0], vals[1], vals[2]
         batch = q.numel() // (q.shape[-2] * q.shape[-1])
-        # QK^T and softmax(QK^T) V: two matmuls of (Sq x D) by (D x Sk)
-        return 4 * batch * q.shape[-2] * k.shape[-2] * q.shape[-1]
+        # QK^T and softmax(QK^T) V: (Sq x D) by (D x Sk), then (Sq x Sk) by (Sk x Dv)
+        return 2 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
     return 0
+
+
+_CONV = re.compile(r"^aten\.(conv[123]d|conv_transpose[123]d|conv_tbc)\.")
+_GROUPED_MM = re.compile(r"(^aten\._grouped_mm\.|\.grouped_mm(_fallback)?\.)")
+_ATTENTION = re.compile(r"^aten\.(scaled_dot_product_attention|_scaled_dot_product_\w+)\.")
+
+
+def _einsum_flops(equation: str, operands) -> int:
+    """2 x the product of every index's size (each output element sums over the rest)."""
+    spec = equation.replace(" ", "").split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for term, t in zip(spec, operands):
+        if "..." in term:  # the ellipsis stands for the leading dims not named
+            n = t.dim() - len(term.replace("...", ""))
+            term = term.replace("...", "".join(chr(0x2460 + i) for i in range(n)))
+        for letter, size in zip(term, t.shape):
+            sizes[letter] = max(sizes.get(letter, 1), int(size))
+    total = 1
+    for size in sizes.values():
+        total *= size
+    return 2 * total
+
+
+# Higher-order operators that only wrap a no-grad or autocast region (Llama's rotary
+# cos/sin): their bodies build position tables, no model work
+_STRUCTURAL = ("wrap_with_set_grad_enabled", "wrap_with_autocast", "<built-in function getitem>",
+               "getitem")
+# aten operators whose work is matmul-class: zero FLOPs for one of them means no formula
+_HEAVY = re.compile(r"^aten\.(\w*mm\w*|\w*conv\w*|einsum|\w*attention\w*|tensordot|"
+                    r"matmul|linear|bilinear)\.")
+
+
+class UncountedOperatorsWarning(UserWarning):
+    """Operators of the traced graph whose FLOPs meshplan does not know (counted as 0)."""
+
+
+def uncounted_operators(nodes: Sequence[OpNode]) -> dict[str, int]:
+    """{target: count} of the operators with no FLOPs formula that may do real work: custom
+    operators and matmul-class aten operators that came out at 0 FLOPs."""
+    out: dict[str, int] = {}
+    for n in nodes:
+        if n.flops or n.target in _STRUCTURAL or n.kind in (OpKind.VIEW, OpKind.CREATION):
+            continue
+        if not n.target.startswith("aten.") or _HEAVY.search(n.target):
+            out[n.target] = out.get(n.target, 0) + 1
+    return out
+
+
+def warn_uncounted(nodes: Sequence[OpNode], model_name: str) -> None:
+    """One warning listing every uncounted operator and its share of the graph's bytes."""
+    unknown = uncounted_operators(nodes)
+    if not unknown:
+        return
+    moved = sum(n.bytes_read + n.bytes_written for n in nodes) or 1
+    theirs = sum(n.bytes_read + n.bytes_written for n in nodes if n.target in unknown)
+    listed = ", ".join(f"{t} x{c}" for t, c in sorted(unknown.items()))
+    warnings.warn(
+        f"{model_name}: {sum(unknown.values())} of {len(nodes)} operators have no FLOPs "
+        f"formula and count 0 FLOPs ({listed}; {100 * theirs / moved:.1f}% of the graph's "
+        "bytes): step times are underestimated by their compute; register a formula with "
+        "torch.utils.flop_counter.register_flop_formula", UncountedOperatorsWarning,
+        stacklevel=3)
 
 
 def _kwarg_vals(node: torch.fx.Node) -> dict:

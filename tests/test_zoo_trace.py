@@ -123,3 +123,113 @@ def test_moe_graph_traced_on_meta_runs_a_training_step_on_cpu(text):
     opt.step()
     after = torch.func.functional_call(gm, state, (ids,))
     assert after.item() < loss.item()
+
+
+# -- every operator's work counted ----------------------------------------------------------
+
+LLAMA = ("transformers:llama?hidden_size=128&intermediate_size=320&num_hidden_layers=2"
+         "&num_attention_heads=4&num_key_value_heads=4&vocab_size=256")
+
+
+def active_params(model, top_k=1, num_experts=1) -> int:
+    """Parameters one token passes through: all but the input embedding, and of the routed
+    experts' weights only top_k of num_experts (Fedus et al. 2021, Switch, section 2)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    total = 0
+    for name, p in model.named_parameters():
+        if id(p) in embeddings:
+            continue
+        share = top_k / num_experts if ".experts." in name and "shared" not in name else 1
+        total += p.numel() * share
+    return int(total)
+
+
+@pytest.mark.parametrize("text,top_k,experts", [(LLAMA, 1, 1), (MIXTRAL, 2, 4), (OLMOE, 2, 4)],
+                         ids=["llama", "mixtral", "olmoe"])
+def test_training_flops_are_6_x_active_params_x_tokens(text, top_k, experts):
+    # Kaplan et al. 2020 (Scaling Laws, section 2.1): training FLOPs ~ 6 N D for N (active,
+    # non-embedding) parameters and D tokens; attention adds 4*s*h per layer per token
+    model = _build(text)
+    batch, seq = 4, 32
+    g = meshplan.trace(model, _ids(batch, seq))
+    ratio = g.train_flops / (6 * active_params(model, top_k, experts) * batch * seq)
+    assert 0.75 <= ratio <= 1.25, ratio
+    grouped = [n for n in g.nodes if "grouped_mm" in n.target]
+    assert (experts > 1) == bool(grouped) and all(n.flops > 0 for n in grouped)
+
+
+def test_convnet_flops_match_the_closed_form():
+    with torch.device("meta"):
+        model = ConvNet()
+    images = torch.zeros(8, 3, 32, 32, device="meta")
+    labels = torch.zeros(8, dtype=torch.long, device="meta")
+    g = meshplan.trace(model, images, example_targets=labels)
+    assert g.forward_flops == model.closed_form_flops(8, 32)
+    convs = [n for n in g.nodes if "conv" in n.target]
+    assert len(convs) == 1 + 2 * 6 + 2 and all(n.flops > 0 for n in convs)
+
+
+class Mixers(torch.nn.Module):
+    """einsum (with an ellipsis), bmm, a transposed convolution and grouped attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(16, 24))
+        self.up = torch.nn.ConvTranspose1d(16, 8, 3)
+
+    def forward(self, x):  # x: (2, 10, 16)
+        a = torch.einsum("...i,ij->...j", x, self.w)  # 2*2*10*16*24
+        b = torch.bmm(a, a.transpose(1, 2))  # 2*2*10*24*10
+        q = x.view(2, 10, 4, 4).transpose(1, 2)
+        c = torch.nn.functional.scaled_dot_product_attention(q, q, q)  # 2*2*4*10*10*(4+4)
+        d = self.up(x.transpose(1, 2))  # 2 * 16*3*8 * 10 per image
+        return a.sum() + b.sum() + c.sum() + d.sum()
+
+
+def test_einsum_bmm_attention_and_transposed_conv_are_counted():
+    with torch.device("meta"):
+        model = Mixers()
+    g = meshplan.trace(model, torch.zeros(2, 10, 16, device="meta"),
+                       loss_fn=lambda out, *rest: out)
+    by_kind = {n.target.split(".")[1]: n.flops for n in g.nodes if n.flops}
+    assert by_kind["einsum"] == 2 * 2 * 10 * 16 * 24
+    assert by_kind["bmm"] == 2 * 2 * 10 * 24 * 10
+    assert by_kind["scaled_dot_product_attention"] == 2 * 2 * 4 * 10 * 10 * 8
+    assert by_kind["conv_transpose1d"] == 2 * 2 * 16 * 3 * 8 * 10
+
+
+@torch.library.custom_op("zoo_test::blend", mutates_args=())
+def blend(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w
+
+
+@blend.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+class CustomOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(16, 16))
+
+    def forward(self, x):
+        return torch.ops.zoo_test.blend(torch.ops.zoo_test.blend(x, self.w), self.w)
+
+
+def test_unknown_operators_are_listed_in_one_warning():
+    from meshplan.planner.trace import UncountedOperatorsWarning
+    with torch.device("meta"):
+        model = CustomOp()
+    with pytest.warns(UncountedOperatorsWarning) as record:
+        meshplan.trace(model, torch.zeros(4, 16, device="meta"), loss_fn=lambda o, *r: o.sum())
+    mine = [w for w in record if w.category is UncountedOperatorsWarning]
+    assert len(mine) == 1
+    msg = str(mine[0].message)
+    assert "zoo_test.blend.default x2" in msg and "% of the graph's bytes" in msg
+
+
+def test_known_models_warn_of_nothing(recwarn):
+    from meshplan.planner.trace import UncountedOperatorsWarning
+    meshplan.trace(_build(MIXTRAL), _ids())
+    assert not [w for w in recwarn if w.category is UncountedOperatorsWarning]
