@@ -233,3 +233,61 @@ def test_known_models_warn_of_nothing(recwarn):
     from meshplan.planner.trace import UncountedOperatorsWarning
     meshplan.trace(_build(MIXTRAL), _ids())
     assert not [w for w in recwarn if w.category is UncountedOperatorsWarning]
+
+
+# -- transformers:NAME builds the head its users train ---------------------------------------
+
+BART = ("transformers:bart?d_model=64&encoder_ffn_dim=128&decoder_ffn_dim=128&encoder_layers=2"
+        "&decoder_layers=2&encoder_attention_heads=4&decoder_attention_heads=4&vocab_size=256"
+        "&max_position_embeddings=64")
+BERT = ("transformers:bert?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
+        "&num_attention_heads=4&vocab_size=256")
+VIT = ("transformers:vit?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
+       "&num_attention_heads=4&image_size=32&patch_size=8&num_labels=10")
+
+
+@pytest.mark.parametrize("text,cls,head", [
+    (BART, "BartForConditionalGeneration", "seq2seq"),
+    (T5, "T5ForConditionalGeneration", "seq2seq"),
+    (BERT, "BertForMaskedLM", "masked-lm"),
+    (BERT + "&head=causal-lm", "BertLMHeadModel", "causal-lm"),
+    (LLAMA, "LlamaForCausalLM", "causal-lm"),
+    (VIT, "ViTForImageClassification", "image-classification"),
+])
+def test_transformers_spec_builds_the_head_users_train(text, cls, head):
+    from meshplan.specs import model_head, training_call
+    model = _build(text)
+    assert type(model).__name__ == cls and model_head(model) == head
+    dropouts = {k: v for k, v in model.config.to_dict().items()
+                if ("dropout" in k or k.endswith("pdrop")) and isinstance(v, float)}
+    assert dropouts and not any(dropouts.values())
+    call = training_call(model, 4, 16)
+    g = meshplan.trace(model, call.inputs, example_targets=call.targets, loss_fn=call.loss_fn)
+    assert g.num_layers >= 2 and g.forward_flops > 0
+    assert len(g.inputs) == {"causal-lm": 1, "masked-lm": 2, "seq2seq": 3,
+                             "image-classification": 2}[head]
+
+
+def test_bad_head_is_one_line():
+    from meshplan.errors import SpecError
+    with pytest.raises(SpecError, match="head='mlm' is not one of causal-lm, masked-lm"):
+        _build(BERT + "&head=mlm")
+    with pytest.raises(SpecError, match="no seq2seq head.*it has: causal-lm"):
+        _build(LLAMA + "&head=seq2seq")
+
+
+def test_synthetic_calls_mask_tokens_and_shift_decoder_ids():
+    from meshplan.specs import training_call
+    bert = parse_model_spec(BERT).build("cpu")
+    a = training_call(bert, 8, 64, device="cpu", seed=3, step=1)
+    b = training_call(bert, 8, 64, device="cpu", seed=3, step=1)
+    (ids,), (labels,) = a.inputs, a.targets
+    torch.testing.assert_close(ids, b.inputs[0])
+    masked = labels != -100
+    assert 0.05 < masked.float().mean() < 0.3 and (ids[masked] == 255).all()
+    bart = parse_model_spec(BART).build("cpu")
+    c = training_call(bart, 2, 8, device="cpu", seed=0)
+    torch.testing.assert_close(c.inputs["decoder_input_ids"][:, 1:], c.targets[0][:, :-1])
+    loss = meshplan.planner.trace.TrainingModule(bart, None, meshplan.planner.trace.flatten_call(
+        c.inputs, c.targets)[1])(*c.inputs.values(), *c.targets)
+    assert loss.ndim == 0 and 4 < loss.item() < 7  # about log(256) = 5.5 at random weights
