@@ -6,12 +6,19 @@ import torch
 
 import meshplan
 from meshplan.planner.trace import find_block_paths
-from meshplan.specs import example_inputs, parse_model_spec
+from meshplan.specs import parse_model_spec
 from tests._zoo_models import ConvNet, TitanLlama
 
 B, S = 8, 16
 T5 = "transformers:t5?d_model=64&d_ff=128&num_layers=2&num_heads=4&vocab_size=256&d_kv=16"
 FALCON = "transformers:falcon?hidden_size=64&num_hidden_layers=2&num_attention_heads=4&vocab_size=256"
+BART = ("transformers:bart?d_model=64&encoder_ffn_dim=128&decoder_ffn_dim=128&encoder_layers=2"
+        "&decoder_layers=2&encoder_attention_heads=4&decoder_attention_heads=4&vocab_size=256"
+        "&max_position_embeddings=64")
+BERT = ("transformers:bert?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
+        "&num_attention_heads=4&vocab_size=256")
+VIT = ("transformers:vit?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
+       "&num_attention_heads=4&image_size=32&patch_size=8&num_labels=10")
 
 
 def _ids(batch=B, seq=S):
@@ -132,9 +139,12 @@ LLAMA = ("transformers:llama?hidden_size=128&intermediate_size=320&num_hidden_la
 
 
 def active_params(model, top_k=1, num_experts=1) -> int:
-    """Parameters one token passes through: all but the input embedding, and of the routed
-    experts' weights only top_k of num_experts (Fedus et al. 2021, Switch, section 2)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    """Parameters one token passes through in matmuls: all but the input embeddings (an
+    embedding tied to the output projection counts once, as that projection), and of the
+    routed experts' weights only top_k of num_experts (Fedus et al. 2021, Switch, sec. 2)."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    embeddings = {id(m.weight) for m in model.modules()
+                  if isinstance(m, torch.nn.Embedding) and id(m.weight) not in linear}
     total = 0
     for name, p in model.named_parameters():
         if id(p) in embeddings:
@@ -144,14 +154,20 @@ def active_params(model, top_k=1, num_experts=1) -> int:
     return int(total)
 
 
-@pytest.mark.parametrize("text,top_k,experts", [(LLAMA, 1, 1), (MIXTRAL, 2, 4), (OLMOE, 2, 4)],
-                         ids=["llama", "mixtral", "olmoe"])
+GPT2 = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
+
+
+@pytest.mark.parametrize("text,top_k,experts", [
+    (GPT2, 1, 1), (LLAMA, 1, 1), (MIXTRAL, 2, 4), (OLMOE, 2, 4), (BART, 1, 1)],
+    ids=["gpt2", "llama", "mixtral", "olmoe", "bart"])
 def test_training_flops_are_6_x_active_params_x_tokens(text, top_k, experts):
     # Kaplan et al. 2020 (Scaling Laws, section 2.1): training FLOPs ~ 6 N D for N (active,
     # non-embedding) parameters and D tokens; attention adds 4*s*h per layer per token
+    from meshplan.specs import training_call
     model = _build(text)
     batch, seq = 4, 32
-    g = meshplan.trace(model, _ids(batch, seq))
+    call = training_call(model, batch, seq)
+    g = meshplan.trace(model, call.inputs, example_targets=call.targets)
     ratio = g.train_flops / (6 * active_params(model, top_k, experts) * batch * seq)
     assert 0.75 <= ratio <= 1.25, ratio
     grouped = [n for n in g.nodes if "grouped_mm" in n.target]
@@ -237,13 +253,6 @@ def test_known_models_warn_of_nothing(recwarn):
 
 # -- transformers:NAME builds the head its users train ---------------------------------------
 
-BART = ("transformers:bart?d_model=64&encoder_ffn_dim=128&decoder_ffn_dim=128&encoder_layers=2"
-        "&decoder_layers=2&encoder_attention_heads=4&decoder_attention_heads=4&vocab_size=256"
-        "&max_position_embeddings=64")
-BERT = ("transformers:bert?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
-        "&num_attention_heads=4&vocab_size=256")
-VIT = ("transformers:vit?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
-       "&num_attention_heads=4&image_size=32&patch_size=8&num_labels=10")
 
 
 @pytest.mark.parametrize("text,cls,head", [
