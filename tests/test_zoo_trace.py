@@ -7,7 +7,7 @@ import torch
 import meshplan
 from meshplan.planner.trace import find_block_paths
 from meshplan.specs import parse_model_spec
-from tests._zoo_models import ConvNet, TitanLlama
+from _zoo_models import ConvNet, TitanLlama
 
 B, S = 8, 16
 T5 = "transformers:t5?d_model=64&d_ff=128&num_layers=2&num_heads=4&vocab_size=256&d_kv=16"
