@@ -114,8 +114,8 @@ def _einsum_flops(equation: str, operands) -> int:
 _STRUCTURAL = ("wrap_with_set_grad_enabled", "wrap_with_autocast", "<built-in function getitem>",
                "getitem")
 # aten operators whose work is matmul-class: zero FLOPs for one of them means no formula
-_HEAVY = re.compile(r"^aten\.(\w*mm\w*|\w*conv\w*|einsum|\w*attention\w*|tensordot|"
-                    r"matmul|linear|bilinear)\.")
+_HEAVY = re.compile(r"^aten\.(\w*mm(_\w+)?|_?conv(olution|_transpose[123]d|[123]d|_tbc)\w*|"
+                    r"einsum|\w*attention\w*|tensordot|matmul|linear|bilinear)\.")
 
 
 class UncountedOperatorsWarning(UserWarning):

@@ -275,7 +275,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
             continue
         nodes.append(_make_node(node, param_of, blocks))
 
-    nodes = _drop_dead_asserts(nodes)
+    nodes = _in_run_order(_drop_dead_asserts(nodes), len(block_paths))
     warn_uncounted(nodes, model_name or type(model).__name__)
     fingerprints = _layer_fingerprints(nodes, len(block_paths))
     return OpGraph(nodes=tuple(nodes), params=tuple(params), inputs=tuple(inputs),
@@ -305,6 +305,17 @@ def _make_node(node: torch.fx.Node, param_of: dict[str, str],
         layer=_layer_index(module_path, blocks), source=_user_source(node),
         args_repr=_args_repr(node),
     )
+
+
+def _in_run_order(nodes: list[OpNode], num_blocks: int) -> list[OpNode]:
+    """Layer indices renumbered in the order the blocks first run (a decoder stack registered
+    before its encoder still gets the later indices); blocks that never run go last."""
+    order = list(dict.fromkeys(n.layer for n in nodes if n.layer >= 0))
+    order += [i for i in range(num_blocks) if i not in set(order)]
+    if order == list(range(num_blocks)):
+        return nodes
+    new = {old: i for i, old in enumerate(order)}
+    return [dataclasses.replace(n, layer=new[n.layer]) if n.layer >= 0 else n for n in nodes]
 
 
 def _drop_dead_asserts(nodes: list[OpNode]) -> list[OpNode]:

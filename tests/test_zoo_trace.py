@@ -300,3 +300,26 @@ def test_synthetic_calls_mask_tokens_and_shift_decoder_ids():
     loss = meshplan.planner.trace.TrainingModule(bart, None, meshplan.planner.trace.flatten_call(
         c.inputs, c.targets)[1])(*c.inputs.values(), *c.targets)
     assert loss.ndim == 0 and 4 < loss.item() < 7  # about log(256) = 5.5 at random weights
+
+
+class DecoderFirst(torch.nn.Module):
+    """Two stacks registered in the opposite order to the one they run in."""
+
+    def __init__(self):
+        super().__init__()
+        self.decoder = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.encoder = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for block in [*self.encoder, *self.decoder]:
+            x = block(x)
+        return x
+
+
+def test_layer_indices_follow_the_order_blocks_run_in():
+    with torch.device("meta"):
+        model = DecoderFirst()
+    g = meshplan.trace(model, torch.zeros(4, 8, device="meta"), loss_fn=lambda o, *r: o.sum())
+    layers = [(n.layer, n.params[0].rsplit(".", 1)[0]) for n in g.nodes if n.params]
+    assert layers == [(0, "encoder.0"), (1, "encoder.1"), (2, "encoder.2"), (3, "decoder.0"),
+                      (4, "decoder.1")]
