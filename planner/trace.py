@@ -7,8 +7,11 @@ when export fails: its module-level graph has no shapes and no aten operators, w
 sharding rules need, so it cannot replace export (see docs/DECISIONS.md).
 
 The training step is traced as one graph: model forward plus the loss, so the loss is an
-operator the planner can shard like any other. Everything runs on the meta device: no
-weight is allocated.
+operator the planner can shard like any other. A model built on the meta device is traced
+as fake tensors on the device the plan runs on (``on_device``; CPU): no weight is allocated,
+and the model takes that device's branches. Repeated blocks (the pipeline's cut points)
+are found in any container and in several stacks (``find_block_paths``); FLOPs come from
+planner/opcount.py.
 """
 
 from __future__ import annotations
