@@ -131,3 +131,45 @@ class ConvNet(nn.Module):
                 total += 2 * cin * cout * hw * hw
         total += 2 * self.fc.in_features * self.fc.out_features
         return batch * total
+
+
+class Bottleneck(nn.Module):
+    """ResNet's bottleneck block (He et al. 2016, fig. 5; stride on the 3x3 as torchvision)."""
+
+    def __init__(self, cin: int, width: int, stride: int):
+        super().__init__()
+        cout = 4 * width
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.downsample = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        return F.relu(self.bn3(self.conv3(y)) + self.downsample(x))
+
+
+class ResNet50(nn.Module):
+    """ResNet-50 (He et al. 2016, table 1): 7x7 stem, max pool, 3-4-6-3 bottlenecks."""
+
+    def __init__(self, num_classes: int = 1000):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64),
+                                  nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        blocks, cin = [], 64
+        for i, (width, count) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3))):
+            for j in range(count):
+                blocks.append(Bottleneck(cin, width, 2 if i > 0 and j == 0 else 1))
+                cin = 4 * width
+        self.layers = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.layers(self.stem(x)).mean(dim=(2, 3)))

@@ -323,3 +323,18 @@ def test_layer_indices_follow_the_order_blocks_run_in():
     layers = [(n.layer, n.params[0].rsplit(".", 1)[0]) for n in g.nodes if n.params]
     assert layers == [(0, "encoder.0"), (1, "encoder.1"), (2, "encoder.2"), (3, "decoder.0"),
                       (4, "decoder.1")]
+
+
+def test_resnet50_flops_match_the_published_count():
+    # He et al. 2016, table 1: ResNet-50 is 3.8e9 multiply-adds per 224x224 image, i.e.
+    # 7.6e9 FLOPs at 2 FLOPs per multiply-add (torchvision lists 4.09e9 with its stride-2
+    # 3x3 convolutions, as written here)
+    from _zoo_models import ResNet50
+    with torch.device("meta"):
+        model = ResNet50()
+    g = meshplan.trace(model, torch.zeros(2, 3, 224, 224, device="meta"),
+                       example_targets=torch.zeros(2, dtype=torch.long, device="meta"))
+    assert sum(p.numel() for p in model.parameters()) == 25_557_032  # torchvision's count
+    assert g.forward_flops / 2 == pytest.approx(2 * 3.8e9, rel=0.25)
+    assert g.forward_flops / 2 == pytest.approx(2 * 4.09e9, rel=0.01)
+    assert g.num_layers == 16
