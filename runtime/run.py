@@ -448,7 +448,9 @@ class ModuleRun(ParallelRun):
         return float(self.engine.clip_grad_norm_(max_norm, norm_type))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.engine.full_state_dict()
+        keys = self._pristine.state_dict().keys()  # torch's keys: persistent buffers only
+        full = self.engine.full_state_dict()
+        return {k: full[k] for k in keys if k in full}
 
     def load_full_state_dict(self, state, *, broadcast_from_rank0: bool = False,
                              strict: bool = True) -> None:
