@@ -379,6 +379,7 @@ class ParallelRun:
         if self._forward is None:
             from meshplan.runtime.parallelize import meta_copy, runnable_graph_module
             from meshplan.runtime.spmd import SPMDExecutor
+            from torch.distributed.tensor import distribute_tensor
 
             pm = self.engine
             sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
@@ -392,6 +393,12 @@ class ParallelRun:
                                     dtype=self.plan.training.dtype, lowered=False)
 
             def forward(*xs):
+                # each rank's global tensor holds only its own rows (_global): cut the shard
+                # locally (src_data_rank=None); the executor's reference path would scatter
+                # rank 0's tensor, giving the other ranks its zero rows
+                xs = [distribute_tensor(x.to(pm.mesh.device_type), pm.mesh,
+                                        executor.input_placements[i], src_data_rank=None)
+                      for i, x in enumerate(xs)]
                 with torch.no_grad(), \
                         torch.nn.utils.stateless._reparametrize_module(gm, pm.params):
                     return executor.run(*xs)
