@@ -389,7 +389,14 @@ class ParallelRun:
             ep = export_training_graph(model, meta, self.loss_fn, signature=sig, loss=False)
             gm = runnable_graph_module(ep, device_type=pm.mesh.device_type)
             placements = [self._placements.get(r["name"], ("R",) * pm.mesh.ndim) for r in records]
-            executor = SPMDExecutor(gm, pm.mesh, {}, input_placements=placements,
+            # the plan's placements for the forward operators the eval graph shares with the
+            # training graph (same node name and inputs): left to itself DTensor lays eval
+            # batch norm out over channels (R, S(1)), which its conv rule then misreads
+            planned = self.plan.stages[0].ops
+            ops = {n.name: planned[n.name] for n in gm.graph.nodes
+                   if n.op == "call_function" and n.name in planned
+                   and len(planned[n.name].inputs) == len(n.all_input_nodes)}
+            executor = SPMDExecutor(gm, pm.mesh, ops, input_placements=placements,
                                     dtype=self.plan.training.dtype, lowered=False)
 
             def forward(*xs):
