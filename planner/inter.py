@@ -90,6 +90,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero: tuple[int, ...] = (0, 1, 2, 3)
+    pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages when pp > 1; None: as zero
     microbatches: tuple[int, ...] | None = None  # None: every count that divides the batch
     pipeline_degrees: tuple[int, ...] | None = None  # None: every degree the mesh allows
     tensor_degrees: tuple[int, ...] | None = None  # None: every divisor within a node
@@ -219,6 +220,8 @@ def stage_meshes(size: int, devices_per_node: int,
 def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches: int,
                   mesh: tuple[int, int] | None = None, sp: bool = False) -> list[StageOption]:
     meshes = [mesh] if mesh else stage_meshes(size, problem.devices_per_node, space.tensor_degrees)
+    zeros = space.zero if size == problem.num_devices or space.pipeline_zero is None \
+        else space.pipeline_zero
     out = []
     for dp, tp in meshes:
         if sp and tp == 1:
@@ -230,8 +233,8 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
         if space.microbatch_sizes is not None and mbs not in space.microbatch_sizes:
             continue
         for rc in space.recompute:
-            for z in space.zero:
-                if z and dp == 1 and 0 in space.zero:
+            for z in zeros:
+                if z and dp == 1 and 0 in zeros:
                     continue  # ZeRO over one replica is plain data parallelism
                 if support.zero_rule(support.Candidate(zero=z)):
                     continue
@@ -335,7 +338,8 @@ def relaxed_space(space: SearchSpace) -> SearchSpace:
     whose times grow this way (as the cost model's do) makes the bound valid."""
     order = ("none", "selective", "full")
     return replace(space, recompute=(min(space.recompute, key=order.index),),
-                   zero=(min(space.zero),))
+                   zero=(min(space.zero),),
+                   pipeline_zero=space.pipeline_zero and (min(space.pipeline_zero),))
 
 
 def _fields(plan: PipelinePlan) -> dict:

@@ -29,7 +29,7 @@ from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
 from meshplan.manual import Propagator, stage_params, attention_heads
-from meshplan.planner.assemble import mesh_info, model_info, training_config
+from meshplan.planner.assemble import batch_and_seq, mesh_info, model_info, training_config
 from meshplan.planner.clusters import LayerUnit, layer_units
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
@@ -49,7 +49,7 @@ class MegatronStageCost:
                  num_devices: int, dtype: str, optimizer: str):
         self.graph, self.units, self.hw = graph, units, hw
         self.dtype, self.optimizer = dtype, optimizer
-        self.batch, self.seq = graph.inputs[0][1].shape[:2]
+        self.batch, self.seq = batch_and_seq(graph)  # a 1-D first input has seq 1
         self.heads = attention_heads(graph)
         self.on_host = min(num_devices, hw.devices_per_node)
         self._placements: dict = {}

@@ -159,6 +159,10 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
         flat, signature = flatten_call(example_inputs, example_targets)
     else:
         flat = tuple(example_inputs)
+    # one tensor passed twice (ids as input and as target) would be one placeholder used
+    # twice in the export, a graph unlike the one every later call (distinct tensors) makes
+    seen: set[int] = set()
+    flat = tuple(x.clone() if id(x) in seen or seen.add(id(x)) else x for x in flat)
     wrapped = TrainingModule(model, loss_fn, signature, loss=loss)
     try:
         with on_device(model, flat, device) as (fake_flat, originals):

@@ -381,6 +381,7 @@ class ParallelRun:
         if self._forward is None:
             from meshplan.runtime.parallelize import meta_copy, runnable_graph_module
             from meshplan.runtime.spmd import SPMDExecutor
+            from torch.distributed.tensor import distribute_tensor
 
             pm = self.engine
             sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
@@ -390,10 +391,23 @@ class ParallelRun:
             ep = export_training_graph(model, meta, self.loss_fn, signature=sig, loss=False)
             gm = runnable_graph_module(ep, device_type=pm.mesh.device_type)
             placements = [self._placements.get(r["name"], ("R",) * pm.mesh.ndim) for r in records]
-            executor = SPMDExecutor(gm, pm.mesh, {}, input_placements=placements,
+            # the plan's placements for the forward operators the eval graph shares with the
+            # training graph (same node name and inputs): left to itself DTensor lays eval
+            # batch norm out over channels (R, S(1)), which its conv rule then misreads
+            planned = self.plan.stages[0].ops
+            ops = {n.name: planned[n.name] for n in gm.graph.nodes
+                   if n.op == "call_function" and n.name in planned
+                   and len(planned[n.name].inputs) == len(n.all_input_nodes)}
+            executor = SPMDExecutor(gm, pm.mesh, ops, input_placements=placements,
                                     dtype=self.plan.training.dtype, lowered=False)
 
             def forward(*xs):
+                # each rank's global tensor holds only its own rows (_global): cut the shard
+                # locally (src_data_rank=None); the executor's reference path would scatter
+                # rank 0's tensor, giving the other ranks its zero rows
+                xs = [distribute_tensor(x.to(pm.mesh.device_type), pm.mesh,
+                                        executor.input_placements[i], src_data_rank=None)
+                      for i, x in enumerate(xs)]
                 with torch.no_grad(), \
                         torch.nn.utils.stateless._reparametrize_module(gm, pm.params):
                     return executor.run(*xs)
