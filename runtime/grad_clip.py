@@ -37,7 +37,7 @@ def _tie_duplicates(model) -> set[int]:
     """ids of tied parameters whose gradient another (lower) rank group already counts."""
     skip = set()
     rank = dist.get_rank()
-    for group, params in getattr(model, "tie_groups", ()):
+    for group, params, *_ in getattr(model, "tie_groups", ()):  # (group, params[, via])
         if rank != min(dist.get_process_group_ranks(group)):
             skip.update(id(p) for p in params)
     return skip

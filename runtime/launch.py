@@ -134,7 +134,7 @@ def slurm_script(plan_path: str, plan: Plan, *, model: str, steps: int, seed: in
 #SBATCH --nodes={nodes.nnodes}
 #SBATCH --ntasks-per-node=1
 {gpus}set -euo pipefail
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # reads all: no SIGPIPE under pipefail
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}
 srun torchrun --nnodes={nodes.nnodes} --nproc-per-node={nodes.nproc_per_node} \\
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:{port}" --rdzv-id="$SLURM_JOB_ID" \\
