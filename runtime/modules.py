@@ -124,6 +124,21 @@ def _split(value, n: int, what: str):
     return [value] * n
 
 
+def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty`` materialises each module's parameter on its own, so a weight
+    shared by two modules (a tied embedding and head) came out as two tensors: trained
+    apart, with half the gradient each. The ties are recorded first and restored after."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod, name))
+    model.to_empty(device=device)
+    for group in owners.values():
+        first = getattr(group[0][0], group[0][1])
+        for mod, name in group[1:]:
+            setattr(mod, name, first)
+
+
 class ModuleEngine:
     """A single-stage plan applied to ``model`` in place with parallelize_module,
     checkpoint_wrapper and fully_shard; the interface meshplan.parallelize returns."""
@@ -158,7 +173,7 @@ class ModuleEngine:
             tp_axis=stage.axis_names[tp] if tp is not None else None, styles=styles,
             recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype)
         if on_meta:  # only the local shards get memory; weights come from load/init_weights
-            model.to_empty(device=self.device)
+            _to_empty_keeping_ties(model, self.device)
         compute = COMPUTE_DTYPES[plan.training.dtype]
         # FSDP's MixedPrecisionPolicy casts the weights; without FSDP autocast does
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=compute)) \

@@ -193,8 +193,9 @@ def run_example(ex: dict) -> dict:
     for step in range(STEPS):
         x, y = data(ex, step)
         losses.append(run.train_step((rows(x, run),), targets=(rows(y, run),)))
-        mine = {n: p.grad.full_tensor() for n, p in run.named_parameters().items()
-                if p.grad is not None}
+        # DTensors, or plain tensors where the module engine had nothing to shard (1 rank)
+        mine = {n: getattr(p.grad, "full_tensor", p.grad.detach)()
+                for n, p in run.named_parameters().items() if p.grad is not None}
         grads.append(gathered(mine))
         opt.step()
         opt.zero_grad()
