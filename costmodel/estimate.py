@@ -35,6 +35,7 @@ from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_factor, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_profile, activation_memory,
+                                       alias_root,
                                        grad_sync_buffer_bytes, model_state_bytes,
                                        state_bytes_per_param, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
@@ -296,12 +297,22 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                    * (dev.kernel_latency_s + dev.framework_overhead_s)) * all_procs
 
     # -- activations ----------------------------------------------------------------------
+    read_as: dict[str, tuple[str, ...]] = {}  # tensors received from the previous stage
+
     def split_of(tensor: str) -> int:
-        pl = placement.get(tensor)
+        pl = placement.get(tensor) or read_as.get(tensor)
         return split_factor(pl, shape) if pl else 1
 
     prof = ops.activations
     if prof is None:
+        # a tensor another stage produced lives here as its first consumer reads it (the
+        # placement the send/recv delivers, as ``p2p_bytes`` prices it), not whole
+        for name in names:
+            for k, src in enumerate(graph.node(name).inputs):
+                if src not in placement and src not in graph.param_map \
+                        and k < len(stage.ops[name].inputs):
+                    read_as.setdefault(src, stage.ops[name].inputs[k])
+                    read_as.setdefault(alias_root(src, graph), stage.ops[name].inputs[k])
         extra = 0.0
         if dev.name == "cpu" and seq_len:  # math attention keeps the probabilities (b x heads x s x s)
             extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
@@ -317,7 +328,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     # activations, so it does not raise the peak; DDP's buckets live during the backward
     buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, grads)
     if zero >= 3:
-        layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0) * dp
+        # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
+        # gathered copy of one block, not dp of them
+        layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0)
         buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
     memory = MemoryBreakdown(params_gib=weights / GIB, grads_gib=grads / GIB,
                              optimizer_gib=opt / GIB, activations_gib=acts / GIB,
