@@ -36,7 +36,8 @@ from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_fac
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_profile, activation_memory,
                                        alias_root,
-                                       grad_sync_buffer_bytes, model_state_bytes,
+                                       grad_sync_buffer_bytes, inflight_microbatches,
+                                       model_state_bytes,
                                        state_bytes_per_param, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
 from meshplan.planner.graph import OpGraph, OpKind
@@ -71,6 +72,12 @@ class RuntimeModel:
       the gradients and the all-gather of the updated shards take one flat buffer each
       (runtime/zero.py): one latency per collective, and a buffer the size of the
       gradients.
+    full_grad_accumulation: ZeRO-2 as meshplan's graph engine runs it: every microbatch's
+      backward accumulates into the parameter's full-size gradient, reduce-scattered into
+      the master shard once per step after the last microbatch (runtime/parallelize.py
+      ``_sync_grads``, runtime/zero.py ``reduce_scatter_grads``), so the gradients are not
+      divided by dp at the peak; False: a reduce-scatter per microbatch (DeepSpeed's
+      partitioned gradients), gradients divided by dp.
     reduce_scatter_as_all_reduce: the backend's reduce-scatter costs a full all-reduce
       (gloo: measured on the 2-core host with torch 2.13, 2 processes, 16 MiB fp32:
       reduce_scatter_tensor 56 ms, all_reduce 39 ms, all_gather 25 ms; 4 MiB: 7.0 / 5.0 /
@@ -83,16 +90,21 @@ class RuntimeModel:
     zero3_per_use: bool = False
     reduce_scatter_as_all_reduce: bool = False
     flat_grad_sync: bool = False
+    full_grad_accumulation: bool = False
 
 
 def default_runtime(hw: HardwareProfile) -> RuntimeModel:
-    """CPU hosts run meshplan's runtime on gloo (flat gradient and ZeRO-1/2 collectives;
-    ZeRO-3 weights gathered per block when first used: nothing prefetches
-    them, so no overlap); GPUs a bucketed one."""
+    """Every plan runs on meshplan's graph engine (runtime/parallelize.py, runtime/spmd.py):
+    ZeRO-2 accumulates full gradients over the microbatches, ZeRO-3 gathers each block's
+    weights when first used with nothing prefetching them, so no overlap. CPU hosts run it
+    on gloo (flat gradient and ZeRO-1/2 collectives, reduce-scatter at all-reduce cost);
+    the plain data-parallel sync on GPUs is priced in DDP-sized buckets."""
     if hw.device.host_cores > 0 or hw.device.name == "cpu":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
-                            reduce_scatter_as_all_reduce=True, flat_grad_sync=True)
-    return RuntimeModel()
+                            reduce_scatter_as_all_reduce=True, flat_grad_sync=True,
+                            full_grad_accumulation=True)
+    return RuntimeModel(param_gather_overlap=0.0, zero3_per_use=True,
+                        full_grad_accumulation=True)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -223,6 +235,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
         uses = max(1, len(consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())))
         w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
+        if zero == 2 and runtime.full_grad_accumulation:
+            g = numel * GRAD_BYTES  # the full gradient, reduce-scattered once per step
         weights, grads, opt = weights + w, grads + g, opt + o
         opt_numel += numel / (dp if zero >= 1 else 1)
         n_tensors += 1
@@ -331,7 +345,15 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
         # gathered copy of one block, not dp of them
         layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0)
-        buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
+        if runtime.zero3_per_use and stage.recompute == "none":
+            # the engine's gathered weights are saved by autograd for the backward: every
+            # in-flight microbatch holds the whole stage's weights gathered
+            inflight = inflight_microbatches(schedule, stage.index, num_stages, m,
+                                             virtual_stages)
+            buffers += zero3_buffer_bytes(sum(largest_layer.values()), dtype=dtype,
+                                          prefetch=1) * inflight
+        else:
+            buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
     memory = MemoryBreakdown(params_gib=weights / GIB, grads_gib=grads / GIB,
                              optimizer_gib=opt / GIB, activations_gib=acts / GIB,
                              buffers_gib=buffers / GIB)

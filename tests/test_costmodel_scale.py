@@ -72,17 +72,72 @@ def test_shared_mask_counted_once_per_stage(gpt2):
         assert kept == 2 * HIDDEN_BYTES + mask + prof.kept.get(-1, 0.0)
 
 
-def test_zero3_buffer_is_one_gathered_block(gpt2):
-    """ZeRO-3 keeps two gathered blocks (computing + prefetched), each the block's weights
-    split by tp only, in bf16; the dp shards are gathered once, not multiplied by dp again."""
-    model, graph, mesh = gpt2
+def _tp_local_numel(graph, stage, prefix=""):
+    return sum(graph.param_map[name].numel / (2 if pl[1] != "R" else 1)
+               for name, pl in stage.params.items()
+               if name.startswith(prefix) and graph.param_map[name].tied_to is None)
+
+
+def _zero3_buffer(model, graph, mesh, recompute):
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, tp=2, pp=1, microbatch_size=2,
-                                dtype="bf16", zero=3)
+                                dtype="bf16", zero=3, recompute=recompute)
     st = plan.stages[0]
-    block = 0.0
-    for name, pl in st.params.items():
-        if name.startswith("transformer.h.0."):
-            block += graph.param_map[name].numel / (2 if pl[1] != "R" else 1)
     mem = st.predicted.memory
     grad_bucket = mem.grads_gib * GIB  # smaller than one 25 MiB DDP bucket
-    assert mem.buffers_gib * GIB - grad_bucket == pytest.approx(2 * block * BF16)
+    return st, mem.buffers_gib * GIB - grad_bucket
+
+
+def test_zero3_buffer_is_one_gathered_block(gpt2):
+    """Under recompute the engine gathers a block's weights inside the block: two gathered
+    blocks at once, each the block's weights split by tp only, in bf16; the dp shards are
+    gathered once, not multiplied by dp again."""
+    model, graph, mesh = gpt2
+    st, buffer = _zero3_buffer(model, graph, mesh, "full")
+    block = _tp_local_numel(graph, st, "transformer.h.0.")
+    assert buffer == pytest.approx(2 * block * BF16)
+
+
+def test_zero3_without_recompute_keeps_gathered_stage(gpt2):
+    """Without recompute the engine gathers each block's weights once per microbatch and
+    autograd keeps them for the backward: the whole stage gathered (one microbatch in
+    flight on a single stage)."""
+    model, graph, mesh = gpt2
+    st, buffer = _zero3_buffer(model, graph, mesh, "none")
+    assert buffer == pytest.approx(_tp_local_numel(graph, st) * BF16)
+
+
+def test_zero2_accumulates_full_gradients(gpt2):
+    """ZeRO-2 over 4 microbatches: the engine's gradients are full-size fp32 until the one
+    reduce-scatter per step, as under ZeRO-1; the optimizer state is split over dp."""
+    model, graph, mesh = gpt2
+    mems = {}
+    for zero in (1, 2):
+        plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, tp=2, microbatch_size=1,
+                                    dtype="bf16", zero=zero)
+        assert plan.training.microbatches == 4
+        mems[zero] = plan.stages[0].predicted.memory
+    full = _tp_local_numel(graph, plan.stages[0]) * 4  # fp32 gradients
+    assert mems[2].grads_gib * GIB == pytest.approx(full) == mems[1].grads_gib * GIB
+
+
+def test_zero3_gathers_are_exposed(gpt2):
+    """Nothing prefetches the engine's ZeRO-3 gathers: every microbatch pays at least the
+    all-gather of the stage's weights over dp on top of the plain data-parallel plan."""
+    from meshplan.costmodel.comm import Collective, collective_time_s
+    _, _, mesh = gpt2
+    # wider and longer: a microbatch computes for longer than it gathers, so a prefetching
+    # engine (FSDP) would hide the gathers completely
+    model = parse_model_spec("transformers:gpt2?n_layer=4&n_embd=512&n_head=8&vocab_size=256"
+                             "&n_positions=1024").build("meta")
+    graph = trace(model, example_inputs(model, 64, 1024))
+    per_mb = {}
+    for zero in (0, 3):
+        plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, tp=2, microbatch_size=4,
+                                    dtype="bf16", zero=zero)
+        t = plan.training
+        per_mb[zero] = stage_cost(plan.stages[0], graph, plan_hw(plan), dtype=t.dtype,
+                                  optimizer=t.optimizer, microbatches=t.microbatches,
+                                  seq_len=t.seq_len).comm_s
+    gather = collective_time_s(plan_hw(plan), Collective.ALL_GATHER,
+                               _tp_local_numel(graph, plan.stages[0]) * BF16, 4)
+    assert per_mb[3] - per_mb[0] >= gather
