@@ -96,15 +96,16 @@ class RuntimeModel:
 def default_runtime(hw: HardwareProfile) -> RuntimeModel:
     """Every plan runs on meshplan's graph engine (runtime/parallelize.py, runtime/spmd.py):
     ZeRO-2 accumulates full gradients over the microbatches, ZeRO-3 gathers each block's
-    weights when first used with nothing prefetching them, so no overlap. CPU hosts run it
-    on gloo (flat gradient and ZeRO-1/2 collectives, reduce-scatter at all-reduce cost);
-    the plain data-parallel sync on GPUs is priced in DDP-sized buckets."""
+    weights when first used with nothing prefetching them, so no overlap; gradients (and
+    ZeRO-1/2 shards) are synced after the backward in one flat buffer per group
+    (``lowering.reduce_partial_grads``, runtime/zero.py): one latency, not one per 25 MiB
+    bucket. CPU hosts run it on gloo (reduce-scatter at all-reduce cost)."""
     if hw.device.host_cores > 0 or hw.device.name == "cpu":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                             reduce_scatter_as_all_reduce=True, flat_grad_sync=True,
                             full_grad_accumulation=True)
-    return RuntimeModel(param_gather_overlap=0.0, zero3_per_use=True,
-                        full_grad_accumulation=True)
+    return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
+                        flat_grad_sync=True, full_grad_accumulation=True)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],

@@ -82,9 +82,8 @@ def _zero3_buffer(model, graph, mesh, recompute):
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, tp=2, pp=1, microbatch_size=2,
                                 dtype="bf16", zero=3, recompute=recompute)
     st = plan.stages[0]
-    mem = st.predicted.memory
-    grad_bucket = mem.grads_gib * GIB  # smaller than one 25 MiB DDP bucket
-    return st, mem.buffers_gib * GIB - grad_bucket
+    # the engine's flat gradient buffer exists after the backward freed the activations
+    return st, st.predicted.memory.buffers_gib * GIB
 
 
 def test_zero3_buffer_is_one_gathered_block(gpt2):
@@ -141,3 +140,26 @@ def test_zero3_gathers_are_exposed(gpt2):
     gather = collective_time_s(plan_hw(plan), Collective.ALL_GATHER,
                                _tp_local_numel(graph, plan.stages[0]) * BF16, 4)
     assert per_mb[3] - per_mb[0] >= gather
+
+
+def test_gradient_sync_is_one_flat_all_reduce(gpt2):
+    """The engine all-reduces every gradient in one flat fp32 buffer after the backward
+    (lowering.reduce_partial_grads): one collective's latency, not one per 25 MiB bucket
+    (here 8 buckets' worth)."""
+    from meshplan.costmodel.comm import Collective, collective_time_s
+    _, _, mesh = gpt2
+    model = parse_model_spec("transformers:gpt2?n_layer=4&n_embd=1024&n_head=8&vocab_size=256"
+                             "&n_positions=64").build("meta")
+    graph = trace(model, example_inputs(model, BATCH, SEQ))
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=2,
+                                dtype="bf16")
+    t = plan.training
+    cost = stage_cost(plan.stages[0], graph, plan_hw(plan), dtype=t.dtype,
+                      optimizer=t.optimizer, microbatches=t.microbatches, seq_len=t.seq_len)
+    grads = sum(p.numel for p in graph.params if p.trainable and p.tied_to is None) * 4
+    assert grads > 7 * 25 * 2 ** 20
+    latency = collective_time_s(plan_hw(plan), Collective.ALL_REDUCE, 1e-30, 8)
+    # within half a latency of one all-reduce of all the gradients (the position
+    # embedding's gradient is reduced as an activation instead: its lookup is not split)
+    assert abs(cost.grad_sync_s - collective_time_s(plan_hw(plan), Collective.ALL_REDUCE,
+                                                    grads, 8)) < latency / 2
