@@ -339,9 +339,15 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     kept, working = prof.stage_bytes(stage.recompute)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
-    # a flat gradient buffer (flat_grad_sync) exists after the backward has freed the
-    # activations, so it does not raise the peak; DDP's buckets live during the backward
+    # DDP's buckets live during the backward; the engine's flat sync copies the gradients
+    # after the backward has freed the activations: once to all-reduce (ZeRO 0/1,
+    # lowering.reduce_partial_grads), twice to reduce-scatter (ZeRO-2: padded blocks and
+    # their concatenation, runtime/zero.py), so it raises the peak by what those copies
+    # exceed the activations
     buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, grads)
+    if runtime.flat_grad_sync and grad_bytes_total:
+        copies = 2 if zero == 2 else 1
+        buffers += max(0.0, copies * grad_bytes_total - acts)
     if zero >= 3:
         # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
         # gathered copy of one block, not dp of them

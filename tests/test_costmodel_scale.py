@@ -163,3 +163,19 @@ def test_gradient_sync_is_one_flat_all_reduce(gpt2):
     # embedding's gradient is reduced as an activation instead: its lookup is not split)
     assert abs(cost.grad_sync_s - collective_time_s(plan_hw(plan), Collective.ALL_REDUCE,
                                                     grads, 8)) < latency / 2
+
+
+def test_flat_zero2_sync_copies_raise_the_peak(gpt2):
+    """ZeRO-2's reduce-scatter copies the full gradients twice (padded blocks, their
+    concatenation) after the backward freed the activations: the peak rises by what the
+    copies exceed the activations."""
+    _, _, mesh = gpt2
+    model = parse_model_spec("transformers:gpt2?n_layer=4&n_embd=1024&n_head=8&vocab_size=256"
+                             "&n_positions=64").build("meta")
+    graph = trace(model, example_inputs(model, BATCH, SEQ))
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=2,
+                                dtype="bf16", zero=2)
+    mem = plan.stages[0].predicted.memory
+    grads = mem.grads_gib * GIB  # full-size, the engine's accumulation buffers
+    assert mem.buffers_gib * GIB == pytest.approx(2 * grads - mem.activations_gib * GIB,
+                                                  rel=0.01)
