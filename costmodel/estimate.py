@@ -14,9 +14,9 @@ plan (one microbatch at a time) and composes them with the pipeline schedule:
 - pipeline: send/recv of the stage's boundary tensors per microbatch, forward and backward;
 - gradient sync once per step: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2/3) of each
   replicated parameter's gradient over the axes that split its consumers; ZeRO-3 all-gathers
-  weights before the forward and the backward of every microbatch (FSDP), or, on meshplan's
-  CPU runtime, each block's weights in one all-gather per microbatch's forward with their
-  gradients' reduce-scatter in its backward (``RuntimeModel.zero3_per_use``; gloo's
+  weights before the forward and the backward of every microbatch (FSDP), or, in meshplan's
+  graph engine, each block's weights in one all-gather in a microbatch's forward and one in
+  its backward, with their gradients' reduce-scatter in the backward (``RuntimeModel.zero3_per_use``; gloo's
   reduce-scatter priced as the all-reduce it costs);
 - CPU contention: compute slows by the ranks computing at once over the schedule's span
   (``plan_stage_costs``, ``pipeline.busy_ranks``), not by every process on the host;
@@ -34,10 +34,8 @@ from dataclasses import dataclass, replace
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_factor, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_profile, activation_memory,
-                                       alias_root,
-                                       grad_sync_buffer_bytes, inflight_microbatches,
-                                       model_state_bytes,
+from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
+                                       alias_root, grad_sync_buffer_bytes, model_state_bytes,
                                        state_bytes_per_param, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
 from meshplan.planner.graph import OpGraph, OpKind
@@ -60,8 +58,9 @@ class RuntimeModel:
       0, one collective per parameter tensor (DTensor's per-parameter redistribute).
     zero3_per_use: ZeRO-3 as meshplan's runtime runs it: the dp-sharded weights a block
       first uses are gathered S(0) -> R together, in one all-gather per microbatch
-      (runtime/spmd.py ``_hoist``; under recompute, once per consumer instead), autograd
-      keeps the gathered weights for the backward (no second gather), and the gather's
+      (runtime/spmd.py ``_hoist``; under recompute, once per consumer instead), freed
+      after their last reader and gathered again in the backward when autograd unpacks
+      what it saved (``_Regather``: two all-gathers per microbatch), and the gather's
       backward reduce-scatters their gradients P -> S(0) in one collective in every
       microbatch's backward, so the step-level sync finds them already sharded
       (runtime/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward
@@ -259,12 +258,13 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                 wbytes = numel * (4 if dtype == "fp32" else 2)
                 if axis == dpa and zero >= 3 and runtime.zero3_per_use:
                     if stage.recompute == "none":
-                        # gathered once per microbatch, with the other weights its block
-                        # first uses: bandwidth here, one latency per block below
+                        # gathered with the other weights its block first uses, in the
+                        # forward and again in the backward (runtime/spmd.py _Regather):
+                        # bandwidth here, latencies per block below
                         per_mb_sync += _bucketed(coll, kind, nbytes, axis, 1.0,
                                                  latency_only=True)
-                        gather += _bucketed(coll, Collective.ALL_GATHER, wbytes, axis, 1.0,
-                                            latency_only=True)
+                        gather += 2 * _bucketed(coll, Collective.ALL_GATHER, wbytes, axis,
+                                                1.0, latency_only=True)
                         zero3_units.add(layer)
                         continue
                     # per microbatch and per consumer: gather in the forward, reduce-scatter
@@ -290,7 +290,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
             else Collective.REDUCE_SCATTER
         per_mb_sync += units * coll(kind, 1e-30, dpa)
-        gather += units * coll(Collective.ALL_GATHER, 1e-30, dpa)
+        gather += 2 * units * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
     if bucket > 0 and grad_bytes_total:
         grad_sync += _bucket_latency(coll, hw, grad_bytes_total, bucket,
                                      dpa if dpa is not None else 0, zero,
@@ -352,15 +352,11 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
         # gathered copy of one block, not dp of them
         layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0)
-        if runtime.zero3_per_use and stage.recompute == "none":
-            # the engine's gathered weights are saved by autograd for the backward: every
-            # in-flight microbatch holds the whole stage's weights gathered
-            inflight = inflight_microbatches(schedule, stage.index, num_stages, m,
-                                             virtual_stages)
-            buffers += zero3_buffer_bytes(sum(largest_layer.values()), dtype=dtype,
-                                          prefetch=1) * inflight
-        else:
-            buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
+        # one block's gathered weights and its full gradient before the reduce-scatter:
+        # the engine frees a gathered block after its last reader and gathers it again
+        # when the backward unpacks what autograd saved (runtime/spmd.py _Regather), with
+        # or without recompute
+        buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
     memory = MemoryBreakdown(params_gib=weights / GIB, grads_gib=grads / GIB,
                              optimizer_gib=opt / GIB, activations_gib=acts / GIB,
                              buffers_gib=buffers / GIB)

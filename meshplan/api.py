@@ -7,12 +7,13 @@ assemble the plan. The work lives in meshplan.planner and meshplan.costmodel.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 
 from meshplan.costmodel.estimate import estimate_plan
-from meshplan.errors import MemoryLimitError, NotSupportedError
+from meshplan.errors import MemoryLimitError, NotSupportedError, PlanningError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
@@ -33,14 +34,15 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  microbatches: Sequence[int] | None = None, schedules: Sequence[str] | None = None,
                  recompute: Sequence[str] | None = None, max_stages: int | None = None,
                  time_limit_s: float = 30.0, model_name: str = "",
-                 graph: OpGraph | None = None) -> Plan:
+                 graph: OpGraph | None = None, engine: str = "auto") -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
     ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
     batch x seq), a tuple (positional model arguments) or a dict (keyword arguments).
     ``example_targets`` go only to ``loss_fn(outputs, *targets)``; with neither targets nor
     loss_fn the language-model default applies (next-token loss on the first input).
-    Pass ``graph`` to reuse a trace.
+    Pass ``graph`` to reuse a trace. ``engine`` ("auto", "modules", "graph") picks the
+    runtime recorded in the plan (``choose_engine``).
     """
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
@@ -52,8 +54,9 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # MemoryLimitError (with min_memory_gib) when nothing fits
     space = search_space(microbatches=microbatches, schedules=schedules, recompute=recompute,
                          max_stages=max_stages)
-    return plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
+    plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
                      memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
+    return choose_engine(plan, model, engine)
 
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
@@ -62,7 +65,8 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
-                model_name: str = "", graph: OpGraph | None = None) -> Plan:
+                model_name: str = "", graph: OpGraph | None = None,
+                engine: str = "auto") -> Plan:
     """A Megatron-style plan written by hand (dp x tp x pp devices), estimated.
 
     Never raises for memory: a plan that does not fit has ``predicted.fits == False`` and
@@ -75,10 +79,32 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     if graph is None:
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
-    return build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
+    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer)
+    return choose_engine(plan, model, engine)
+
+
+ENGINES = ("auto", "modules", "graph")
+
+
+def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> Plan:
+    """Record which runtime executes ``plan``: the module engine (PyTorch's composables)
+    wherever the plan is expressible in it, the graph engine otherwise (with the reason).
+    ``engine="graph"`` keeps the graph engine; ``"modules"`` insists on the module engine."""
+    if engine not in ENGINES:
+        raise PlanningError(f"engine={engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == "graph" or model is None:
+        note = "chosen by the caller (engine='graph')" if engine == "graph" else \
+            "planned from a graph without its model"
+        return replace(plan, engine="graph", engine_note=note)
+    from meshplan.runtime.module_plan import module_engine_refusal
+
+    reason = module_engine_refusal(plan, model)
+    if reason and engine == "modules":
+        raise NotSupportedError(f"engine='modules': {reason}")
+    return replace(plan, engine="graph" if reason else "modules", engine_note=reason or "")
 
 
 def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None) -> Estimate:

@@ -63,11 +63,11 @@ def cmd_plan(args) -> int:
     spec, model, inputs = _load_model_and_inputs(args)
     if args.manual:
         plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
-                                    **_manual(args.manual))
+                                    engine=args.engine, **_manual(args.manual))
     else:
         plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
                                      memory_limit_gib=args.memory_limit_gib,
-                                     time_limit_s=args.time_limit_s)
+                                     time_limit_s=args.time_limit_s, engine=args.engine)
     print(plan.summary())
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
@@ -77,16 +77,63 @@ def cmd_plan(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from meshplan.runtime.launch import run_plan
+    import shlex
 
+    from meshplan.plan import Plan
+    from meshplan.runtime.launch import Nodes, run_plan, slurm_script, torchrun_command
+
+    _check_run_numbers(args)
     if args.metrics_out:
         _check_writable(args.metrics_out)
-    extra = ("--timeout-s", str(args.timeout_s))
+    plan = Plan.from_json(args.plan)
+    nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank,
+                  nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint,
+                  rdzv_id=args.rdzv_id).resolve(plan, need_endpoint=not args.slurm)
+    extra = ("--timeout-s", str(args.timeout_s), "--lr", str(args.lr))
+    if args.warmup:
+        extra += ("--warmup", str(args.warmup))
+    if args.clip:
+        extra += ("--clip", str(args.clip))
+    if args.data:
+        from meshplan.runtime.data import TokenFile
+
+        TokenFile(args.data, args.data_dtype).check_batch(plan.training.global_batch,
+                                                          plan.training.seq_len)
+        extra += ("--data", os.path.abspath(args.data), "--data-dtype", args.data_dtype)
     if args.checkpoint_dir:
-        extra += ("--checkpoint-dir", args.checkpoint_dir,
+        extra += ("--checkpoint-dir", os.path.abspath(args.checkpoint_dir),
                   "--checkpoint-every", str(args.checkpoint_every))
-    return run_plan(args.plan, model=args.model, steps=args.steps, seed=args.seed,
-                    metrics_out=args.metrics_out, extra=extra)
+    common = dict(model=args.model, steps=args.steps, seed=args.seed,
+                  metrics_out=args.metrics_out, extra=extra, nodes=nodes)
+    if args.print_torchrun:
+        print(shlex.join(torchrun_command(args.plan, plan, **common)))
+        return 0
+    if args.slurm:
+        _check_writable(args.output)
+        from meshplan.plan import atomic_write
+
+        atomic_write(args.output, slurm_script(args.plan, plan, **common))
+        print(f"wrote {args.output}; submit it with: sbatch {args.output}")
+        return 0
+    return run_plan(args.plan, **common)
+
+
+def _check_run_numbers(args) -> None:
+    """One clear line for numbers that cannot work, before anything starts."""
+    rules = [(args.steps >= 1, f"--steps {args.steps}: train at least 1 step"),
+             (args.timeout_s > 0, f"--timeout-s {args.timeout_s}: the collective timeout must "
+              "be positive (seconds), e.g. 30"),
+             (args.lr > 0, f"--lr {args.lr}: the learning rate must be positive, e.g. 3e-4"),
+             (args.warmup >= 0, f"--warmup {args.warmup}: warmup steps must be 0 or more"),
+             (args.clip >= 0, f"--clip {args.clip}: the max gradient norm must be positive "
+              "(0: no clipping)"),
+             (args.checkpoint_every >= 0, f"--checkpoint-every {args.checkpoint_every}: must "
+              "be 0 (only at the end) or a positive step count"),
+             (args.nproc_per_node >= 0, f"--nproc-per-node {args.nproc_per_node}: must be "
+              "positive")]
+    for ok, message in rules:
+        if not ok:
+            raise SpecError(message)
 
 
 def _plan_and_graph(path: str, model: str = ""):
@@ -203,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "recompute=none,sp=0,zero=0")
     p.add_argument("--memory-limit-gib", type=float, default=None)
     p.add_argument("--time-limit-s", type=float, default=30.0)
+    p.add_argument("--engine", choices=("auto", "modules", "graph"), default="auto",
+                   help="the runtime the plan names: auto picks the module engine (PyTorch's "
+                   "composables) where the plan is expressible in it")
     p.add_argument("-o", "--output", default="", help="write the plan JSON here")
     p.set_defaults(func=cmd_plan)
 
@@ -212,11 +262,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", default="")
-    p.add_argument("--checkpoint-dir", default="", help="save sharded checkpoints here; a run "
-                   "whose directory holds one resumes from the newest")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=0, help="linear warmup over this many steps, "
+                   "then constant")
+    p.add_argument("--clip", type=float, default=0.0, metavar="MAX_NORM",
+                   help="clip the global gradient norm (all ranks and stages) to MAX_NORM")
+    p.add_argument("--data", default="", help="flat binary of token ids as nanoGPT writes it "
+                   "(train.bin); default: synthetic tokens from --seed")
+    p.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16")
+    p.add_argument("--checkpoint-dir", default="", help="save sharded checkpoints here (at the "
+                   "end, and every --checkpoint-every steps); a run whose directory holds one "
+                   "resumes from the newest")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps")
     p.add_argument("--timeout-s", type=float, default=30.0, help="collective timeout: a rank "
                    "waiting longer on a dead or hung peer fails the run")
+    g = p.add_argument_group("many machines (torchrun's c10d rendezvous)")
+    g.add_argument("--nnodes", type=int, default=1)
+    g.add_argument("--node-rank", type=int, default=0, help="0..nnodes-1; node 0 hosts the "
+                   "rendezvous")
+    g.add_argument("--nproc-per-node", type=int, default=0, help="default: the plan's devices "
+                   "/ --nnodes")
+    g.add_argument("--rdzv-endpoint", default="", metavar="HOST:PORT",
+                   help="on node rank 0, reachable from every node (needed with --nnodes > 1)")
+    g.add_argument("--rdzv-id", default="meshplan", help="the same on every node of one job")
+    g.add_argument("--print-torchrun", action="store_true", help="print the equivalent "
+                   "torchrun command for this node and exit")
+    g.add_argument("--slurm", action="store_true", help="write an sbatch script (one task per "
+                   "node, srun torchrun) to -o and exit")
+    g.add_argument("-o", "--output", default="meshplan.sbatch", help="where --slurm writes")
     p.set_defaults(func=cmd_run)
 
     _add_reading_commands(sub, model_mesh)
@@ -398,6 +471,7 @@ def main(argv=None) -> int:
         print(f"meshplan {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
+        print(f"meshplan {args.command}: interrupted", file=sys.stderr)
         return 130
 
 

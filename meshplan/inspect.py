@@ -245,6 +245,10 @@ def head_table(plan: Plan) -> Table:
                  f"{p.memory_capacity_gib:.1f} GiB ({_pct(p.peak_memory_gib, p.memory_capacity_gib)})"
                  + ("" if p.fits else f"  DOES NOT FIT: {p.overflow}"))
     head.add_row("time breakdown", ", ".join(f"{k} {fmt_time(v)}" for k, v in p.breakdown.items()))
+    head.add_row("runs on", "module engine (parallelize_module, fully_shard, checkpoint "
+                 "wrappers)" if plan.engine == "modules" else
+                 "graph engine (exported graph on DTensor)"
+                 + (f": {plan.engine_note}" if plan.engine_note else ""))
     head.add_row("solver", f"{plan.solver.name}: {plan.solver.status}, gap {plan.solver.gap:.2%}, "
                  f"{plan.solver.time_s:.2f} s (deterministic)")
     for note in plan.solver.notes:

@@ -143,6 +143,11 @@ class Plan:
     predicted: Estimate
     solver: SolverInfo
     schema: str = SCHEMA_VERSION
+    # which runtime executes it: "modules" (PyTorch's composables: parallelize_module,
+    # fully_shard, checkpoint wrappers; runtime/modules.py) where the plan is expressible
+    # in them, else "graph" (the exported graph on DTensor; runtime/parallelize.py)
+    engine: str = "graph"
+    engine_note: str = ""  # why the graph engine runs it, when the module engine cannot
     # Not written to the file: the traced graph the plan was made from (for estimate/explain)
     # and the wall-clock planning time (the file records the solver's deterministic time so
     # that the same inputs give the same bytes).
@@ -226,6 +231,11 @@ class Plan:
         problems = check_consistency(plan)
         if problems:
             raise PlanFileError(f"{origin} is inconsistent: {problems[0]}")
+        from meshplan.support import plan_problems  # imports this module
+
+        problems = plan_problems(plan)
+        if problems:
+            raise PlanFileError(f"{origin} cannot run: {problems[0]}")
         return plan
 
 
@@ -274,7 +284,8 @@ def _plan_from_dict(d: dict) -> Plan:
     model["inputs"] = tuple(dict(r) for r in model.get("inputs", ()))
     return Plan(model=ModelInfo(**model), mesh=MeshInfo(**mesh),
                 training=TrainingConfig(**d["training"]), stages=tuple(stages),
-                predicted=est(d["predicted"]), solver=SolverInfo(**solver), schema=d["schema"])
+                predicted=est(d["predicted"]), solver=SolverInfo(**solver), schema=d["schema"],
+                engine=d.get("engine", "graph"), engine_note=d.get("engine_note", ""))
 
 
 def check_consistency(plan: Plan) -> list[str]:

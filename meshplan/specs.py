@@ -2,18 +2,40 @@
 
 Model specs:
 - ``transformers:gpt2?n_layer=2&n_embd=64`` — a transformers architecture built from its
-  config with random weights (nothing is downloaded); any ``model_type`` transformers knows;
+  config with random weights (nothing is downloaded); any ``model_type`` transformers knows,
+  with the head its users train (``HEADS``): conditional generation for encoder-decoders
+  (T5, BART), a masked-LM head for BERT-like encoders, a causal LM for decoders, an image
+  classifier for vision models; ``head=causal-lm`` (etc.) in the query picks another;
+  dropout is off unless a ``*dropout*`` / ``*pdrop`` key is given (losses compare across plans);
 - ``gpt3-175b``, ``llama2-7b``, ... — named configs of published models (MODEL_PRESETS);
 - ``path/to/file.py:factory`` — a function returning an ``nn.Module`` (optionally taking
   no arguments); the module needs ``vocab_size`` (attribute or ``config.vocab_size``).
 Mesh specs: ``dgx-a100-80gb:nodes=8``, ``local:4``, ``cluster.json``.
+
+What each head is called with and trained on (``training_call``): a ``TrainingCall`` of
+``inputs`` (a tuple of positional arguments or a dict of keyword arguments), ``targets`` and
+``loss_fn`` (None: meshplan's default, cross entropy of the logits against the targets, or
+the next-token loss when there are no targets), for ``trace``/``autoparallel``/``manual_plan``
+(``example_inputs=call.inputs, example_targets=call.targets, loss_fn=call.loss_fn``) and
+``ParallelRun.train_step(call.inputs, targets=call.targets)``:
+
+============================  =====================================  ==========================
+head                          inputs                                 targets
+============================  =====================================  ==========================
+causal-lm                     (ids,) batch x seq                     () next-token loss on ids
+masked-lm                     (ids with 15% set to the mask id,)     (ids there, -100 elsewhere,)
+seq2seq                       {input_ids, decoder_input_ids}         (labels,): decoder ids
+                                                                      shifted left one token
+image-classification          (pixels,) batch x C x H x W float      (class ids,) batch
+============================  =====================================  ==========================
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
 import torch
@@ -53,13 +75,7 @@ MODEL_PRESETS: dict[str, tuple[str, dict]] = {
 # The demo's model: a scaled-down GPT-2 (2 blocks, width 64) that trains in seconds on a CPU.
 DEMO_MODEL = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
 
-_NO_DROPOUT = {  # synthetic runs compare losses across plans: dropout would make them differ
-    "gpt2": dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
-    "llama": dict(attention_dropout=0.0),
-    "opt": dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
-    "gpt_neox": dict(hidden_dropout=0.0, attention_dropout=0.0),
-}
+HEADS = ("causal-lm", "masked-lm", "seq2seq", "image-classification")
 
 
 @dataclass(frozen=True)
@@ -115,24 +131,42 @@ def _build_transformers(model_type: str, overrides: dict, device) -> nn.Module:
     except ImportError:
         raise SpecError("transformers model specs need the transformers package: "
                         "pip install transformers") from None
-    overrides = {**_NO_DROPOUT.get(model_type, {}), **overrides}
+    overrides = dict(overrides)
+    head = overrides.pop("head", None)
+    if head is not None and head not in HEADS:
+        raise SpecError(f"head={head!r} is not one of {', '.join(HEADS)}; e.g. "
+                        f"transformers:{model_type}?head=causal-lm")
     try:
         config = transformers.AutoConfig.for_model(model_type, **overrides)
     except ValueError as exc:
         raise SpecError(f"transformers does not know model type {model_type!r}: {exc}") from None
+    for key, value in config.to_dict().items():  # synthetic runs compare losses across plans
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) \
+                and key not in overrides:
+            setattr(config, key, 0.0)
     config.use_cache = False
-    model_cls = _auto_class(transformers, config)
+    model_cls = _auto_class(transformers, config, head)
     with torch.device(device):
         return model_cls.from_config(config)
 
 
-def _auto_class(transformers, config):
-    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM,
-                 transformers.AutoModelForSeq2SeqLM):
-        if type(config) in auto._model_mapping:
-            return auto
-    raise SpecError(f"model type {config.model_type!r} has no causal-LM, masked-LM or seq2seq "
-                    "head in transformers; use a path/file.py:factory spec")
+def _auto_class(transformers, config, head: str | None = None):
+    """The auto class of ``head``, or of the head this kind of model is trained with."""
+    autos = {"seq2seq": transformers.AutoModelForSeq2SeqLM,
+             "masked-lm": transformers.AutoModelForMaskedLM,
+             "causal-lm": transformers.AutoModelForCausalLM,
+             "image-classification": transformers.AutoModelForImageClassification}
+    if head is None:
+        order = ["masked-lm", "causal-lm", "image-classification"]
+        if getattr(config, "is_encoder_decoder", False):
+            order.insert(0, "seq2seq")
+        head = next((h for h in order if type(config) in autos[h]._model_mapping), None)
+    if head is None or type(config) not in autos[head]._model_mapping:
+        has = [h for h in HEADS if type(config) in autos[h]._model_mapping]
+        raise SpecError(f"model type {config.model_type!r} has no {head or 'trainable'} head in "
+                        f"transformers (it has: {', '.join(has) or 'none'}); pick one with "
+                        "?head=NAME or use a path/file.py:factory spec")
+    return autos[head]
 
 
 def _build_from_file(text: str, device) -> nn.Module:
@@ -190,3 +224,69 @@ def parse_mesh_spec(text: str) -> Mesh:
         return Mesh.from_json(text)
     raise SpecError(f"unknown mesh {text!r}; use one of {', '.join(GPU_PRESETS)} (with :nodes=N), "
                     "local:N, or a cluster .json file")
+
+
+@dataclass(frozen=True)
+class TrainingCall:
+    """One global batch as a model's head is trained on it (the table in the module
+    docstring): ``model(*inputs)`` or ``model(**inputs)``, then
+    ``loss_fn(outputs, *targets)`` (meshplan's default loss when ``loss_fn`` is None)."""
+
+    head: str
+    inputs: tuple[torch.Tensor, ...] | Mapping[str, torch.Tensor]
+    targets: tuple[torch.Tensor, ...] = ()
+    loss_fn: Callable | None = field(default=None, compare=False)
+
+
+MASK_FRACTION = 0.15  # BERT's masking rate (Devlin et al. 2019, section 3.1)
+
+
+def model_head(model: nn.Module) -> str:
+    """The head a model is trained with, from its class (transformers' naming)."""
+    name = type(model).__name__
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) \
+            or name.endswith(("ForConditionalGeneration", "ForSeq2SeqLM")):
+        return "seq2seq"
+    if name.endswith("ForMaskedLM"):
+        return "masked-lm"
+    if name.endswith("ForImageClassification"):
+        return "image-classification"
+    return "causal-lm"
+
+
+def training_call(model: nn.Module, batch: int, seq: int, *, device="meta",
+                  seed: int | None = None, step: int = 0) -> TrainingCall:
+    """The inputs, targets and loss of one global batch for ``model``'s head: on ``device``
+    with unspecified values (tracing), or drawn from ``seed`` and ``step`` (the same for every
+    plan and every rank, like ``synthetic_batch``). ``seq`` is the token count; an image
+    model reads its image size and channels from its config instead."""
+    head = model_head(model)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step) if seed is not None else None
+
+    def ints(high, *shape):
+        if g is None:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+        return torch.randint(0, high, shape, generator=g).to(device)
+
+    if head == "image-classification":
+        cfg = model.config
+        shape = (batch, cfg.num_channels, cfg.image_size, cfg.image_size)
+        pixels = torch.zeros(shape, device=device) if g is None else \
+            torch.randn(shape, generator=g).to(device)
+        return TrainingCall(head, (pixels,), (ints(cfg.num_labels, batch),))
+    vocab = vocab_size(model)
+    ids = ints(vocab, batch, seq)
+    if head == "causal-lm":
+        return TrainingCall(head, (ids,))
+    if head == "masked-lm":
+        cfg = getattr(model, "config", None)
+        mask_id = getattr(cfg, "mask_token_id", None) or vocab - 1
+        chosen = torch.zeros(batch, seq, dtype=torch.bool, device=device) if g is None else \
+            (torch.rand(batch, seq, generator=g) < MASK_FRACTION).to(device)
+        return TrainingCall(head, (torch.where(chosen, mask_id, ids),),
+                            (torch.where(chosen, ids, -100),))
+    start = getattr(model.config, "decoder_start_token_id", None) or 0
+    labels = ints(vocab, batch, seq)
+    decoder_ids = torch.cat([torch.full((batch, 1), start, dtype=torch.long, device=device),
+                             labels[:, :-1]], dim=1)
+    return TrainingCall(head, {"input_ids": ids, "decoder_input_ids": decoder_ids}, (labels,))

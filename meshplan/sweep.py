@@ -26,6 +26,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 
+from meshplan import support
 from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.plan import RECOMPUTE, Plan
@@ -60,7 +61,9 @@ def divisors(n: int) -> list[int]:
 
 def configurations(*, devices: int, devices_per_node: int, batch: int, layers: int,
                    heads: int, schedules=("gpipe", "1f1b", "interleaved-1f1b"),
-                   recompute=RECOMPUTE, zeros=(0, 1, 2, 3)) -> list[Config]:
+                   recompute=RECOMPUTE, zeros=(0, 1, 2, 3), dtype: str = "fp32") -> list[Config]:
+    """The space of the module docstring, less what the runtime cannot run
+    (meshplan/support.py)."""
     out = []
     for tp in divisors(devices):
         if tp > devices_per_node or devices_per_node % tp or (heads and heads % tp):
@@ -76,8 +79,18 @@ def configurations(*, devices: int, devices_per_node: int, batch: int, layers: i
                     for rc in recompute:
                         for sp in ((False, True) if tp > 1 else (False,)):
                             for z in (zeros if dp > 1 else (0,)):
+                                if not _runs(pp, dp, mb, sched, vs, z, batch, dtype, layers):
+                                    continue
                                 out.append(Config(dp, tp, pp, mb, sched, vs, rc, sp, z))
     return out
+
+
+def _runs(pp, dp, mb, schedule, virtual, zero, batch, dtype, layers) -> bool:
+    """Whether the runtime runs this shape (meshplan/support.py)."""
+    return not support.candidate_problems(support.Candidate(
+        pp=pp, dp=dp, schedule=schedule, virtual_stages=virtual,
+        microbatches=batch // (dp * mb), global_batch=batch, microbatch_size=mb, zero=zero,
+        dtype=dtype, num_layers=layers))
 
 
 def _schedules(pp: int, layers: int, schedules) -> list[tuple[str, int]]:
@@ -125,7 +138,7 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
     if configs is None:
         configs = configurations(devices=mesh.num_devices, devices_per_node=mesh.devices_per_node,
                                  batch=batch, layers=graph.num_layers,
-                                 heads=attention_heads(graph))
+                                 heads=attention_heads(graph), dtype=dtype)
     groups: dict[tuple, list[Config]] = {}
     for c in configs:
         groups.setdefault(c.placement_key, []).append(c)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import replace
 
+from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.inter import SearchSpace
@@ -64,8 +65,8 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     failure: MemoryLimitError | None = None
     ilp_failure: MemoryLimitError | None = None
     try:
-        best = plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer,
-                           memory_limit_gib=limit, space=space, cost=cost)
+        best = _runnable(plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer,
+                                     memory_limit_gib=limit, space=space, cost=cost))
     except MemoryLimitError as exc:
         failure = exc
     if single_stage_ilp and (best is None or best.num_stages == 1):
@@ -80,6 +81,7 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
             ilp_failure, ilp_plan = exc, None
         except PlanningError:
             ilp_plan = None
+        ilp_plan = _runnable(ilp_plan)
         if ilp_plan is not None and ilp_plan.predicted.peak_memory_gib <= limit and (
                 best is None or ilp_plan.predicted.step_time_s < best.predicted.step_time_s):
             best = ilp_plan
@@ -89,6 +91,12 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
         raise _tightest(failure) or _tightest(ilp_failure if failure is None else None) or \
             _model_state_floor(graph, mesh, limit, dtype, optimizer)
     return replace(best, wall_time_s=time.perf_counter() - start)
+
+
+def _runnable(plan: Plan | None) -> Plan | None:
+    """The plan, or None when the runtime cannot run it (meshplan/support.py): the searches
+    skip such candidates, so this only guards their assembly."""
+    return None if plan is None or support.plan_problems(plan) else plan
 
 
 def _tightest(*failures: MemoryLimitError | None) -> MemoryLimitError | None:

@@ -46,6 +46,7 @@ import numpy as np
 
 from meshplan.costmodel.memory import inflight_microbatches
 from meshplan.costmodel.pipeline import pipeline_step_time
+from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError
 from meshplan.planner.stagedp import RangeClasses, bound_candidates, build_tables, cut
 
@@ -89,6 +90,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero: tuple[int, ...] = (0, 1, 2, 3)
+    pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages when pp > 1; None: as zero
     microbatches: tuple[int, ...] | None = None  # None: every count that divides the batch
     pipeline_degrees: tuple[int, ...] | None = None  # None: every degree the mesh allows
     tensor_degrees: tuple[int, ...] | None = None  # None: every divisor within a node
@@ -179,10 +181,15 @@ class Problem:
     # pipeline under ZeRO stage z: (p, dp, tp, z) -> GiB; shapes whose floor exceeds the
     # memory limit are skipped before any stage is priced
     weights_floor_gib: Callable | None = None
+    dtype: str = "fp32"  # what the runtime can run depends on it (meshplan/support.py)
 
     @property
     def num_units(self) -> int:
         return len(self.unit_layers)
+
+    @property
+    def num_layers(self) -> int:
+        return self.unit_layers[-1][1] if self.unit_layers else 0
 
 
 def group_sizes(num_devices: int, devices_per_node: int) -> list[int]:
@@ -213,17 +220,24 @@ def stage_meshes(size: int, devices_per_node: int,
 def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches: int,
                   mesh: tuple[int, int] | None = None, sp: bool = False) -> list[StageOption]:
     meshes = [mesh] if mesh else stage_meshes(size, problem.devices_per_node, space.tensor_degrees)
+    zeros = space.zero if size == problem.num_devices or space.pipeline_zero is None \
+        else space.pipeline_zero
     out = []
     for dp, tp in meshes:
-        if problem.global_batch % (microbatches * dp) or (sp and tp == 1):
+        if sp and tp == 1:
             continue
+        if support.data_parallel_rule(support.Candidate(
+                dp=dp, microbatches=microbatches, global_batch=problem.global_batch)):
+            continue  # the runtime needs equal per-rank microbatches
         mbs = problem.global_batch // (microbatches * dp)
         if space.microbatch_sizes is not None and mbs not in space.microbatch_sizes:
             continue
         for rc in space.recompute:
-            for z in space.zero:
-                if z and dp == 1 and 0 in space.zero:
+            for z in zeros:
+                if z and dp == 1 and 0 in zeros:
                     continue  # ZeRO over one replica is plain data parallelism
+                if support.zero_rule(support.Candidate(zero=z)):
+                    continue
                 out.append(StageOption((dp, tp), rc, z, sp))
     return out
 
@@ -260,7 +274,9 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
                                     b, mesh, sp)
             table_cache[key] = build_tables(classes, problem, options, b, hops,
                                             relaxed_cache if relaxed else cost_cache,
-                                            need_memory=not relaxed, layer_multiple=v) \
+                                            need_memory=not relaxed,
+                                            stage_blocks=problem.num_layers * size
+                                            // problem.num_devices if v > 1 else None) \
                 if options else None
         return table_cache[key]
 
@@ -322,7 +338,8 @@ def relaxed_space(space: SearchSpace) -> SearchSpace:
     whose times grow this way (as the cost model's do) makes the bound valid."""
     order = ("none", "selective", "full")
     return replace(space, recompute=(min(space.recompute, key=order.index),),
-                   zero=(min(space.zero),))
+                   zero=(min(space.zero),),
+                   pipeline_zero=space.pipeline_zero and (min(space.pipeline_zero),))
 
 
 def _fields(plan: PipelinePlan) -> dict:
@@ -353,6 +370,11 @@ def _combos(problem: Problem, space: SearchSpace):
                         continue
                     if schedule == Schedule.INTERLEAVED and b % stages:
                         continue  # Megatron-LM's interleaved schedule needs B % p == 0
+                    if stages > 1 and support.candidate_problems(support.Candidate(
+                            pp=stages, schedule=str(schedule), virtual_stages=virtual,
+                            microbatches=b, global_batch=problem.global_batch,
+                            dtype=problem.dtype, num_layers=problem.num_layers)):
+                        continue  # a pipeline the runtime cannot run
                     for mesh in meshes:
                         for sp in space.sequence_parallel:
                             yield schedule, stages, virtual, b, mesh, sp

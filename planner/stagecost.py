@@ -24,11 +24,12 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from meshplan import support
 from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
 from meshplan.manual import Propagator, stage_params, attention_heads
-from meshplan.planner.assemble import mesh_info, model_info, training_config
+from meshplan.planner.assemble import batch_and_seq, mesh_info, model_info, training_config
 from meshplan.planner.clusters import LayerUnit, layer_units
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
@@ -48,7 +49,7 @@ class MegatronStageCost:
                  num_devices: int, dtype: str, optimizer: str):
         self.graph, self.units, self.hw = graph, units, hw
         self.dtype, self.optimizer = dtype, optimizer
-        self.batch, self.seq = graph.inputs[0][1].shape[:2]
+        self.batch, self.seq = batch_and_seq(graph)  # a 1-D first input has seq 1
         self.heads = attention_heads(graph)
         self.on_host = min(num_devices, hw.devices_per_node)
         self._placements: dict = {}
@@ -201,7 +202,7 @@ def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                       global_batch=graph.inputs[0][1].shape[0],
                       memory_limit_gib=memory_limit_gib if memory_limit_gib is not None
                       else hw.device.memory_gib, cost_fn=cost,
-                      weights_floor_gib=cost.weights_floor_gib)
+                      weights_floor_gib=cost.weights_floor_gib, dtype=dtype)
     # the search ranks with affine stage prices; the few best shapes are priced in full
     plans = [assemble_plan(graph, mesh, units, answer, cost, dtype=dtype, optimizer=optimizer)
              for answer in search_best(problem, space, keep=RERANK)]
@@ -229,7 +230,8 @@ def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace) -> Plan:
                     t.microbatches % p or any((st.layers[1] - st.layers[0]) % v
                                               for st in plan.stages)):
                 continue
-            if (schedule, v) != (t.schedule, t.virtual_stages):
+            if (schedule, v) != (t.schedule, t.virtual_stages) and not support.plan_problems(
+                    replace(plan, training=replace(t, schedule=schedule, virtual_stages=v))):
                 variants.append(replace(t, schedule=schedule, virtual_stages=v))
     best = plan
     for training in variants:

@@ -88,10 +88,12 @@ def p2p_hops(first: bool, last: bool) -> float:
 
 
 def build_tables(classes: RangeClasses, problem, options, microbatches: int, hops: float,
-                 cache: dict, *, need_memory: bool = True, layer_multiple: int = 1) -> Tables:
+                 cache: dict, *, need_memory: bool = True,
+                 stage_blocks: int | None = None) -> Tables:
     """Price every class under every option (``cache`` keeps cost-function answers).
-    Ranges whose block count ``layer_multiple`` does not divide are impossible (the
-    interleaved schedule cuts every stage into that many equal chunks)."""
+    With ``stage_blocks``, ranges of another block count are impossible: the runtime cuts an
+    interleaved plan's blocks into pp x v equal chunks whatever its stage records say
+    (meshplan/support.py, ``interleaved_split_rule``), so each rank group holds that many."""
     n_opt, n_cls = len(options), classes.num_classes
     arrays = np.full((5, n_opt, n_cls), INF)  # t, u, w, a, r
     stage_costs: list = [None] * n_opt
@@ -104,10 +106,10 @@ def build_tables(classes: RangeClasses, problem, options, microbatches: int, hop
         factor = np.array([hops * p2p_hops(bool(f), bool(l))
                            for f, l in zip(classes.is_first, classes.is_last)])
         arrays[0, o] += factor * np.where(np.isfinite(recv), recv, 0.0)
-    if layer_multiple > 1:
+    if stage_blocks is not None:
         first = np.array([problem.unit_layers[j][0] for j in classes.rep_first])
         last = np.array([problem.unit_layers[k - 1][1] for k in classes.rep_last])
-        arrays[0][:, (last - first) % layer_multiple != 0] = INF
+        arrays[0][:, (last - first) != stage_blocks] = INF
     return Tables(classes, options, arrays, stage_costs)
 
 

@@ -7,12 +7,16 @@ when export fails: its module-level graph has no shapes and no aten operators, w
 sharding rules need, so it cannot replace export (see docs/DECISIONS.md).
 
 The training step is traced as one graph: model forward plus the loss, so the loss is an
-operator the planner can shard like any other. Everything runs on the meta device: no
-weight is allocated.
+operator the planner can shard like any other. A model built on the meta device is traced
+as fake tensors on the device the plan runs on (``on_device``; CPU): no weight is allocated,
+and the model takes that device's branches. Repeated blocks (the pipeline's cut points)
+are found in any container and in several stacks (``find_block_paths``); FLOPs come from
+planner/opcount.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -28,6 +32,8 @@ import meshplan.errors
 from meshplan.errors import TraceError
 from meshplan.planner.graph import (CallSignature, OpGraph, OpKind, OpNode, ParamInfo, TensorMeta,
                                     dtype_bytes)
+from meshplan.planner.opcount import (UncountedOperatorsWarning, classify, forward_flops,  # noqa: F401
+                                      uncounted_operators, warn_uncounted)
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -135,24 +141,93 @@ class TrainingModule(nn.Module):
 _WRAPPER_PREFIX = "model."
 
 
+TRACE_DEVICE = "cpu"  # the device meta models are traced for: the runtime's (gloo on CPU)
+
+
 def export_training_graph(model: nn.Module, example_inputs: Inputs,
                           loss_fn: LossFn | None = None, *, example_targets=(),
-                          signature: CallSignature | None = None,
-                          loss: bool = True) -> torch.export.ExportedProgram:
+                          signature: CallSignature | None = None, loss: bool = True,
+                          device: str = TRACE_DEVICE) -> torch.export.ExportedProgram:
     """Export model + loss with torch.export (non-strict). Raises TraceError naming the op.
 
     ``example_inputs`` is a tensor, a tuple (positional arguments) or a dict (keyword
     arguments); ``example_targets`` go only to the loss. ``signature`` says that
-    ``example_inputs`` is already flat (as ``flatten_call`` made it)."""
+    ``example_inputs`` is already flat (as ``flatten_call`` made it). A model or inputs on
+    the meta device are traced as fake tensors on ``device`` (``on_device``), so the graph
+    takes the branches the model takes there; nothing is allocated either way."""
     if signature is None:
         flat, signature = flatten_call(example_inputs, example_targets)
     else:
         flat = tuple(example_inputs)
+    # one tensor passed twice (ids as input and as target) would be one placeholder used
+    # twice in the export, a graph unlike the one every later call (distinct tensors) makes
+    seen: set[int] = set()
+    flat = tuple(x.clone() if id(x) in seen or seen.add(id(x)) else x for x in flat)
     wrapped = TrainingModule(model, loss_fn, signature, loss=loss)
     try:
-        return torch.export.export(wrapped, flat, strict=False)
+        with on_device(model, flat, device) as (fake_flat, originals):
+            ep = torch.export.export(wrapped, fake_flat, strict=False)
+            # the program keeps the model's own (meta) tensors, not the fakes
+            for table in (ep.state_dict, ep.constants):
+                for key, t in table.items():
+                    table[key] = originals.get(id(t), t)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear TraceError
         raise TraceError(_explain_trace_failure(exc, model)) from exc
+    return ep
+
+
+@contextlib.contextmanager
+def on_device(model: nn.Module, flat: tuple[torch.Tensor, ...], device: str):
+    """Meta tensors (the model's and the inputs) as fake tensors on ``device`` while the
+    block runs; yields the inputs to trace with and {id(fake): original tensor}, and puts
+    the model's own tensors back.
+
+    Models branch on their tensors' device: transformers' MoE routing runs ``histc`` on int32
+    on any device but CPU, which CPU then cannot run (``"histogram_cpu" not implemented for
+    'Int'``). A fake tensor on CPU takes the CPU branch and allocates nothing; export adopts
+    the fake mode of its inputs. Private torch API: torch._subclasses.FakeTensorMode."""
+    tensors = [t for _, t in _module_tensors(model)] + list(flat)
+    if not any(t.is_meta for t in tensors):
+        yield flat, {}
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    memo: dict[int, torch.Tensor] = {}
+    originals: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:  # tied parameters stay one tensor
+            if t.is_meta:
+                with mode:
+                    f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            else:
+                f = mode.from_tensor(t)
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) \
+                if isinstance(t, nn.Parameter) else f
+            originals[id(memo[id(t)])] = t
+        return memo[id(t)]
+
+    swapped = []
+    try:
+        for table, key in _module_tensors(model, slots=True):
+            original = table[key]
+            table[key] = fake(original)
+            swapped.append((table, key, original))
+        yield tuple(fake(x) for x in flat), originals
+    finally:
+        for table, key, original in reversed(swapped):
+            table[key] = original
+
+
+def _module_tensors(model: nn.Module, *, slots: bool = False):
+    """(name, tensor) of every parameter and buffer, duplicates included; with ``slots``
+    ((its module's table, its key)) to replace it with."""
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for key, t in list(table.items()):
+                if t is not None:
+                    yield (table, key) if slots else (key, t)
 
 
 def trace(model: nn.Module, example_inputs: Inputs, *, loss_fn: LossFn | None = None,
@@ -170,9 +245,15 @@ def trace(model: nn.Module, example_inputs: Inputs, *, loss_fn: LossFn | None = 
 def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
                       model_name: str = "") -> OpGraph:
     sig = ep.graph_signature
-    placeholder_to_param = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+    # parameters, buffers and lifted tensor constants (Falcon's index tensors) are read by
+    # name like buffers; only the user's inputs are graph inputs
+    placeholder_to_param = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
+                            **sig.inputs_to_lifted_tensor_constants}
+    user_inputs = set(sig.user_inputs)
     trainable = set(sig.inputs_to_parameters.values())
-    block_path, block_len = find_repeated_blocks(model)
+    block_paths = find_block_paths(model)
+    blocks = {path: i for i, path in enumerate(block_paths)}
+    block_path, _ = find_repeated_blocks(model)
 
     params: list[ParamInfo] = []
     seen_storage: dict[int, str] = {}
@@ -190,7 +271,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
         if node.op == "placeholder":
             if node.name in placeholder_to_param:
                 param_of[node.name] = placeholder_to_param[node.name].removeprefix(_WRAPPER_PREFIX)
-            else:
+            elif node.name in user_inputs:
                 inputs.append((node.name, _tensor_meta(node.meta.get("val"))[0]))
             continue
         if node.op == "output":
@@ -199,10 +280,11 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
             continue
         if node.op != "call_function":
             continue
-        nodes.append(_make_node(node, param_of, block_path))
+        nodes.append(_make_node(node, param_of, blocks))
 
-    nodes = _drop_dead_asserts(nodes)
-    fingerprints = _layer_fingerprints(nodes, block_len)
+    nodes = _in_run_order(_drop_dead_asserts(nodes), len(block_paths))
+    warn_uncounted(nodes, model_name or type(model).__name__)
+    fingerprints = _layer_fingerprints(nodes, len(block_paths))
     return OpGraph(nodes=tuple(nodes), params=tuple(params), inputs=tuple(inputs),
                    output=output_name, layer_fingerprints=fingerprints,
                    block_module=block_path, model_name=model_name)
@@ -212,7 +294,8 @@ def _named_tensors(model: nn.Module):
     yield from model.named_parameters(remove_duplicate=False)
 
 
-def _make_node(node: torch.fx.Node, param_of: dict[str, str], block_path: str) -> OpNode:
+def _make_node(node: torch.fx.Node, param_of: dict[str, str],
+               blocks: Mapping[str, int]) -> OpNode:
     target = _target_name(node.target)
     arg_nodes = [a for a in node.all_input_nodes]
     inputs = tuple(param_of.get(a.name, a.name) for a in arg_nodes)
@@ -226,108 +309,85 @@ def _make_node(node: torch.fx.Node, param_of: dict[str, str], block_path: str) -
         flops=forward_flops(node, target), bytes_read=0 if kind == OpKind.VIEW else in_bytes,
         bytes_written=0 if kind == OpKind.VIEW else sum(m.bytes for m in outputs),
         params=params, module_path=module_path,
-        layer=_layer_index(module_path, block_path), source=_user_source(node),
+        layer=_layer_index(module_path, blocks), source=_user_source(node),
         args_repr=_args_repr(node),
     )
+
+
+def _in_run_order(nodes: list[OpNode], num_blocks: int) -> list[OpNode]:
+    """Layer indices renumbered in the order the blocks first run (a decoder stack registered
+    before its encoder still gets the later indices); blocks that never run go last."""
+    order = list(dict.fromkeys(n.layer for n in nodes if n.layer >= 0))
+    order += [i for i in range(num_blocks) if i not in set(order)]
+    if order == list(range(num_blocks)):
+        return nodes
+    new = {old: i for i, old in enumerate(order)}
+    return [dataclasses.replace(n, layer=new[n.layer]) if n.layer >= 0 else n for n in nodes]
 
 
 def _drop_dead_asserts(nodes: list[OpNode]) -> list[OpNode]:
     return [n for n in nodes if not n.target.startswith("aten._assert")]
 
 
-# -- operator classes and FLOPs -------------------------------------------------------------
-
-_KIND_PATTERNS: tuple[tuple[OpKind, re.Pattern], ...] = tuple(
-    (kind, re.compile(pattern)) for kind, pattern in (
-        (OpKind.ATTENTION, r"aten\.(_?scaled_dot_product|_flash_attention|_efficient_attention)"),
-        (OpKind.MATMUL, r"aten\.(mm|addmm|bmm|baddbmm|linear|matmul|einsum|_scaled_mm)\."),
-        (OpKind.EMBEDDING, r"aten\.embedding\."),
-        (OpKind.NORM, r"aten\.(layer_norm|rms_norm|native_layer_norm|group_norm|_fused_rms_norm)"),
-        (OpKind.SOFTMAX, r"aten\.(_?softmax|_?log_softmax)\."),
-        (OpKind.LOSS, r"aten\.(cross_entropy_loss|nll_loss)"),
-        (OpKind.REDUCTION, r"aten\.(sum|mean|amax|amin|max|min|var|std|norm|cumsum|argmax|all|any)\."),
-        (OpKind.VIEW, r"aten\.(view|_unsafe_view|reshape|transpose|t|permute|split|split_with_sizes|"
-                      r"chunk|cat|stack|slice|select|expand|unsqueeze|squeeze|flatten|unflatten|"
-                      r"contiguous|clone|alias|detach|to|_to_copy|index|narrow|unbind|movedim)\."),
-        (OpKind.CREATION, r"aten\.(arange|zeros|ones|full|empty|new_ones|new_zeros|new_full|"
-                          r"new_empty|scalar_tensor|tensor|ones_like|zeros_like|full_like|tril|triu)"),
-        (OpKind.VIEW, r"^(<built-in function getitem>|getitem)$"),
-    )
-)
-
-
-def classify(target: str) -> OpKind:
-    for kind, pattern in _KIND_PATTERNS:
-        if pattern.search(target):
-            return kind
-    if target.startswith("aten."):
-        return OpKind.ELEMENTWISE
-    return OpKind.OTHER
-
-
-def forward_flops(node: torch.fx.Node, target: str) -> int:
-    """Forward FLOPs of one node.
-
-    torch.utils.flop_counter's registry has formulas for mm/addmm/bmm/baddbmm and the fused
-    attention kernels; the composite ops an exported training graph keeps (linear, matmul,
-    einsum, scaled_dot_product_attention) are counted here with the same convention
-    (2 FLOPs per multiply-add, only matmul-class work counted).
-    """
-    from torch.utils.flop_counter import flop_registry
-
-    vals = [a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args]
-    out = node.meta.get("val")
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet in flop_registry:
-        try:
-            return int(flop_registry[packet](*vals, out_val=out, **_kwarg_vals(node)))
-        except Exception:  # noqa: BLE001 - fall through to our own formulas
-            pass
-    if not isinstance(out, torch.Tensor):
-        return 0
-    if target in ("aten.linear.default", "aten.matmul.default"):
-        k = vals[0].shape[-1]
-        return 2 * out.numel() * k
-    if target.startswith("aten.einsum"):
-        operands = vals[1]
-        total = 1
-        for d in set("".join(vals[0].split("->")[0].split(","))) - set(" "):
-            for spec, t in zip(vals[0].split("->")[0].split(","), operands):
-                if d in spec.strip():
-                    total *= t.shape[spec.strip().index(d)]
-                    break
-        return 2 * total
-    if target.startswith("aten.scaled_dot_product_attention"):
-        q, k = vals[0], vals[1]
-        batch = q.numel() // (q.shape[-2] * q.shape[-1])
-        # QK^T and softmax(QK^T) V: two matmuls of (Sq x D) by (D x Sk)
-        return 4 * batch * q.shape[-2] * k.shape[-2] * q.shape[-1]
-    return 0
-
-
-def _kwarg_vals(node: torch.fx.Node) -> dict:
-    return {k: (v.meta.get("val") if isinstance(v, torch.fx.Node) else v)
-            for k, v in node.kwargs.items()}
-
-
 # -- repeated layers ------------------------------------------------------------------------
 
+STACK_SHARE = 0.25  # a further stack counts when it holds >= 1/4 of the largest one's parameters
+
+
+def find_block_paths(model: nn.Module) -> tuple[str, ...]:
+    """Module paths of the repeated blocks, one per layer index, in registration order.
+
+    A *stack* is an ``nn.ModuleList`` or ``nn.ModuleDict`` of modules that hold parameters,
+    or any other module (``nn.Sequential``) with two or more such children, all named by
+    numbers and of one class. The stack with the most parameters holds the blocks; further
+    stacks outside it and outside each other with at least ``STACK_SHARE`` of its
+    parameters count too, so the encoder and the decoder of T5 or BART are both block runs
+    (encoder blocks first: the order modules are registered in, the order they run in)."""
+    stacks = []
+    for order, (name, mod) in enumerate(model.named_modules()):
+        children = [(k, c) for k, c in mod.named_children()
+                    if next(c.parameters(), None) is not None]
+        container = isinstance(mod, (nn.ModuleList, nn.ModuleDict))
+        if not children or not container and (
+                len(children) < 2 or len({type(c) for _, c in children}) != 1
+                or not all(k.isdigit() for k, _ in children)):
+            continue
+        numel = sum(p.numel() for _, c in children for p in c.parameters())
+        stacks.append((numel, order, name, [k for k, _ in children]))
+    chosen: list[tuple[int, str, list[str]]] = []
+    for numel, order, name, keys in sorted(stacks, key=lambda s: (-s[0], s[1])):
+        if chosen and numel < STACK_SHARE * max(stacks)[0]:
+            break
+        if any(_nested(name, other) for _, other, _ in chosen):
+            continue
+        chosen.append((order, name, keys))
+    return tuple(f"{name}.{k}" if name else k for _, name, keys in sorted(chosen) for k in keys)
+
+
 def find_repeated_blocks(model: nn.Module) -> tuple[str, int]:
-    """The ModuleList whose children hold the most parameters: the transformer blocks."""
-    best, best_len, best_params = "", 0, 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            n = sum(p.numel() for p in mod.parameters())
-            if n > best_params:
-                best, best_len, best_params = name, len(mod), n
-    return best, best_len
+    """(container path, block count) of the main stack: the one holding the first block
+    among those with the most blocks (``find_block_paths``); the runtime's recompute
+    segments read blocks under this one prefix."""
+    paths = find_block_paths(model)
+    if not paths:
+        return "", 0
+    parents = [p.rpartition(".")[0] for p in paths]
+    best = max(dict.fromkeys(parents), key=parents.count)
+    return best, parents.count(best)
 
 
-def _layer_index(module_path: str, block_path: str) -> int:
-    if not block_path or not module_path.startswith(block_path + "."):
-        return -1
-    head = module_path[len(block_path) + 1:].split(".", 1)[0]
-    return int(head) if head.isdigit() else -1
+def _nested(a: str, b: str) -> bool:
+    return a == b or not a or not b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _layer_index(module_path: str, blocks: Mapping[str, int]) -> int:
+    """The layer index of the innermost block that ``module_path`` lies in, -1 outside."""
+    parts = module_path.split(".")
+    for k in range(len(parts), 0, -1):
+        layer = blocks.get(".".join(parts[:k]))
+        if layer is not None:
+            return layer
+    return -1
 
 
 def _layer_fingerprints(nodes: list[OpNode], num_layers: int) -> tuple[str, ...]:

@@ -570,6 +570,29 @@ def record_steps(calls: list, moved: dict, out) -> tuple[list, object] | None:
     return (subs, result_ref) if result_ref is not None else None
 
 
+def partitions_or_reduces(calls: list) -> bool:
+    """Whether DTensor's decomposition of a node (its recorded calls) moves a value into or
+    out of ``Partial`` inside the node: a replicated bias joining a row-parallel matmul's
+    partial sum is partitioned (``R -> P``: each rank adds ``b / n``). Running the composite
+    operator itself on the local shards (a ``call`` step) adds the whole ``b`` on every rank
+    instead, which the value check cannot see when ``b`` is zero (biases start at zero in
+    BERT, GPT-J, nanoGPT) and which then doubles the bias gradient under tp=2; such nodes
+    are replayed from their recorded decomposition, whose moves are exact."""
+    for func, args, kwargs, _ in calls:
+        if not any(isinstance(a, DTensor) for a in pytree.tree_leaves(args)):
+            continue
+        call = propagated_call(func, args, kwargs) if isinstance(func, torch._ops.OpOverload) \
+            else None
+        if call is None:
+            continue
+        for kind, v in call[1]:
+            if kind == "tensor" and v is not None and any(
+                    isinstance(a, Partial) != isinstance(b, Partial)
+                    for a, b in zip(v[0].placements, v[1].placements)):
+                return True
+    return False
+
+
 def run_recorded(step: Step, value) -> object:
     """Replay a recorded decomposition on local shards."""
     vals: list = []

@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: no public local-shape helper in 2.13
 
+from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
@@ -128,6 +129,9 @@ class TracedProgram:
     exported: torch.export.ExportedProgram
     graph: object
     microbatches: int
+    # plan node name -> node name in ``exported`` where the microbatch trace named its
+    # nodes differently (a no-op expand to a batch of one is not traced); None: the same
+    rename: dict | None = None
 
 
 @dataclass
@@ -145,18 +149,32 @@ class ParallelModel:
     last_stats: object = None
     lowered: bool = True  # run the lowered program (runtime/lowering.py), not DTensor per op
     _executor: object = None
+    _ops_of: object = None  # the stage ops ``_renamed`` was made from
+    _renamed: dict = field(default_factory=dict)
 
     @property
     def stage(self) -> Stage:
         return self.plan.stages[0]
 
+    def _run_ops(self) -> dict:
+        """The stage's operator placements keyed by the executed graph's node names."""
+        ops = self.stage.ops
+        rename = self.program.rename if self.program is not None else None
+        if not rename:
+            return ops
+        if self._ops_of is not ops:
+            self._ops_of = ops
+            self._renamed = {rename[k]: v for k, v in ops.items() if k in rename}
+        return self._renamed
+
     def loss(self, *inputs: torch.Tensor, record: bool = False) -> DTensor:
         """Forward of one (micro)batch (the flat graph inputs, global shapes): the global loss
         as a DTensor. ``record`` keeps the placements every operator ran with in
         ``last_stats.observed``."""
+        ops = self._run_ops()
         executor = self._executor if not record and self._executor is not None and \
-            self._executor.ops is self.stage.ops else SPMDExecutor(
-                self.gm, self.mesh, self.stage.ops, input_placements=self.input_placements,
+            self._executor.ops is ops else SPMDExecutor(
+                self.gm, self.mesh, ops, input_placements=self.input_placements,
                 recompute=self.stage.recompute, block_prefix=self.block_prefix,
                 dtype=self.plan.training.dtype, record=record, lowered=self.lowered)
         if not record:  # the lowered program is built by the first call and then reused
@@ -290,6 +308,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     the lowered program (runtime/lowering.py)."""
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs inside a torchrun worker: init_process_group first")
+    support.check_plan(plan)  # what the runtime executes (meshplan/support.py)
     if plan.num_stages > 1:
         from meshplan.runtime.pipeline import parallelize_pipeline
 
@@ -305,8 +324,8 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     if program is None or program.microbatches != plan.training.microbatches:
         ep = export_training_graph(meta_copy(model), meta_inputs, loss_fn, signature=signature)
         graph = graph_from_export(ep, model)
-        ep = microbatch_program(model, plan, ep, meta_inputs, loss_fn, signature)
-        program = TracedProgram(ep, graph, plan.training.microbatches)
+        ep, rename = microbatch_program(model, plan, ep, meta_inputs, loss_fn, signature)
+        program = TracedProgram(ep, graph, plan.training.microbatches, rename)
     ep, graph = program.exported, program.graph
     plan.check_model(graph.fingerprint)
 
@@ -322,27 +341,58 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     if stage.zero in (1, 2):
         axes = data_parallel_axes(stage)
         for p in pm.unique_params():
-            target = to_placements(sharded_over(_texts(p.placements), axes))
+            target = to_placements(sharded_over(_texts(p.placements), axes), mesh)
             pm.masters[id(p)] = nn.Parameter(p.detach().redistribute(placements=target))
     return pm
 
 
 def microbatch_program(model, plan: Plan, ep, meta_inputs, loss_fn, signature=None):
-    """The exported graph at the microbatch shape (views in the graph carry global shapes)."""
+    """The exported graph at the microbatch shape (views in the graph carry global shapes),
+    and the renaming of the plan's node names into it (None when the names agree)."""
     n = plan.training.microbatches
     if n == 1:
-        return ep
+        return ep, None
     if meta_inputs[0].shape[0] % n:
         raise PlanFileError(f"global batch {meta_inputs[0].shape[0]} does not split into "
                             f"{n} microbatches")
     micro = tuple(x[: x.shape[0] // n] for x in meta_inputs)
     ep_micro = export_training_graph(meta_copy(model), micro, loss_fn, signature=signature)
     names = [n_.name for n_ in ep.graph.nodes]
-    if [n_.name for n_ in ep_micro.graph.nodes] != names:
-        raise NotSupportedError("the model traces to a different graph at the microbatch "
-                                "shape than at the global batch; gradient accumulation needs "
-                                "a shape-independent graph")
-    return ep_micro
+    if [n_.name for n_ in ep_micro.graph.nodes] == names:
+        return ep_micro, None
+    return ep_micro, match_nodes(ep.graph, ep_micro.graph)
+
+
+def match_nodes(whole: torch.fx.Graph, micro: torch.fx.Graph) -> dict[str, str]:
+    """Node names of the global-batch graph -> those of the microbatch graph, matched in
+    order by operator. At a batch of one torch.export drops no-op operators (an ``expand``
+    of a mask to the batch size), which shifts the numbered names after it; every other
+    operator must match, or the graphs are refused."""
+    import difflib
+
+    def ops(g):
+        return [n_ for n_ in g.nodes if n_.op == "call_function"]
+    a, b = ops(whole), ops(micro)
+    matcher = difflib.SequenceMatcher(None, [str(n_.target) for n_ in a],
+                                      [str(n_.target) for n_ in b], autojunk=False)
+    rename = {}
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        dropped = tag == "delete" and all(
+            n_.target in _NO_OP_AT_BATCH_ONE for n_ in a[i1:i2])
+        if tag not in ("equal",) and not dropped:
+            raise NotSupportedError(
+                "the model traces to a different graph at the microbatch shape than at the "
+                f"global batch ({[str(n_.target) for n_ in a[i1:i2]]} became "
+                f"{[str(n_.target) for n_ in b[j1:j2]]}); gradient accumulation needs a "
+                "shape-independent graph: use fewer microbatches")
+        rename.update((x.name, y.name) for x, y in zip(a[i1:i2], b[j1:j2]))
+    return rename
+
+
+# operators torch.export leaves out of a trace when they do nothing at a batch of one
+_NO_OP_AT_BATCH_ONE = {torch.ops.aten.expand.default, torch.ops.aten.view.default,
+                       torch.ops.aten.squeeze.dim, torch.ops.aten.unsqueeze.default,
+                       torch.ops.aten.alias.default}
 
 
 def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
@@ -356,7 +406,7 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
             if fqn not in stage.params:
                 raise PlanFileError(f"the plan places no parameter {fqn}; re-plan this model")
             by_id[id(meta_param)] = nn.Parameter(place_tensor(
-                real[fqn], mesh, to_placements(storage_placements(stage, fqn)), device_type,
+                real[fqn], mesh, to_placements(storage_placements(stage, fqn), mesh), device_type,
                 torch.float32))
         params[name] = by_id[id(meta_param)]
     real_buffers = dict(model.named_buffers(remove_duplicate=False))

@@ -24,6 +24,12 @@ over the global batch, as in one process (all microbatches have the same size). 
 schedule, gradients are redistributed to their parameters' placements (the data-parallel
 all-reduce) and a parameter read by stages on different rank groups (tied embeddings) has
 its gradient summed over those groups.
+
+ZeRO per stage, as runtime/parallelize.py does for one stage: a ZeRO-3 stage stores its
+parameters sharded over the data-parallel axes (its gradients are reduce-scattered to those
+shards), ZeRO-1/2 stages keep sharded fp32 masters that the optimizer steps (ZeRO-2's untied
+gradients reduce-scattered into them in one flat buffer, runtime/zero.py) and all-gather
+the parameters after the step. What the runtime accepts is stated in meshplan/support.py.
 """
 
 from __future__ import annotations
@@ -41,14 +47,16 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
+from meshplan.support import lists_rank_groups
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
-from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module
+from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module, sharded_over
 from meshplan.runtime.pipeline_split import StageGraph, split_stages
-from meshplan.runtime import lowering
-from meshplan.runtime.spmd import stage_executor, to_placements
+from meshplan.runtime import lowering, zero
+from meshplan.runtime.spmd import placement_texts, stage_executor, to_placements
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -77,68 +85,19 @@ class PipelineLayout:
 
 
 def pipeline_layout(plan: Plan) -> PipelineLayout:
-    """Check a multi-stage plan against the runtime's device convention and read its layout."""
-    t = plan.training
-    if t.schedule not in SCHEDULES:
-        raise PlanFileError(f"schedule {t.schedule!r} is not one of {sorted(SCHEDULES)}")
-    v = t.virtual_stages if t.schedule == "interleaved-1f1b" else 1
-    if t.schedule != "interleaved-1f1b" and t.virtual_stages != 1:
-        raise PlanFileError(f"virtual_stages={t.virtual_stages} needs schedule "
-                            f"'interleaved-1f1b', not {t.schedule!r}")
-    if v < 1 or plan.num_stages % v:
-        raise PlanFileError(f"{plan.num_stages} stages are not a multiple of virtual_stages={v}; "
-                            "an interleaved plan has pp x virtual_stages stages")
-    pp = plan.num_stages // v
-    first = plan.stages[0]
-    if v > 1 and lists_rank_groups(plan):
-        raise PlanFileError(f"interleaved plan with virtual_stages={v} lists {plan.num_stages} "
-                            "stages, one per rank group; expand it first (expand_interleaved)")
-    if any(st.zero for st in plan.stages):
-        raise NotSupportedError("ZeRO (stage.zero > 0) is not supported with pipeline stages "
-                                "yet; use zero=0 when pp > 1")
-    if t.dtype == "fp16":
-        raise NotSupportedError("fp16 needs loss scaling, which the pipeline runtime does not "
-                                "do yet; use dtype='bf16' or 'fp32' when pp > 1")
-    layout = PipelineLayout(pp=pp, virtual_stages=v, stage_mesh_shape=tuple(first.mesh_shape),
-                            axis_names=tuple(first.axis_names), microbatches=t.microbatches,
-                            microbatch_batch=t.global_batch // max(t.microbatches, 1))
-    n = layout.stage_size
-    for i, st in enumerate(plan.stages):
-        if st.index != i:
-            raise PlanFileError(f"stage record {i} has index {st.index}; stages are listed in order")
-        if tuple(st.mesh_shape) != layout.stage_mesh_shape or tuple(st.axis_names) != layout.axis_names:
-            raise NotSupportedError(f"stage {i} has mesh {list(st.mesh_shape)} {list(st.axis_names)} "
-                                    f"but stage 0 has {list(first.mesh_shape)}; the pipeline runtime "
-                                    "needs the same submesh shape for every stage")
-        group = layout.rank_group(i)
-        want = tuple(range(group * n, (group + 1) * n))
-        if tuple(st.devices) != want:
-            raise NotSupportedError(f"stage {i} runs on devices {list(st.devices)[:8]}; the runtime "
-                                    f"places stage i on rank group i % pp, here devices "
-                                    f"{list(want)[:8]} (see docs/DEVELOPING.md, pipeline layout)")
-    if pp * n != plan.num_devices:
-        raise PlanFileError(f"{pp} rank groups x {n} devices per stage = {pp * n}, but the mesh "
-                            f"has {plan.num_devices} devices")
-    if t.microbatches < 1 or t.global_batch % t.microbatches:
-        raise PlanFileError(f"global batch {t.global_batch} is not divisible into "
-                            f"{t.microbatches} microbatches; choose a divisor")
-    if t.schedule != "gpipe" and t.microbatches < pp:
-        raise PlanFileError(f"schedule {t.schedule!r} needs at least as many microbatches as "
-                            f"pipeline rank groups: {t.microbatches} < pp={pp}")
-    if "dp" in layout.axis_names and t.microbatch_size:
-        dp = layout.stage_mesh_shape[layout.axis_names.index("dp")]
-        if t.microbatch_size * dp * t.microbatches != t.global_batch:
-            raise PlanFileError(f"microbatch_size {t.microbatch_size} x dp {dp} x microbatches "
-                                f"{t.microbatches} != global batch {t.global_batch}")
-    return layout
-
-
-def lists_rank_groups(plan: Plan) -> bool:
-    """An interleaved plan written with one stage record per rank group (as meshplan/manual.py
-    and planner/inter write it) rather than one per virtual stage."""
-    n = len(plan.stages[0].devices)
-    return plan.training.schedule == "interleaved-1f1b" and \
-        plan.num_stages * n == plan.num_devices and plan.training.virtual_stages > 1
+    """Check a multi-stage plan against what the runtime executes (meshplan/support.py: the
+    device convention, schedules, microbatches) and read its layout."""
+    if lists_rank_groups(plan):
+        raise PlanFileError(f"interleaved plan with virtual_stages={plan.training.virtual_stages} "
+                            f"lists {plan.num_stages} stages, one per rank group; expand it "
+                            "first (expand_interleaved)")
+    support.check_plan(plan)
+    t, first = plan.training, plan.stages[0]
+    return PipelineLayout(pp=support.pipeline_degree(plan),
+                          virtual_stages=t.virtual_stages if t.schedule == "interleaved-1f1b" else 1,
+                          stage_mesh_shape=tuple(first.mesh_shape),
+                          axis_names=tuple(first.axis_names), microbatches=t.microbatches,
+                          microbatch_batch=t.global_batch // t.microbatches)
 
 
 def expand_interleaved(plan: Plan, graph: OpGraph) -> Plan:
@@ -324,9 +283,11 @@ class PipelineModel:
     schedule: object
     stages: list  # this rank's PipelineStage objects
     params: dict  # parameter FQN (every tied alias) -> nn.Parameter(DTensor) on this rank
-    tie_groups: list = field(default_factory=list)  # (process group, [parameters])
+    tie_groups: list = field(default_factory=list)  # (process group, [parameters], via)
     device: torch.device = torch.device("cpu")
     buffer_names: frozenset = frozenset()  # FQNs in ``params`` that are module buffers
+    masters: dict = field(default_factory=dict)  # ZeRO-1/2: id(param) -> sharded fp32 master
+    zero_of: dict = field(default_factory=dict)  # id(param) -> ZeRO stage of its stage
 
     def forward_backward(self, batch) -> float:
         """Run the schedule on one global batch (a tensor or the tuple of flat graph inputs);
@@ -348,7 +309,10 @@ class PipelineModel:
     def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
         loss = self.forward_backward(batch)
         optimizer.step()
+        self.gather_masters()
         optimizer.zero_grad(set_to_none=True)
+        for p in self.unique_params():
+            p.grad = None
         return loss
 
     def unique_params(self) -> list[nn.Parameter]:
@@ -364,9 +328,10 @@ class PipelineModel:
         return out
 
     def optimizer_params(self) -> dict[str, nn.Parameter]:
-        """What the optimizer steps, by FQN (as ParallelModel.optimizer_params; no ZeRO here)."""
-        return {name: p for name, p in self.named_unique_params().items()
-                if name not in self.buffer_names}
+        """What the optimizer steps, by FQN: the parameters, or their ZeRO-1/2 master shards
+        (as ParallelModel.optimizer_params); buffers are not stepped."""
+        return {fqn: self.masters.get(id(p), p) for fqn, p in self.named_unique_params().items()
+                if fqn not in self.buffer_names}
 
     def named_buffers(self) -> dict[str, nn.Parameter]:
         """This rank's buffers (BatchNorm's running statistics, rotary tables) by FQN, placed
@@ -375,16 +340,45 @@ class PipelineModel:
 
     @torch.no_grad()
     def _finish_grads(self) -> None:
-        lowering.reduce_partial_grads(self.unique_params())
-        for p in self.unique_params():
+        """Gradients to their storage: the data-parallel all-reduce (ZeRO-3: reduce-scatter
+        to the parameter's shard), sums over the rank groups of tied parameters, and for
+        ZeRO-1/2 the master's shard (ZeRO-2's untied parameters: one flat reduce-scatter
+        into the masters, runtime/zero.py)."""
+        params = self.unique_params()
+        tied = {id(p) for _, members, _ in self.tie_groups for p in members}
+        flat = zero.reduce_scatter_grads([(p, self.masters[id(p)]) for p in params
+                                          if id(p) in self.masters and id(p) not in tied
+                                          and self.zero_of.get(id(p)) == 2])
+        rest = [p for p in params if id(p) not in flat]
+        lowering.reduce_partial_grads(rest)
+        for p in rest:
             if p.grad is not None and tuple(p.grad.placements) != tuple(p.placements):
                 p.grad = p.grad.redistribute(placements=p.placements)
-        for group, params in self.tie_groups:
-            for p in params:
+        for group, members, via in self.tie_groups:
+            for p in members:
                 if p.grad is None:
                     p.grad = DTensor.from_local(torch.zeros_like(p.to_local()), p.device_mesh,
                                                 p.placements, run_check=False)
-                dist.all_reduce(p.grad.to_local(), group=group)
+                if via is None:  # the same storage on every rank group: sum the shards
+                    dist.all_reduce(p.grad.to_local(), group=group)
+                    continue
+                # storages differ across rank groups (ZeRO-3 on some): sum unsharded copies
+                common = p.grad.redistribute(placements=to_placements(via))
+                dist.all_reduce(common.to_local(), group=group)
+                p.grad = common.redistribute(placements=p.placements)
+        for p in rest:
+            master = self.masters.get(id(p))
+            if master is not None and p.grad is not None:  # our slice, no communication
+                master.grad, p.grad = p.grad.redistribute(placements=master.placements), None
+
+    @torch.no_grad()
+    def gather_masters(self) -> None:
+        """ZeRO-1/2: parameters all-gathered from their stepped master shards."""
+        params = [p for p in self.unique_params() if id(p) in self.masters]
+        flat = zero.gather_into_params([(p, self.masters[id(p)]) for p in params])
+        for p in params:
+            if id(p) not in flat:
+                p.copy_(self.masters[id(p)].redistribute(placements=p.placements))
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered to a full tensor on every rank, by FQN (for
@@ -392,7 +386,8 @@ class PipelineModel:
         return self._gather(lambda p: p)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return self._gather(lambda p: p.grad)
+        return self._gather(lambda p: self.masters[id(p)].grad if id(p) in self.masters
+                            else p.grad)
 
     def _gather(self, pick) -> dict[str, torch.Tensor]:
         mine = {}
@@ -417,6 +412,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     if not dist.is_initialized():
         raise RuntimeError("parallelize_pipeline runs inside a torchrun worker: "
                            "init_process_group first")
+    support.check_plan(plan)
     if dist.get_world_size() != plan.num_devices:
         raise RuntimeError(f"plan needs {plan.num_devices} processes, this run has "
                            f"{dist.get_world_size()}; launch with --nproc_per_node "
@@ -443,7 +439,8 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     mesh = world[layout.axis_names]
     lane = world["pp"].get_group()
     my_group = dist.get_rank() // layout.stage_size
-    params = _place_params(model, plan, pieces, mesh, layout, my_group, device)
+    params, zero_of = _place_params(model, plan, pieces, mesh, layout, my_group, device)
+    masters = _masters(params, zero_of, support.dp_axes(plan.stages[0]))
 
     values = {n.name: n for n in gm.graph.nodes}
     stages = []
@@ -467,8 +464,9 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
         schedule = schedule_cls(stages[0], n_microbatches=layout.microbatches, loss_fn=loss,
                                 scale_grads=False)
     return PipelineModel(plan=plan, layout=layout, schedule=schedule, stages=stages,
-                         params=params, tie_groups=_tie_groups(model, pieces, params, layout),
-                         device=device, buffer_names=frozenset(
+                         params=params, device=device, masters=masters, zero_of=zero_of,
+                         tie_groups=_tie_groups(model, plan, pieces, params, layout),
+                         buffer_names=frozenset(
                              name for name, _ in model.named_buffers(remove_duplicate=False)))
 
 
@@ -489,16 +487,19 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
-                  layout: PipelineLayout, my_group: int, device) -> dict[str, nn.Parameter]:
-    """This rank's parameters as DTensors with their planned placements; tied names share one.
-    Buffers the plan does not place (meshplan/manual.py places none, e.g. Llama's rotary
-    ``inv_freq``) are replicated, as runtime/parallelize.py does for one stage."""
+                  layout: PipelineLayout, my_group: int, device):
+    """This rank's parameters as DTensors with their storage placements (the planned ones,
+    ZeRO-3 stages also sharded over the data-parallel axes, as runtime/parallelize.py
+    stores them for one stage); tied names share one. Buffers the plan does not place
+    (meshplan/manual.py places none, e.g. Llama's rotary ``inv_freq``) are replicated.
+    Returns (FQN -> parameter, id(parameter) -> its stage's ZeRO stage)."""
     real = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     real.update(buffers)
     aliases = _aliases(model)
     placed: dict[int, nn.Parameter] = {}
     params: dict[str, nn.Parameter] = {}
+    zero_of: dict[int, int] = {}
     for piece in pieces:
         if layout.rank_group(piece.index) != my_group:
             continue
@@ -509,21 +510,43 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
             listed = [stage.params[n] for n in names if n in stage.params]
             if not listed and fqn in buffers:
                 listed = [("R",) * mesh.ndim]
+            elif listed:
+                listed = [_storage(stage, listed[0], plan)]
             if not listed:
                 raise PlanFileError(f"stage {piece.index} reads parameter {fqn} but the plan gives "
                                     "it no placement in that stage; re-plan with this model")
             tensor = real[fqn]
             if id(tensor) not in placed:
                 placed[id(tensor)] = nn.Parameter(
-                    place_tensor(tensor, mesh, to_placements(listed[0]), device),
+                    place_tensor(tensor, mesh, to_placements(listed[0], mesh), device),
                     requires_grad=tensor.requires_grad)
+                if fqn not in buffers:
+                    zero_of[id(placed[id(tensor)])] = stage.zero
             elif [str(p) for p in placed[id(tensor)].placements] != \
-                    [str(p) for p in to_placements(listed[0])]:
+                    [str(p) for p in to_placements(listed[0], mesh)]:
                 raise NotSupportedError(f"parameter {fqn} has different placements in two stages "
                                         "on the same devices; give it one placement")
             for name in names:
                 params[name] = placed[id(tensor)]
-    return params
+    return params, zero_of
+
+
+def _storage(stage, planned, plan: Plan) -> tuple[str, ...]:
+    """Where a parameter lives: ZeRO-3 shards it over the data-parallel axes (the axes stage
+    0 splits the batch over; every stage mesh has the same shape)."""
+    planned = tuple(planned)
+    return sharded_over(planned, support.dp_axes(plan.stages[0])) if stage.zero >= 3 else planned
+
+
+def _masters(params: dict, zero_of: dict, axes) -> dict[int, nn.Parameter]:
+    """ZeRO-1/2: an fp32 master per parameter, sharded over the data-parallel axes; the
+    optimizer steps it and ``gather_masters`` copies it back (runtime/parallelize.py)."""
+    masters = {}
+    for p in {id(p): p for p in params.values()}.values():
+        if zero_of.get(id(p)) in (1, 2) and p.requires_grad:
+            target = to_placements(sharded_over(placement_texts(p.placements), axes))
+            masters[id(p)] = nn.Parameter(p.detach().float().redistribute(placements=target))
+    return masters
 
 
 def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: dict,
@@ -547,7 +570,7 @@ def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: 
 
     def spec(name):
         val = values[name].meta["val"]
-        return (to_placements(_placement_of(plan, name, values, len(mesh.shape))),
+        return (to_placements(_placement_of(plan, name, values, len(mesh.shape)), mesh),
                 tuple(val.shape), val.dtype)
     last = piece.index == num_stages - 1
     grads = needs_grad(whole)
@@ -572,19 +595,29 @@ def _placement_of(plan: Plan, name: str, values: dict, ndim: int) -> tuple[str, 
     return ("R",) * ndim
 
 
-def _tie_groups(model, pieces: list[StageGraph], params: dict, layout: PipelineLayout) -> list:
-    """Process groups summing the gradient of a parameter read on several rank groups.
+def _tie_groups(model, plan: Plan, pieces: list[StageGraph], params: dict,
+                layout: PipelineLayout) -> list:
+    """Process groups summing the gradient of a parameter read on several rank groups, as
+    (group, parameters, via): ``via`` is None when every rank group stores the parameter
+    alike, else the placement (data-parallel axes unsharded) the sum is taken in.
 
     Every rank creates every group in the same order (``new_group`` is collective)."""
     aliases = _aliases(model)
     trained = {name for name, p in model.named_parameters(remove_duplicate=False)
                if p.requires_grad}
     owners: dict[str, set[int]] = {}
+    storages: dict[str, set[tuple[str, ...]]] = {}
     for piece in pieces:
+        stage = plan.stages[piece.index]
         for target in piece.param_targets:
-            key = aliases.get(target.removeprefix(_WRAPPER_PREFIX), [target])[0]
+            fqn = target.removeprefix(_WRAPPER_PREFIX)
+            key = aliases.get(fqn, [target])[0]
             if key in trained:  # buffers have no gradient to sum
                 owners.setdefault(key, set()).add(layout.rank_group(piece.index))
+                planned = next((stage.params[n] for n in aliases.get(fqn, [fqn])
+                                if n in stage.params), None)
+                if planned is not None:
+                    storages.setdefault(key, set()).add(_storage(stage, planned, plan))
     rank = dist.get_rank()
     my_group, coord = divmod(rank, layout.stage_size)
     out = []
@@ -593,5 +626,19 @@ def _tie_groups(model, pieces: list[StageGraph], params: dict, layout: PipelineL
         for c in range(layout.stage_size):
             pg = dist.new_group([g * layout.stage_size + c for g in groups])
             if my_group in groups and c == coord:
-                out.append((pg, [params[k] for k in keys]))
+                for k in keys:
+                    out.append((pg, [params[k]], _common(storages.get(k, set()),
+                                                         support.dp_axes(plan.stages[0]))))
     return out
+
+
+def _common(storages: set, axes) -> tuple[str, ...] | None:
+    """None when one storage serves every rank group, else that storage with the
+    data-parallel axes replicated (what ZeRO-3 adds is undone; the rest must agree)."""
+    if len(storages) <= 1:
+        return None
+    plain = {tuple("R" if i in axes else p for i, p in enumerate(pl)) for pl in storages}
+    if len(plain) > 1:
+        raise NotSupportedError(f"a tied parameter has placements {sorted(plain)} on different "
+                                "rank groups; give its copies one placement")
+    return next(iter(plain))

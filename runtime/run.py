@@ -71,27 +71,23 @@ class ParallelRun:
     """A model parallelized in place by a plan; see ``meshplan.parallelize``."""
 
     def __init__(self, engine, plan: Plan, model: nn.Module, *, loss_fn=None,
-                 uninitialized: set[str] | None = None):
+                 uninitialized: set[str] | None = None, pristine: nn.Module | None = None):
         self.engine = engine  # ParallelModel or PipelineModel (graph engine)
         self.plan = plan
         self.loss_fn = loss_fn
         self.signature, self.records = plan_call(plan)
-        self._model = model  # the user's module (on meta when built there): names and init
+        self._model = model  # the user's module: its names and state_dict keys
+        from meshplan.runtime.parallelize import meta_copy
+        # init_weights builds full tensors from a meta copy of the model as the user built it
+        self._pristine = pristine if pristine is not None else meta_copy(model)
         self._training = True
         self._checked = False
         self._masters_stale = False
         self._forward = None
         self._uninitialized = set(uninitialized or ())
-        self._aliases = _aliases(model)
-        stage = plan.stages[0]
-        self._stage_size = len(stage.devices)
+        self._aliases = _aliases(self._pristine)
         self._dp_axes = _data_parallel_axes(plan)
-        coords = _mesh_coords(dist.get_rank() % self._stage_size, stage.mesh_shape)
-        self.dp_size = 1
-        self.dp_rank = 0
-        for a in self._dp_axes:
-            self.dp_rank = self.dp_rank * stage.mesh_shape[a] + coords[a]
-            self.dp_size *= stage.mesh_shape[a]
+        self.dp_rank, self.dp_size = data_parallel_coordinate(plan, dist.get_rank())
         self._placements = _input_placements(plan)
 
     # -- what the user's loop calls ------------------------------------------------------
@@ -170,7 +166,10 @@ class ParallelRun:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale every gradient so that their global norm (over every rank and pipeline
         stage, each shard counted once) is at most ``max_norm``; returns the norm before."""
-        return clip_grad_norm_(self.engine, self.parameters(), max_norm, norm_type)
+        if not max_norm > 0:
+            raise DataError(f"max_norm={max_norm} must be a positive number")
+        from meshplan.runtime.grad_clip import clip_grad_norm_
+        return clip_grad_norm_(self.engine, max_norm, norm_type)
 
     # -- state -----------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -187,7 +186,7 @@ class ParallelRun:
             for part in everyone:
                 mine.update(part)
         out = {}
-        for key in self._model.state_dict(keep_vars=True):
+        for key in self._pristine.state_dict(keep_vars=True):
             source = next((a for a in self._aliases.get(key, [key]) if a in mine), None)
             if source is not None:
                 out[key] = mine[source]
@@ -208,10 +207,10 @@ class ParallelRun:
                 raise DataError("load_full_state_dict(None): pass the state on every rank, or "
                                 "broadcast_from_rank0=True with the state on rank 0")
             names = sorted(state)
-        expected = set(self._model.state_dict(keep_vars=True))
+        expected = set(self._pristine.state_dict(keep_vars=True))
         if strict:
             missing = sorted(expected - set(names))
-            unexpected = sorted(set(names) - expected - set(_all_buffers(self._model)))
+            unexpected = sorted(set(names) - expected - set(_all_buffers(self._pristine)))
             if missing or unexpected:
                 raise DataError(f"state dict does not match the model: missing {missing[:4]}"
                                 f"{'...' if len(missing) > 4 else ''}, unexpected "
@@ -236,7 +235,7 @@ class ParallelRun:
         rank computes the same full values and keeps its shard, so the result is the same
         whatever the plan. ``fn=None`` calls each module's ``reset_parameters()``."""
         tensors = self._tensors()
-        for prefix, module in _post_order(self._model):
+        for prefix, module in _post_order(self._pristine):
             own = list(module.named_parameters(recurse=False)) + \
                 list(module.named_buffers(recurse=False))
             if not own:
@@ -275,6 +274,9 @@ class ParallelRun:
         if tuple(full.shape) != tuple(target.shape):
             raise DataError(f"{name}: state has shape {list(full.shape)}, the model "
                             f"{list(target.shape)}; load the state of this model")
+        if not isinstance(target, DTensor):  # a plain (replicated) tensor of the module engine
+            target.copy_(full.to(target.device, target.dtype))
+            return
         from torch.distributed.tensor import distribute_tensor
         shard = distribute_tensor(full.to(target.device_mesh.device_type, target.dtype),
                                   target.device_mesh, target.placements,
@@ -379,19 +381,33 @@ class ParallelRun:
         if self._forward is None:
             from meshplan.runtime.parallelize import meta_copy, runnable_graph_module
             from meshplan.runtime.spmd import SPMDExecutor
+            from torch.distributed.tensor import distribute_tensor
 
             pm = self.engine
             sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
             meta = tuple(torch.empty(r["shape"], dtype=_DTYPES[r["dtype"]], device="meta")
                          for r in records)
-            model = meta_copy(self._model).eval()
+            model = meta_copy(self._pristine).eval()
             ep = export_training_graph(model, meta, self.loss_fn, signature=sig, loss=False)
             gm = runnable_graph_module(ep, device_type=pm.mesh.device_type)
             placements = [self._placements.get(r["name"], ("R",) * pm.mesh.ndim) for r in records]
-            executor = SPMDExecutor(gm, pm.mesh, {}, input_placements=placements,
+            # the plan's placements for the forward operators the eval graph shares with the
+            # training graph (same node name and inputs): left to itself DTensor lays eval
+            # batch norm out over channels (R, S(1)), which its conv rule then misreads
+            planned = self.plan.stages[0].ops
+            ops = {n.name: planned[n.name] for n in gm.graph.nodes
+                   if n.op == "call_function" and n.name in planned
+                   and len(planned[n.name].inputs) == len(n.all_input_nodes)}
+            executor = SPMDExecutor(gm, pm.mesh, ops, input_placements=placements,
                                     dtype=self.plan.training.dtype, lowered=False)
 
             def forward(*xs):
+                # each rank's global tensor holds only its own rows (_global): cut the shard
+                # locally (src_data_rank=None); the executor's reference path would scatter
+                # rank 0's tensor, giving the other ranks its zero rows
+                xs = [distribute_tensor(x.to(pm.mesh.device_type), pm.mesh,
+                                        executor.input_placements[i], src_data_rank=None)
+                      for i, x in enumerate(xs)]
                 with torch.no_grad(), \
                         torch.nn.utils.stateless._reparametrize_module(gm, pm.params):
                     return executor.run(*xs)
@@ -399,8 +415,92 @@ class ParallelRun:
         return self._forward
 
 
+class ModuleRun(ParallelRun):
+    """A ``ParallelRun`` whose engine is the module engine (runtime/modules.py): the user's
+    module itself, parallelized with parallelize_module, checkpoint wrappers and
+    fully_shard; the checks of the data are the same."""
+
+    @property
+    def engine_name(self) -> str:
+        return "modules"
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.engine.parameters()
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.engine.model.named_parameters() if p.requires_grad}
+
+    def train(self, mode: bool = True) -> "ModuleRun":
+        self.engine.train(mode)
+        return super().train(mode)
+
+    def train_step(self, inputs, targets=()) -> float:
+        if not self._training:
+            raise NotSupportedError("train_step in eval mode: call run.train() first")
+        self._check_initialized()
+        flat = self._flat(inputs, targets, with_targets=True)
+        for p in self.parameters():
+            if p.grad is not None:
+                raise DataError("gradients of the previous step are still there: call "
+                                "optimizer.zero_grad() after optimizer.step()")
+        args, kwargs, targets = unflatten_call(flat, self.signature)
+        return self.engine.train_step(args, kwargs, targets)
+
+    def __call__(self, inputs):
+        if self._training:
+            raise NotSupportedError("call run.eval() before a forward-only call; train_step "
+                                    "is the training forward")
+        self._check_initialized()
+        flat = self._flat(inputs, (), with_targets=False)
+        sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
+        args, kwargs, _ = unflatten_call(flat, sig)
+        return self.engine.forward(args, kwargs)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        if not max_norm > 0:
+            raise DataError(f"max_norm={max_norm} must be a positive number")
+        return float(self.engine.clip_grad_norm_(max_norm, norm_type))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        keys = self._pristine.state_dict().keys()  # torch's keys: persistent buffers only
+        full = self.engine.full_state_dict()
+        return {k: full[k] for k in keys if k in full}
+
+    def load_full_state_dict(self, state, *, broadcast_from_rank0: bool = False,
+                             strict: bool = True) -> None:
+        if state is None and not broadcast_from_rank0:
+            raise DataError("load_full_state_dict(None): pass the state on every rank, or "
+                            "broadcast_from_rank0=True with the state on rank 0")
+        if strict and state is not None:
+            expected = set(self._pristine.state_dict())
+            missing = sorted(expected - set(state))
+            if missing:
+                raise DataError(f"state dict does not match the model: missing {missing[:4]}"
+                                f"{'...' if len(missing) > 4 else ''}; pass the model's own "
+                                "state_dict() (or strict=False)")
+        self.engine.load_full_state_dict(dict(state or {}),
+                                         broadcast_from_rank0=broadcast_from_rank0)
+        self._uninitialized -= set(state or {})
+        if broadcast_from_rank0 or not strict:
+            self._uninitialized.clear()
+
+    def init_weights(self, fn=None) -> None:
+        super().init_weights(fn)
+        self.engine._unset_buffers.clear()
+
+    def _tensors(self) -> dict:
+        from meshplan.runtime.modules import _clean
+        named = list(self.engine.model.named_parameters(remove_duplicate=False)) + \
+            list(self.engine.model.named_buffers(remove_duplicate=False))
+        return {_clean(n): t for n, t in named}
+
+    def _after_load(self) -> None:
+        pass
+
+
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None,
-                init_weights: Callable[[nn.Module], None] | None = None) -> ParallelRun:
+                init_weights: Callable[[nn.Module], None] | None = None,
+                engine: str | None = None) -> "ParallelRun":
     """Parallelize ``model`` in place per ``plan`` on the current process group (under
     torchrun); returns the ``ParallelRun`` the training loop drives.
 
@@ -408,7 +508,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     memory, and the weights come from ``run.load_full_state_dict(state)`` or ``init_weights``
     (called module by module as ``model.apply`` would; ``reset_parameters`` when the model
     has real weights is not needed). A model with real weights is sharded as it is.
-    ``loss_fn(outputs, *targets)`` must be the loss the plan was made with."""
+    ``loss_fn(outputs, *targets)`` must be the loss the plan was made with. The plan says
+    which engine runs it (``plan.engine``); ``engine="graph"`` forces the graph engine."""
     if not dist.is_available() or not dist.is_initialized():
         raise NotSupportedError("meshplan.parallelize runs inside a torchrun worker: call "
                                 "torch.distributed.init_process_group() first (gloo on CPU, "
@@ -426,6 +527,21 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     if device and device != "cpu" and not torch.cuda.is_available() and dist.get_rank() == 0:
         warnings.warn(f"this plan was made for {device} devices and runs on CPU processes: "
                       "its predicted step time and memory do not apply here", stacklevel=2)
+    engine = engine or plan.engine
+    if engine not in ("graph", "modules"):
+        raise PlanFileError(f"engine={engine!r} is not 'graph' or 'modules'")
+    if engine == "modules":
+        from meshplan.runtime.modules import ModuleEngine
+
+        from meshplan.runtime.parallelize import meta_copy
+
+        uninitialized = {name for name, t in model.named_parameters() if t.is_meta}
+        pristine = meta_copy(model)  # before the engine wraps the model in place
+        run = ModuleRun(ModuleEngine(model, plan, loss_fn=loss_fn), plan, model,
+                        loss_fn=loss_fn, uninitialized=uninitialized, pristine=pristine)
+        if init_weights is not None:
+            run.init_weights(init_weights)
+        return run
     from meshplan.runtime.parallelize import parallelize as graph_parallelize
 
     sig, records = plan_call(plan)
@@ -440,51 +556,19 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     return run
 
 
-# -- the global gradient norm ----------------------------------------------------------------
-
-@torch.no_grad()
-def clip_grad_norm_(engine, params: Sequence[nn.Parameter], max_norm: float,
-                    norm_type: float = 2.0) -> float:
-    """Global gradient norm over every rank and pipeline stage, then scale in place.
-
-    Each DTensor gradient contributes its local shard once: a shard replicated over mesh
-    axes is divided by their size, and a weight shared by several pipeline rank groups (tied
-    embeddings, its gradient summed over them) by their number."""
-    if max_norm <= 0:
-        raise DataError(f"max_norm={max_norm} must be positive")
-    shared = {id(p): pg for pg, ps in getattr(engine, "tie_groups", []) for p in ps}
-    inf = norm_type == float("inf")
-    total = torch.zeros((), dtype=torch.float64)
-    grads = []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        local = g.to_local() if isinstance(g, DTensor) else g
-        grads.append(local)
-        if inf:
-            total = torch.maximum(total, local.detach().abs().max().to("cpu", torch.float64))
-            continue
-        part = local.detach().to(torch.float64).abs().pow(norm_type).sum().cpu()
-        if isinstance(g, DTensor):
-            for size, pl in zip(g.device_mesh.shape, g.placements):
-                if not pl.is_shard():
-                    part /= size
-        if id(p) in shared:
-            part /= dist.get_world_size(shared[id(p)])
-        total += part
-    device = grads[0].device if grads else torch.device("cpu")
-    total = total.to(device)
-    dist.all_reduce(total, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-    norm = float(total) if inf else float(total) ** (1.0 / norm_type)
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-    return norm
-
-
 # -- small helpers ---------------------------------------------------------------------------
+
+def data_parallel_coordinate(plan: Plan, rank: int) -> tuple[int, int]:
+    """(dp_rank, dp_size) of global ``rank``: its row-major coordinate over the stage mesh's
+    data-parallel axes (the axes the batch is split over), the same on every stage."""
+    stage = plan.stages[0]
+    coords = _mesh_coords(rank % len(stage.devices), stage.mesh_shape)
+    dp_rank, dp_size = 0, 1
+    for a in _data_parallel_axes(plan):
+        dp_rank = dp_rank * stage.mesh_shape[a] + coords[a]
+        dp_size *= stage.mesh_shape[a]
+    return dp_rank, dp_size
+
 
 def _data_parallel_axes(plan: Plan) -> tuple[int, ...]:
     from meshplan.runtime.parallelize import data_parallel_axes

@@ -28,6 +28,7 @@ The pipeline runtime (runtime/pipeline.py) builds one ``SPMDExecutor`` per stage
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import _StridedShard  # private: no public name
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
@@ -62,20 +64,29 @@ COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SAVED_IN_SELECTIVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
 
 
-def to_placements(texts: Sequence[str]) -> list:
-    """Plan strings ("R", "P", "S(d)") -> DTensor placements."""
+def to_placements(texts: Sequence[str], mesh: DeviceMesh | None = None) -> list:
+    """Plan strings ("R", "P", "S(d)") -> DTensor placements. With ``mesh``, a Shard on a
+    one-rank mesh axis becomes Replicate: the rank holds the whole dim either way, but
+    DTensor's view rules refuse to flatten or squeeze a sharded dim (a microbatch of one
+    sequence "S(0)" on a dp axis of size 1 reshaped by a linear), so a plan that shards on
+    a one-rank axis would crash at step 1."""
     out = []
-    for text in texts:
+    for axis, text in enumerate(texts):
         kind, dim = parse_placement(text)
+        if kind == "S" and mesh is not None and mesh.size(axis) == 1:
+            kind = "R"
         out.append(Replicate() if kind == "R" else Partial() if kind == "P" else Shard(dim))
     return out
 
 
 def placement_texts(placements) -> tuple[str, ...]:
-    """DTensor placements -> plan strings."""
+    """DTensor placements -> plan strings. A ``_StridedShard`` (what flattening a dim
+    sharded on a later mesh axis gives, torch 2.13: not a Shard subclass) is "S(d)": read
+    as "R" it hid a sharded value from the planned redistribution (Phi-3's logits reached
+    the loss row-sharded on tp, and nll_loss refused the uneven rows)."""
     out = []
     for p in placements:
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             out.append(f"S({p.dim})")
         elif isinstance(p, Partial):
             out.append("P")
@@ -197,7 +208,7 @@ class SPMDExecutor(fx.Interpreter):
             raise NotSupportedError(f"dtype={dtype!r}; the runtime knows {list(COMPUTE_DTYPES)}")
         self.mesh = mesh
         self.ops = ops
-        self.input_placements = [to_placements(p) for p in input_placements]
+        self.input_placements = [to_placements(p, mesh) for p in input_placements]
         self.recompute = recompute
         self.compute_dtype = COMPUTE_DTYPES[dtype]
         self.segments = split_segments(gm, block_prefix) if recompute != "none" else \
@@ -220,6 +231,8 @@ class SPMDExecutor(fx.Interpreter):
         self.hoisted: dict = {}  # get_attr node -> (src, dst): gathered once per call
         self.bucket_of: dict = {}  # get_attr node -> (mesh axis, nodes gathered together)
         self._gathered: dict = {}
+        self._frees = None  # node -> values it reads last (_last_uses)
+        self._regather = None  # the saved-tensor hooks of the current replay (_Regather)
         self.specs: dict = {}  # node -> DTensorSpec structure of its value
         self._building = False  # the first call is running the reference to lower it
         self.leaves = lowering.ParamLeaves()  # parameters as plain local autograd leaves
@@ -324,11 +337,12 @@ class SPMDExecutor(fx.Interpreter):
         # R -> P is DTensor-internal (an addend such as a bias joining a partial sum once):
         # keep R there and let the operator's own strategy make it Partial.
         target = tuple("R" if t == "P" and c == "R" else t for t, c in zip(plan.inputs[i], current))
+        target = placement_texts(to_placements(target, self.mesh))  # one-rank axes: R
         if current == target:
             return value
         try:
             self.stats.redistributions += 1
-            return value.redistribute(self.mesh, to_placements(target))
+            return value.redistribute(self.mesh, to_placements(target, self.mesh))
         except Exception as exc:  # noqa: BLE001 - name the node and the placements
             raise NotSupportedError(
                 f"operator {n.name} ({n.target}): cannot redistribute input {arg.name} from "
@@ -352,8 +366,13 @@ class SPMDExecutor(fx.Interpreter):
         # the same attempts and issue the same collectives (a lookup outside a rank's vocab
         # shard fails on some ranks only).
         if ok:
-            ok = self._try_lowering(step, moved, out, "aten" if lowering.aten_step(
-                step, n, args, kwargs) else "call", updates)
+            kind = "aten" if lowering.aten_step(step, n, args, kwargs) else "call"
+            # a composite run whole on local shards cannot partition or reduce inside
+            # itself; where DTensor's decomposition does, only the recorded one is exact
+            if kind == "call" and calls and lowering.partitions_or_reduces(calls):
+                ok, step.why = False, "call: DTensor partitions or reduces inside it"
+            else:
+                ok = self._try_lowering(step, moved, out, kind, updates)
             if not ok and calls:
                 recorded = lowering.record_steps(calls, moved, out)
                 if recorded is not None:
@@ -453,14 +472,39 @@ class SPMDExecutor(fx.Interpreter):
         if a not in self.hoisted:
             return self.env[a]
         if a not in self._gathered:
-            if a in self.bucket_of:
-                axis, members = self.bucket_of[a]
-                shards = [self.leaves.local(self.fetch_attr(m.target)) for m in members]
-                self._gathered.update(zip(members, lowering.gather_bucket(self.mesh, axis,
-                                                                          shards)))
-            else:
-                self._gathered[a] = lowering.move(self.env[a], *self.hoisted[a])
+            shards = self._shards(a)
+            gathered = self._gather(a, shards)
+            self._gathered.update(gathered)
+            if self._regather is not None:
+                self._regather.register(gathered, shards)
         return self._gathered[a]
+
+    def _shards(self, a: fx.Node) -> list:
+        """The local shards ``_gather`` reads for ``a``'s bucket (kept by the regather hooks:
+        the module's attributes are the parameters only while the call runs)."""
+        if a in self.bucket_of:
+            return [self.leaves.local(self.fetch_attr(m.target)) for m in self.bucket_of[a][1]]
+        return [self.env[a]]
+
+    def _gather(self, a: fx.Node, shards: list) -> dict:
+        """ZeRO-3: the full parameter(s) of ``a``'s bucket (one collective per bucket)."""
+        if a in self.bucket_of:
+            axis, members = self.bucket_of[a]
+            return dict(zip(members, lowering.gather_bucket(self.mesh, axis, shards)))
+        return {a: lowering.move(shards[0], *self.hoisted[a])}
+
+    def _last_uses(self) -> dict:
+        """node -> the values whose last reader it is (graph order), so the replay drops
+        each value (and each gathered ZeRO-3 parameter) as soon as nothing needs it."""
+        if self._frees is None:
+            last = {}
+            for n in self.module.graph.nodes:
+                for a in n.all_input_nodes:
+                    last[a] = n
+            self._frees = {}
+            for a, n in last.items():
+                self._frees.setdefault(n, []).append(a)
+        return self._frees
 
     # -- the whole fragment ---------------------------------------------------------------
     def run(self, *inputs):
@@ -506,13 +550,21 @@ class SPMDExecutor(fx.Interpreter):
 
     def _replay(self, inputs):
         collect = self._collecting = self._fold_check()
-        with implicit_replication(), self._autocast():
+        regather = self.hoisted and torch.is_grad_enabled()
+        self._regather = _Regather(self) if regather else None
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._regather.pack,
+                                                         self._regather.unpack) \
+            if regather else nullcontext()
+        with implicit_replication(), self._autocast(), hooks:
             self.env, self._gathered = {}, {}
             self.args_iter = iter(inputs)
             try:
                 out = self._run_segments(self._replay_node, True)
             finally:
                 self._gathered, self._collecting = {}, False
+                if self._regather is not None:
+                    self._regather.forward_done()
+                self._regather = None
         if collect:
             self._fold_done()
         return out
@@ -571,6 +623,8 @@ class SPMDExecutor(fx.Interpreter):
             if checkpointed and seg.layer >= 0 and self.recompute != "none":
                 self._run_checkpointed(seg, run_node)
                 continue
+            frees = self._last_uses() if run_node == self._replay_node and \
+                len(self.segments) == 1 else {}
             for node in seg.nodes:
                 if node.op == "output":
                     value = self.fetch_args_kwargs_from_env(node)[0][0]
@@ -579,6 +633,10 @@ class SPMDExecutor(fx.Interpreter):
                             node.args[0], lambda a: self.specs.get(a)))
                     return self.module.graph.process_outputs(value)
                 self.env[node] = run_node(node)
+                for a in frees.get(node, ()):  # nothing reads these again in this call
+                    self.env.pop(a, None)
+                    if self._gathered.pop(a, None) is not None and self._regather is not None:
+                        self._regather.release(a)
         raise AssertionError("graph has no output node")
 
     def _replay_node(self, n: fx.Node):
@@ -654,6 +712,68 @@ class SPMDExecutor(fx.Interpreter):
         outs = checkpoint(block, *(self.env[i] for i in seg.inputs), use_reentrant=False,
                           **kwargs)
         self.env.update(zip(seg.outputs, outs))
+
+
+class _Regather:
+    """Saved-tensor hooks that keep ZeRO-3's gathered parameters out of what autograd saves:
+    a saved tensor living in a gathered parameter's storage is packed as a ticket (which
+    parameter, and the view's size, stride and offset) and gathered again when the backward
+    unpacks it, one bucket at a time. So a block's full parameters live only while the block
+    runs, forward or backward, as with FSDP's reshard-after-forward (Rajbhandari et al.
+    2020, ZeRO stage 3); the backward pays a second all-gather per bucket, which the cost
+    model prices (costmodel/estimate.py, ZeRO-3 gathers). Storages are matched by address
+    only while the gathered tensor is alive (``release`` forgets it when it is dropped)."""
+
+    def __init__(self, executor: "SPMDExecutor"):
+        self.executor = executor
+        self.by_storage: dict[int, tuple[fx.Node, int]] = {}  # storage address -> (node, -)
+        self.live: dict[fx.Node, int] = {}
+        self.shards: dict[fx.Node, list] = {}  # node -> the local shards its bucket gathers
+        self.cache: tuple = (None, {})  # the last bucket gathered again in backward
+
+    def register(self, gathered: dict, shards: list) -> None:
+        for node, tensor in gathered.items():
+            ptr = tensor.untyped_storage().data_ptr()
+            if ptr:  # empty tensors have no storage to recognise
+                self.by_storage[ptr] = (node, 0)
+                self.live[node] = ptr
+            self.shards[node] = shards
+
+    def release(self, node: fx.Node) -> None:
+        ptr = self.live.pop(node, None)
+        if ptr is not None and self.by_storage.get(ptr, (None,))[0] is node:
+            del self.by_storage[ptr]
+
+    def forward_done(self) -> None:
+        self.by_storage, self.live = {}, {}
+
+    def pack(self, t: torch.Tensor):
+        if type(t) is not torch.Tensor or not self.by_storage:
+            return t
+        hit = self.by_storage.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return t
+        return _Ticket(hit[0], tuple(t.size()), tuple(t.stride()), t.storage_offset(),
+                       t.requires_grad)
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Ticket):
+            return packed
+        key = self.executor.bucket_of.get(packed.node, (None, (packed.node,)))[1]
+        if self.cache[0] != key:
+            with torch.no_grad():
+                self.cache = (key, self.executor._gather(packed.node, self.shards[packed.node]))
+        base = self.cache[1][packed.node]
+        return base.as_strided(packed.size, packed.stride, packed.offset)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ticket:
+    node: fx.Node
+    size: tuple
+    stride: tuple
+    offset: int
+    requires_grad: bool
 
 
 def _same_updates(updates: dict, attempt) -> bool:

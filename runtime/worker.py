@@ -8,9 +8,20 @@ metrics file. With ``--checkpoint-dir`` the run saves a sharded checkpoint every
 newest. Collectives time out after ``--timeout-s`` so that a hung peer fails the run.
 ``--fail-at-step K --fail-rank R [--fail-mode exit|hang]`` makes rank R exit abruptly (or
 stop responding) before step K: fault injection for the failure and resume tests.
+
+``--data FILE`` trains on a nanoGPT token file instead (runtime/data.py; each rank reads only
+its rows of the global batch). ``--warmup N`` warms the learning rate up linearly over N
+steps (LambdaLR), ``--clip MAX_NORM`` clips the global gradient norm (runtime/grad_clip.py,
+as an optimizer step pre-hook, after the runtime's gradient sync). SIGINT and SIGTERM end a
+worker at once and silently (the default action): ``meshplan run`` prints the one line.
 """
 
 from __future__ import annotations
+
+import signal
+
+if __name__ == "__main__":  # before the slow imports: Ctrl-C never shows a worker traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import argparse
 import json
@@ -27,6 +38,8 @@ import torch.distributed as dist
 from meshplan.errors import MeshplanError
 from meshplan.plan import Plan, atomic_write
 from meshplan.runtime import checkpoint
+from meshplan.runtime.data import TokenFile, rows_read_by
+from meshplan.runtime.grad_clip import clip_grad_norm_
 from meshplan.runtime.memory_probe import StepMemoryProbe, training_state_tensors
 from meshplan.runtime.parallelize import make_optimizer, parallelize
 from meshplan.specs import parse_model_spec, synthetic_batch
@@ -44,6 +57,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
+    ap.add_argument("--clip", type=float, default=0.0, help="max global gradient norm (0: off)")
+    ap.add_argument("--data", default="", help="flat binary of token ids (nanoGPT's train.bin)")
+    ap.add_argument("--data-dtype", choices=("uint16", "uint32"), default="uint16")
     ap.add_argument("--metrics-out", default="")
     ap.add_argument("--checkpoint-dir", default="")
     ap.add_argument("--checkpoint-every", type=int, default=0)
@@ -70,7 +87,8 @@ def main(argv=None) -> int:
         batch0 = synthetic_batch(model, plan.training.global_batch, plan.training.seq_len,
                                  seed=args.seed, step=0)
         rss_before = _rss_gib()
-        pm = parallelize(model, plan, (batch0,))
+        pm = ModuleWorkerModel(model, plan) if plan.engine == "modules" else \
+            parallelize(model, plan, (batch0,))
         optimizer = make_optimizer(pm.optimizer_params(), plan, lr=args.lr)
         first = 0
         if checkpoint.latest_step(args.checkpoint_dir) is not None:
@@ -78,7 +96,13 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(f"resumed from {checkpoint.checkpoint_path(args.checkpoint_dir, first)} "
                       f"after {first} steps", flush=True)
-        losses, times = [], []
+        schedule = warmup_schedule(optimizer, args.warmup, first)
+        norms: list[float] = []
+        if args.clip > 0:  # after the runtime's gradient sync, before the update
+            optimizer.register_step_pre_hook(
+                lambda *_: norms.append(clip_grad_norm_(pm, args.clip)))
+        batches = batch_source(args, plan, model, rank)
+        losses, times, lrs = [], [], []
         tensor_peak = 0.0
         for step in range(first, args.steps):
             if step == args.fail_at_step and rank == args.fail_rank:
@@ -87,8 +111,8 @@ def main(argv=None) -> int:
                 if args.fail_mode == "hang":
                     time.sleep(3600)
                 os._exit(3)
-            batch = synthetic_batch(model, plan.training.global_batch, plan.training.seq_len,
-                                    seed=args.seed, step=step)
+            batch = batches(step)
+            lrs.append(optimizer.param_groups[0]["lr"])
             dist.barrier()
             start = time.perf_counter()
             probe = StepMemoryProbe(training_state_tensors(pm, optimizer)) \
@@ -97,14 +121,15 @@ def main(argv=None) -> int:
                 loss = pm.train_step(batch, optimizer)
             if isinstance(probe, StepMemoryProbe):
                 tensor_peak = probe.peak_bytes / 2**30
+            schedule.step()
             dist.barrier()
             elapsed = time.perf_counter() - start
             losses.append(loss)
             times.append(elapsed)
             if rank == 0:
                 print(f"step {step}: loss {loss:.6f}  time {elapsed * 1e3:.1f} ms", flush=True)
-            if args.checkpoint_dir and args.checkpoint_every and \
-                    (step + 1) % args.checkpoint_every == 0:
+            every = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0
+            if args.checkpoint_dir and (every or step + 1 == args.steps):
                 checkpoint.save(args.checkpoint_dir, pm, optimizer, step + 1)
         peak = torch.tensor([_rss_gib() - rss_before, tensor_peak], dtype=torch.float64)
         gathered = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
@@ -115,7 +140,8 @@ def main(argv=None) -> int:
             metrics = {
                 "model": args.model, "plan_fingerprint": plan.model.fingerprint,
                 "world_size": dist.get_world_size(), "seed": args.seed, "first_step": first,
-                "losses": losses,
+                "losses": losses, "lr": lrs, "data": args.data or "synthetic",
+                **({"grad_norm": norms} if args.clip > 0 else {}),
                 "step_time_s": times, "measured_step_time_s": measured,
                 "predicted_step_time_s": plan.predicted.step_time_s,
                 "predicted_peak_memory_gib": plan.predicted.peak_memory_gib,
@@ -139,6 +165,75 @@ def main(argv=None) -> int:
     dist.barrier()  # nobody tears gloo down while a peer is still writing its results
     dist.destroy_process_group()
     return 0
+
+
+def warmup_schedule(optimizer, warmup: int, first: int):
+    """Linear warmup over ``warmup`` steps, then constant; positioned at step ``first``."""
+    for group in optimizer.param_groups:  # a resumed run: LambdaLR starts from initial_lr
+        group.setdefault("initial_lr", group["lr"])
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0,
+        last_epoch=first - 1)
+
+
+class ModuleWorkerModel:
+    """A plan whose engine is "modules" (PyTorch's composables) behind the interface this
+    worker drives the graph engine with: ``train_step(global batch, optimizer)``,
+    ``optimizer_params()``, ``named_buffers()``, ``unique_params()`` (runtime/checkpoint.py,
+    grad_clip.py and memory_probe.py read those). Each rank takes its data-parallel rows."""
+
+    def __init__(self, model, plan: Plan):
+        from meshplan.runtime.run import parallelize as public_parallelize
+
+        self.plan = plan
+        self.run = public_parallelize(model, plan)
+        self.tie_groups = ()
+
+    @staticmethod
+    def rows(plan: Plan, rank: int) -> range:
+        from meshplan.runtime.run import data_parallel_coordinate
+
+        dp_rank, dp_size = data_parallel_coordinate(plan, rank)
+        n = plan.training.global_batch // dp_size
+        return range(dp_rank * n, (dp_rank + 1) * n)
+
+    def train_step(self, batch: torch.Tensor, optimizer) -> float:
+        n = batch.shape[0] // self.run.dp_size
+        loss = self.run.train_step((batch[self.run.dp_rank * n:(self.run.dp_rank + 1) * n],))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def optimizer_params(self) -> dict:
+        return self.run.named_parameters()
+
+    def unique_params(self) -> list:
+        return self.run.parameters()
+
+    def named_buffers(self) -> dict:
+        from meshplan.runtime.modules import _clean
+        return {_clean(n): b for n, b in self.run.engine.model.named_buffers()}
+
+
+def batch_source(args, plan: Plan, model, rank: int):
+    """step -> the global batch (this rank's rows filled in, for a token file)."""
+    b, seq = plan.training.global_batch, plan.training.seq_len
+    if not args.data:
+        return lambda step: synthetic_batch(model, b, seq, seed=args.seed, step=step)
+    tokens = TokenFile(args.data, args.data_dtype)
+    tokens.check_batch(b, seq)
+    rows = rows_read_by(plan, rank) if plan.engine != "modules" else \
+        ModuleWorkerModel.rows(plan, rank)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+
+    def read(step: int) -> torch.Tensor:
+        batch = tokens.batch(b, seq, seed=args.seed, step=step, rows=rows)
+        if vocab:  # every rank agrees, so a bad id fails all ranks at once, not by timeout
+            largest = torch.tensor([int(batch.max())])
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+            tokens.check_vocab(int(largest), vocab, step)
+        return batch
+    return read
 
 
 if __name__ == "__main__":

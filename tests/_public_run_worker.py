@@ -94,7 +94,7 @@ def shard(value, run):
     return value[run.dp_rank * rows:(run.dp_rank + 1) * rows]
 
 
-def case(kind, options, batch=8):
+def case(kind, options, batch=8, engine=None):
     cls, cfg = build(kind)
     state, buffers, ref_losses, ref_norms, ref_final = reference(kind, batch)
     meta = make(kind, cls, cfg, "meta")
@@ -105,7 +105,7 @@ def case(kind, options, batch=8):
     common = dict(example_inputs=meta_inputs, example_targets=tuple(t.to("meta") for t in targets))
     plan = meshplan.autoparallel(meta, mesh, **common) if options == "auto" else \
         meshplan.manual_plan(meta, mesh, **common, **options)
-    run = meshplan.parallelize(meta, plan)
+    run = meshplan.parallelize(meta, plan, engine=engine)
     run.load_full_state_dict({**state, **buffers}, strict=False)
     opt = torch.optim.AdamW(run.parameters(), lr=LR)
     local = {k: shard(v, run) for k, v in inputs.items()} if isinstance(inputs, dict) \
@@ -125,8 +125,10 @@ def case(kind, options, batch=8):
         run.train()
     return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
             "final": final, "ref_final": dict(ref_final), "eval": out,
-            "layout": f"stages={plan.num_stages} mesh={list(plan.stages[0].mesh_shape)} "
-                      f"zero={plan.stages[0].zero} dp={run.dp_size}"}
+            "engine": run.engine_name,
+            "layout": f"{run.engine_name} engine, stages={plan.num_stages} "
+                      f"mesh={list(plan.stages[0].mesh_shape)} zero={plan.stages[0].zero} "
+                      f"dp={run.dp_size}"}
 
 
 def bad_inputs():
@@ -136,7 +138,7 @@ def bad_inputs():
     ids = torch.zeros(8, 8, dtype=torch.long, device="meta")
     plan = meshplan.manual_plan(meta, meshplan.Mesh.local(dist.get_world_size()),
                                 example_inputs=(ids,), dp=2, tp=2)
-    run = meshplan.parallelize(meta, plan)
+    run = meshplan.parallelize(meta, plan, engine="graph")
     errors = {}
 
     def attempt(name, fn):
@@ -166,14 +168,16 @@ def main():
     out = {}
     cases = {
         "llama_dp2_tp2": ("llama", dict(dp=2, tp=2)),
+        "llama_dp2_tp2_graph": ("llama", dict(dp=2, tp=2), "graph"),
+        "mlp_dp2_tp2_graph": ("mlp", dict(dp=2, tp=2), "graph"),
         "llama_dp2_pp2": ("llama", dict(dp=2, pp=2)),
         "llama_zero1": ("llama", dict(dp=4, zero=1)),
         "mlp_dp4": ("mlp", dict(dp=4)),
         "mlp_dp2_tp2": ("mlp", dict(dp=2, tp=2)),
         "mlp_auto": ("mlp", "auto"),
     }
-    for name, (kind, options) in cases.items():
-        out[name] = case(kind, options)
+    for name, (kind, options, *engine) in cases.items():
+        out[name] = case(kind, options, engine=engine[0] if engine else None)
     out["bad"] = bad_inputs()
     if dist.get_rank() == 0:
         torch.save(out, sys.argv[1])

@@ -74,3 +74,89 @@ def test_console_script_prints_no_traceback_on_a_corrupt_plan(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "truncated or corrupt" in out.stderr and "Traceback" not in out.stderr
+
+
+# -- meshplan run: checks before anything starts, many nodes ------------------------------------
+
+@pytest.fixture(scope="module")
+def plan4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "plan.json"
+    assert main(PLAN_ARGS + ["--mesh", "local:4", "--manual", "dp=4,mb=2", "-o", str(path)]) == 0
+    return str(path)
+
+
+def _token_file(path, nbytes: int) -> str:
+    path.write_bytes(bytes(nbytes))
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps 0: train at least 1 step"),
+    (["--steps", "-3"], "--steps -3: train at least 1 step"),
+    (["--timeout-s", "0"], "--timeout-s 0.0: the collective timeout must be positive"),
+    (["--data", "{tmp}/missing.bin"], "missing.bin does not exist or is not a file"),
+    (["--data", "{odd}"], "has 3 bytes, not a positive multiple of 2 (uint16)"),
+    (["--data", "{odd}", "--data-dtype", "uint32"], "not a positive multiple of 4 (uint32)"),
+    (["--data", "{small}"], "holds 255 tokens, fewer than one global batch of 8 x 32 = 256"),
+    (["--nnodes", "3"], "--nnodes 3 does not divide the plan's 4 devices; use --nnodes in [1, 2, 4]"),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:29400"],
+     "--node-rank 2 is out of range for --nnodes 2; use 0..1"),
+    (["--nnodes", "2", "--node-rank", "-1", "--rdzv-endpoint", "h:29400"], "out of range"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0"], "--rdzv-endpoint 'node0' is not HOST:PORT"),
+    (["--nnodes", "2", "--rdzv-endpoint", "node0:70000"], "is not HOST:PORT with PORT in 1..65535"),
+    (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--nnodes", "2", "--nproc-per-node", "3", "--rdzv-endpoint", "h:1"],
+     "2 x --nproc-per-node 3 = 6 processes, but the plan has 4 devices"),
+])
+def test_run_refuses_bad_input_in_one_line(plan4, tmp_path, capsys, args, message):
+    files = {"tmp": str(tmp_path), "odd": _token_file(tmp_path / "odd.bin", 3),
+             "small": _token_file(tmp_path / "small.bin", 255 * 2)}
+    args = [a.format(**files) for a in args]
+    assert main(["run", plan4, "--model", DEMO_MODEL, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_print_torchrun_is_a_valid_torchrun_command(plan4, capsys):
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    assert main(["run", plan4, "--model", DEMO_MODEL, "--nnodes", "2", "--node-rank", "1",
+                 "--rdzv-endpoint", "10.1.2.3:29400", "--steps", "7", "--clip", "1",
+                 "--print-torchrun"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and line.startswith("torchrun ")
+    parsed = get_args_parser().parse_args(shlex.split(line)[1:])  # torchrun's own parser
+    assert (parsed.nnodes, parsed.nproc_per_node, parsed.node_rank) == ("2", "2", 1)
+    assert parsed.rdzv_endpoint == "10.1.2.3:29400" and parsed.rdzv_backend == "c10d"
+    assert parsed.module and parsed.training_script == "meshplan.runtime.worker"
+    worker = parsed.training_script_args
+    assert worker[worker.index("--plan") + 1] == plan4 and "--clip" in worker
+    assert worker[worker.index("--steps") + 1] == "7"
+
+
+def test_slurm_script_runs_torchrun_once_per_node(plan4, tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    assert main(["run", plan4, "--model", DEMO_MODEL, "--nnodes", "2", "--slurm",
+                 "-o", str(script)]) == 0
+    assert str(script) in capsys.readouterr().out
+    text = script.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # Run it with stand-ins for the two SLURM commands it calls: scontrol lists the nodes,
+    # srun prints the command each node would run.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("scontrol", 'printf "nodeA\\nnodeB\\n"'), ("srun", 'printf "%s\\n" "$@"')):
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node[A-B]",
+           "SLURM_JOB_ID": "42"}
+    out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    argv = out.stdout.splitlines()
+    assert argv[0] == "torchrun" and "--nproc-per-node=2" in argv
+    assert "--rdzv-endpoint=nodeA:29500" in argv and "--rdzv-id=42" in argv
+    assert argv[argv.index("--plan") + 1] == plan4

@@ -74,7 +74,8 @@ def brute_force(prob: Problem, space: SearchSpace) -> float:
                     for s, (j, e) in enumerate(zip((0, *cuts), (*cuts, k))):
                         m = in_flight(schedule, s, stages, b, v)
                         ok = []
-                        if (e - j) % v:  # the interleaved schedule cuts a stage into v chunks
+                        if v > 1 and (k % (stages * v) or e - j != k // stages):
+                            # the runtime cuts the blocks into stages x v equal chunks
                             per_stage.append(ok)
                             continue
                         for opt in options:
@@ -274,3 +275,16 @@ def test_probes_on_the_cut_graph_equal_probes_on_the_whole_graph(tiny_gpt):
             whole = stage_cost(st, tiny_gpt, mesh.hardware, **kw)
             cut_ = stage_cost(st, cost.neighbourhood(first, last), mesh.hardware, **kw)
             assert cut_ == whole
+
+
+def test_pipeline_zero_limits_only_multi_stage_options():
+    """``pipeline_zero`` (what the pipeline runtime runs) bounds the ZeRO stages of stages
+    smaller than the mesh; a single stage over every device keeps ``zero``."""
+    prob = problem(1, units=4, devices=4, per_node=4, batch=4, limit=30.0)
+    space = SearchSpace(schedules=V1, zero=(0, 1, 2, 3), pipeline_zero=(0,))
+    assert {o.zero for o in stage_options(4, prob, space, 1)} == {0, 1, 2, 3}
+    assert {o.zero for o in stage_options(2, prob, space, 1)} == {0}
+    plan = search(prob, space)
+    if len(plan.stages) > 1:
+        assert all(st.option.zero == 0 for st in plan.stages)
+    assert plan.step_time_s == pytest.approx(brute_force(prob, space), rel=1e-12)

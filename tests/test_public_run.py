@@ -19,7 +19,8 @@ def results(tmp_path_factory):
                             timeout=900)
 
 
-CASES = ["llama_dp2_tp2", "llama_dp2_pp2", "llama_zero1", "mlp_dp4", "mlp_dp2_tp2", "mlp_auto"]
+CASES = ["llama_dp2_tp2", "llama_dp2_tp2_graph", "llama_dp2_pp2", "llama_zero1", "mlp_dp4",
+         "mlp_dp2_tp2", "mlp_dp2_tp2_graph", "mlp_auto"]
 
 
 @pytest.mark.slow
@@ -37,9 +38,18 @@ def test_equal_to_one_process(results, name):
 
 
 @pytest.mark.slow
+def test_plans_run_on_the_engine_they_name(results):
+    # expressible single-stage plans run on PyTorch's composables; pipelines on the graph
+    assert results["llama_dp2_tp2"]["engine"] == "modules"
+    assert results["llama_dp2_tp2_graph"]["engine"] == "graph"
+    assert results["llama_dp2_pp2"]["engine"] == "graph"
+
+
+@pytest.mark.slow
 def test_eval_forward_is_the_rank_shard(results):
-    out = results["mlp_dp4"]["eval"]
-    assert out is not None and out.shape == (2, 10)  # rank 0's 2 rows of 8, 10 classes
+    for name in ("mlp_dp4", "mlp_dp2_tp2_graph"):  # one per engine
+        out = results[name]["eval"]
+        assert out is not None and out.shape == (8 // (4 if name == "mlp_dp4" else 2), 10)
 
 
 @pytest.mark.slow

@@ -148,3 +148,17 @@ def test_gpt3_175b_traces_on_meta_without_allocating_weights():
     params, rss_kib = map(int, out.stdout.split()[-2:])
     assert params > 7.8e9  # 4 x 1.81B per layer + 0.65B embeddings: weights would be 31 GB in fp32
     assert rss_kib / 2**20 < 2.0
+
+
+def test_one_tensor_as_input_and_target_traces_like_two():
+    """ids passed as input and as target (a common call) must give the graph that the
+    runtime's later calls, with distinct tensors, give: else the plan refuses to run."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16))
+    ids = torch.zeros(2, 4, dtype=torch.long, device="meta")
+
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out.reshape(-1, 16), y.reshape(-1))
+    same = meshplan.trace(model, (ids,), loss_fn=loss_fn, example_targets=(ids,))
+    apart = meshplan.trace(model, (ids,), loss_fn=loss_fn, example_targets=(ids.clone(),))
+    assert same.fingerprint == apart.fingerprint

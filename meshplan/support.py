@@ -1,0 +1,245 @@
+"""What the runtime executes: the rules a plan (or a candidate of the search) must follow.
+
+trace -> cost -> solve -> plan -> run, read by three of them. The search skips candidates
+these rules refuse (planner/inter, planner/stagedp, planner/hybrid, meshplan/sweep),
+``Plan.from_json`` refuses a plan that breaks one when it is loaded, and the runtime
+(runtime/parallelize.py, runtime/pipeline.py) refuses with the same words before it builds
+anything. Every rule is a pure function returning the reasons (one line each: the value,
+the rule, the fix) that a configuration cannot run; an empty tuple means it runs.
+
+Core layer: this module reads ``meshplan.plan`` records only, never torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.errors import NotSupportedError
+from meshplan.plan import Plan
+
+# the pipeline schedules the runtime drives (torch.distributed.pipelining)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/pipeline.py)
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """The shape of a uniform configuration, as the search and the sweep enumerate it.
+
+    ``dp`` and ``zero`` are those of one stage; ``microbatch_size`` is 0 when unknown;
+    ``num_layers`` (repeated blocks) is None when the caller does not know them."""
+
+    pp: int = 1
+    dp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int = 1
+    global_batch: int = 1
+    microbatch_size: int = 0
+    zero: int = 0
+    dtype: str = "fp32"
+    num_layers: int | None = None
+
+
+# -- the rules -----------------------------------------------------------------------------------
+
+def schedule_rule(c: Candidate) -> tuple[str, ...]:
+    if c.schedule not in SCHEDULES:
+        return (f"schedule {c.schedule!r} is not one the runtime drives; choose one of "
+                f"{', '.join(SCHEDULES)}",)
+    return ()
+
+
+def virtual_stage_rule(c: Candidate) -> tuple[str, ...]:
+    """Interleaving needs the interleaved schedule, two or more rank groups, and blocks that
+    cut into pp x v equal chunks (runtime/pipeline.expand_interleaved)."""
+    v = c.virtual_stages
+    if v < 1:
+        return (f"virtual_stages={v} must be at least 1",)
+    if v > 1 and c.schedule != "interleaved-1f1b":
+        return (f"virtual_stages={v} needs schedule 'interleaved-1f1b', not {c.schedule!r}; "
+                "set virtual_stages=1",)
+    if c.schedule == "interleaved-1f1b" and c.pp > 1 and c.num_layers is not None and \
+            c.num_layers % (c.pp * v):
+        return (f"{c.num_layers} blocks do not split into pp x virtual_stages = {c.pp * v} "
+                f"equal chunks; choose virtual_stages with pp x virtual_stages dividing "
+                f"{c.num_layers}",)
+    return ()
+
+
+def microbatch_rule(c: Candidate) -> tuple[str, ...]:
+    """The batch cuts into equal microbatches; torch's 1F1B needs at least one microbatch per
+    rank group, its interleaved 1F1B a count divisible by its rounds (max(1, B // pp))."""
+    b = c.microbatches
+    if b < 1 or c.global_batch % b:
+        return (f"global batch {c.global_batch} is not divisible into {b} microbatches; "
+                "choose a divisor",)
+    if c.pp > 1 and c.schedule != "gpipe" and b < c.pp:
+        return (f"schedule {c.schedule!r} needs at least as many microbatches as pipeline "
+                f"rank groups: {b} < pp={c.pp}; use more microbatches or 'gpipe'",)
+    if c.pp > 1 and c.schedule == "interleaved-1f1b" and b % max(1, b // c.pp):
+        return (f"interleaved 1F1B runs {b} microbatches in rounds of pp={c.pp}; {b} is not a "
+                f"multiple of its {b // c.pp} rounds; use a multiple of {c.pp}",)
+    return ()
+
+
+def data_parallel_rule(c: Candidate) -> tuple[str, ...]:
+    """Every data-parallel rank gets the same number of sequences in every microbatch."""
+    if c.dp < 1:
+        return (f"dp={c.dp} must be at least 1",)
+    if c.microbatches >= 1 and c.global_batch % (c.dp * c.microbatches):
+        return (f"global batch {c.global_batch} does not split over dp={c.dp} x "
+                f"{c.microbatches} microbatches; choose dp x microbatches dividing it",)
+    if c.microbatch_size and c.microbatch_size * c.dp * c.microbatches != c.global_batch:
+        return (f"microbatch_size {c.microbatch_size} x dp {c.dp} x microbatches "
+                f"{c.microbatches} != global batch {c.global_batch}; fix microbatch_size",)
+    return ()
+
+
+def zero_rule(c: Candidate) -> tuple[str, ...]:
+    if c.zero not in ZERO_STAGES:
+        return (f"zero={c.zero}; ZeRO stages are {', '.join(map(str, ZERO_STAGES))}",)
+    return ()
+
+
+def dtype_rule(c: Candidate) -> tuple[str, ...]:
+    """fp16 needs loss scaling, which only the single-stage runtime does."""
+    if c.dtype not in DTYPES:
+        return (f"dtype {c.dtype!r} is not one of {', '.join(DTYPES)}",)
+    if c.dtype == "fp16" and c.pp > 1:
+        return ("dtype 'fp16' with pp > 1 needs loss scaling, which the pipeline runtime does "
+                "not do yet; use dtype 'bf16' or 'fp32' when pp > 1",)
+    return ()
+
+
+RULES = (schedule_rule, virtual_stage_rule, microbatch_rule, data_parallel_rule, zero_rule,
+         dtype_rule)
+
+
+def candidate_problems(c: Candidate) -> tuple[str, ...]:
+    """Why a candidate configuration cannot run (empty: it runs)."""
+    return tuple(reason for rule in RULES for reason in rule(c))
+
+
+# -- plans ---------------------------------------------------------------------------------------
+
+def lists_rank_groups(plan: Plan) -> bool:
+    """An interleaved plan written with one stage record per rank group (as meshplan/manual.py
+    and planner/inter write it) rather than one per virtual stage."""
+    n = len(plan.stages[0].devices)
+    return plan.training.schedule == "interleaved-1f1b" and \
+        plan.num_stages * n == plan.num_devices and plan.training.virtual_stages > 1
+
+
+def pipeline_degree(plan: Plan) -> int:
+    """Rank groups of the plan (1 for a single stage)."""
+    v = plan.training.virtual_stages
+    if plan.num_stages == 1 or lists_rank_groups(plan) or v < 1 or plan.num_stages % v:
+        return plan.num_stages
+    return plan.num_stages // v
+
+
+def data_parallel_degree(plan: Plan) -> int:
+    """Size of the axes the batch is split over: stage 0's first input's S(0) axes, else an
+    axis named 'dp'."""
+    st = plan.stages[0]
+    axes = dp_axes(st)
+    n = 1
+    for a in axes:
+        n *= st.mesh_shape[a]
+    return n
+
+
+def dp_axes(stage) -> tuple[int, ...]:
+    if stage.inputs:
+        first = next(iter(stage.inputs.values()))
+        return tuple(i for i, p in enumerate(first) if p == "S(0)")
+    return tuple(i for i, name in enumerate(stage.axis_names) if name == "dp")
+
+
+def candidate_of(plan: Plan) -> Candidate:
+    t = plan.training
+    return Candidate(pp=pipeline_degree(plan), dp=data_parallel_degree(plan),
+                     schedule=t.schedule, virtual_stages=t.virtual_stages,
+                     microbatches=t.microbatches, global_batch=t.global_batch,
+                     microbatch_size=t.microbatch_size if plan.num_stages > 1 else 0,
+                     zero=max(st.zero for st in plan.stages), dtype=t.dtype,
+                     num_layers=plan.model.num_layers if lists_rank_groups(plan) else None)
+
+
+def stage_layout_rule(plan: Plan) -> tuple[str, ...]:
+    """The pipeline runtime's device convention (docs/DEVELOPING.md, pipeline layout): stages
+    listed in order, every stage on the same submesh shape, stage i on rank group i % pp."""
+    if plan.num_stages == 1:
+        return ()
+    t = plan.training
+    v = t.virtual_stages if t.schedule == "interleaved-1f1b" else 1
+    if not lists_rank_groups(plan) and plan.num_stages % v:
+        return (f"{plan.num_stages} stages are not a multiple of virtual_stages={v}; an "
+                "interleaved plan has pp x virtual_stages stages",)
+    pp = pipeline_degree(plan)
+    first = plan.stages[0]
+    n = len(first.devices)
+    out = []
+    for i, st in enumerate(plan.stages):
+        if st.index != i:
+            out.append(f"stage record {i} has index {st.index}; list stages in order")
+        if tuple(st.mesh_shape) != tuple(first.mesh_shape) or \
+                tuple(st.axis_names) != tuple(first.axis_names):
+            out.append(f"stage {i} has mesh {list(st.mesh_shape)} {list(st.axis_names)} but "
+                       f"stage 0 has {list(first.mesh_shape)}; the pipeline runtime needs the "
+                       "same submesh shape for every stage")
+            continue
+        group = i % pp
+        want = tuple(range(group * n, (group + 1) * n))
+        if tuple(st.devices) != want:
+            out.append(f"stage {i} runs on devices {list(st.devices)[:8]}; the runtime places "
+                       f"stage i on rank group i % pp, here devices {list(want)[:8]} (see "
+                       "docs/DEVELOPING.md, pipeline layout)")
+    if pp * n != plan.num_devices:
+        out.append(f"{pp} rank groups x {n} devices per stage = {pp * n}, but the mesh has "
+                   f"{plan.num_devices} devices")
+    return tuple(out)
+
+
+def interleaved_split_rule(plan: Plan) -> tuple[str, ...]:
+    """An interleaved plan listing one record per rank group runs its blocks cut into
+    pp x v equal chunks (runtime/pipeline.expand_interleaved), whatever ranges the records
+    give: each record must then hold num_layers / pp blocks, or the plan would run otherwise
+    than it was priced."""
+    if not lists_rank_groups(plan):
+        return ()
+    pp, blocks = plan.num_stages, plan.model.num_layers
+    want = blocks // pp
+    for st in plan.stages:
+        held = st.layers[1] - st.layers[0]
+        if blocks % pp == 0 and held != want:
+            return (f"interleaved stage {st.index} holds blocks [{st.layers[0]}, "
+                    f"{st.layers[1]}) ({held}); the runtime gives each of the {pp} rank groups "
+                    f"{want} of the {blocks} blocks; cut the stages evenly or re-plan",)
+    return ()
+
+
+def plan_problems(plan: Plan) -> tuple[str, ...]:
+    """Why ``plan`` cannot run (empty: it runs)."""
+    if not plan.stages:
+        return ("the plan has no stages; re-plan",)
+    out = stage_layout_rule(plan) + interleaved_split_rule(plan)
+    c = candidate_of(plan)
+    if plan.num_stages == 1:
+        # one stage: the schedule, microbatch size and interleaving are not used by the
+        # single-stage runtime (it accumulates gradients over the microbatches)
+        out += microbatch_rule(c) + zero_rule(c) + dtype_rule(c)
+    else:
+        out += candidate_problems(c)
+    return out
+
+
+def check_plan(plan: Plan, error: type = NotSupportedError) -> None:
+    """Raise ``error`` with the first reason ``plan`` cannot run (the runtime raises
+    NotSupportedError, ``Plan.from_json`` PlanFileError)."""
+    problems = plan_problems(plan)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise error(f"plan cannot run: {problems[0]}{more}")

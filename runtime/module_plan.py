@@ -1,0 +1,269 @@
+"""Which single-stage plans the module engine (runtime/modules.py) can run, and as which
+tensor-parallel styles. Pure: no process group.
+
+trace -> cost -> solve -> plan -> **run**. ``tp_styles`` reads the plan's parameter placements
+on the tensor-parallel axis as ``parallelize_module`` styles (a dict from module FQN to a
+style, torchtitan's form); ``module_engine_refusal`` says why a plan cannot run that way, and
+checks the user's forward on local shards by exporting it on meta with every sharded weight
+at its local shape and the styles' input/output shapes (DECISIONS 27).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+from meshplan.errors import PlanFileError
+from meshplan.plan import Plan, Stage
+from meshplan.planner.trace import find_repeated_blocks
+from meshplan.runtime.parallelize import data_parallel_axes, meta_copy
+
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+# -- the plan as tensor-parallel styles (pure) -------------------------------------------------
+
+def _axes(stage: Stage) -> tuple[int | None, int | None, str | None]:
+    """(data-parallel axis, tensor-parallel axis, refusal): at most one of each of size > 1."""
+    dp = [a for a in data_parallel_axes(stage) if stage.mesh_shape[a] > 1]
+    tp = [a for a, n in enumerate(stage.mesh_shape) if n > 1 and a not in data_parallel_axes(stage)]
+    if len(dp) > 1 or len(tp) > 1:
+        return None, None, (f"mesh {stage.mesh_shape} {stage.axis_names} has more than one "
+                            "data-parallel or tensor-parallel axis of size > 1; the module engine "
+                            "runs one of each (dp x tp)")
+    dp_axis = dp[0] if dp else (data_parallel_axes(stage) or (None,))[0]
+    return dp_axis, (tp[0] if tp else None), None
+
+
+def _placement_of(stage: Stage, model: nn.Module) -> dict[int, tuple[str, ...]]:
+    """Planned placements by parameter identity (tied parameters share one entry)."""
+    out = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if fqn in stage.params:
+            out[id(p)] = tuple(stage.params[fqn])
+    return out
+
+
+def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
+    """(module FQN -> ParallelStyle on the tensor-parallel axis, refusal reason or None).
+
+    nn.Linear weight S(0) -> ColwiseParallel (bias S(0)), S(1) -> RowwiseParallel (bias R);
+    nn.Embedding S(0) -> RowwiseParallel(input_layouts=Replicate()) (vocab-parallel),
+    S(1) -> ColwiseParallel. A column-parallel layer outside the repeated blocks (the output
+    head) gathers its output (Replicate), so the loss sees whole logits. With sequence
+    parallelism (Megatron's, Korthikanti et al. 2022) the residual stream is split by
+    sequence (dim 1) between the layers: the embedding and row-parallel layers reduce-scatter
+    to Shard(1), column-parallel layers all-gather Shard(1) inputs, and the norms on the
+    residual stream (tp-replicated weights of the embedding's width) are SequenceParallel."""
+    stage = plan.stages[0]
+    _, tp, why = _axes(stage)
+    if why or tp is None:
+        return {}, why
+    placed = _placement_of(stage, model)
+    blocks, _ = find_repeated_blocks(model)
+    owners = {}  # id(param) -> owning module FQNs
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mname, mod, pname))
+    sp = plan.training.sequence_parallel
+    seq = dict(output_layouts=Shard(1)) if sp else {}
+    into = dict(input_layouts=Shard(1)) if sp else {}
+    styles: dict = {}
+    tied = ""  # reported after every layer's style is known: a missing style says more
+    for fqn, p in model.named_parameters():
+        if id(p) not in placed:
+            return {}, f"the plan places no parameter {fqn}; re-plan this model"
+        on_tp = placed[id(p)][tp]
+        if on_tp == "R":
+            continue
+        mname, mod, pname = owners[id(p)][0]
+        weight = placed.get(id(getattr(mod, "weight", None)), ())
+        bias = getattr(mod, "bias", None)
+        bias_tp = placed.get(id(bias), ("R",) * len(stage.mesh_shape))[tp] if bias is not None else None
+        w_tp = weight[tp] if weight else "R"
+        inner = bool(blocks) and mname.startswith(blocks + ".")
+        style = None
+        if isinstance(mod, nn.Linear) and w_tp == "S(0)" and bias_tp in (None, "S(0)"):
+            style = ColwiseParallel(**into) if inner \
+                else ColwiseParallel(**into, output_layouts=Replicate())
+        elif isinstance(mod, nn.Linear) and w_tp == "S(1)" and bias_tp in (None, "R"):
+            style = RowwiseParallel(**seq)
+        elif isinstance(mod, nn.Embedding) and w_tp == "S(0)":
+            style = RowwiseParallel(input_layouts=Replicate(), **seq)
+        elif isinstance(mod, nn.Embedding) and w_tp == "S(1)":
+            style = ColwiseParallel(input_layouts=Replicate(), output_layouts=seq.get(
+                "output_layouts", Replicate()))
+        if style is None:
+            return {}, (f"{mname}.{pname} is {on_tp} on the tensor-parallel axis (weight "
+                        f"{w_tp}, bias {bias_tp}) in a {type(mod).__name__}; the module engine "
+                        "maps only nn.Linear weight S(0)/S(1) with bias S(0)/R and nn.Embedding "
+                        "S(0)/S(1) to ColwiseParallel/RowwiseParallel; the graph engine runs it")
+        if len(owners[id(p)]) > 1 and not tied:
+            tied = (f"{fqn} is tied to {owners[id(p)][1][0]} and {on_tp} on the "
+                    "tensor-parallel axis; parallelize_module would untie it")
+        size = p.shape[int(on_tp[2:-1])]
+        if size % stage.mesh_shape[tp]:
+            return {}, (f"{fqn} dim of size {size} is not divisible by tp="
+                        f"{stage.mesh_shape[tp]}; choose a tp that divides it")
+        styles[mname] = style
+    if tied:
+        return {}, tied
+    if sp:
+        styles.update(_sequence_parallel_norms(model, styles))
+    return styles, None
+
+
+def _sequence_parallel_norms(model: nn.Module, styles: dict) -> dict:
+    """Norms on the residual stream: tp-replicated, as wide as the embedding's output."""
+    width = {m.embedding_dim for name, m in model.named_modules()
+             if isinstance(m, nn.Embedding) and name in styles}
+    out = {}
+    for name, mod in model.named_modules():
+        weight = getattr(mod, "weight", None)
+        if name not in styles and type(mod).__name__.endswith("Norm") and \
+                isinstance(weight, torch.Tensor) and weight.numel() in width:
+            out[name] = SequenceParallel(use_local_output=True)
+    return out
+
+
+def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str | None:
+    """Run the model on meta with every tensor-parallel weight at its local-shard shape (and
+    gathered outputs where a style gathers them): does the user's forward work on shards?"""
+    stage = plan.stages[0]
+    dp, tp, _ = _axes(stage)
+    inputs = _meta_inputs(plan, (stage.mesh_shape[dp] if dp is not None else 1))
+    if inputs is None or not styles:
+        return None
+    n = stage.mesh_shape[tp]
+    shadow = meta_copy(model)
+    mods = dict(shadow.named_modules())
+    for mname, style in styles.items():
+        mod = mods[mname]
+        for pname, p in list(mod.named_parameters(recurse=False)):
+            dim = _sharded_dim(mod, pname, style)
+            if dim is None:
+                continue
+            shape = list(p.shape)
+            shape[dim] //= n
+            setattr(mod, pname, nn.Parameter(torch.empty(shape, device="meta", dtype=p.dtype)))
+        _shape_hooks(mod, style, n)
+    try:  # exported (non-strict) as the planner traces: HF code makes data-dependent checks
+        torch.export.export(_Forward(shadow), inputs, strict=False)
+    except Exception as exc:  # noqa: BLE001 - any failure means "not on local shards"
+        return (f"the model's forward fails on tensor-parallel local shards ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:160]}); the graph engine runs this plan")
+    return None
+
+
+def _shape_hooks(mod: nn.Module, style, n: int) -> None:
+    """Make the meta module's inputs and outputs the local shapes the style gives them."""
+    def resized(t, dim, factor):
+        shape = list(t.shape)
+        shape[dim] = shape[dim] * factor if factor >= 1 else shape[dim] // round(1 / factor)
+        return t.new_empty(shape)
+    if isinstance(style, SequenceParallel):
+        return
+    first = style.input_layouts[0]
+    if isinstance(first, Shard) and first.dim == 1:  # all-gather the sequence first
+        mod.register_forward_pre_hook(lambda _m, args: (resized(args[0], 1, n), *args[1:]))
+    out = style.output_layouts[0]
+    if isinstance(style, ColwiseParallel) and isinstance(out, Replicate):
+        mod.register_forward_hook(lambda _m, _a, y: resized(y, -1, n))
+    elif isinstance(style, ColwiseParallel) and isinstance(out, Shard) and out.dim == 1:
+        mod.register_forward_hook(lambda _m, _a, y: resized(resized(y, -1, n), 1, 1 / n))
+    elif isinstance(style, RowwiseParallel) and isinstance(out, Shard):
+        mod.register_forward_hook(lambda _m, _a, y: resized(y, 1, 1 / n))
+
+
+class _Forward(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args):
+        return _call(self.model, args, {})
+
+
+def _sharded_dim(mod: nn.Module, pname: str, style) -> int | None:
+    if isinstance(style, SequenceParallel):
+        return None
+    if isinstance(mod, nn.Embedding):
+        return 0 if isinstance(style, RowwiseParallel) else 1
+    if pname == "bias":
+        return 0 if isinstance(style, ColwiseParallel) else None
+    return 0 if isinstance(style, ColwiseParallel) else 1
+
+
+def _meta_inputs(plan: Plan, dp_size: int) -> tuple | None:
+    """One microbatch of this rank's inputs on meta, from the plan's graph (or token ids)."""
+    t = plan.training
+    rows = max(1, t.global_batch // (dp_size * t.microbatches))
+    graph = plan.graph
+    if graph is not None:
+        return tuple(torch.empty((rows, *m.shape[1:]), dtype=getattr(torch, m.dtype),
+                                 device="meta") for _, m in graph.inputs)
+    if len(plan.stages[0].inputs) == 1:  # a plan read from JSON: token ids (the CLI's inputs)
+        return (torch.zeros(rows, t.seq_len, dtype=torch.long, device="meta"),)
+    return None
+
+
+def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """Why ``plan`` cannot run on ``model`` with PyTorch's composables; None when it can.
+    Pure: needs no process group (the local-shard check runs the model on meta)."""
+    if plan.num_stages > 1:
+        return (f"plan has {plan.num_stages} pipeline stages; the module engine runs one "
+                "stage (the graph engine runs pipelines)")
+    t, stage = plan.training, plan.stages[0]
+    if t.dtype not in COMPUTE_DTYPES:
+        return (f"dtype {t.dtype} needs loss scaling, which the module engine does not do; "
+                "use bf16 or fp32, or the graph engine")
+    dp, tp, why = _axes(stage)
+    if why:
+        return why
+    for name, placements in stage.inputs.items():
+        if tp is not None and placements[tp] != "R":
+            return (f"input {name} is {placements[tp]} on the tensor-parallel axis; the module "
+                    "engine feeds every tensor-parallel rank the whole input")
+    for fqn, placements in stage.params.items():
+        if dp is not None and stage.mesh_shape[dp] > 1 and placements[dp] != "R" \
+                and not (stage.zero >= 3 and placements[dp].startswith("S(")):
+            return (f"{fqn} is {placements[dp]} on the data-parallel axis; fully_shard keeps "
+                    "parameters replicated or ZeRO-3-sharded there")
+        if "P" in placements:
+            return f"{fqn} is stored Partial ({placements}); no composable stores a partial weight"
+    blocks, num = find_repeated_blocks(model)
+    if stage.recompute != "none" and not num:
+        return (f"recompute={stage.recompute} wraps each repeated block, but the model has no "
+                "nn.ModuleList or numbered nn.ModuleDict of blocks")
+    styles, why = tp_styles(plan, model)
+    if why:
+        return why
+    return _forward_on_local_shards(plan, model, styles)
+
+
+def check_model(plan: Plan, model: nn.Module) -> None:
+    """The plan names every parameter of ``model`` and counts as many trainable elements (the
+    graph engine compares trace fingerprints; this engine exports nothing)."""
+    stage = plan.stages[0]
+    named = dict(model.named_parameters())
+    missing = [f for f in named if f not in stage.params]
+    count = sum(p.numel() for p in named.values() if p.requires_grad)
+    if missing or count != plan.model.param_count:
+        what = f"places no parameter {missing[0]}" if missing else \
+            f"counts {plan.model.param_count} trainable parameters, this model {count}"
+        raise PlanFileError(f"plan for {plan.model.name} {what}; make a plan for this model "
+                            "(meshplan plan ...)")
+
+
+def _call(model: nn.Module, args: tuple, kwargs: dict):
+    params = inspect.signature(model.forward).parameters
+    if "use_cache" in params and "use_cache" not in kwargs:
+        kwargs = {**kwargs, "use_cache": False}
+    out = model(*args, **kwargs)
+    if hasattr(out, "logits"):
+        return out.logits
+    return out[0] if isinstance(out, (tuple, list)) else out

@@ -1,0 +1,280 @@
+"""The module engine: run a single-stage plan on the user's own nn.Module with PyTorch's
+composables.
+
+trace -> cost -> solve -> plan -> **run**. Where a plan's parameter placements are what
+``parallelize_module``'s Colwise/Rowwise styles and ``fully_shard`` produce, the plan runs
+as torchtitan's ``parallelize_llama`` would run it: ``apply_tp`` (a tensor-parallel plan is
+data, a dict from module FQN to a style, derived from ``stage.params`` on the tensor-parallel
+axis), then ``apply_ac`` (``checkpoint_wrapper`` per repeated block; selective recompute saves
+the parameter matmuls), then ``apply_fsdp`` (``fully_shard`` per block and at the root, or
+FSDP2's ``replicate`` for ZeRO-0). The user's forward runs unchanged on local shards; no graph
+is exported. ``module_engine_refusal`` says why a plan is not expressible that way (pipeline
+stages, fused or custom layers, placements with no style); such plans go to the graph engine
+(runtime/parallelize.py), which realises every operator's planned placement.
+
+The activations' placements are those the styles give, not the plan's per-operator ones:
+the computation is the same, only where the collectives fall may differ from what the plan
+priced (DECISIONS 27).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # private: torchtitan's
+    checkpoint_wrapper)                                                    # choice, no public twin
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from meshplan.errors import NotSupportedError, PlanFileError
+from meshplan.plan import Plan
+from meshplan.planner.trace import find_repeated_blocks, next_token_loss
+from meshplan.runtime.module_plan import (COMPUTE_DTYPES, _axes, _call, check_model,  # noqa: F401
+                                          module_engine_refusal, tp_styles)  # re-exported
+
+# Outputs `selective` recompute keeps: the parameter matmuls; attention scores, softmax and
+# pointwise ops are recomputed (Korthikanti et al. 2022, Sec. 5; as runtime/spmd.py does).
+_SAVED_IN_SELECTIVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                       torch.ops.aten.linear.default}
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
+
+
+# -- applying the plan: torchtitan's parallelize_llama, step by step ---------------------------
+
+def parallelize_model(model: nn.Module, *, mesh, dp_axis: str | None, tp_axis: str | None,
+                      styles: dict, recompute: str, zero: int, dtype: str) -> bool:
+    """Tensor parallel, then recompute, then FSDP. Returns whether FSDP wraps the model."""
+    if tp_axis is not None and styles:
+        apply_tp(model, mesh[tp_axis], styles)
+    if recompute != "none":
+        apply_ac(model, recompute)
+    if dp_axis is not None and mesh[dp_axis].size() > 1:
+        apply_fsdp(model, mesh[dp_axis], zero=zero, param_dtype=COMPUTE_DTYPES[dtype])
+        return True
+    return False
+
+
+def apply_tp(model: nn.Module, tp_mesh, styles: dict) -> None:
+    parallelize_module(model, tp_mesh, styles)
+
+
+def _selective_policy(ctx, func, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if func in _SAVED_IN_SELECTIVE \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_ac(model: nn.Module, recompute: str) -> None:
+    """checkpoint_wrapper on every repeated block (non-reentrant); ``selective`` keeps the
+    parameter matmuls' outputs and recomputes the rest."""
+    container = model.get_submodule(find_repeated_blocks(model)[0])
+    context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) \
+        if recompute == "selective" else None
+    for key, block in list(container.named_children()):
+        wrapped = checkpoint_wrapper(block, context_fn=context_fn) if context_fn \
+            else checkpoint_wrapper(block)
+        container.register_module(key, wrapped)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, *, zero: int, param_dtype) -> None:
+    """ZeRO over ``dp_mesh``: fully_shard per block then the root (ZeRO-3 reshards after
+    forward; ZeRO-1/2 keep the gathered weights for backward); ZeRO-0 is FSDP2's replicate
+    (whole weights, gradients all-reduced; DECISIONS 27)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
+        if param_dtype is not None else MixedPrecisionPolicy()
+    blocks = find_repeated_blocks(model)[0]
+    children = list(model.get_submodule(blocks).children()) if blocks else []
+    if zero == 0:
+        # private module: FSDP2-based replicate composes with DTensor tensor parallelism,
+        # which DistributedDataParallel does not
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        for block in children:
+            replicate(block, mesh=dp_mesh, mp_policy=mp)
+        replicate(model, mesh=dp_mesh, mp_policy=mp)
+        return
+    for block in children:
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=zero >= 3)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=zero >= 3)
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+def _clean(fqn: str) -> str:
+    for part in _WRAPPER_PARTS:
+        fqn = fqn.replace(part, "")
+    return fqn
+
+
+def _split(value, n: int, what: str):
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        if value.shape[0] % n:
+            raise PlanFileError(f"{what} has {value.shape[0]} rows, which do not split into the "
+                                f"plan's {n} microbatches; pass this rank's shard of a batch "
+                                f"divisible by {n}")
+        return value.chunk(n)
+    return [value] * n
+
+
+class ModuleEngine:
+    """A single-stage plan applied to ``model`` in place with parallelize_module,
+    checkpoint_wrapper and fully_shard; the interface meshplan.parallelize returns."""
+
+    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None):
+        check_model(plan, model)
+        reason = module_engine_refusal(plan, model)
+        if reason:
+            raise NotSupportedError(f"plan not expressible in the module engine: {reason}")
+        if not dist.is_initialized():
+            raise RuntimeError("ModuleEngine runs inside a torchrun worker: init_process_group first")
+        if dist.get_world_size() != plan.num_devices:
+            raise PlanFileError(f"plan needs {plan.num_devices} processes, this run has "
+                                f"{dist.get_world_size()}; launch with --nproc_per_node "
+                                f"{plan.num_devices}")
+        stage = plan.stages[0]
+        self.plan, self.model, self.loss_fn = plan, model, loss_fn
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.mesh = init_device_mesh(self.device.type, stage.mesh_shape,
+                                     mesh_dim_names=stage.axis_names)
+        dp, tp, _ = _axes(stage)
+        self.dp_axis = stage.axis_names[dp] if dp is not None else None
+        self.dp_rank = self.mesh[self.dp_axis].get_local_rank() if self.dp_axis else 0
+        self.dp_size = stage.mesh_shape[dp] if dp is not None else 1
+        on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        self._unset_buffers = {_clean(n) for n, b in model.named_buffers() if b.is_meta}
+        if not on_meta:
+            model.to(self.device)
+        styles, _ = tp_styles(plan, model)
+        self.fsdp = parallelize_model(
+            model, mesh=self.mesh, dp_axis=self.dp_axis,
+            tp_axis=stage.axis_names[tp] if tp is not None else None, styles=styles,
+            recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype)
+        if on_meta:  # only the local shards get memory; weights come from load/init_weights
+            model.to_empty(device=self.device)
+        compute = COMPUTE_DTYPES[plan.training.dtype]
+        # FSDP's MixedPrecisionPolicy casts the weights; without FSDP autocast does
+        self._autocast = (lambda: torch.autocast(self.device.type, dtype=compute)) \
+            if compute is not None and not self.fsdp else nullcontext
+        # gradient sync once per step where the plan prices it so and gradients are not
+        # sharded (ZeRO 0/1); ZeRO-2/3 reduce-scatter every microbatch (DECISIONS 27)
+        self._defer_sync = self.fsdp and stage.zero < 2
+
+    # -- training ------------------------------------------------------------------------
+    def _loss(self, out, args, targets) -> torch.Tensor:
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        out = out.float() if out.is_floating_point() else out
+        if self.loss_fn is not None:
+            return self.loss_fn(out, *targets)
+        if targets:
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets[0].reshape(-1))
+        return next_token_loss(out, args[0])
+
+    def train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = ()) -> float:
+        """Forward and backward of every microbatch of this rank's shard; gradients synced;
+        the global mean loss (the same on every rank)."""
+        self._check_buffers()
+        n = self.plan.training.microbatches
+        kwargs = kwargs or {}
+        a = list(zip(*[_split(x, n, f"argument {i}") for i, x in enumerate(args)])) or [()] * n
+        t = list(zip(*[_split(x, n, f"target {i}") for i, x in enumerate(targets)])) or [()] * n
+        kw = [dict(zip(kwargs, vals)) for vals in
+              zip(*[_split(v, n, f"keyword {k}") for k, v in kwargs.items()])] or [{}] * n
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in range(n):
+            if self._defer_sync:
+                self.model.set_requires_gradient_sync(i == n - 1)
+            with self._autocast():
+                loss = self._loss(_call(self.model, a[i], kw[i]), a[i], t[i])
+            (loss / n).backward()
+            total += loss.detach().to(torch.float64)
+        total /= n * self.dp_size
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self.mesh[self.dp_axis].get_group())
+        return float(total.item())
+
+    def forward(self, args: tuple, kwargs: dict | None = None):
+        self._check_buffers()
+        with torch.no_grad(), self._autocast():
+            out = _call(self.model, tuple(args), dict(kwargs or {}))
+        return out.full_tensor() if isinstance(out, DTensor) else out
+
+    __call__ = forward
+
+    def train(self, mode: bool = True) -> "ModuleEngine":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "ModuleEngine":
+        return self.train(False)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so that their global norm is at most ``max_norm``; returns the norm
+        before clipping. Gradients on one DTensor layout are normed together (torch's
+        get_total_norm), then the groups' norms combined."""
+        groups: dict = {}
+        for p in self.parameters():
+            if p.grad is not None:
+                g = p.grad
+                key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+                groups.setdefault(key, []).append(g)
+        norms = []
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms \
+            else torch.zeros((), device=self.device)
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach=False)
+        return total
+
+    # -- state -----------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the model's own FQNs, persistent and non-persistent buffers."""
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        for name, buf in self.model.named_buffers():
+            sd.setdefault(_clean(name), buf.detach().clone())
+        return sd
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every gradient as a full tensor, by FQN (for tests and debugging)."""
+        return {_clean(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def load_full_state_dict(self, sd: dict, *, broadcast_from_rank0: bool = False) -> None:
+        """Load full tensors (every rank passes them, or rank 0 only with
+        ``broadcast_from_rank0``); non-persistent buffers in ``sd`` are copied too."""
+        persistent = set(get_model_state_dict(self.model).keys())
+        extra = {_clean(n) for n, _ in self.model.named_buffers()} - persistent
+        # strict: a missing weight or an unknown name raises (torch's message names it)
+        set_model_state_dict(self.model, {k: v for k, v in sd.items() if k not in extra},
+                             options=StateDictOptions(full_state_dict=True,
+                                                      broadcast_from_rank0=broadcast_from_rank0,
+                                                      strict=not broadcast_from_rank0))
+        with torch.no_grad():
+            for name, buf in self.model.named_buffers():
+                if _clean(name) in sd and _clean(name) not in persistent:
+                    buf.copy_(sd[_clean(name)])
+        self._unset_buffers -= set(sd) | persistent
+
+    def init_weights(self, fn) -> None:
+        """``fn(model)`` under no_grad: initialise a meta-built model's local shards."""
+        with torch.no_grad():
+            fn(self.model)
+        self._unset_buffers.clear()
+
+    def _check_buffers(self) -> None:
+        if self._unset_buffers:
+            name = sorted(self._unset_buffers)[0]
+            raise PlanFileError(f"buffer {name} of the meta-built model has no value; pass it "
+                                "to load_full_state_dict (full_state_dict() includes it) or "
+                                "call init_weights(fn)")

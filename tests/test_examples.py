@@ -1,0 +1,32 @@
+"""The examples/ scripts run as a user runs them: ``torchrun --nproc-per-node 4
+examples/X.py --check --steps 2`` (gloo, 4 local processes), each asserting on rank 0 that
+its losses (and eval loss, where the plan allows a forward-only call) equal plain PyTorch
+in one process."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshplan.runtime.launch import free_port
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["causal_lm_tokens.py", "image_classifier_bn.py",
+                                    "encoder_decoder.py"])
+def test_example_matches_one_process(script, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING",
+           "TRANSFORMERS_VERBOSITY": "error"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=1",
+           f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_backend=c10d", "--max_restarts=0",
+           str(EXAMPLES / script), "--check", "--steps", "2", "--plan-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "losses equal one process" in proc.stdout
+    assert (tmp_path / "plan.json").exists()  # rank 0 planned, the others read its file
+    assert proc.stdout.count("\nstep ") == 2

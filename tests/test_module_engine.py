@@ -1,0 +1,274 @@
+"""The module engine (runtime/modules.py): which plans it takes, and on 4 gloo processes the
+losses, gradients, gradient norm and final weights of plain one-process PyTorch."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import meshplan
+from meshplan.specs import parse_model_spec
+
+LLAMA = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=2&"
+         "num_attention_heads=4&num_key_value_heads=4&vocab_size=256")
+GPT2 = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
+BATCH, SEQ, STEPS, LR, VOCAB = 8, 16, 2, 1e-2, 64
+CASES = {  # name -> (model, manual_plan options, built on meta)
+    "llama-dp4-zero0": ("llama", dict(dp=4, zero=0), False),
+    "llama-dp4-zero3-meta": ("llama", dict(dp=4, zero=3), True),
+    "llama-dp2xtp2": ("llama", dict(dp=2, tp=2), False),
+    "llama-tp4-recompute-full": ("llama", dict(tp=4, recompute="full"), False),
+    "moduledict-dp2xtp2": ("toy", dict(dp=2, tp=2), False),
+    # 4 microbatches, gradient sync deferred to the last one
+    "llama-dp2xtp2-zero1-selective": ("llama", dict(dp=2, tp=2, zero=1, recompute="selective"),
+                                      False),
+    "llama-dp4-zero2": ("llama", dict(dp=4, zero=2), False),  # reduce-scatter per microbatch
+    "moduledict-dp2xtp2-sp": ("toy", dict(dp=2, tp=2, sequence_parallel=True), False),
+    "llama-dp2xtp2-zero3-bf16": ("llama", dict(dp=2, tp=2, zero=3, dtype="bf16"), False),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class BiasedModuleDict(nn.Module):
+    """torchtitan-style: blocks in an nn.ModuleDict keyed "0", "1"; every Linear biased."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim) for i in range(layers)})
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.layers.values():
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def build(kind: str, device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "toy":
+        with torch.device(device):
+            return BiasedModuleDict()
+    return parse_model_spec(LLAMA if kind == "llama" else GPT2).build(device=device)
+
+
+def plan_for(model: nn.Module, graph=None, **options) -> meshplan.Plan:
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return meshplan.manual_plan(model, meshplan.Mesh.local(4), example_inputs=(ids,),
+                                graph=graph, **{"pp": 1, **options})
+
+
+def batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    vocab = VOCAB if kind == "toy" else 256
+    return [(torch.randint(0, vocab, (BATCH, SEQ), generator=g),
+             torch.randint(0, vocab, (BATCH, SEQ), generator=g)) for _ in range(STEPS)]
+
+
+def loss_of(kind: str, out, ids, targets):
+    """The engine's defaults: cross-entropy on targets (toy), next-token loss (Llama)."""
+    from meshplan.planner.trace import next_token_loss
+    if kind == "toy":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
+    return next_token_loss(out, ids)
+
+
+# -- pure: which plans the module engine takes ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def metas():
+    return {kind: build(kind, "meta") for kind in ("llama", "gpt2", "toy")}
+
+
+def test_llama_and_moduledict_tensor_parallel_are_expressible(metas):
+    from meshplan.runtime.modules import module_engine_refusal, tp_styles
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    for kind in ("llama", "toy"):
+        plan = plan_for(metas[kind], dp=2, tp=2)
+        assert module_engine_refusal(plan, metas[kind]) is None
+    styles, why = tp_styles(plan, metas["toy"])
+    assert why is None
+    assert isinstance(styles["layers.0.up"], ColwiseParallel)
+    assert isinstance(styles["layers.1.down"], RowwiseParallel)
+    assert isinstance(styles["embed"], RowwiseParallel)  # vocab-parallel embedding
+    assert isinstance(styles["head"], ColwiseParallel)  # the head gathers its logits
+
+
+def test_sequence_parallel_runs_a_plain_residual_stream_but_not_hf_llama(metas):
+    """The hand-written model splits its residual stream by sequence; HF Llama sizes its
+    rotary table from the (then local) sequence, so its shards do not line up."""
+    from meshplan.runtime.modules import module_engine_refusal, tp_styles
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    plan = plan_for(metas["toy"], dp=2, tp=2, sequence_parallel=True)
+    assert module_engine_refusal(plan, metas["toy"]) is None
+    styles, _ = tp_styles(plan, metas["toy"])
+    assert {n for n, st in styles.items() if isinstance(st, SequenceParallel)} == \
+        {"layers.0.norm", "layers.1.norm", "norm"}
+    why = module_engine_refusal(plan_for(metas["llama"], tp=4, sequence_parallel=True),
+                                metas["llama"])
+    assert why is not None and "local shards" in why
+
+
+def test_gpt2_conv1d_fused_qkv_is_refused(metas):
+    from meshplan.runtime.modules import module_engine_refusal
+
+    why = module_engine_refusal(plan_for(metas["gpt2"], dp=2, tp=2), metas["gpt2"])
+    assert why is not None and "c_attn" in why and "Conv1D" in why
+    assert module_engine_refusal(plan_for(metas["gpt2"], dp=4, zero=3), metas["gpt2"]) is None
+
+
+def test_shards_the_forward_cannot_run_are_refused():
+    """2 key/value heads over tp=4: each rank would hold half a head; the local-shard
+    forward fails, so the plan is not expressible (the mapping alone would accept it)."""
+    from meshplan.runtime.modules import module_engine_refusal, tp_styles
+
+    model = parse_model_spec(LLAMA.replace("num_key_value_heads=4", "num_key_value_heads=2")
+                             ).build(device="meta")
+    plan = plan_for(model, tp=4)
+    assert tp_styles(plan, model)[1] is None
+    why = module_engine_refusal(plan, model)
+    assert why is not None and "local shards" in why
+
+
+def test_pipeline_and_fp16_plans_are_refused(metas):
+    from meshplan.runtime.modules import module_engine_refusal
+
+    assert "pipeline stages" in module_engine_refusal(plan_for(metas["llama"], dp=2, pp=2),
+                                                      metas["llama"])
+    assert "fp16" in module_engine_refusal(plan_for(metas["llama"], dp=4, dtype="fp16"),
+                                           metas["llama"])
+
+
+def test_a_plan_for_another_model_is_rejected(metas):
+    from meshplan.errors import PlanFileError
+    from meshplan.runtime.modules import check_model
+
+    plan = plan_for(metas["toy"], dp=4)
+    check_model(plan, metas["toy"])
+    with pytest.raises(PlanFileError, match="places no parameter"):
+        check_model(plan, metas["llama"])
+    with torch.device("meta"):
+        wider = BiasedModuleDict(dim=48)
+    with pytest.raises(PlanFileError, match="trainable parameters"):
+        check_model(plan, wider)
+
+
+# -- 4 gloo processes against one process ------------------------------------------------------
+
+def reference(kind: str) -> dict:
+    model = build(kind)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = {"losses": [], "grads": [], "norms": []}
+    for ids, targets in batches(kind):
+        logits = model(ids, use_cache=False).logits if kind == "llama" else model(ids)
+        loss = loss_of(kind, logits, ids, targets)
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        out["norms"].append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+        opt.step()
+        opt.zero_grad()
+    out["weights"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():  # the first batch's logits after training (forward, not loss)
+        ids = batches(kind)[0][0]
+        out["eval"] = model(ids, use_cache=False).logits if kind == "llama" else model(ids)
+    return out
+
+
+def worker(path: str) -> None:
+    import torch.distributed as dist
+
+    from meshplan.runtime.modules import ModuleEngine
+
+    from meshplan.planner.trace import trace
+
+    dist.init_process_group("gloo")
+    results, graphs = {}, {}
+    for name, (kind, options, on_meta) in CASES.items():
+        if dist.get_rank() == 0 and kind not in graphs:  # one trace per model
+            graphs[kind] = trace(build(kind, "meta"), (torch.zeros(BATCH, SEQ, dtype=torch.long,
+                                                                   device="meta"),))
+        holder = [plan_for(build(kind, "meta"), graphs.get(kind), **options)
+                  if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(holder)
+        model = build(kind, "meta" if on_meta else "cpu")
+        engine = ModuleEngine(model, holder[0])
+        if on_meta:  # only local shards got memory; the full weights (and inv_freq) come in
+            real = build(kind)
+            engine.load_full_state_dict({**real.state_dict(), **dict(real.named_buffers())})
+        opt = torch.optim.AdamW(engine.parameters(), lr=LR)
+        got = {"losses": [], "grads": [], "norms": []}
+        per = BATCH // engine.dp_size
+        for ids, targets in batches(kind):
+            rows = slice(engine.dp_rank * per, (engine.dp_rank + 1) * per)
+            got["losses"].append(engine.train_step((ids[rows],), {},
+                                                   (targets[rows],) if kind == "toy" else ()))
+            got["grads"].append(engine.full_grads())
+            got["norms"].append(engine.clip_grad_norm_(1e9))
+            opt.step()
+            opt.zero_grad()
+        got["weights"] = engine.full_state_dict()
+        ids = batches(kind)[0][0]
+        got["eval"] = engine.eval().forward((ids[:BATCH // engine.dp_size],))
+        got["dp_size"] = engine.dp_size
+        results[name] = got
+    if dist.get_rank() == 0:
+        torch.save(results, path)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    from tests._launch import torchrun_results
+
+    return torchrun_results(__file__, tmp_path_factory.mktemp("modengine") / "out.pt", nproc=4,
+                            timeout=300)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_one_process(launched, name):
+    kind = CASES[name][0]
+    ref, got = reference(kind), launched[name]
+    if "bf16" in name:  # bf16 matmuls (fp32 master weights and reductions): ~3 digits
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=5e-3, atol=0)
+        return
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **close)
+    for step in range(STEPS):
+        assert set(got["grads"][step]) == set(ref["grads"][step])
+        for fqn, grad in got["grads"][step].items():
+            torch.testing.assert_close(grad, ref["grads"][step][fqn], **close,
+                                       msg=lambda m: f"step {step} {fqn}: {m}")
+        torch.testing.assert_close(got["norms"][step], ref["norms"][step], **close)
+    # Adam's first step on an element is lr * g / (|g| + eps): at Llama's embedding (35, 46),
+    # g = -3.4e-7 (equal here within atol 1e-6), a 1e-10 change in g moves the weight by
+    # ~1e-5; the weights after the steps agree to 1% of the learning rate
+    for fqn, weight in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][fqn], weight, rtol=1e-5, atol=1e-2 * LR,
+                                   msg=lambda m: f"{fqn}: {m}")
+    # the eval forward on rank 0's rows; logits move with the weights (same tolerance)
+    torch.testing.assert_close(got["eval"], ref["eval"][:BATCH // got["dp_size"]], rtol=1e-5,
+                               atol=1e-2 * LR)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
