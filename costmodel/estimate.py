@@ -14,9 +14,9 @@ plan (one microbatch at a time) and composes them with the pipeline schedule:
 - pipeline: send/recv of the stage's boundary tensors per microbatch, forward and backward;
 - gradient sync once per step: all-reduce (ZeRO 0/1) or reduce-scatter (ZeRO 2/3) of each
   replicated parameter's gradient over the axes that split its consumers; ZeRO-3 all-gathers
-  weights before the forward and the backward of every microbatch (FSDP), or, on meshplan's
-  CPU runtime, each block's weights in one all-gather per microbatch's forward with their
-  gradients' reduce-scatter in its backward (``RuntimeModel.zero3_per_use``; gloo's
+  weights before the forward and the backward of every microbatch (FSDP), or, in meshplan's
+  graph engine, each block's weights in one all-gather in a microbatch's forward and one in
+  its backward, with their gradients' reduce-scatter in the backward (``RuntimeModel.zero3_per_use``; gloo's
   reduce-scatter priced as the all-reduce it costs);
 - CPU contention: compute slows by the ranks computing at once over the schedule's span
   (``plan_stage_costs``, ``pipeline.busy_ranks``), not by every process on the host;
@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_factor, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_profile, activation_memory,
-                                       grad_sync_buffer_bytes, model_state_bytes,
+from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
+                                       alias_root, grad_sync_buffer_bytes, model_state_bytes,
                                        state_bytes_per_param, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
 from meshplan.planner.graph import OpGraph, OpKind
@@ -58,8 +58,9 @@ class RuntimeModel:
       0, one collective per parameter tensor (DTensor's per-parameter redistribute).
     zero3_per_use: ZeRO-3 as meshplan's runtime runs it: the dp-sharded weights a block
       first uses are gathered S(0) -> R together, in one all-gather per microbatch
-      (runtime/spmd.py ``_hoist``; under recompute, once per consumer instead), autograd
-      keeps the gathered weights for the backward (no second gather), and the gather's
+      (runtime/spmd.py ``_hoist``; under recompute, once per consumer instead), freed
+      after their last reader and gathered again in the backward when autograd unpacks
+      what it saved (``_Regather``: two all-gathers per microbatch), and the gather's
       backward reduce-scatters their gradients P -> S(0) in one collective in every
       microbatch's backward, so the step-level sync finds them already sharded
       (runtime/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward
@@ -70,6 +71,12 @@ class RuntimeModel:
       the gradients and the all-gather of the updated shards take one flat buffer each
       (runtime/zero.py): one latency per collective, and a buffer the size of the
       gradients.
+    full_grad_accumulation: ZeRO-2 as meshplan's graph engine runs it: every microbatch's
+      backward accumulates into the parameter's full-size gradient, reduce-scattered into
+      the master shard once per step after the last microbatch (runtime/parallelize.py
+      ``_sync_grads``, runtime/zero.py ``reduce_scatter_grads``), so the gradients are not
+      divided by dp at the peak; False: a reduce-scatter per microbatch (DeepSpeed's
+      partitioned gradients), gradients divided by dp.
     reduce_scatter_as_all_reduce: the backend's reduce-scatter costs a full all-reduce
       (gloo: measured on the 2-core host with torch 2.13, 2 processes, 16 MiB fp32:
       reduce_scatter_tensor 56 ms, all_reduce 39 ms, all_gather 25 ms; 4 MiB: 7.0 / 5.0 /
@@ -82,16 +89,22 @@ class RuntimeModel:
     zero3_per_use: bool = False
     reduce_scatter_as_all_reduce: bool = False
     flat_grad_sync: bool = False
+    full_grad_accumulation: bool = False
 
 
 def default_runtime(hw: HardwareProfile) -> RuntimeModel:
-    """CPU hosts run meshplan's runtime on gloo (flat gradient and ZeRO-1/2 collectives;
-    ZeRO-3 weights gathered per block when first used: nothing prefetches
-    them, so no overlap); GPUs a bucketed one."""
+    """Every plan runs on meshplan's graph engine (runtime/parallelize.py, runtime/spmd.py):
+    ZeRO-2 accumulates full gradients over the microbatches, ZeRO-3 gathers each block's
+    weights when first used with nothing prefetching them, so no overlap; gradients (and
+    ZeRO-1/2 shards) are synced after the backward in one flat buffer per group
+    (``lowering.reduce_partial_grads``, runtime/zero.py): one latency, not one per 25 MiB
+    bucket. CPU hosts run it on gloo (reduce-scatter at all-reduce cost)."""
     if hw.device.host_cores > 0 or hw.device.name == "cpu":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
-                            reduce_scatter_as_all_reduce=True, flat_grad_sync=True)
-    return RuntimeModel()
+                            reduce_scatter_as_all_reduce=True, flat_grad_sync=True,
+                            full_grad_accumulation=True)
+    return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
+                        flat_grad_sync=True, full_grad_accumulation=True)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -222,6 +235,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
         uses = max(1, len(consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())))
         w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
+        if zero == 2 and runtime.full_grad_accumulation:
+            g = numel * GRAD_BYTES  # the full gradient, reduce-scattered once per step
         weights, grads, opt = weights + w, grads + g, opt + o
         opt_numel += numel / (dp if zero >= 1 else 1)
         n_tensors += 1
@@ -243,12 +258,13 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                 wbytes = numel * (4 if dtype == "fp32" else 2)
                 if axis == dpa and zero >= 3 and runtime.zero3_per_use:
                     if stage.recompute == "none":
-                        # gathered once per microbatch, with the other weights its block
-                        # first uses: bandwidth here, one latency per block below
+                        # gathered with the other weights its block first uses, in the
+                        # forward and again in the backward (runtime/spmd.py _Regather):
+                        # bandwidth here, latencies per block below
                         per_mb_sync += _bucketed(coll, kind, nbytes, axis, 1.0,
                                                  latency_only=True)
-                        gather += _bucketed(coll, Collective.ALL_GATHER, wbytes, axis, 1.0,
-                                            latency_only=True)
+                        gather += 2 * _bucketed(coll, Collective.ALL_GATHER, wbytes, axis,
+                                                1.0, latency_only=True)
                         zero3_units.add(layer)
                         continue
                     # per microbatch and per consumer: gather in the forward, reduce-scatter
@@ -274,7 +290,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
             else Collective.REDUCE_SCATTER
         per_mb_sync += units * coll(kind, 1e-30, dpa)
-        gather += units * coll(Collective.ALL_GATHER, 1e-30, dpa)
+        gather += 2 * units * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
     if bucket > 0 and grad_bytes_total:
         grad_sync += _bucket_latency(coll, hw, grad_bytes_total, bucket,
                                      dpa if dpa is not None else 0, zero,
@@ -296,12 +312,22 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                    * (dev.kernel_latency_s + dev.framework_overhead_s)) * all_procs
 
     # -- activations ----------------------------------------------------------------------
+    read_as: dict[str, tuple[str, ...]] = {}  # tensors received from the previous stage
+
     def split_of(tensor: str) -> int:
-        pl = placement.get(tensor)
+        pl = placement.get(tensor) or read_as.get(tensor)
         return split_factor(pl, shape) if pl else 1
 
     prof = ops.activations
     if prof is None:
+        # a tensor another stage produced lives here as its first consumer reads it (the
+        # placement the send/recv delivers, as ``p2p_bytes`` prices it), not whole
+        for name in names:
+            for k, src in enumerate(graph.node(name).inputs):
+                if src not in placement and src not in graph.param_map \
+                        and k < len(stage.ops[name].inputs):
+                    read_as.setdefault(src, stage.ops[name].inputs[k])
+                    read_as.setdefault(alias_root(src, graph), stage.ops[name].inputs[k])
         extra = 0.0
         if dev.name == "cpu" and seq_len:  # math attention keeps the probabilities (b x heads x s x s)
             extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
@@ -313,11 +339,23 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     kept, working = prof.stage_bytes(stage.recompute)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
-    # a flat gradient buffer (flat_grad_sync) exists after the backward has freed the
-    # activations, so it does not raise the peak; DDP's buckets live during the backward
+    # DDP's buckets live during the backward; the engine's flat sync copies the gradients
+    # after the backward has freed the activations: once to all-reduce (ZeRO 0/1,
+    # lowering.reduce_partial_grads), twice to reduce-scatter (ZeRO-2: padded blocks and
+    # their concatenation, runtime/zero.py), so it raises the peak by what those copies
+    # exceed the activations
     buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, grads)
+    if runtime.flat_grad_sync and grad_bytes_total:
+        copies = 2 if zero == 2 else 1
+        buffers += max(0.0, copies * grad_bytes_total - acts)
     if zero >= 3:
-        layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0) * dp
+        # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
+        # gathered copy of one block, not dp of them
+        layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0)
+        # one block's gathered weights and its full gradient before the reduce-scatter:
+        # the engine frees a gathered block after its last reader and gathers it again
+        # when the backward unpacks what autograd saved (runtime/spmd.py _Regather), with
+        # or without recompute
         buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
     memory = MemoryBreakdown(params_gib=weights / GIB, grads_gib=grads / GIB,
                              optimizer_gib=opt / GIB, activations_gib=acts / GIB,

@@ -160,7 +160,8 @@ class ActivationProfile:
 
     ``kept[layer]``: bytes kept for backward by that layer under no recompute;
     ``kept_selective[layer]``: without seq x seq tensors; ``boundary[layer]``: the layer's
-    input (what full recompute keeps); layer -1 is everything outside the blocks.
+    input (what full recompute keeps), ``boundary[-1]`` the data-independent values all
+    blocks share (counted once); layer -1 is everything outside the blocks.
     """
 
     kept: dict
@@ -170,7 +171,8 @@ class ActivationProfile:
     def stage_bytes(self, recompute: str) -> tuple[float, float]:
         """(bytes kept per in-flight microbatch, extra working set of one layer's backward)."""
         if recompute == "full":
-            kept = sum(v for i, v in self.boundary.items() if i >= 0) + self.kept.get(-1, 0.0)
+            # boundary[-1]: values shared by every block (the mask), kept once
+            kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0)
             working = max((v for i, v in self.kept.items() if i >= 0), default=0.0)
             return kept, working
         table = self.kept_selective if recompute == "selective" else self.kept
@@ -190,7 +192,6 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
     selective: dict[int, float] = {}
     boundary: dict[int, float] = {}
     seen: set[str] = set()
-    members = set(nodes)
     for name in nodes:
         node = graph.node(name)
         layer = node.layer
@@ -208,12 +209,19 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
         if layer >= 0:
             for t in node.inputs:
                 root = alias_root(t, graph)
-                if root in graph and graph.node(root).layer != layer and root in members \
-                        and graph.node(root).kind != OpKind.CREATION \
-                        and ("b", layer, root) not in seen:
-                    seen.add(("b", layer, root))
-                    boundary[layer] = boundary.get(layer, 0.0) + tensor_bytes(
-                        root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
+                if root not in graph or graph.node(root).layer == layer \
+                        or graph.node(root).kind == OpKind.CREATION:
+                    continue
+                # a value that depends on no input or parameter (the causal mask, positions)
+                # is one tensor every block reads: held once per stage, made here or rebuilt
+                # (DECISIONS 15), not once per block; the stage's input counts though it was
+                # received from the previous stage
+                at = layer if root in graph.data_nodes else -1
+                if ("b", at, root) in seen:
+                    continue
+                seen.add(("b", at, root))
+                boundary[at] = boundary.get(at, 0.0) + tensor_bytes(
+                    root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
     return ActivationProfile(kept, selective, boundary)
 
 

@@ -257,8 +257,10 @@ class Pricer:
             any_sync = any_sync or bool(sync)
             storage.append(stored)
             n_store = info.numel / shard_factor(stored, mesh)
-            # ZeRO-1/2 (plain storage): fp32 master + optimizer state (and, for 2, gradients)
-            # split over the gradient-sync axes (ZeRO paper, figure 1)
+            # ZeRO-1/2 (plain storage): fp32 master + optimizer state split over the
+            # gradient-sync axes (ZeRO paper, figure 1); ZeRO-2's gradients too in the paper,
+            # but the graph engine accumulates them full-size over the microbatches and
+            # reduce-scatters once per step (costmodel/estimate.py, full_grad_accumulation)
             div = 1
             if not zero and o.zero in (1, 2):
                 for ax in sync:
@@ -267,7 +269,7 @@ class Pricer:
             master_b = MASTER_BYTES if o.dtype != "fp32" else 0
             pbytes += n_store * (copy_b + master_b / div)
             if info.trainable:
-                gbytes += n_store * GRAD_BYTES / (div if o.zero == 2 else 1)
+                gbytes += n_store * GRAD_BYTES
                 obytes += n_store * OPTIMIZER_BYTES.get(o.optimizer, 8) / div
                 optim_s += OPTIMIZER_TRAFFIC_BYTES * n_store / div / (
                     self.hw.device.memory_bandwidth_gbps * 1e9)
