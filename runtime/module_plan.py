@@ -11,6 +11,7 @@ at its local shape and the styles' input/output shapes (DECISIONS 27).
 from __future__ import annotations
 
 import inspect
+import shutil
 
 import torch
 import torch.nn as nn
@@ -214,9 +215,9 @@ def _meta_inputs(plan: Plan, dp_size: int) -> tuple | None:
 def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why ``plan`` cannot run on ``model`` with PyTorch's composables; None when it can.
     Pure: needs no process group (the local-shard check runs the model on meta)."""
-    if plan.num_stages > 1:
-        return (f"plan has {plan.num_stages} pipeline stages; the module engine runs one "
-                "stage (the graph engine runs pipelines)")
+    if plan.num_stages > 1:  # cut into stage modules, run by torch.distributed.pipelining
+        from meshplan.runtime.module_pipeline import pipeline_refusal
+        return pipeline_refusal(plan, model)
     t, stage = plan.training, plan.stages[0]
     if t.dtype not in COMPUTE_DTYPES:
         return (f"dtype {t.dtype} needs loss scaling, which the module engine does not do; "
@@ -243,6 +244,14 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     if why:
         return why
     return _forward_on_local_shards(plan, model, styles)
+
+
+def compiler_refusal() -> str | None:
+    """Why torch.compile cannot compile here: CPU inductor builds C++ with a system compiler."""
+    if torch.cuda.is_available() or any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return None
+    return ("compile=True needs a C++ compiler for torch.compile's CPU code (inductor) and "
+            "none of g++, c++, clang++ is on PATH; install one or pass compile=False")
 
 
 def check_model(plan: Plan, model: nn.Module) -> None:

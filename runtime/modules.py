@@ -52,12 +52,16 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
 # -- applying the plan: torchtitan's parallelize_llama, step by step ---------------------------
 
 def parallelize_model(model: nn.Module, *, mesh, dp_axis: str | None, tp_axis: str | None,
-                      styles: dict, recompute: str, zero: int, dtype: str) -> bool:
-    """Tensor parallel, then recompute, then FSDP. Returns whether FSDP wraps the model."""
+                      styles: dict, recompute: str, zero: int, dtype: str,
+                      compile: bool = False) -> bool:
+    """Tensor parallel, then recompute, then compile, then FSDP (torchtitan's order).
+    Returns whether FSDP wraps the model."""
     if tp_axis is not None and styles:
         apply_tp(model, mesh[tp_axis], styles)
     if recompute != "none":
         apply_ac(model, recompute)
+    if compile:
+        compile_blocks(model)
     if dp_axis is not None and mesh[dp_axis].size() > 1:
         apply_fsdp(model, mesh[dp_axis], zero=zero, param_dtype=COMPUTE_DTYPES[dtype])
         return True
@@ -73,10 +77,11 @@ def _selective_policy(ctx, func, *args, **kwargs):
         else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, recompute: str) -> None:
+def apply_ac(model: nn.Module, recompute: str, *, blocks: str | None = None) -> None:
     """checkpoint_wrapper on every repeated block (non-reentrant); ``selective`` keeps the
-    parameter matmuls' outputs and recomputes the rest."""
-    container = model.get_submodule(find_repeated_blocks(model)[0])
+    parameter matmuls' outputs and recomputes the rest. ``blocks``: the blocks' container
+    (found in ``model`` when not given)."""
+    container = model.get_submodule(find_repeated_blocks(model)[0] if blocks is None else blocks)
     context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) \
         if recompute == "selective" else None
     for key, block in list(container.named_children()):
@@ -85,13 +90,14 @@ def apply_ac(model: nn.Module, recompute: str) -> None:
         container.register_module(key, wrapped)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, *, zero: int, param_dtype) -> None:
+def apply_fsdp(model: nn.Module, dp_mesh, *, zero: int, param_dtype,
+               blocks: str | None = None) -> None:
     """ZeRO over ``dp_mesh``: fully_shard per block then the root (ZeRO-3 reshards after
     forward; ZeRO-1/2 keep the gathered weights for backward); ZeRO-0 is FSDP2's replicate
     (whole weights, gradients all-reduced; DECISIONS 27)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype is not None else MixedPrecisionPolicy()
-    blocks = find_repeated_blocks(model)[0]
+    blocks = find_repeated_blocks(model)[0] if blocks is None else blocks
     children = list(model.get_submodule(blocks).children()) if blocks else []
     if zero == 0:
         # private module: FSDP2-based replicate composes with DTensor tensor parallelism,
@@ -104,6 +110,19 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero: int, param_dtype) -> None:
     for block in children:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=zero >= 3)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=zero >= 3)
+
+
+def compile_blocks(model: nn.Module, container: str | None = None) -> None:
+    """torch.compile per repeated block (torchtitan's ``apply_compile``), in place
+    (``nn.Module.compile``), so parameter names do not change."""
+    from meshplan.runtime.module_plan import compiler_refusal
+    why = compiler_refusal()
+    if why:
+        raise NotSupportedError(why)
+    holder = model.get_submodule(find_repeated_blocks(model)[0] if container is None
+                                 else container)
+    for block in holder.children():
+        block.compile()
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -143,7 +162,8 @@ class ModuleEngine:
     """A single-stage plan applied to ``model`` in place with parallelize_module,
     checkpoint_wrapper and fully_shard; the interface meshplan.parallelize returns."""
 
-    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None):
+    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
+                 compile: bool = False):
         check_model(plan, model)
         reason = module_engine_refusal(plan, model)
         if reason:
@@ -171,7 +191,8 @@ class ModuleEngine:
         self.fsdp = parallelize_model(
             model, mesh=self.mesh, dp_axis=self.dp_axis,
             tp_axis=stage.axis_names[tp] if tp is not None else None, styles=styles,
-            recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype)
+            recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype,
+            compile=compile)
         if on_meta:  # only the local shards get memory; weights come from load/init_weights
             _to_empty_keeping_ties(model, self.device)
         compute = COMPUTE_DTYPES[plan.training.dtype]
@@ -232,6 +253,13 @@ class ModuleEngine:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        return {_clean(n): t for n, t in [*self.model.named_parameters(remove_duplicate=False),
+                                          *self.model.named_buffers(remove_duplicate=False)]}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale gradients so that their global norm is at most ``max_norm``; returns the norm

@@ -428,7 +428,7 @@ class ModuleRun(ParallelRun):
         return self.engine.parameters()
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        return {n: p for n, p in self.engine.model.named_parameters() if p.requires_grad}
+        return self.engine.named_parameters()
 
     def train(self, mode: bool = True) -> "ModuleRun":
         self.engine.train(mode)
@@ -489,10 +489,7 @@ class ModuleRun(ParallelRun):
         self.engine._unset_buffers.clear()
 
     def _tensors(self) -> dict:
-        from meshplan.runtime.modules import _clean
-        named = list(self.engine.model.named_parameters(remove_duplicate=False)) + \
-            list(self.engine.model.named_buffers(remove_duplicate=False))
-        return {_clean(n): t for n, t in named}
+        return self.engine.named_tensors()
 
     def _after_load(self) -> None:
         pass
@@ -500,7 +497,7 @@ class ModuleRun(ParallelRun):
 
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None,
                 init_weights: Callable[[nn.Module], None] | None = None,
-                engine: str | None = None) -> "ParallelRun":
+                engine: str | None = None, compile: bool = False) -> "ParallelRun":
     """Parallelize ``model`` in place per ``plan`` on the current process group (under
     torchrun); returns the ``ParallelRun`` the training loop drives.
 
@@ -509,7 +506,8 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     (called module by module as ``model.apply`` would; ``reset_parameters`` when the model
     has real weights is not needed). A model with real weights is sharded as it is.
     ``loss_fn(outputs, *targets)`` must be the loss the plan was made with. The plan says
-    which engine runs it (``plan.engine``); ``engine="graph"`` forces the graph engine."""
+    which engine runs it (``plan.engine``); ``engine="graph"`` forces the graph engine.
+    ``compile=True`` (module engine only) compiles each repeated block with torch.compile."""
     if not dist.is_available() or not dist.is_initialized():
         raise NotSupportedError("meshplan.parallelize runs inside a torchrun worker: call "
                                 "torch.distributed.init_process_group() first (gloo on CPU, "
@@ -530,14 +528,20 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     engine = engine or plan.engine
     if engine not in ("graph", "modules"):
         raise PlanFileError(f"engine={engine!r} is not 'graph' or 'modules'")
+    if compile and engine != "modules":
+        raise NotSupportedError("compile=True runs on the module engine only; this plan runs "
+                                f"on the graph engine ({plan.engine_note or 'engine=graph'}); "
+                                "pass compile=False")
     if engine == "modules":
+        from meshplan.runtime.module_pipeline import PipelineModuleEngine
         from meshplan.runtime.modules import ModuleEngine
 
         from meshplan.runtime.parallelize import meta_copy
 
         uninitialized = {name for name, t in model.named_parameters() if t.is_meta}
         pristine = meta_copy(model)  # before the engine wraps the model in place
-        run = ModuleRun(ModuleEngine(model, plan, loss_fn=loss_fn), plan, model,
+        cls = PipelineModuleEngine if plan.num_stages > 1 else ModuleEngine
+        run = ModuleRun(cls(model, plan, loss_fn=loss_fn, compile=compile), plan, model,
                         loss_fn=loss_fn, uninitialized=uninitialized, pristine=pristine)
         if init_weights is not None:
             run.init_weights(init_weights)

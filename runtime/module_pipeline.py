@@ -1,0 +1,454 @@
+"""The module engine's pipelines: a multi-stage plan run with ``torch.distributed.pipelining``
+on stage modules cut from the user's own model.
+
+trace -> cost -> solve -> plan -> **run**. torchtitan's way (``pipeline_llama``): every
+(virtual) stage this rank holds is a copy of the user's model (a meta copy when the model is
+on meta) with the blocks of the other stages deleted and the layers before the blocks
+(embedding) or after them (final norm, head) replaced by ``nn.Identity`` where another stage
+owns them; each stage module is then parallelized as runtime/modules.py parallelizes one
+stage (``apply_tp``, ``apply_ac``, ``apply_fsdp`` over the stage's own dp x tp submesh) and
+wrapped in a ``PipelineStage``; the plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives
+the microbatches. ``pipeline_refusal`` says why a plan cannot run this way (the graph engine,
+runtime/pipeline.py, then runs it); it exports every stage's forward on meta, which is what
+refuses a model whose forward does not run with its blocks removed (DECISIONS 35).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     set_model_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleaved1F1B)
+from torch.distributed.tensor import DTensor
+
+from meshplan import support
+from meshplan.errors import NotSupportedError, PlanFileError
+from meshplan.plan import Plan
+from meshplan.planner.trace import find_block_paths, next_token_loss
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved-1f1b": ScheduleInterleaved1F1B}
+_ROOT = "module."  # the stage wrapper's attribute in front of every FQN
+
+
+# -- the split (pure) --------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class StageCut:
+    """What virtual stage ``index`` keeps of the model."""
+
+    index: int
+    record: int  # the plan's stage record (zero, recompute) for this stage
+    blocks: tuple[str, ...]  # keys kept in the blocks' container
+    first: bool  # keeps the modules before the blocks (embedding)
+    last: bool  # keeps the modules after the blocks (norm, head)
+
+
+def single_stage_view(plan: Plan) -> Plan:
+    """The plan as one stage with every stage's parameters: what the tensor-parallel styles
+    and the single-stage checks read (every stage shares one submesh shape)."""
+    params: dict = {}
+    for st in plan.stages:
+        params.update(st.params)
+    return replace(plan, stages=(replace(plan.stages[0], params=params),))
+
+
+def _layout(plan: Plan) -> tuple[int, int]:
+    """(rank groups pp, virtual stages per group v)."""
+    v = plan.training.virtual_stages if plan.training.schedule == "interleaved-1f1b" else 1
+    return support.pipeline_degree(plan), v
+
+
+def _outer_owners(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """Modules holding parameters outside the blocks, registered before / after them."""
+    before, after, seen = [], [], False
+    for name, mod in model.named_modules():
+        if name == container:
+            seen = True
+            continue
+        if name.startswith(container + ".") or not any(True for _ in mod.parameters(recurse=False)):
+            continue
+        (after if seen else before).append(name)
+    return before, after
+
+
+def stage_cuts(plan: Plan, model: nn.Module) -> tuple[str, list[StageCut]]:
+    """(blocks' container, one cut per virtual stage); raises NotSupportedError with the
+    reason when the model does not split along the plan's stages."""
+    paths = find_block_paths(model)
+    parents = {p.rpartition(".")[0] for p in paths}
+    if not paths or len(parents) != 1:
+        raise NotSupportedError(f"the model has {len(parents)} stacks of repeated blocks; the "
+                                "module engine cuts pipeline stages from one stack")
+    container = parents.pop()
+    keys = [p.rpartition(".")[2] for p in paths]
+    pp, v = _layout(plan)
+    n = pp * v
+    if plan.num_stages == n:  # one record per virtual stage: its layer range
+        ranges = [tuple(st.layers) for st in plan.stages]
+    elif len(keys) % n == 0:
+        ranges = [(j * len(keys) // n, (j + 1) * len(keys) // n) for j in range(n)]
+    else:
+        raise NotSupportedError(f"{len(keys)} blocks do not split into pp x virtual_stages = {n} "
+                                "equal stages")
+    if ranges[0][0] != 0 or ranges[-1][1] != len(keys) or \
+            any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise NotSupportedError(f"stage layer ranges {ranges} are not contiguous over the "
+                                f"{len(keys)} blocks")
+    cuts = [StageCut(j, j if plan.num_stages == n else j % pp, tuple(keys[a:b]), j == 0,
+                     j == n - 1) for j, (a, b) in enumerate(ranges)]
+    _check_against_plan(plan, model, container, cuts)
+    return container, cuts
+
+
+def _check_against_plan(plan: Plan, model: nn.Module, container: str, cuts) -> None:
+    """Every parameter goes to the stage whose record lists it, and no weight is shared by
+    two stages (a tied embedding and head would need a gradient exchange)."""
+    before, after = _outer_owners(model, container)
+    stage_of_module = {m: 0 for m in before} | {m: len(cuts) - 1 for m in after}
+    for cut in cuts:
+        for key in cut.blocks:
+            stage_of_module[f"{container}.{key}" if container else key] = cut.index
+    where: dict[int, set[int]] = {}
+    # records per rank group (interleaved, as manual.py writes them) list contiguous layers,
+    # not the interleaved assignment: only per-stage records are checked
+    planned = single_stage_view(plan).stages[0].params if plan.num_stages == len(cuts) else {}
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(recurse=False):
+            owner = next((s for m, s in stage_of_module.items()
+                          if mname == m or mname.startswith(m + ".")), None)
+            if owner is None:
+                raise NotSupportedError(f"parameter {mname}.{pname} is in no pipeline stage")
+            where.setdefault(id(p), set()).add(owner)
+            fqn = f"{mname}.{pname}" if mname else pname
+            record = plan.stages[cuts[owner].record]
+            if fqn in planned and fqn not in record.params:
+                raise NotSupportedError(f"{fqn} runs in stage {owner} of the module split but "
+                                        f"the plan places it in another stage")
+    shared = [s for s in where.values() if len(s) > 1]
+    if shared:
+        raise NotSupportedError(f"a weight is shared by pipeline stages {sorted(shared[0])} "
+                                "(tied embedding and head); the graph engine runs this plan")
+
+
+def cut_stage(model: nn.Module, container: str, cut: StageCut) -> nn.Module:
+    """A copy of ``model`` holding only ``cut``'s part; parameter names unchanged."""
+    on_meta = any(t.is_meta for t in model.parameters())
+    if on_meta:
+        from meshplan.runtime.parallelize import meta_copy
+        stage = meta_copy(model)
+    else:
+        stage = copy.deepcopy(model)
+    holder = stage.get_submodule(container)
+    for key in list(holder._modules):  # private _modules: ModuleList's __delitem__ renumbers
+        if key not in cut.blocks:
+            del holder._modules[key]
+    before, after = _outer_owners(model, container)
+    gone: list[str] = []
+    for name in (before if not cut.first else []) + (after if not cut.last else []):
+        if any(name.startswith(g + ".") for g in gone):
+            continue
+        gone.append(name)
+        parent, _, leaf = name.rpartition(".")
+        setattr(stage.get_submodule(parent) if parent else stage, leaf, nn.Identity())
+    return stage
+
+
+class StageModule(nn.Module):
+    """A stage as ``PipelineStage`` sees it: tensors in, one tensor out (``.logits`` of an HF
+    output). Later stages feed the hidden states through the Identity embedding."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        from meshplan.runtime.module_plan import _call
+        return _call(self.module, args, {})
+
+
+def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """Why a multi-stage plan cannot run on the module engine; None when it can."""
+    from meshplan.runtime.module_plan import _meta_inputs, module_engine_refusal
+
+    t = plan.training
+    if t.schedule not in SCHEDULES:
+        return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
+    if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
+        return "pipeline stages on submeshes of different shapes"
+    why = module_engine_refusal(single_stage_view(plan), model)
+    if why:
+        return why
+    try:
+        container, cuts = stage_cuts(plan, model)
+    except NotSupportedError as exc:
+        return str(exc)
+    return _forward_with_blocks_removed(plan, model, container, cuts, _meta_inputs)
+
+
+def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> str | None:
+    """Export every stage's forward on meta, feeding each the previous one's output: the
+    last must give what the whole model gives."""
+    from meshplan.runtime.module_plan import _Forward
+    from meshplan.runtime.parallelize import meta_copy
+
+    from meshplan.runtime.module_plan import _axes
+
+    stage = plan.stages[0]
+    dp, _, _ = _axes(stage)
+    x = meta_inputs(plan, stage.mesh_shape[dp] if dp is not None else 1)
+    if x is None:
+        return "the plan records no inputs to run the stages on"
+    try:
+        whole = _output(torch.export.export(_Forward(meta_copy(model)), x, strict=False))
+        for cut in cuts:
+            out = _output(torch.export.export(StageModule(cut_stage(meta_copy(model), container,
+                                                                    cut)), x, strict=False))
+            x = (torch.empty(out.shape, dtype=out.dtype, device="meta"),)
+    except Exception as exc:  # noqa: BLE001 - any failure means "cannot run cut"
+        return (f"the model's forward fails with blocks removed ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:160]}); the graph engine runs this plan")
+    if tuple(out.shape) != tuple(whole.shape):
+        return (f"the last stage gives shape {list(out.shape)}, the whole model "
+                f"{list(whole.shape)}; the graph engine runs this plan")
+    return None
+
+
+def _output(ep) -> torch.Tensor:
+    node = next(n for n in ep.graph.nodes if n.op == "output")
+    val = node.args[0][0].meta["val"]
+    return val
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+class PipelineModuleEngine:
+    """A multi-stage plan on stage modules cut from ``model`` (this rank's stages only), run by
+    a torch.distributed.pipelining schedule; the ModuleEngine interface."""
+
+    def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
+                 compile: bool = False):
+        from meshplan.runtime.module_plan import COMPUTE_DTYPES, _axes, check_model, tp_styles
+        from meshplan.runtime.modules import (_to_empty_keeping_ties, apply_ac, apply_fsdp,
+                                              apply_tp, compile_blocks)
+
+        view = single_stage_view(plan)
+        check_model(view, model)
+        reason = pipeline_refusal(plan, model)
+        if reason:
+            raise NotSupportedError(f"plan not expressible in the module engine: {reason}")
+        if plan.training.dtype != "fp32":
+            raise NotSupportedError(f"dtype {plan.training.dtype} with pipeline stages: the "
+                                    "module engine pipelines run fp32; use the graph engine")
+        self.plan, self.loss_fn = plan, loss_fn
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        pp, v = _layout(plan)
+        st = plan.stages[0]
+        world = init_device_mesh(self.device.type, (pp, *st.mesh_shape),
+                                 mesh_dim_names=("pp", *st.axis_names))
+        self.pp_group = world["pp"].get_group()
+        pp_rank = world["pp"].get_local_rank()
+        dp, tp, _ = _axes(st)
+        self.dp_axis = st.axis_names[dp] if dp is not None else None
+        self.dp_size = st.mesh_shape[dp] if dp is not None else 1
+        self.dp_rank = world[self.dp_axis].get_local_rank() if self.dp_axis else 0
+        self.dp_group = world[self.dp_axis].get_group() if self.dp_size > 1 else None
+        styles, _ = tp_styles(view, model)
+        container, cuts = stage_cuts(plan, model)
+        on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+        self._unset_buffers = {n for n, b in model.named_buffers() if b.is_meta}
+        self.stages, self.modules = [], []
+        mine = [c for c in cuts if c.index % pp == pp_rank]
+        for cut in mine:
+            part = cut_stage(model, container, cut)
+            if not on_meta:
+                part.to(self.device)
+            names = {n for n, m in part.named_modules() if not isinstance(m, nn.Identity)}
+            if tp is not None and styles:
+                apply_tp(part, world[st.axis_names[tp]],
+                         {k: s for k, s in styles.items() if k in names})
+            record = plan.stages[cut.record]
+            if record.recompute != "none":
+                apply_ac(part, record.recompute, blocks=container)
+            if compile:
+                compile_blocks(part, container)
+            wrapped = StageModule(part)
+            if self.dp_size > 1:
+                apply_fsdp(wrapped, world[self.dp_axis], zero=record.zero,
+                           param_dtype=COMPUTE_DTYPES[plan.training.dtype],
+                           blocks=_ROOT + container)
+            if on_meta:
+                _to_empty_keeping_ties(wrapped, self.device)
+            self.modules.append(wrapped)
+            self.stages.append(PipelineStage(wrapped, cut.index, len(cuts), self.device,
+                                             group=self.pp_group))
+        self.has_first = any(c.first for c in mine)
+        self.has_last = any(c.last for c in mine)
+        n = plan.training.microbatches
+        cls = SCHEDULES[plan.training.schedule]
+        self.schedule = cls(self.stages if cls is ScheduleInterleaved1F1B else self.stages[0],
+                            n_microbatches=n, loss_fn=self._loss)
+        self._targets_mode = None
+
+    # -- training ------------------------------------------------------------------------
+    def _loss(self, out, target):
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        out = out.float() if out.is_floating_point() else out
+        mode, = self._targets_mode
+        if mode == "fn":
+            return self.loss_fn(out, target)
+        if mode == "ce":
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+        return next_token_loss(out, target)
+
+    def train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = ()) -> float:
+        """Every microbatch through the schedule; gradients synced (FSDP on the last
+        microbatch); the global mean loss on every rank."""
+        self._check_buffers()
+        if kwargs or len(targets) > 1 or (self.loss_fn is not None and len(targets) != 1):
+            raise NotSupportedError("module-engine pipelines take positional inputs and at most "
+                                    "one target tensor (loss_fn(outputs, target)); the graph "
+                                    "engine runs other calls")
+        n = self.plan.training.microbatches
+        for i, x in enumerate([*args, *targets]):
+            if isinstance(x, torch.Tensor) and x.shape[0] % n:
+                raise PlanFileError(f"input {i} has {x.shape[0]} rows, which do not split into "
+                                    f"the plan's {n} microbatches; pass this rank's shard of a "
+                                    f"batch divisible by {n}")
+        self._targets_mode = ("fn",) if self.loss_fn is not None else \
+            ("ce",) if targets else ("lm",)
+        target = (targets[0] if targets else args[0]).to(self.device)
+        args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
+        losses: list = []
+        self.schedule.step(*(args if self.has_first else ()),
+                           target=target if self.has_last else None,
+                           losses=losses if self.has_last else None)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.has_last:
+            total += torch.stack([x.detach().double() for x in losses]).mean()
+        total /= self.dp_size
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        dist.all_reduce(total, group=self.pp_group)  # only the last stage's ranks add a loss
+        return float(total.item())
+
+    def forward(self, args: tuple, kwargs: dict | None = None):
+        raise NotSupportedError("a forward-only call on a module-engine pipeline is not "
+                                "supported yet; run the plan with engine='graph' to evaluate")
+
+    __call__ = forward
+
+    def train(self, mode: bool = True) -> "PipelineModuleEngine":
+        for m in self.modules:
+            m.train(mode)
+        return self
+
+    def eval(self) -> "PipelineModuleEngine":
+        return self.train(False)
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        from meshplan.runtime.modules import _clean
+        return {_clean(n.removeprefix(_ROOT)): p for m in self.modules
+                for n, p in m.named_parameters() if p.requires_grad}
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        from meshplan.runtime.modules import _clean
+        return {_clean(n.removeprefix(_ROOT)): t for m in self.modules
+                for n, t in [*m.named_parameters(remove_duplicate=False),
+                             *m.named_buffers(remove_duplicate=False)]}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.named_parameters().values())
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Global norm over this stage's dp x tp shards (torch's get_total_norm per DTensor
+        layout) and then over the pipeline stages (summed p-th powers; max for inf)."""
+        groups: dict = {}
+        for p in self.parameters():
+            if p.grad is not None:
+                g = p.grad
+                key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+                groups.setdefault(key, []).append(g)
+        norms = []
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms \
+            else torch.zeros((), device=self.device)
+        if norm_type == float("inf"):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
+            total = local
+        else:
+            power = local.double() ** norm_type
+            dist.all_reduce(power, group=self.pp_group)
+            total = (power ** (1.0 / norm_type)).to(local.dtype)
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach=False)
+        return total
+
+    # -- state -----------------------------------------------------------------------------
+    def _gather(self, local: dict) -> dict:
+        """Merge every pipeline stage's entries (each rank holds only its own stages)."""
+        parts = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()}, group=self.pp_group)
+        out = {}
+        for part in parts:
+            out.update(part)
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors of every stage under the model's own FQNs, buffers included."""
+        from meshplan.runtime.modules import _clean
+        local = {}
+        for m in self.modules:
+            sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
+            local.update({k.removeprefix(_ROOT): v for k, v in sd.items()})
+            for name, buf in m.named_buffers():
+                local.setdefault(_clean(name.removeprefix(_ROOT)), buf.detach().clone())
+        return self._gather(local)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        local = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                 for n, p in self.named_parameters().items() if p.grad is not None}
+        return self._gather(local)
+
+    def load_full_state_dict(self, sd: dict, *, broadcast_from_rank0: bool = False) -> None:
+        """Each stage loads its own entries of the full state dict (every rank passes it, or
+        rank 0 with ``broadcast_from_rank0``: then it is broadcast whole first)."""
+        from meshplan.runtime.modules import _clean
+        if broadcast_from_rank0:
+            holder = [sd if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(holder, src=0)
+            sd = holder[0]
+        for m in self.modules:
+            # a list: set order differs between processes (string hashing), and the loads
+            # below are collectives that must run in one order on every rank
+            persistent = [k.removeprefix(_ROOT) for k in get_model_state_dict(m)]
+            set_model_state_dict(m, {_ROOT + k: sd[k] for k in persistent if k in sd},
+                                 options=StateDictOptions(full_state_dict=True, strict=True))
+            with torch.no_grad():
+                for name, buf in m.named_buffers():
+                    key = _clean(name.removeprefix(_ROOT))
+                    if key in sd and key not in persistent:
+                        buf.copy_(sd[key])
+        self._unset_buffers -= set(sd)
+
+    def init_weights(self, fn) -> None:
+        with torch.no_grad():
+            for m in self.modules:
+                fn(m.module)
+        self._unset_buffers.clear()
+
+    def _check_buffers(self) -> None:
+        if self._unset_buffers:
+            name = sorted(self._unset_buffers)[0]
+            raise PlanFileError(f"buffer {name} of the meta-built model has no value; pass it "
+                                "to load_full_state_dict (full_state_dict() includes it) or "
+                                "call init_weights(fn)")
