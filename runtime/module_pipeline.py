@@ -184,6 +184,15 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
         return "pipeline stages on submeshes of different shapes"
+    if t.dtype != "fp32":
+        return (f"dtype {t.dtype} with pipeline stages: module-engine pipelines run fp32 (the "
+                "stages' activations are sent in the compute dtype, not handled here yet)")
+    stats = next((n for n, m in model.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats),
+                 None)
+    if stats is not None:
+        return (f"{stats} keeps running statistics, which a pipeline stage would update per "
+                "data-parallel shard; the graph engine computes them over the global batch")
     why = module_engine_refusal(single_stage_view(plan), model)
     if why:
         return why
@@ -245,9 +254,6 @@ class PipelineModuleEngine:
         reason = pipeline_refusal(plan, model)
         if reason:
             raise NotSupportedError(f"plan not expressible in the module engine: {reason}")
-        if plan.training.dtype != "fp32":
-            raise NotSupportedError(f"dtype {plan.training.dtype} with pipeline stages: the "
-                                    "module engine pipelines run fp32; use the graph engine")
         self.plan, self.loss_fn = plan, loss_fn
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         pp, v = _layout(plan)

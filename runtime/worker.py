@@ -33,6 +33,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
+import torch.nn as nn
 import torch.distributed as dist
 
 from meshplan.errors import MeshplanError
@@ -211,8 +212,9 @@ class ModuleWorkerModel:
         return self.run.parameters()
 
     def named_buffers(self) -> dict:
-        from meshplan.runtime.modules import _clean
-        return {_clean(n): b for n, b in self.run.engine.model.named_buffers()}
+        params = set(self.run.named_parameters())
+        return {n: t for n, t in self.run.engine.named_tensors().items()
+                if n not in params and not isinstance(t, nn.Parameter)}
 
 
 def batch_source(args, plan: Plan, model, rank: int):

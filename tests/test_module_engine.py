@@ -148,11 +148,13 @@ def test_shards_the_forward_cannot_run_are_refused():
     assert why is not None and "local shards" in why
 
 
-def test_pipeline_and_fp16_plans_are_refused(metas):
+def test_fp16_plans_are_refused_and_pipelines_taken(metas):
+    """Pipelines run on torch.distributed.pipelining (tests/test_module_engine_pp.py)."""
     from meshplan.runtime.modules import module_engine_refusal
 
-    assert "pipeline stages" in module_engine_refusal(plan_for(metas["llama"], dp=2, pp=2),
-                                                      metas["llama"])
+    assert module_engine_refusal(plan_for(metas["llama"], dp=2, pp=2), metas["llama"]) is None
+    assert "pipeline stages" in module_engine_refusal(
+        plan_for(metas["llama"], dp=2, pp=2, dtype="bf16"), metas["llama"])
     assert "fp16" in module_engine_refusal(plan_for(metas["llama"], dp=4, dtype="fp16"),
                                            metas["llama"])
 
