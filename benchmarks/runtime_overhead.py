@@ -246,7 +246,13 @@ def handwritten_pipeline_step_time(args) -> tuple[float, list[float]]:
 # lm_head Colwise gathering its logits; fully_shard per block then the root). The two run
 # alternately, step by step, in the same launch, so machine load hits both alike.
 MODULE_MANUAL = {"tp": "dp=1,tp=4,mb=8", "zero3": "dp=4,zero=3,mb=2",
-                 "dpxtp": "dp=2,tp=2,zero=3,mb=4"}
+                 "dpxtp": "dp=2,tp=2,zero=3,mb=4",
+                 # pipelines (runtime/module_pipeline.py): 8 processes (dp x tp x pp) are
+                 # too many for this machine, so dp2 x pp2 and pp2 x tp2 on 4
+                 "dpxpp": "dp=2,pp=2,zero=2,mb=2", "pp_tp": "dp=1,tp=2,pp=2,mb=2"}
+# (dp, tp, pp) of each module row
+MODULE_MESH = {"tp": (1, WORLD, 1), "zero3": (WORLD, 1, 1), "dpxtp": (2, 2, 1),
+               "dpxpp": (2, 1, 2), "pp_tp": (1, 2, 2)}
 
 
 def module_engine_step(args, variant: str):
@@ -254,6 +260,7 @@ def module_engine_step(args, variant: str):
     from meshplan.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.planner.trace import trace
+    from meshplan.runtime.module_pipeline import PipelineModuleEngine
     from meshplan.runtime.modules import ModuleEngine
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
@@ -265,7 +272,7 @@ def module_engine_step(args, variant: str):
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
                for s in range(args.steps + args.warmup)]
-    engine = ModuleEngine(model, plan)
+    engine = (PipelineModuleEngine if plan.num_stages > 1 else ModuleEngine)(model, plan)
     opt = torch.optim.Adam(engine.parameters(), lr=1e-3, foreach=False)
     per = args.batch // engine.dp_size
     losses = []
@@ -294,7 +301,9 @@ def handwritten_module_step(args, variant: str):
     model = parse_model_spec(model_spec(args)).build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
                for s in range(args.steps + args.warmup)]
-    dp, tp = {"tp": (1, WORLD), "zero3": (WORLD, 1), "dpxtp": (2, 2)}[variant]
+    dp, tp, pp = MODULE_MESH[variant]
+    if pp > 1:
+        return handwritten_module_pipeline(args, model, batches, dp, tp, pp)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     if tp > 1:
         parallelize_module(model, mesh["tp"], {
@@ -325,6 +334,68 @@ def handwritten_module_step(args, variant: str):
             dist.all_reduce(total, group=mesh["dp"].get_group())
         losses.append(float(total.item()) / dp)
     return step, losses
+
+
+def handwritten_module_pipeline(args, model, batches, dp: int, tp: int, pp: int):
+    """torchtitan's pipeline_llama + parallelize_llama by hand: ranks (pp, dp, tp) row-major,
+    one ``LlamaStage`` per rank (cos/sin sent on), ``parallelize_module`` on its tp mesh,
+    ``fully_shard`` per block and the stage with reshard_after_forward=False (torchtitan's
+    choice under pp), ``PipelineStage`` + ``Schedule1F1B`` (mean over microbatches)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    from meshplan.planner.trace import next_token_loss
+
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    first, last = index == 0, index == pp - 1
+    lo, hi = index * args.layers // pp, (index + 1) * args.layers // pp
+    module = LlamaStage(model, lo, hi, is_first=first, is_last=last)
+    if tp > 1:
+        outer = {"embed_tokens": RowwiseParallel(input_layouts=Replicate())} if first else {}
+        if last:
+            outer["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(module, mesh["tp"], outer)
+        for layer in module.layers:
+            parallelize_module(layer, mesh["tp"], {
+                "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()})
+    if dp > 1:
+        for layer in module.layers:
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=False)
+        fully_shard(module, mesh=mesh["dp"], reshard_after_forward=False)
+    per = args.batch // dp
+    microbatches = per // int(MODULE_MANUAL_MB)
+    schedule = Schedule1F1B(PipelineStage(module, index, pp, torch.device("cpu"),
+                                          group=mesh["pp"].get_group()),
+                            n_microbatches=microbatches, loss_fn=next_token_loss)
+    opt = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-3,
+                           foreach=False)
+    losses = []
+
+    def step(i):
+        ids = batches[i][dp_rank * per:(dp_rank + 1) * per]
+        got: list = []
+        schedule.step(*((ids,) if first else ()), target=ids if last else None,
+                      losses=got if last else None)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64)  # the global mean on every rank
+        if last:
+            total += torch.stack([x.detach().double() for x in got]).mean() / dp
+        dist.all_reduce(total)
+        losses.append(float(total.item()) / tp)  # every tp peer added the same value
+    return step, losses
+
+
+MODULE_MANUAL_MB = 2  # mb of the pipeline rows above
 
 
 def alternating_times(steps: dict, n: int, warmup: int) -> dict[str, list[float]]:
@@ -402,7 +473,8 @@ def main() -> int:
     ap.add_argument("--configs", default="tp,zero3,pipeline",
                     help="comma-separated rows: tp, zero3, pipeline")
     ap.add_argument("--module-configs", default="tp,zero3,dpxtp",
-                    help="module engine rows (runtime/modules.py): tp, zero3, dpxtp")
+                    help="module engine rows (runtime/modules.py): tp, zero3, dpxtp, dpxpp, "
+                         "pp_tp (pipelines: runtime/module_pipeline.py)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if "LOCAL_RANK" in os.environ:
@@ -451,7 +523,11 @@ def main() -> int:
                   "(`ModuleEngine.train_step`), against torchtitan-style code on the same "
                   "(dp, tp) mesh (vocab-parallel embedding, Colwise q/k/v/gate/up, Rowwise "
                   "o/down, lm_head Colwise gathering logits; fully_shard per block then the "
-                  "root). The two step in turn in one launch. Times: median [quartiles] ms; "
+                  "root). Pipeline rows (dpxpp, pp_tp; runtime/module_pipeline.py): the "
+                  "engine cuts stage modules from the model and runs PipelineStage + "
+                  "Schedule1F1B; by hand, a LlamaStage per rank with the same tp styles and "
+                  "fully_shard(reshard_after_forward=False) per block and stage, "
+                  "Schedule1F1B. The two step in turn in one launch. Times: median [quartiles] ms; "
                   "pair ratios: quartiles of engine/hand per step pair.", "",
                   "| config | plan | engine ms | hand-written ms | ratio | pair ratios "
                   "| first loss (engine / hand) |", "|---|---|---|---|---:|---|---|"]
