@@ -472,7 +472,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="tp,zero3,pipeline",
                     help="comma-separated rows: tp, zero3, pipeline")
-    ap.add_argument("--module-configs", default="tp,zero3,dpxtp",
+    ap.add_argument("--module-configs", default="tp,zero3,dpxtp,dpxpp,pp_tp",
                     help="module engine rows (runtime/modules.py): tp, zero3, dpxtp, dpxpp, "
                          "pp_tp (pipelines: runtime/module_pipeline.py)")
     ap.add_argument("--out", default="")

@@ -246,7 +246,8 @@ def head_table(plan: Plan) -> Table:
                  + ("" if p.fits else f"  DOES NOT FIT: {p.overflow}"))
     head.add_row("time breakdown", ", ".join(f"{k} {fmt_time(v)}" for k, v in p.breakdown.items()))
     head.add_row("runs on", "module engine (parallelize_module, fully_shard, checkpoint "
-                 "wrappers)" if plan.engine == "modules" else
+                 "wrappers" + (", torch.distributed.pipelining)" if plan.num_stages > 1
+                               else ")") if plan.engine == "modules" else
                  "graph engine (exported graph on DTensor)"
                  + (f": {plan.engine_note}" if plan.engine_note else ""))
     head.add_row("solver", f"{plan.solver.name}: {plan.solver.status}, gap {plan.solver.gap:.2%}, "
