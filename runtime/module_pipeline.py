@@ -193,6 +193,10 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     if stats is not None:
         return (f"{stats} keeps running statistics, which a pipeline stage would update per "
                 "data-parallel shard; the graph engine computes them over the global batch")
+    roles = [r.get("role") for r in plan.model.inputs]
+    if "kwarg" in roles or roles.count("target") > 1:
+        return ("the plan's call has keyword inputs or several targets; module-engine pipelines "
+                "feed positional inputs to the first stage and one target to the loss")
     why = module_engine_refusal(single_stage_view(plan), model)
     if why:
         return why
@@ -311,6 +315,8 @@ class PipelineModuleEngine:
         mode, = self._targets_mode
         if mode == "fn":
             return self.loss_fn(out, target)
+        if mode == "fn0":  # loss_fn(outputs) without targets; the target was only a carrier
+            return self.loss_fn(out)
         if mode == "ce":
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
         return next_token_loss(out, target)
@@ -319,7 +325,7 @@ class PipelineModuleEngine:
         """Every microbatch through the schedule; gradients synced (FSDP on the last
         microbatch); the global mean loss on every rank."""
         self._check_buffers()
-        if kwargs or len(targets) > 1 or (self.loss_fn is not None and len(targets) != 1):
+        if kwargs or len(targets) > 1:
             raise NotSupportedError("module-engine pipelines take positional inputs and at most "
                                     "one target tensor (loss_fn(outputs, target)); the graph "
                                     "engine runs other calls")
@@ -329,8 +335,8 @@ class PipelineModuleEngine:
                 raise PlanFileError(f"input {i} has {x.shape[0]} rows, which do not split into "
                                     f"the plan's {n} microbatches; pass this rank's shard of a "
                                     f"batch divisible by {n}")
-        self._targets_mode = ("fn",) if self.loss_fn is not None else \
-            ("ce",) if targets else ("lm",)
+        self._targets_mode = (("fn",) if targets else ("fn0",)) if self.loss_fn is not None \
+            else ("ce",) if targets else ("lm",)
         target = (targets[0] if targets else args[0]).to(self.device)
         args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
         losses: list = []

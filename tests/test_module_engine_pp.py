@@ -103,6 +103,31 @@ def test_a_forward_that_needs_every_block_is_refused():
         plan_for(model, dp=2, pp=2, engine="modules")
 
 
+class WithBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8))
+                                    for _ in range(2))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_running_statistics_and_bf16_pipelines_are_refused(meta, graph):
+    with torch.device("meta"):
+        model = WithBatchNorm()
+    plan = meshplan.manual_plan(model, meshplan.Mesh.local(4),
+                                example_inputs=(torch.zeros(16, 8, device="meta"),),
+                                example_targets=(torch.zeros(16, 4, device="meta"),),
+                                loss_fn=nn.functional.mse_loss, dp=2, pp=2, microbatch_size=4)
+    assert plan.engine == "graph" and "running statistics" in plan.engine_note
+    bf16 = plan_for(meta, graph, dp=2, pp=2, dtype="bf16")
+    assert bf16.engine == "graph" and "bf16" in bf16.engine_note
+
+
 # -- 4 gloo processes against one process ------------------------------------------------------
 
 def reference() -> dict:
