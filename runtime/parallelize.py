@@ -84,10 +84,13 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def runnable_graph_module(ep: torch.export.ExportedProgram, *, device_type: str) -> torch.fx.GraphModule:
     """The exported program as a GraphModule that runs on ``device_type`` with DTensors
     (subgraphs of higher-order operators, such as Llama's rotary embedding, included)."""
+    from meshplan.runtime.custom_ops import replicate_unsharded_custom_ops
+
     gm = ep.module()
     for sub in gm.modules():
         if isinstance(sub, torch.fx.GraphModule):
             _make_runnable(sub, device_type)
+            replicate_unsharded_custom_ops(sub.graph)  # MoE experts' grouped matmul
     return gm
 
 
