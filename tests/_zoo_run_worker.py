@@ -64,25 +64,21 @@ def build(family: str, device: str):
     return parse_model_spec(spec).build(device)
 
 
-def call(family: str, model, device: str, seed=None):
+def call(family: str, model, device: str, seed=None, batch: int = BATCH):
     """(inputs, targets, loss_fn) of one global batch: specs.training_call for transformers
     models, images + labels / token ids for the hand-written ones."""
     spec = FAMILIES[family]
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     if spec == "convnet":
-        x = torch.randn(BATCH, 3, 8, 8, generator=g) if g else torch.zeros(BATCH, 3, 8, 8)
-        y = torch.randint(0, 10, (BATCH,), generator=g) if g else torch.zeros(BATCH, dtype=torch.long)
+        x = torch.randn(batch, 3, 8, 8, generator=g) if g else torch.zeros(batch, 3, 8, 8)
+        y = torch.randint(0, 10, (batch,), generator=g) if g else torch.zeros(batch, dtype=torch.long)
         return (x.to(device),), (y.to(device),), None
     if spec == "titan":
-        ids = torch.randint(0, 128, (BATCH, SEQ), generator=g) if g else \
-            torch.zeros(BATCH, SEQ, dtype=torch.long)
+        ids = torch.randint(0, 128, (batch, SEQ), generator=g) if g else \
+            torch.zeros(batch, SEQ, dtype=torch.long)
         return (ids.to(device),), (), None
-    c = training_call(model, BATCH, SEQ, device=device, seed=seed)
+    c = training_call(model, batch, SEQ, device=device, seed=seed)
     return c.inputs, c.targets, c.loss_fn
-
-
-def rows(x, lo, hi):
-    return x[lo:hi]
 
 
 def split(inputs, targets, lo, hi):
