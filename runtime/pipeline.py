@@ -439,7 +439,8 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     mesh = world[layout.axis_names]
     lane = world["pp"].get_group()
     my_group = dist.get_rank() // layout.stage_size
-    params, zero_of = _place_params(model, plan, pieces, mesh, layout, my_group, device)
+    params, zero_of = _place_params(model, plan, pieces, mesh, layout, my_group, device,
+                                    constants=_lifted_constants(gm))
     masters = _masters(params, zero_of, support.dp_axes(plan.stages[0]))
 
     values = {n.name: n for n in gm.graph.nodes}
@@ -486,8 +487,24 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in by_id.values() for name in names}
 
 
+def _lifted_constants(gm: fx.GraphModule) -> frozenset[str]:
+    """get_attr targets that are neither parameters nor buffers: tensor constants the export
+    lifted (Falcon's index tensors), kept on the graph module as traced."""
+    named = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    named |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    return frozenset(n.target for n in gm.graph.nodes if n.op == "get_attr"
+                     and n.target not in named
+                     and isinstance(_attr(gm, n.target), torch.Tensor))
+
+
+def _attr(gm: nn.Module, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name, None)
+
+
 def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
-                  layout: PipelineLayout, my_group: int, device):
+                  layout: PipelineLayout, my_group: int, device, *,
+                  constants: frozenset[str] = frozenset()):
     """This rank's parameters as DTensors with their storage placements (the planned ones,
     ZeRO-3 stages also sharded over the data-parallel axes, as runtime/parallelize.py
     stores them for one stage); tied names share one. Buffers the plan does not place
@@ -505,6 +522,8 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
             continue
         stage = plan.stages[piece.index]
         for target in piece.param_targets:
+            if target in constants:  # read from the graph module, as one stage reads it
+                continue
             fqn = target.removeprefix(_WRAPPER_PREFIX)
             names = aliases.get(fqn, [fqn])
             listed = [stage.params[n] for n in names if n in stage.params]
@@ -560,7 +579,8 @@ def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: 
         owned = {name: st.ops[name] for st in plan.stages for name in piece.recomputed
                  if name in st.ops}
         stage = replace(stage, ops={**stage.ops, **owned})
-    root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] for t in piece.param_targets}
+    root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] if t.removeprefix(_WRAPPER_PREFIX)
+            in params else _attr(whole, t) for t in piece.param_targets}
     # bodies of higher-order operators (e.g. Llama's no-grad rotary embedding) as traced
     root.update({t: whole.get_submodule(t) for t in piece.subgraph_targets})
     gm = fx.GraphModule(root, piece.graph, class_name=f"Stage{piece.index}")
