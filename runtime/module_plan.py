@@ -211,6 +211,20 @@ def _meta_inputs(plan: Plan, dp_size: int) -> tuple | None:
     return None
 
 
+def _dropout(model: nn.Module) -> str | None:
+    """The first active dropout of ``model``: an nn.Dropout with p > 0, or a float config
+    value named like transformers' dropout keys (attention dropout goes to sdpa as a float)."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return f"{name or 'the model'} is dropout p={m.p}"
+    config = getattr(model, "config", None)
+    items = config.to_dict().items() if hasattr(config, "to_dict") else ()
+    for key, value in items:
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            return f"config {key}={value}"
+    return None
+
+
 def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why ``plan`` cannot run on ``model`` with PyTorch's composables; None when it can.
     Pure: needs no process group (the local-shard check runs the model on meta)."""
@@ -218,6 +232,11 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
         return (f"plan has {plan.num_stages} pipeline stages; the module engine runs one "
                 "stage (the graph engine runs pipelines)")
     t, stage = plan.training, plan.stages[0]
+    drop = _dropout(model)
+    if drop and plan.num_devices > 1:
+        return (f"{drop}: eager modules draw DTensor's dropout masks (per-shard on CPU, "
+                "DTensor's own stream on GPU); the graph engine draws one process's masks, "
+                "the same under every single-stage plan")
     if t.dtype not in COMPUTE_DTYPES:
         return (f"dtype {t.dtype} needs loss scaling, which the module engine does not do; "
                 "use bf16 or fp32, or the graph engine")

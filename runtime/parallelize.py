@@ -47,10 +47,8 @@ FP16_LOSS_SCALE = 2.0 ** 10
 
 def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
-    """scaled_dot_product_attention as matmul + softmax + matmul (every op has a DTensor rule)."""
-    if dropout_p:
-        raise NotSupportedError("attention dropout is not supported by the runtime; set the "
-                                "model's attention dropout to 0")
+    """scaled_dot_product_attention as matmul + softmax + matmul (every op has a DTensor rule);
+    attention dropout as PyTorch's math kernel applies it, to the softmax (global_dropout)."""
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(rep, dim=-3)
@@ -63,10 +61,42 @@ def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    weights = torch.softmax(scores, dim=-1)
+    if dropout_p:
+        weights = global_dropout(weights, dropout_p, True)
+    return torch.matmul(weights, v)
+
+
+def sdpa_math_dropout(*args, **kwargs):
+    """sdpa_math with attention dropout: kept on DTensor (a local run would draw shard masks)."""
+    return sdpa_math(*args, **kwargs)
+
+
+def global_dropout(x, p: float, train: bool):
+    """aten.dropout with one process's mask: every rank draws the mask at the tensor's GLOBAL
+    shape from its default generator, as eager CPU dropout does
+    (``empty_like(x).bernoulli_(1 - p).div_(1 - p)``), and keeps its shard of it. Ranks that
+    run the same operators in the same order (one stage) stay in step with one process
+    seeded alike, so the result does not depend on how the plan shards ``x``. DTensor's
+    OffsetBasedRNGTracker gives the same guarantee only on CUDA-like devices
+    (``is_rng_supported_mesh`` is False on CPU), and draws a different stream than eager."""
+    if not train or p == 0:
+        return x
+    if not isinstance(x, DTensor):
+        return x * torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    if any(pl.is_partial() for pl in x.placements):
+        x = x.redistribute(x.device_mesh, [Replicate() if pl.is_partial() else pl
+                                           for pl in x.placements])
+    noise = torch.empty(x.shape, dtype=x.dtype).bernoulli_(1 - p).div_(1 - p)
+    shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    local = noise[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(x.device_mesh.device_type)
+    mask = DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=x.stride())
+    return x * mask
 
 
 lowering.LOCAL_EQUIVALENT[sdpa_math] = torch.nn.functional.scaled_dot_product_attention
+lowering.KEEP_ON_DTENSOR.update({global_dropout, sdpa_math_dropout})
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -102,9 +132,19 @@ def _make_runnable(gm: torch.fx.GraphModule, device_type: str) -> None:
                 lambda a: torch.device(device_type) if isinstance(a, torch.device) else a)
         if node.op == "call_function" and str(node.target).startswith("aten._assert"):
             gm.graph.erase_node(node)
+        elif node.target is torch.ops.aten.dropout.default:
+            node.target = global_dropout
+        elif node.target is torch.ops.aten.scaled_dot_product_attention.default and \
+                _sdpa_dropout(node):
+            node.target = sdpa_math_dropout
         elif device_type == "cpu" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
             node.target = sdpa_math
     gm.recompile()
+
+
+def _sdpa_dropout(node: torch.fx.Node) -> bool:
+    p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+    return bool(p)
 
 
 def data_parallel_axes(stage: Stage) -> tuple[int, ...]:

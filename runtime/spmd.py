@@ -407,8 +407,11 @@ class SPMDExecutor(fx.Interpreter):
         # the reference run (and each lowering attempt) updates the running statistics; the
         # replay that follows this build is the call's one update
         saved = [(t, t.clone()) for t in self._buffers_written()]
+        # and draws random numbers (dropout): the replay draws them again from the same state,
+        # so a seeded run does not depend on when the executor was built
+        devices = [] if self.mesh.device_type == "cpu" else [torch.cuda.current_device()]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 self._run_reference(*inputs, checkpointed=False)
         finally:
             self._building = False
