@@ -132,8 +132,9 @@ def _make_runnable(gm: torch.fx.GraphModule, device_type: str) -> None:
                 lambda a: torch.device(device_type) if isinstance(a, torch.device) else a)
         if node.op == "call_function" and str(node.target).startswith("aten._assert"):
             gm.graph.erase_node(node)
-        elif node.target is torch.ops.aten.dropout.default:
-            node.target = global_dropout
+        elif node.target is torch.ops.aten.dropout.default and len(node.args) == 3 \
+                and node.args[1] and node.args[2]:
+            node.target = global_dropout  # p > 0 in training (p = 0 stays a lowered no-op)
         elif node.target is torch.ops.aten.scaled_dot_product_attention.default and \
                 _sdpa_dropout(node):
             node.target = sdpa_math_dropout
