@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_factor, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
                                        alias_root, grad_sync_buffer_bytes, model_state_bytes,
                                        state_bytes_per_param, zero3_buffer_bytes)
@@ -41,6 +42,8 @@ from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
 from meshplan.planner.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 
+ENGINES = ("graph", "modules")  # Plan.engine
+BACKENDS = ("gloo", "nccl")
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP bucket_cap_mb default (25 MiB)
 OPTIMIZER_OPS_PER_TENSOR = {"adam": 10, "sgd": 3}  # torch.optim _single_tensor_adam / sgd
 
@@ -81,6 +84,15 @@ class RuntimeModel:
       (gloo: measured on the 2-core host with torch 2.13, 2 processes, 16 MiB fp32:
       reduce_scatter_tensor 56 ms, all_reduce 39 ms, all_gather 25 ms; 4 MiB: 7.0 / 5.0 /
       12.7 ms, shared machine - the reduce-scatter is never cheaper than the all-reduce).
+    sync_overlaps_backward: the data-parallel gradient collectives are issued per block
+      as the backward produces its gradients (FSDP2's ``fully_shard`` and ``replicate``
+      post-backward hooks), so all but the last block's sync hides behind the backward of
+      the microbatch that syncs: exposed = max(one block's sync, sync - that backward).
+    reduce_scatter_per_microbatch: ZeRO-2/3 gradients are reduce-scattered in every
+      microbatch's backward (FSDP2 without ``set_requires_gradient_sync(False)``, as the
+      module engine runs ZeRO-2/3), so they are sharded at the peak and the sync is paid
+      m times, each overlapping its microbatch's backward.
+    engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
     grad_sync_overlap: float = 0.0
@@ -90,21 +102,52 @@ class RuntimeModel:
     reduce_scatter_as_all_reduce: bool = False
     flat_grad_sync: bool = False
     full_grad_accumulation: bool = False
+    sync_overlaps_backward: bool = False
+    reduce_scatter_per_microbatch: bool = False
+    engine: str = "graph"
+    backend: str = "nccl"
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise PlanningError(f"engine={self.engine!r} is not one of {', '.join(ENGINES)}; "
+                                 "pass the engine the plan names (Plan.engine)")
+        if self.backend not in BACKENDS:
+            raise PlanningError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}; "
+                                 "gloo runs CPU processes, nccl GPUs")
 
 
-def default_runtime(hw: HardwareProfile) -> RuntimeModel:
-    """Every plan runs on meshplan's graph engine (runtime/parallelize.py, runtime/spmd.py):
-    ZeRO-2 accumulates full gradients over the microbatches, ZeRO-3 gathers each block's
-    weights when first used with nothing prefetching them, so no overlap; gradients (and
-    ZeRO-1/2 shards) are synced after the backward in one flat buffer per group
-    (``lowering.reduce_partial_grads``, runtime/zero.py): one latency, not one per 25 MiB
-    bucket. CPU hosts run it on gloo (reduce-scatter at all-reduce cost)."""
-    if hw.device.host_cores > 0 or hw.device.name == "cpu":
-        return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
-                            reduce_scatter_as_all_reduce=True, flat_grad_sync=True,
-                            full_grad_accumulation=True)
+def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
+                    backend: str | None = None) -> RuntimeModel:
+    """The runtime factors of the engine that executes the plan (``Plan.engine``) on its
+    collective backend (default: gloo for CPU processes, NCCL for GPUs).
+
+    "graph" (runtime/parallelize.py, runtime/spmd.py): ZeRO-2 accumulates full gradients
+    over the microbatches, ZeRO-3 gathers each block's weights when first used with nothing
+    prefetching them, so no overlap; gradients (and ZeRO-1/2 shards) are synced after the
+    backward in one flat buffer per group (``lowering.reduce_partial_grads``,
+    runtime/zero.py): one latency, not one per 25 MiB bucket.
+
+    "modules" (runtime/modules.py, torchtitan's composition): ``fully_shard`` per block
+    prefetches the next block's all-gather during the current block's compute (FSDP2's
+    implicit forward/backward prefetch), so ZeRO-3 gathers hide behind compute; gradients
+    are reduced per block (FSDP2's ``replicate`` for ZeRO-0, ``fully_shard`` otherwise) as
+    the backward produces them, overlapping it; ZeRO-0/1 sync on the last microbatch only
+    (``set_requires_gradient_sync``) and accumulate full gradients, ZeRO-2/3
+    reduce-scatter every microbatch and keep sharded gradients (DECISIONS 27).
+
+    gloo's reduce-scatter costs a full all-reduce (RuntimeModel docstring), either engine.
+    """
+    if backend is None:
+        backend = "gloo" if hw.device.host_cores > 0 or hw.device.name == "cpu" else "nccl"
+    gloo = backend == "gloo"
+    if engine == "modules":
+        return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
+                            reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
+                            full_grad_accumulation=False, sync_overlaps_backward=True,
+                            reduce_scatter_per_microbatch=True, engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
-                        flat_grad_sync=True, full_grad_accumulation=True)
+                        reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
+                        full_grad_accumulation=True, engine=engine, backend=backend)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -226,7 +269,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     largest_layer: dict[int, float] = {}
     zero3_units: set[int] = set()  # blocks whose ZeRO-3 weights share one collective
     # meshplan's CPU runtime syncs gradients (and ZeRO-1/2 shards) as one flat buffer
-    bucket = math.inf if runtime.flat_grad_sync and zero <= 2 else runtime.grad_bucket_bytes
+    bucket = math.inf if (runtime.flat_grad_sync and zero <= 2) \
+        or runtime.sync_overlaps_backward else runtime.grad_bucket_bytes
     opt_numel = 0.0
     for pname, pl in stage.params.items():
         info = graph.param_map.get(pname)
@@ -276,8 +320,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                 n_sync += 1
                 grad_sync += _bucketed(coll, kind, nbytes, axis, bucket,
                                        latency_only=bucket > 0)
-                if axis == dpa and zero >= 3:
-                    gather += 2 * coll(Collective.ALL_GATHER, wbytes, axis)
+                if axis == dpa and zero >= 3:  # FSDP2: one all-gather per block (below)
+                    gather += 2 * _bucketed(coll, Collective.ALL_GATHER, wbytes, axis, bucket,
+                                            latency_only=runtime.sync_overlaps_backward)
                 if axis == dpa and zero in (1, 2):
                     # each rank stepped its shard of the master weights: the updated weights
                     # are all-gathered after the optimizer (Rajbhandari et al. 2020, sec. 5:
@@ -291,16 +336,30 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
             else Collective.REDUCE_SCATTER
         per_mb_sync += units * coll(kind, 1e-30, dpa)
         gather += 2 * units * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
+    # FSDP2 issues one collective per block (and one for the root's parameters)
+    units = max(1, len(largest_layer)) if runtime.sync_overlaps_backward else 1
     if bucket > 0 and grad_bytes_total:
-        grad_sync += _bucket_latency(coll, hw, grad_bytes_total, bucket,
-                                     dpa if dpa is not None else 0, zero,
-                                     runtime.reduce_scatter_as_all_reduce)
+        grad_sync += units * _bucket_latency(coll, hw, grad_bytes_total, bucket,
+                                             dpa if dpa is not None else 0, zero,
+                                             runtime.reduce_scatter_as_all_reduce)
+    if runtime.sync_overlaps_backward and zero >= 3 and grad_bytes_total:
+        gather += 2 * units * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
     if bucket > 0 and gathered_bytes:
-        updated_gather += _buckets(gathered_bytes, bucket) * \
+        updated_gather += units * _buckets(gathered_bytes, bucket) * \
             coll(Collective.ALL_GATHER, 1e-30, dpa)
-    # the gather of updated weights follows the optimizer step: nothing left to overlap with
-    grad_sync = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
     compute_mb = fwd + bwd + recompute
+    if runtime.sync_overlaps_backward:
+        # per-block collectives behind the backward (and, for the updated shards, the next
+        # step's forward, FSDP2's prefetch): the last block's stays exposed
+        def hidden(t, behind):
+            return max(t / units, t - behind) if t > 0 else 0.0
+        if runtime.reduce_scatter_per_microbatch and zero >= 2:
+            per_mb_sync += hidden(grad_sync, bwd + recompute)
+            grad_sync = 0.0
+        grad_sync = hidden(grad_sync, bwd + recompute) + hidden(updated_gather, fwd)
+    else:
+        # the gather of updated weights follows the optimizer step: nothing to overlap with
+        grad_sync = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
     gather_exposed = max(0.0, gather - runtime.param_gather_overlap * compute_mb)
     comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed + per_mb_sync
 
@@ -356,7 +415,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         # the engine frees a gathered block after its last reader and gathers it again
         # when the backward unpacks what autograd saved (runtime/spmd.py _Regather), with
         # or without recompute
-        buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
+        # FSDP2's prefetch holds the next block's gathered weights beside the current's
+        held = 2 if runtime.param_gather_overlap > 0 and not runtime.zero3_per_use else 1
+        buffers += held * zero3_buffer_bytes(layer_numel, dtype=dtype)
     memory = MemoryBreakdown(params_gib=weights / GIB, grads_gib=grads / GIB,
                              optimizer_gib=opt / GIB, activations_gib=acts / GIB,
                              buffers_gib=buffers / GIB)
@@ -470,6 +531,7 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
     """Predicted step time, memory, MFU and throughput of ``plan``; never raises for memory."""
     hw = hw or HardwareProfile.from_dict(plan.mesh.hardware)
     t = plan.training
+    runtime = runtime or default_runtime(hw, engine=plan.engine)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime, cache=cache)
     pipe = pipeline_step_time([c.microbatch_s for c in costs], max(1, t.microbatches),
                               t.schedule, t.virtual_stages)
@@ -499,6 +561,7 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
 def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None) -> Plan:
     """The plan with every stage's ``predicted`` and the top-level Estimate filled in."""
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    runtime = runtime or default_runtime(hw, engine=plan.engine)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime)
     stages = tuple(replace(st, predicted=c.prediction()) for st, c in zip(plan.stages, costs))
     plan = replace(plan, stages=stages)
@@ -523,6 +586,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     """
     t = plan.training
     m = max(1, t.microbatches)
+    runtime = runtime or default_runtime(hw, engine=plan.engine)
     on_host = min(plan.num_devices, hw.devices_per_node)
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,

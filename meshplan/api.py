@@ -56,7 +56,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                          max_stages=max_stages)
     plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
                      memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
-    return choose_engine(plan, model, engine)
+    return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
@@ -83,7 +83,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer)
-    return choose_engine(plan, model, engine)
+    return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 
 ENGINES = ("auto", "modules", "graph")
@@ -105,6 +105,24 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
     if reason and engine == "modules":
         raise NotSupportedError(f"engine='modules': {reason}")
     return replace(plan, engine="graph" if reason else "modules", engine_note=reason or "")
+
+
+def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
+    """The plan's predictions for the engine that runs it. The search prices the graph
+    engine; a plan the module engine runs is re-priced with its runtime (prefetch and
+    backward overlap, per-microbatch reduce-scatter); under "auto" a plan that fits only
+    as the graph engine runs it stays on the graph engine (DECISIONS 35)."""
+    from meshplan.costmodel.estimate import with_stage_predictions
+
+    if plan.engine == "graph":
+        return plan
+    priced = with_stage_predictions(plan, graph)
+    if engine == "auto" and plan.predicted is not None and plan.predicted.fits \
+            and not priced.predicted.fits:
+        return replace(plan, engine="graph", engine_note=(
+            f"the module engine needs {priced.predicted.peak_memory_gib:.1f} GiB per device "
+            f"(prefetched ZeRO-3 gathers), over {priced.predicted.memory_capacity_gib:.1f}"))
+    return priced
 
 
 def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None) -> Estimate:

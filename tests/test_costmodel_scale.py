@@ -178,7 +178,7 @@ def test_flat_zero2_sync_copies_raise_the_peak(gpt2):
                              "&n_positions=64").build("meta")
     graph = trace(model, example_inputs(model, BATCH, SEQ))
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=2,
-                                dtype="bf16", zero=2)
+                                dtype="bf16", zero=2, engine="graph")
     mem = plan.stages[0].predicted.memory
     grads = mem.grads_gib * GIB  # full-size, the engine's accumulation buffers
     assert mem.buffers_gib * GIB == pytest.approx(2 * grads - mem.activations_gib * GIB,
