@@ -229,21 +229,22 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     links = [axis_link(shape, a, hw.devices_per_node, first) for a in range(len(shape))]
 
     # identical layers ask for the same collectives again and again: price each once
-    memo = {} if cache is None else cache.setdefault(("collectives", shape, first, id(hw)), {})
+    memo = {} if cache is None else cache.setdefault(("collectives", shape, first, id(hw), runtime.backend), {})
 
     def coll(kind, nbytes, axis):
         key = (kind, nbytes, axis)
         if key not in memo:
             crosses, local = links[axis]
             memo[key] = collective_time_s(hw, kind, nbytes, shape[axis], crosses_nodes=crosses,
-                                          local_size=local)
+                                          local_size=local, tree=runtime.backend == "nccl")
         return memo[key]
 
     names = list(stage.ops)
     placement = {n: stage.inputs.get(n) for n in stage.inputs}
     placement.update({n: op.output for n, op in stage.ops.items()})
     dbytes = DTYPE_BYTES[dtype]
-    ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll, placement)
+    ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll, placement,
+                               runtime.backend)
     fwd, bwd, rec_full, rec_sel = ops.fwd, ops.bwd, ops.rec_full, ops.rec_sel
     comm_fwd, comm_bwd, comm_layers_fwd = ops.comm_fwd, ops.comm_bwd, ops.comm_layers_fwd
     p2p_bytes, consumer_out = ops.p2p_bytes, ops.consumer_out
@@ -445,11 +446,12 @@ class _OperatorPass:
 
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
-                          dtype: str, m: int, contention: float, coll, placement) -> _OperatorPass:
+                          dtype: str, m: int, contention: float, coll, placement,
+                          backend: str = "nccl") -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw))
+           contention, id(hw), backend)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
