@@ -265,8 +265,11 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     zero = stage.zero
     weights = grads = opt = 0.0
     grad_bytes_total = grad_sync = gather = per_mb_sync = 0.0
-    gathered_bytes = updated_gather = 0.0
+    updated_gather = 0.0
     n_sync = n_tensors = 0
+    sync_bytes: dict = {}  # (collective, axis) -> bytes synced in buffers
+    updated_bytes: dict = {}  # axis -> updated ZeRO-1/2 shards all-gathered in buffers
+    gather_bytes: dict = {}  # axis -> ZeRO-3 weights FSDP2 gathers block by block
     largest_layer: dict[int, float] = {}
     zero3_units: set[int] = set()  # blocks whose ZeRO-3 weights share one collective
     # meshplan's CPU runtime syncs gradients (and ZeRO-1/2 shards) as one flat buffer
@@ -319,18 +322,25 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                     continue
                 grad_bytes_total += nbytes
                 n_sync += 1
-                grad_sync += _bucketed(coll, kind, nbytes, axis, bucket,
-                                       latency_only=bucket > 0)
+                # bucketed syncs are priced on their buffers below: NCCL picks ring or
+                # tree by the buffer's size, not by each tensor's
+                if bucket > 0:
+                    sync_bytes[(kind, axis)] = sync_bytes.get((kind, axis), 0.0) + nbytes
+                else:
+                    grad_sync += coll(kind, nbytes, axis)
                 if axis == dpa and zero >= 3:  # FSDP2: one all-gather per block (below)
-                    gather += 2 * _bucketed(coll, Collective.ALL_GATHER, wbytes, axis, bucket,
-                                            latency_only=runtime.sync_overlaps_backward)
+                    if runtime.sync_overlaps_backward:
+                        gather_bytes[axis] = gather_bytes.get(axis, 0.0) + wbytes
+                    else:
+                        gather += 2 * coll(Collective.ALL_GATHER, wbytes, axis)
                 if axis == dpa and zero in (1, 2):
                     # each rank stepped its shard of the master weights: the updated weights
                     # are all-gathered after the optimizer (Rajbhandari et al. 2020, sec. 5:
                     # ZeRO-1/2 move the same volume as data parallelism, RS + AG = AR)
-                    gathered_bytes += wbytes
-                    updated_gather += _bucketed(coll, Collective.ALL_GATHER, wbytes, axis,
-                                                bucket, latency_only=bucket > 0)
+                    if bucket > 0:
+                        updated_bytes[axis] = updated_bytes.get(axis, 0.0) + wbytes
+                    else:
+                        updated_gather += coll(Collective.ALL_GATHER, wbytes, axis)
     if zero3_units:  # one all-gather and one reduce-scatter per unit (-1: before and after)
         units = len(zero3_units) + (1 if -1 in zero3_units else 0)
         kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
@@ -339,15 +349,17 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         gather += 2 * units * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
     # FSDP2 issues one collective per block (and one for the root's parameters)
     units = max(1, len(largest_layer)) if runtime.sync_overlaps_backward else 1
-    if bucket > 0 and grad_bytes_total:
-        grad_sync += units * _bucket_latency(coll, hw, grad_bytes_total, bucket,
-                                             dpa if dpa is not None else 0, zero,
-                                             runtime.reduce_scatter_as_all_reduce)
-    if runtime.sync_overlaps_backward and zero >= 3 and grad_bytes_total:
-        gather += 2 * units * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
-    if bucket > 0 and gathered_bytes:
-        updated_gather += units * _buckets(gathered_bytes, bucket) * \
-            coll(Collective.ALL_GATHER, 1e-30, dpa)
+
+    def buffers_of(kind, nbytes, axis):
+        """One flat buffer per group, one per block (FSDP2), or DDP-sized buckets."""
+        n = units if math.isinf(bucket) else _buckets(nbytes, bucket)
+        return n * coll(kind, nbytes / n, axis)
+
+    grad_sync += sum(buffers_of(k, b, a) for (k, a), b in sync_bytes.items())
+    updated_gather += sum(buffers_of(Collective.ALL_GATHER, b, a)
+                          for a, b in updated_bytes.items())
+    gather += 2 * sum(buffers_of(Collective.ALL_GATHER, b, a)  # forward, backward
+                      for a, b in gather_bytes.items())
     compute_mb = fwd + bwd + recompute
     if runtime.sync_overlaps_backward:
         # per-block collectives behind the backward (and, for the updated shards, the next
@@ -642,13 +654,6 @@ def _bucketed(coll, kind, nbytes, axis, bucket_bytes, *, latency_only: bool) -> 
     if not latency_only:
         return coll(kind, nbytes, axis)
     return coll(kind, nbytes, axis) - coll(kind, 1e-30, axis) if nbytes else 0.0
-
-
-def _bucket_latency(coll, hw, total_bytes, bucket_bytes, axis, zero,
-                    rs_as_all_reduce: bool = False) -> float:
-    kind = Collective.REDUCE_SCATTER if zero >= 2 and not rs_as_all_reduce \
-        else Collective.ALL_REDUCE
-    return _buckets(total_bytes, bucket_bytes) * coll(kind, 1e-30, axis)
 
 
 def _buckets(total_bytes: float, bucket_bytes: float) -> int:

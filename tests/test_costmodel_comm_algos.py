@@ -46,8 +46,9 @@ def test_tree_is_all_reduce_only_and_nccl_only(hw):
 
 
 def test_stage_gradient_sync_uses_the_tree_on_nccl_only():
-    """A small model's gradient all-reduce over 64 nodes (dp=64, one GPU per node in the
-    group): NCCL's tree makes it cheaper than the gloo-priced ring on the same hardware."""
+    """A small model's flat gradient all-reduce over 64 nodes (dp=512): on NCCL it is one
+    tree all-reduce of all the gradients (the algorithm picked for the buffer's size, not
+    per tensor), far cheaper than the gloo-priced ring on the same hardware."""
     from meshplan.costmodel.estimate import default_runtime, stage_cost
     from meshplan.planner.trace import trace
     from meshplan.specs import example_inputs, parse_model_spec
@@ -56,7 +57,7 @@ def test_stage_gradient_sync_uses_the_tree_on_nccl_only():
                              "&n_positions=64").build("meta")
     graph = trace(model, example_inputs(model, 512, 32))
     mesh = meshplan.Mesh.preset("dgx-h100", nodes=64)
-    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=64, tp=8, microbatch_size=8,
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=512, microbatch_size=1,
                                 dtype="bf16", engine="graph")
     t, st = plan.training, plan.stages[0]
     hwp = mesh.hardware
@@ -64,4 +65,38 @@ def test_stage_gradient_sync_uses_the_tree_on_nccl_only():
                           microbatches=t.microbatches, seq_len=t.seq_len,
                           runtime=default_runtime(hwp, engine="graph", backend=b)).grad_sync_s
             for b in ("nccl", "gloo")}
-    assert sync["nccl"] < 0.5 * sync["gloo"]
+    assert sync["nccl"] < 0.2 * sync["gloo"]
+    grads = sum(p.numel for p in graph.params if p.trainable and p.tied_to is None) * 4
+    one = collective_time_s(hwp, Collective.ALL_REDUCE, grads, 512, crosses_nodes=True,
+                            local_size=8, tree=True)
+    latency = collective_time_s(hwp, Collective.ALL_REDUCE, 1e-30, 512, crosses_nodes=True,
+                                local_size=8, tree=True)
+    assert abs(sync["nccl"] - one) < latency / 2
+
+
+def test_flat_sync_picks_the_algorithm_for_the_whole_buffer():
+    """dp=32 over 4 nodes: each 50-67 MB weight alone, and the whole flat buffer, go by
+    ring; the small tensors alone would go by tree. The graph engine syncs one flat buffer,
+    so the sync is one ring all-reduce of all the gradients, not per-tensor times with the
+    tree's latency taken off (which over-counted the ring's extra latency once per tensor)."""
+    from meshplan.costmodel.estimate import default_runtime, stage_cost
+    from meshplan.planner.trace import trace
+    from meshplan.specs import example_inputs, parse_model_spec
+
+    model = parse_model_spec("transformers:gpt2?n_layer=4&n_embd=2048&n_head=16&vocab_size=256"
+                             "&n_positions=64").build("meta")
+    graph = trace(model, example_inputs(model, 32, 32))
+    mesh = meshplan.Mesh.preset("dgx-h100", nodes=4)
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=32, microbatch_size=1,
+                                dtype="bf16", engine="graph")
+    t, hwp = plan.training, mesh.hardware
+    sync = stage_cost(plan.stages[0], graph, hwp, dtype=t.dtype, optimizer=t.optimizer,
+                      microbatches=t.microbatches, seq_len=t.seq_len,
+                      runtime=default_runtime(hwp, engine="graph")).grad_sync_s
+    grads = sum(p.numel for p in graph.params if p.trainable and p.tied_to is None) * 4
+    kw = dict(crosses_nodes=True, local_size=8)
+    one = collective_time_s(hwp, Collective.ALL_REDUCE, grads, 32, tree=True, **kw)
+    assert one == collective_time_s(hwp, Collective.ALL_REDUCE, grads, 32, **kw)  # ring
+    tiny = collective_time_s(hwp, Collective.ALL_REDUCE, 1e-30, 32, tree=True, **kw)
+    assert tiny < collective_time_s(hwp, Collective.ALL_REDUCE, 1e-30, 32, **kw)  # tree
+    assert abs(sync - one) < tiny / 2
