@@ -92,6 +92,10 @@ class RuntimeModel:
       microbatch's backward (FSDP2 without ``set_requires_gradient_sync(False)``, as the
       module engine runs ZeRO-2/3), so they are sharded at the peak and the sync is paid
       m times, each overlapping its microbatch's backward.
+    selective_keeps_matmuls: selective recompute keeps only each block's input and its
+      parameter matmuls' outputs and recomputes every other block operator (the module
+      engine's op-level policy, as torchtitan's); False: Korthikanti et al.'s selective,
+      which recomputes only the attention core (the graph engine, runtime/spmd.py).
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -104,6 +108,7 @@ class RuntimeModel:
     full_grad_accumulation: bool = False
     sync_overlaps_backward: bool = False
     reduce_scatter_per_microbatch: bool = False
+    selective_keeps_matmuls: bool = False
     engine: str = "graph"
     backend: str = "nccl"
 
@@ -144,7 +149,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=False, sync_overlaps_backward=True,
-                            reduce_scatter_per_microbatch=True, engine=engine, backend=backend)
+                            reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
+                            engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
                         full_grad_accumulation=True, engine=engine, backend=backend)
@@ -248,6 +254,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     fwd, bwd, rec_full, rec_sel = ops.fwd, ops.bwd, ops.rec_full, ops.rec_sel
     comm_fwd, comm_bwd, comm_layers_fwd = ops.comm_fwd, ops.comm_bwd, ops.comm_layers_fwd
     p2p_bytes, consumer_out = ops.p2p_bytes, ops.consumer_out
+    if runtime.selective_keeps_matmuls:
+        rec_sel = ops.rec_nonmatmul
     recompute = {"full": rec_full, "selective": rec_sel}.get(stage.recompute, 0.0)
     comm_rec = comm_layers_fwd if stage.recompute == "full" else 0.0
     p2p = 0.0
@@ -408,7 +416,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                   attention_extra_per_node=extra)
         if cache is not None:  # independent of recompute, ZeRO-1/2 and schedule: keep it
             object.__setattr__(ops, "activations", prof)
-    kept, working = prof.stage_bytes(stage.recompute)
+    kept, working = prof.stage_bytes(stage.recompute,
+                                     keep_matmuls_only=runtime.selective_keeps_matmuls)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
     # DDP's buckets live during the backward; the engine's flat sync copies the gradients
@@ -449,6 +458,7 @@ class _OperatorPass:
     bwd: float
     rec_full: float
     rec_sel: float
+    rec_nonmatmul: float  # block operators other than parameter matmuls (module engine)
     comm_fwd: float
     comm_bwd: float
     comm_layers_fwd: float
@@ -483,7 +493,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     sent: set[str] = set()
     dbytes = DTYPE_BYTES[dtype]
 
-    fwd = bwd = rec_full = rec_sel = 0.0
+    fwd = bwd = rec_full = rec_sel = rec_nonmatmul = 0.0
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
     consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
     for name in names:
@@ -496,6 +506,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             rec_full += t.forward_s
             if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
                 rec_sel += t.forward_s
+            if not (node.kind == OpKind.MATMUL
+                    and any(i in graph.param_map for i in node.inputs)):
+                rec_nonmatmul += t.forward_s
         for k, p in enumerate(node.inputs):
             if p in graph.param_map and k < len(op.inputs):
                 consumer_out.setdefault(p, []).append((op.output, op.inputs[k]))
@@ -530,6 +543,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                         and src[axis] == "R":
                     comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
     return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
+                         rec_nonmatmul=rec_nonmatmul,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
                          p2p_bytes=p2p_bytes, consumer_out=consumer_out)
 

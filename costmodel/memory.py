@@ -36,7 +36,7 @@ interleaved 1F1B the same amplified by 1 + (p-1)/(p v) (Korthikanti et al. 2022,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshplan.planner.graph import OpGraph, OpKind, OpNode
 
@@ -167,9 +167,21 @@ class ActivationProfile:
     kept: dict
     kept_selective: dict
     boundary: dict
+    kept_matmuls: dict = field(default_factory=dict)
 
-    def stage_bytes(self, recompute: str) -> tuple[float, float]:
-        """(bytes kept per in-flight microbatch, extra working set of one layer's backward)."""
+    def stage_bytes(self, recompute: str, *, keep_matmuls_only: bool = False) -> tuple[float, float]:
+        """(bytes kept per in-flight microbatch, extra working set of one layer's backward).
+
+        ``keep_matmuls_only``: selective recompute as the module engine runs it (torchtitan's
+        op-level policy, runtime/modules.py ``_SAVED_IN_SELECTIVE``): a block keeps its input
+        and its parameter matmuls' outputs (``kept_matmuls``) and recomputes the rest, one
+        block at a time in the backward."""
+        if recompute == "selective" and keep_matmuls_only:
+            kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0) \
+                + sum(v for i, v in self.kept_matmuls.items() if i >= 0)
+            working = max((v - self.kept_matmuls.get(i, 0.0) for i, v in self.kept.items()
+                           if i >= 0), default=0.0)
+            return kept, working
         if recompute == "full":
             # boundary[-1]: values shared by every block (the mask), kept once
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0)
@@ -191,6 +203,7 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
     kept: dict[int, float] = {}
     selective: dict[int, float] = {}
     boundary: dict[int, float] = {}
+    matmuls: dict[int, float] = {}  # outputs of parameter matmuls among the kept tensors
     seen: set[str] = set()
     for name in nodes:
         node = graph.node(name)
@@ -204,6 +217,11 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             kept[layer] = kept.get(layer, 0.0) + b
             if not is_seq_squared(root, graph, seq_len):
                 selective[layer] = selective.get(layer, 0.0) + b
+        if layer >= 0 and _is_param_matmul(name, graph):
+            # selective checkpointing stores every such output in the forward, whether
+            # the backward reads it or not (the recompute reuses it)
+            matmuls[layer] = matmuls.get(layer, 0.0) + tensor_bytes(
+                name, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(name))
         if node.kind == OpKind.ATTENTION and attention_extra_per_node:
             kept[layer] = kept.get(layer, 0.0) + attention_extra_per_node
         if layer >= 0:
@@ -222,7 +240,16 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                 seen.add(("b", at, root))
                 boundary[at] = boundary.get(at, 0.0) + tensor_bytes(
                     root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
-    return ActivationProfile(kept, selective, boundary)
+    return ActivationProfile(kept, selective, boundary, matmuls)
+
+
+def _is_param_matmul(name: str, graph: OpGraph) -> bool:
+    """An output of a matmul with a weight (linear, addmm, mm): what the module engine's
+    selective recompute saves."""
+    if name not in graph:
+        return False
+    node = graph.node(name)
+    return node.kind == OpKind.MATMUL and any(i in graph.param_map for i in node.inputs)
 
 
 def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatches: int,

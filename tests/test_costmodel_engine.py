@@ -94,3 +94,27 @@ def test_module_engine_zero2_shards_gradients_every_microbatch(wide):
             for e in ("modules", "graph")}
     assert mems["modules"].grads_gib == pytest.approx(mems["graph"].grads_gib / 8, rel=0.01)
     assert mems["graph"].grads_gib * GIB > 0
+
+
+def test_module_engine_selective_keeps_only_matmul_outputs(wide):
+    """The module engine's selective recompute (runtime/modules.py ``_SAVED_IN_SELECTIVE``)
+    keeps a block's input and its parameter matmuls' outputs and recomputes the rest (norms,
+    GELU, attention), so it keeps less than the graph engine's selective (which drops only
+    seq x seq tensors) and recomputes more."""
+    from meshplan.costmodel.memory import activation_profile
+
+    model, graph, mesh = wide
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=2,
+                                dtype="bf16", recompute="selective", engine="modules")
+    rt = {e: default_runtime(_hw(plan), engine=e) for e in ("modules", "graph")}
+    costs = {e: _cost(plan, graph, r) for e, r in rt.items()}
+    assert costs["modules"].memory.activations_gib < 0.7 * costs["graph"].memory.activations_gib
+    assert costs["modules"].recompute_s > costs["graph"].recompute_s
+    # closed form on block 0: the kept bytes are the outputs of its four weight matmuls
+    # (c_attn, attn c_proj, c_fc, mlp c_proj), microbatch rows x seq x their widths, in bf16
+    t = plan.training
+    rows = 64 // 8 // t.microbatches
+    prof = activation_profile(graph, list(plan.stages[0].ops), split_of=lambda n: 8,
+                              dtype_bytes=BF16, seq_len=1024, micro_fraction=1 / 8 / t.microbatches * 8)
+    width = 3 * 512 + 512 + 4 * 512 + 512
+    assert prof.kept_matmuls[0] == pytest.approx(rows * 1024 * width * BF16, rel=1e-6)
