@@ -22,9 +22,6 @@ from importlib import resources
 
 from meshplan.errors import MeshError
 
-COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-                    "send_recv")
-
 
 @dataclass(frozen=True, slots=True)
 class EfficiencyCurve:

@@ -216,14 +216,6 @@ def cmd_demo(args) -> int:
     return run_demo(procs=args.procs, steps=args.steps, workdir=args.workdir)
 
 
-def _not_yet(what: str):
-    def handler(args) -> int:
-        from meshplan.errors import NotSupportedError
-
-        raise NotSupportedError(f"`meshplan {what}` is not built yet")
-    return handler
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="meshplan", description=__doc__.splitlines()[0])
     ap.add_argument("--debug", action="store_true", help="show tracebacks on errors")

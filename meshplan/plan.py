@@ -430,7 +430,3 @@ def parse_placement(text: str) -> tuple[str, int | None]:
     if not m:
         raise PlanFileError(f"placement {text!r} is not one of 'R', 'P', 'S(dim)'")
     return (m.group(1)[0], int(m.group(2)) if m.group(2) is not None else None)
-
-
-def field_names(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))

@@ -31,8 +31,6 @@ from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.plan import RECOMPUTE, Plan
 
-COLUMNS = ("dp", "tp", "pp", "microbatch_size", "microbatches", "schedule", "virtual_stages",
-           "recompute", "sequence_parallel", "zero")
 SHOW_PROGRESS_AFTER_S = 2.0  # a progress bar only for sweeps a person waits on
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 

@@ -45,7 +45,6 @@ import itertools
 import re
 from dataclasses import dataclass, replace
 
-from meshplan.plan import shard_dim
 from meshplan.planner.graph import OpGraph, OpKind, OpNode
 
 R, P = -1, -2  # Replicate, Partial; a non-negative int d is Shard(d)
@@ -62,13 +61,6 @@ BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit_func
 
 def placement_str(pl: Placement) -> tuple[str, ...]:
     return tuple("R" if p == R else "P" if p == P else f"S({p})" for p in pl)
-
-
-def placement_from_str(pl) -> Placement:
-    out = []
-    for p in pl:
-        out.append(R if p == "R" else P if p == "P" else shard_dim(p))
-    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

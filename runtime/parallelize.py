@@ -37,7 +37,7 @@ from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
 from meshplan.runtime import lowering, zero
-from meshplan.runtime.spmd import SPMDExecutor, to_placements  # noqa: F401 (re-exported)
+from meshplan.runtime.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
 # keeps tiny gradients of small models above fp16's subnormal range; a step whose
@@ -341,7 +341,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     if stage.zero in (1, 2):
         axes = data_parallel_axes(stage)
         for p in pm.unique_params():
-            target = to_placements(sharded_over(_texts(p.placements), axes), mesh)
+            target = to_placements(sharded_over(placement_texts(p.placements), axes), mesh)
             pm.masters[id(p)] = nn.Parameter(p.detach().redistribute(placements=target))
     return pm
 
@@ -438,11 +438,6 @@ def _contiguous(shape) -> tuple[int, ...]:
         out.append(stride)
         stride *= s
     return tuple(reversed(out))
-
-
-def _texts(placements) -> tuple[str, ...]:
-    from meshplan.runtime.spmd import placement_texts
-    return placement_texts(placements)
 
 
 def make_optimizer(params, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:
