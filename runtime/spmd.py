@@ -149,12 +149,12 @@ def _nested_shard(t) -> bool:
 
 def check_executable(n: fx.Node, args) -> None:
     """Fail fast, naming the node, on placements DTensor hangs or fails on (torch 2.13):
-    found by runtime/strategy_check.py on every planner rule."""
+    found by tests/harness/strategy_check.py on every planner rule."""
     if n.target is torch.ops.aten.embedding.default and isinstance(args[0], DTensor):
         vocab_axes = [i for i, p in enumerate(args[0].placements) if p == Shard(0)]
         ids = args[1]
         # ids sharded on a mesh axis after the vocab axis: the reduction's mask is the wrong
-        # shape (found by runtime/strategy_check.py); before it (batch on dp, vocab on tp) works
+        # shape (found by tests/harness/strategy_check.py); before it (batch on dp, vocab on tp) works
         late_ids = isinstance(ids, DTensor) and vocab_axes and any(
             isinstance(p, Shard) and i > vocab_axes[0] for i, p in enumerate(ids.placements))
         if len(vocab_axes) > 1 or late_ids:
