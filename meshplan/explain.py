@@ -23,7 +23,8 @@ from meshplan.costmodel.comm import Collective, collective_time_s
 from meshplan.costmodel.compute import DTYPE_BYTES, op_time
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import MeshplanError, PlanFileError, SpecError
-from meshplan.plan import Plan, Stage, shard_dim
+from meshplan.placements import shard_dim
+from meshplan.plan import Plan, Stage
 
 GIB = 2.0 ** 30
 # Bytes kept per parameter across steps: fp32 master weights (4) + fp32 gradients (4) +

@@ -22,7 +22,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from meshplan.plan import Plan, Stage, shard_dim
+from meshplan.placements import shard_dim
+from meshplan.plan import Plan, Stage
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.

@@ -39,7 +39,9 @@ from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
 from meshplan.planner.graph import OpGraph, OpKind, OpNode
 from meshplan.planner.strategies import BATCH_NORMS
-from meshplan.plan import RECOMPUTE, SCHEDULES, Estimate, OpPlacement, Plan, SolverInfo, Stage, shard_dim
+from meshplan.schedules import SCHEDULES
+from meshplan.placements import shard_dim
+from meshplan.plan import RECOMPUTE, Estimate, OpPlacement, Plan, SolverInfo, Stage
 
 NAME = "manual"
 R = "R"

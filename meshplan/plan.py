@@ -17,11 +17,10 @@ from importlib import resources
 from pathlib import Path
 
 from meshplan.errors import PlanFileError
+from meshplan.schedules import SCHEDULES
 
 SCHEMA_VERSION = "meshplan.plan/v1"
-PLACEMENT_RE = re.compile(r"^(R|P|S\((\d+)\))$")
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -417,16 +416,3 @@ def _is_type(value, t: str) -> bool:
         "number": isinstance(value, (int, float)) and not isinstance(value, bool),
         "null": value is None,
     }[t]
-
-
-def shard_dim(text: str) -> int | None:
-    """"S(2)" -> 2; "R" and "P" -> None."""
-    return parse_placement(text)[1]
-
-
-def parse_placement(text: str) -> tuple[str, int | None]:
-    """"S(1)" -> ("S", 1); "R" -> ("R", None); "P" -> ("P", None)."""
-    m = PLACEMENT_RE.match(text)
-    if not m:
-        raise PlanFileError(f"placement {text!r} is not one of 'R', 'P', 'S(dim)'")
-    return (m.group(1)[0], int(m.group(2)) if m.group(2) is not None else None)

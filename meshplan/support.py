@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
+from meshplan.schedules import SCHEDULES
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/pipeline.py)
 DTYPES = ("fp32", "bf16", "fp16")
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Protocol
 
 import numpy as np
@@ -48,15 +47,10 @@ from meshplan.costmodel.memory import inflight_microbatches
 from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError
+from meshplan.schedules import Schedule
 from meshplan.planner.stagedp import RangeClasses, bound_candidates, build_tables, cut
 
 INF = float("inf")
-
-
-class Schedule(StrEnum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved-1f1b"
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,8 +33,9 @@ from meshplan.planner import ilp
 from meshplan.planner.graph import OpGraph, OpKind
 from meshplan.planner.reshard import (INF, AxisLinks, edge_s, grad_placement, output_grad,
                                       shard_factor)
-from meshplan.planner.strategies import (P, R, Strategy, enumerate_strategies, follow,
-                                         input_shapes, keeps_partial, op_spec, placement_str,
+from meshplan.placements import P, R, placement_str
+from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
+                                         input_shapes, keeps_partial, op_spec,
                                          replicated_strategy, tensor_of, tensor_placements)
 
 GIB = 2.0 ** 30

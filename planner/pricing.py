@@ -30,7 +30,8 @@ from meshplan.planner.intra import (GIB, MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYT
                                     warn_fallbacks)
 from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
                                       output_grad, shard_factor)
-from meshplan.planner.strategies import (P, R, Strategy, enumerate_strategies, follow,
+from meshplan.placements import P, R
+from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
                                          input_shapes, is_pointwise, keeps_partial, op_spec,
                                          replicated_strategy, tensor_of, tensor_placements)
 

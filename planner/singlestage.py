@@ -21,7 +21,7 @@ from meshplan.planner import ilp
 from meshplan.planner.assemble import mesh_info, model_info, training_config
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.intra import (GIB, NS, StageOptions, build_problem, solve_stage, to_ilp)
-from meshplan.planner.strategies import placement_str
+from meshplan.placements import placement_str
 
 
 def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = "bf16", optimizer: str = "adam",

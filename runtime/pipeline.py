@@ -53,13 +53,14 @@ from meshplan.support import lists_rank_groups
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
+from meshplan.schedules import Schedule
 from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module, sharded_over
 from meshplan.runtime.pipeline_split import StageGraph, split_stages
 from meshplan.runtime import lowering, zero
 from meshplan.runtime.spmd import placement_texts, stage_executor, to_placements
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+             Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's classes
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,8 @@ try:  # non-reentrant checkpoint stops a recomputation early by raising this
 except ImportError:  # pragma: no cover - older torch
     class _StopRecomputationError(Exception):
         pass
-from meshplan.plan import OpPlacement, parse_placement
+from meshplan.placements import parse_placement
+from meshplan.plan import OpPlacement
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -174,7 +174,8 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
 def test_planner_and_manual_plans_run_batch_norm_on_the_whole_batch():
     import meshplan
     from meshplan.mesh import Mesh
-    from meshplan.planner.strategies import R, enumerate_strategies, op_spec
+    from meshplan.placements import R
+    from meshplan.planner.strategies import enumerate_strategies, op_spec
     from meshplan.planner.trace import trace
 
     x = batches("mlp")[0]

@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 
 from meshplan.errors import NotSupportedError
 from meshplan.planner.graph import OpGraph, OpKind
-from meshplan.planner.strategies import (P, R, enumerate_strategies, follow, input_shapes,
-                                         op_spec, placement_str, tensor_placements)
+from meshplan.placements import P, R, placement_str
+from meshplan.planner.strategies import (enumerate_strategies, follow, input_shapes, op_spec,
+                                         tensor_placements)
 from meshplan.plan import OpPlacement
 from meshplan.runtime.spmd import SPMDExecutor, placement_texts, to_placements
 
