@@ -36,7 +36,7 @@ from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_fac
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
                                        alias_root, grad_sync_buffer_bytes, model_state_bytes,
-                                       state_bytes_per_param, zero3_buffer_bytes)
+                                       optimizer_traffic_s, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
 from meshplan.planner.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
@@ -304,10 +304,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     gather_exposed = max(0.0, gather - runtime.param_gather_overlap * compute_mb)
     comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed + per_mb_sync
 
-    b = state_bytes_per_param(dtype, optimizer)
     dev = hw.device
     # the per-tensor fixed costs are CPU work on a CPU host and time-share its cores too
-    optimizer_s = (2 * b.total * opt_numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
+    optimizer_s = (optimizer_traffic_s(opt_numel, dtype=dtype, optimizer=optimizer, hw=hw)
                    + n_tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
                    * (dev.kernel_latency_s + dev.framework_overhead_s)) * all_procs
 

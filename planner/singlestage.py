@@ -20,7 +20,8 @@ from meshplan.plan import Estimate, Plan, Stage, StagePrediction
 from meshplan.planner import ilp
 from meshplan.planner.assemble import mesh_info, model_info, training_config
 from meshplan.planner.graph import OpGraph
-from meshplan.planner.intra import (GIB, NS, StageOptions, build_problem, solve_stage, to_ilp)
+from meshplan.costmodel.memory import GIB
+from meshplan.planner.intra import (NS, StageOptions, build_problem, solve_stage, to_ilp)
 from meshplan.placements import placement_str
 
 
