@@ -38,7 +38,7 @@ from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activ
                                        alias_root, grad_sync_buffer_bytes, model_state_bytes,
                                        optimizer_traffic_s, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
-from meshplan.planner.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP bucket_cap_mb default (25 MiB)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from meshplan.planner.graph import OpGraph, OpKind, OpNode
+from meshplan.graph import OpGraph, OpKind, OpNode
 
 GIB = 2.0 ** 30
 ADAM_MOMENT_BYTES = 8  # two fp32 moments (Kingma & Ba 2015)

@@ -17,8 +17,8 @@ from meshplan.errors import MemoryLimitError, NotSupportedError, PlanningError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
-from meshplan.planner.graph import OpGraph
-from meshplan.planner.trace import Inputs, trace
+from meshplan.graph import OpGraph
+from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 
 
@@ -72,7 +72,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     Never raises for memory: a plan that does not fit has ``predicted.fits == False`` and
     ``predicted.overflow`` says what overflows. Pass ``graph`` to reuse a trace.
     """
-    from meshplan.manual import build_manual_plan
+    from meshplan.planner.manual import build_manual_plan
 
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)

@@ -334,7 +334,7 @@ def cmd_estimate(args) -> int:
             print(f"prediction recorded in {args.plan} (pass --model SPEC to re-price):")
             _print_estimate(plan.predicted, fmt_time)
             return 0
-        from meshplan.planner.trace import trace
+        from meshplan.tracing import trace
         from meshplan.specs import example_inputs, parse_model_spec
 
         spec = parse_model_spec(args.model)
@@ -380,7 +380,7 @@ def cmd_calibrate(args) -> int:
 
     from rich.progress import Progress
 
-    from meshplan.costmodel.calibrate import calibrate, progress_steps
+    from meshplan.calibrate import calibrate, progress_steps
     from meshplan.mesh import calibration_cache_path
     from meshplan.plan import atomic_write
 

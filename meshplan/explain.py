@@ -33,7 +33,7 @@ HEAVY_KINDS = ("matmul", "attention", "embedding", "norm", "loss")
 
 def retrace(plan: Plan, model_spec: str):
     """The OpGraph of ``plan``'s model, rebuilt from ``model_spec`` and the plan's batch."""
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.specs import example_inputs, parse_model_spec
 
     if plan.graph is not None:

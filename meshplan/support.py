@@ -125,7 +125,7 @@ def candidate_problems(c: Candidate) -> tuple[str, ...]:
 # -- plans ---------------------------------------------------------------------------------------
 
 def lists_rank_groups(plan: Plan) -> bool:
-    """An interleaved plan written with one stage record per rank group (as meshplan/manual.py
+    """An interleaved plan written with one stage record per rank group (as planner/manual.py
     and planner/inter write it) rather than one per virtual stage."""
     n = len(plan.stages[0].devices)
     return plan.training.schedule == "interleaved-1f1b" and \

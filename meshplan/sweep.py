@@ -124,7 +124,7 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
 
     import meshplan
     from meshplan.api import default_dtype
-    from meshplan.manual import attention_heads
+    from meshplan.planner.manual import attention_heads
 
     if plot and not str(plot).lower().endswith(PLOT_FORMATS):
         raise SpecError(f"--plot {plot}: the picture is written as {', '.join(PLOT_FORMATS)}; "

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError
-from meshplan.planner.graph import OpGraph
+from meshplan.graph import OpGraph
 from meshplan.planner.inter import SearchSpace
 from meshplan.planner.stagecost import plan_hybrid
 from meshplan.plan import Plan

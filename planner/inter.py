@@ -7,7 +7,7 @@ The program (Alpa's inter-operator pass, Zheng et al. OSDI'22 section 5, extende
 is ``K`` units (planner/clusters). The mesh's ``N`` devices form ``p`` equal device groups
 (contiguous ranges, realisable as DeviceMesh slices: a power-of-two slice of one node or
 whole nodes, Alpa's submesh rule). A pipeline cuts the units into ``p`` contiguous stages,
-stage ``s`` on group ``s`` (as meshplan/manual.py writes Megatron plans; the interleaved
+stage ``s`` on group ``s`` (as planner/manual.py writes Megatron plans; the interleaved
 schedule keeps ``p`` stage records and ``v`` enters the schedule's formulas). Every stage
 picks an option ``o`` = (logical mesh (dp, tp) of its group, recompute, ZeRO stage); the
 stage-cost function gives, per microbatch of ``G / B`` sequences, its time ``t`` (forward +

@@ -31,7 +31,7 @@ from meshplan.costmodel.memory import GIB
 from meshplan.errors import MemoryLimitError, PlanningError
 from meshplan.plan import MemoryBreakdown, OpPlacement, SolverInfo
 from meshplan.planner import ilp
-from meshplan.planner.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind
 from meshplan.planner.reshard import (INF, AxisLinks, edge_s, grad_placement, output_grad,
                                       shard_factor)
 from meshplan.placements import P, R, placement_str

@@ -25,7 +25,7 @@ from meshplan.costmodel.compute import DTYPE_BYTES, op_time
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, MASTER_BYTES, alias_root, is_seq_squared,
                                        moment_bytes, optimizer_traffic_s, saved_inputs)
 from meshplan.plan import MemoryBreakdown
-from meshplan.planner.graph import OpKind
+from meshplan.graph import OpKind
 from meshplan.planner.intra import Candidate, Group, StageProblem, warn_fallbacks
 from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
                                       output_grad, shard_factor)

@@ -19,7 +19,7 @@ from meshplan.errors import PlanningError
 from meshplan.plan import Estimate, Plan, Stage, StagePrediction
 from meshplan.planner import ilp
 from meshplan.planner.assemble import mesh_info, model_info, training_config
-from meshplan.planner.graph import OpGraph
+from meshplan.graph import OpGraph
 from meshplan.costmodel.memory import GIB
 from meshplan.planner.intra import (NS, StageOptions, build_problem, solve_stage, to_ilp)
 from meshplan.placements import placement_str
@@ -92,7 +92,7 @@ def alternatives(plan: Plan, node_name: str) -> tuple[Alternative, ...]:
     graph = plan.graph
     if graph is None:
         raise PlanningError("alternatives() needs the plan's graph: plan = replace(plan, "
-                            "graph=meshplan.planner.trace.trace(model, inputs))")
+                            "graph=meshplan.tracing.trace(model, inputs))")
     if plan.num_stages != 1 or node_name not in plan.stages[0].ops:
         raise PlanningError(f"{node_name!r} is not an operator of this single-stage plan")
     st = plan.stages[0]

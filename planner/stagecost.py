@@ -3,7 +3,7 @@ becomes.
 
 trace -> **cost** (costmodel.estimate.stage_cost) -> solve (planner/inter) -> assemble -> run.
 A candidate stage runs a range of layer units on a (dp, tp) submesh with Megatron-LM's
-placements (meshplan/manual.py's propagation rules, so a uniform answer is exactly a plan
+placements (planner/manual.py's propagation rules, so a uniform answer is exactly a plan
 ``manual_plan`` would write), priced by the same ``stage_cost`` that ``meshplan.estimate``
 applies to whole plans. Pricing every one of the thousands of candidate ranges would take
 minutes, so ranges are priced *affinely*: a range costs its first unit as a stage of its own
@@ -28,10 +28,10 @@ from meshplan import support
 from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
-from meshplan.manual import Propagator, stage_params, attention_heads
+from meshplan.planner.manual import Propagator, stage_params, attention_heads
 from meshplan.planner.assemble import batch_and_seq, mesh_info, model_info, training_config
 from meshplan.planner.clusters import LayerUnit, layer_units
-from meshplan.planner.graph import OpGraph
+from meshplan.graph import OpGraph
 from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
                                     search_best)
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage

@@ -46,7 +46,7 @@ import re
 from dataclasses import dataclass, replace
 
 from meshplan.placements import P, R, Placement
-from meshplan.planner.graph import OpGraph, OpKind, OpNode
+from meshplan.graph import OpGraph, OpKind, OpNode
 
 PROJECT_RULES = ("aten.scaled_dot_product_attention", "aten.cross_entropy_loss",
                  "aten.nll_loss", "aten.linear", "aten.matmul", "aten.einsum",

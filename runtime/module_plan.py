@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from meshplan.errors import PlanFileError
 from meshplan.plan import Plan, Stage
-from meshplan.planner.trace import find_repeated_blocks
+from meshplan.tracing import find_repeated_blocks
 from meshplan.runtime.parallelize import data_parallel_axes, meta_copy
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
-from meshplan.planner.trace import find_repeated_blocks, next_token_loss
+from meshplan.tracing import find_repeated_blocks, next_token_loss
 from meshplan.runtime.module_plan import (COMPUTE_DTYPES, _axes, _call, check_model,  # noqa: F401
                                           module_engine_refusal, tp_styles)  # re-exported
 

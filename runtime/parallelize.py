@@ -33,7 +33,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
-from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
+from meshplan.tracing import (_WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
 from meshplan.runtime import lowering, zero

@@ -7,7 +7,7 @@ submesh through the SPMD executor (runtime/spmd.py), wrapped in a ``PipelineStag
 plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives ``plan.training.microbatches``
 microbatches through them.
 
-Device layout (the convention of meshplan/manual.py, written down in docs/DEVELOPING.md):
+Device layout (the convention of planner/manual.py, written down in docs/DEVELOPING.md):
 global ranks are numbered row-major over ``(pp, *stage axes)``, e.g. ``(pp, dp, tp)``. Rank
 group ``r`` (``pp`` index) owns devices ``[r * n, (r + 1) * n)`` with ``n`` devices per stage
 mesh; stage ``i`` runs on rank group ``i % pp`` (with ``virtual_stages = v`` there are
@@ -50,8 +50,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.support import lists_rank_groups
-from meshplan.planner.graph import OpGraph
-from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph_from_export
+from meshplan.graph import OpGraph
+from meshplan.tracing import _WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
 from meshplan.schedules import Schedule
 from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module, sharded_over
@@ -106,7 +106,7 @@ def expand_interleaved(plan: Plan, graph: OpGraph) -> Plan:
     order, chunk j on rank group j % pp (Megatron's interleaved assignment, Narayanan et al.
     2021, Sec. 2.2). Each operator and parameter keeps the placement of the record that
     lists it; all records share one submesh shape."""
-    from meshplan.manual import stage_node_groups
+    from meshplan.planner.manual import stage_node_groups
 
     pp, v = plan.num_stages, plan.training.virtual_stages
     if graph.num_layers % (pp * v):
@@ -492,7 +492,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
     """This rank's parameters as DTensors with their storage placements (the planned ones,
     ZeRO-3 stages also sharded over the data-parallel axes, as runtime/parallelize.py
     stores them for one stage); tied names share one. Buffers the plan does not place
-    (meshplan/manual.py places none, e.g. Llama's rotary ``inv_freq``) are replicated.
+    (planner/manual.py places none, e.g. Llama's rotary ``inv_freq``) are replicated.
     Returns (FQN -> parameter, id(parameter) -> its stage's ZeRO stage)."""
     real = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))

@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshplan.errors import MeshplanError, NotSupportedError, PlanFileError
 from meshplan.plan import Plan
-from meshplan.planner.graph import CallSignature
-from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph, flatten_call,
+from meshplan.graph import CallSignature
+from meshplan.tracing import (_WRAPPER_PREFIX, export_training_graph, flatten_call,
                                     unflatten_call)
 
 

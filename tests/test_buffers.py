@@ -125,7 +125,7 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
     import meshplan
     from meshplan.mesh import Mesh
     from meshplan.runtime import checkpoint
-    from meshplan.planner.graph import CallSignature
+    from meshplan.graph import CallSignature
     from meshplan.runtime.parallelize import make_optimizer, parallelize
 
     model_name, source, options = CASES[case]
@@ -176,7 +176,7 @@ def test_planner_and_manual_plans_run_batch_norm_on_the_whole_batch():
     from meshplan.mesh import Mesh
     from meshplan.placements import R
     from meshplan.planner.strategies import enumerate_strategies, op_spec
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
 
     x = batches("mlp")[0]
     graph = trace(build("mlp"), (x,), example_targets=(labels(x),), loss_fn=loss_fn)

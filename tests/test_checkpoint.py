@@ -17,7 +17,7 @@ import pytest
 
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import propagate_batch_sharding
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from tests.harness.variants import unpriced_plan, with_param_placements
 from meshplan.specs import example_inputs, parse_model_spec
 

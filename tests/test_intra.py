@@ -15,7 +15,7 @@ from meshplan.errors import MemoryLimitError
 from meshplan.plan import Plan
 from meshplan.planner.intra import StageCache, StageOptions, build_problem, solve_stage
 from meshplan.planner.singlestage import alternatives, plan_single_stage
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 
 HW = load_preset("dgx-a100-80gb")
 MIB = 2.0 ** -10  # GiB per MiB

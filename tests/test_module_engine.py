@@ -83,7 +83,7 @@ def batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def loss_of(kind: str, out, ids, targets):
     """The engine's defaults: cross-entropy on targets (toy), next-token loss (Llama)."""
-    from meshplan.planner.trace import next_token_loss
+    from meshplan.tracing import next_token_loss
     if kind == "toy":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
     return next_token_loss(out, ids)
@@ -198,7 +198,7 @@ def worker(path: str) -> None:
 
     from meshplan.runtime.modules import ModuleEngine
 
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
 
     dist.init_process_group("gloo")
     results, graphs = {}, {}

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from meshplan.planner.trace import TrainingModule
+from meshplan.tracing import TrainingModule
 from meshplan.specs import parse_model_spec, synthetic_batch
 
 GPT2 = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"

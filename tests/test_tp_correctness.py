@@ -139,7 +139,7 @@ def run_case(case: str) -> dict:
 
 
 def reference(case: str) -> dict:
-    from meshplan.planner.trace import TrainingModule
+    from meshplan.tracing import TrainingModule
 
     model_name, batch, seq, _ = CASES[case]
     model = build(model_name)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.mesh import Mesh
-from meshplan.planner.trace import export_training_graph, graph_from_export
+from meshplan.tracing import export_training_graph, graph_from_export
 from meshplan.runtime.parallelize import (TracedProgram, make_optimizer, meta_copy,
                                           parallelize)
 from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
@@ -73,7 +73,7 @@ def manual_variant(name: str, graph, world: int, *, hw):
     """``manual:dp=2+tp=2+...`` (``--manual`` keys joined by +): the plan
     meshplan.manual_plan builds, run with its own operator placements."""
     from meshplan.cli import _manual
-    from meshplan.manual import build_manual_plan
+    from meshplan.planner.manual import build_manual_plan
 
     return build_manual_plan(graph, Mesh((world,), hw, ("proc",)),
                              **_manual(name.removeprefix("manual:").replace("+", ",")))

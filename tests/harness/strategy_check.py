@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from meshplan.errors import NotSupportedError
-from meshplan.planner.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind
 from meshplan.placements import P, R, placement_str
 from meshplan.planner.strategies import (enumerate_strategies, follow, input_shapes, op_spec,
                                          tensor_placements)

@@ -37,7 +37,7 @@ from dataclasses import replace
 from meshplan.costmodel.estimate import estimate_plan, with_stage_predictions
 from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
-from meshplan.planner.graph import OpGraph, OpKind, OpNode
+from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.planner.strategies import BATCH_NORMS
 from meshplan.schedules import SCHEDULES
 from meshplan.placements import shard_dim

@@ -11,7 +11,7 @@ operator the planner can shard like any other. A model built on the meta device 
 as fake tensors on the device the plan runs on (``on_device``; CPU): no weight is allocated,
 and the model takes that device's branches. Repeated blocks (the pipeline's cut points)
 are found in any container and in several stacks (``find_block_paths``); FLOPs come from
-planner/opcount.py.
+meshplan/opcount.py.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 import meshplan.errors
 from meshplan.errors import TraceError
-from meshplan.planner.graph import (CallSignature, OpGraph, OpKind, OpNode, ParamInfo, TensorMeta,
+from meshplan.graph import (CallSignature, OpGraph, OpKind, OpNode, ParamInfo, TensorMeta,
                                     dtype_bytes)
-from meshplan.planner.opcount import (UncountedOperatorsWarning, classify, forward_flops,  # noqa: F401
+from meshplan.opcount import (UncountedOperatorsWarning, classify, forward_flops,  # noqa: F401
                                       uncounted_operators, warn_uncounted)
 
 LossFn = Callable[..., torch.Tensor]
