@@ -64,7 +64,7 @@ PP, PIPE_DP, PIPE_MB = 2, 2, 2
 
 
 def meshplan_step_time(args, variant: str) -> tuple[float, list[float]]:
-    from meshplan.cli import _manual
+    from meshplan.specs import parse_manual_spec
     from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.tracing import trace
@@ -74,7 +74,7 @@ def meshplan_step_time(args, variant: str) -> tuple[float, list[float]]:
     spec = parse_model_spec(model_spec(args))
     meta = spec.build(device="meta")
     graph = trace(meta, example_inputs(meta, args.batch, args.seq))
-    plan = build_manual_plan(graph, Mesh.local(WORLD), **_manual(MANUAL[variant]))
+    plan = build_manual_plan(graph, Mesh.local(WORLD), **parse_manual_spec(MANUAL[variant]))
     if variant == "pipeline":  # the hand-written version below hard-codes this layout
         t = plan.training
         assert [tuple(st.layers) for st in plan.stages] == layer_ranges(args.layers), plan.stages
@@ -250,7 +250,7 @@ MODULE_MANUAL = {"tp": "dp=1,tp=4,mb=8", "zero3": "dp=4,zero=3,mb=2",
 
 
 def module_engine_step(args, variant: str):
-    from meshplan.cli import _manual
+    from meshplan.specs import parse_manual_spec
     from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.tracing import trace
@@ -260,7 +260,7 @@ def module_engine_step(args, variant: str):
     spec = parse_model_spec(model_spec(args))
     meta = spec.build(device="meta")
     graph = trace(meta, example_inputs(meta, args.batch, args.seq))
-    plan = build_manual_plan(graph, Mesh.local(WORLD), **_manual(MODULE_MANUAL[variant]))
+    plan = build_manual_plan(graph, Mesh.local(WORLD), **parse_manual_spec(MODULE_MANUAL[variant]))
     torch.manual_seed(0)
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)

@@ -16,26 +16,6 @@ from meshplan.errors import MeshplanError, SpecError
 EXIT_USER_ERROR = 2
 
 
-def _manual(text: str) -> dict:
-    """dp=2,tp=2,pp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0 -> manual_plan kwargs."""
-    keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "mb": ("microbatch_size", int),
-            "schedule": ("schedule", str), "recompute": ("recompute", str),
-            "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),
-            "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str)}
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in keys:
-            raise SpecError(f"--manual item {item!r} is not KEY=VALUE with KEY in "
-                            f"{', '.join(keys)}")
-        name, cast = keys[key.strip()]
-        try:
-            out[name] = cast(value.strip())
-        except ValueError:
-            raise SpecError(f"--manual {key}={value!r}: expected {cast.__name__}") from None
-    return out
-
-
 def _load_model_and_inputs(args):
     from meshplan.specs import example_inputs, parse_model_spec
 
@@ -55,7 +35,7 @@ def _check_writable(path: str) -> None:
 
 def cmd_plan(args) -> int:
     import meshplan
-    from meshplan.specs import parse_mesh_spec
+    from meshplan.specs import parse_manual_spec, parse_mesh_spec
 
     if args.output:
         _check_writable(args.output)
@@ -63,7 +43,7 @@ def cmd_plan(args) -> int:
     spec, model, inputs = _load_model_and_inputs(args)
     if args.manual:
         plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
-                                    engine=args.engine, **_manual(args.manual))
+                                    engine=args.engine, **parse_manual_spec(args.manual))
     else:
         plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
                                      memory_limit_gib=args.memory_limit_gib,
@@ -346,13 +326,13 @@ def cmd_estimate(args) -> int:
         if not (args.model and args.mesh and args.batch and args.seq):
             raise SpecError("meshplan estimate needs a plan file, or --model, --mesh, --batch "
                             "and --seq (with --manual dp=..,tp=..,pp=.. for a hand-written plan)")
-        from meshplan.specs import parse_mesh_spec
+        from meshplan.specs import parse_manual_spec, parse_mesh_spec
 
         mesh = parse_mesh_spec(args.mesh)
         spec, model, inputs = _load_model_and_inputs(args)
         if args.manual:
             plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name,
-                                        dtype=args.dtype, **_manual(args.manual))
+                                        dtype=args.dtype, **parse_manual_spec(args.manual))
         else:
             plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype)
         est = meshplan.estimate(plan, hardware=hardware) if hardware else plan.predicted

@@ -290,3 +290,23 @@ def training_call(model: nn.Module, batch: int, seq: int, *, device="meta",
     decoder_ids = torch.cat([torch.full((batch, 1), start, dtype=torch.long, device=device),
                              labels[:, :-1]], dim=1)
     return TrainingCall(head, {"input_ids": ids, "decoder_input_ids": decoder_ids}, (labels,))
+
+
+def parse_manual_spec(text: str) -> dict:
+    """dp=2,tp=2,pp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0 -> manual_plan kwargs."""
+    keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "mb": ("microbatch_size", int),
+            "schedule": ("schedule", str), "recompute": ("recompute", str),
+            "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),
+            "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in keys:
+            raise SpecError(f"--manual item {item!r} is not KEY=VALUE with KEY in "
+                            f"{', '.join(keys)}")
+        name, cast = keys[key.strip()]
+        try:
+            out[name] = cast(value.strip())
+        except ValueError:
+            raise SpecError(f"--manual {key}={value!r}: expected {cast.__name__}") from None
+    return out

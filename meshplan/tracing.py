@@ -138,7 +138,7 @@ class TrainingModule(nn.Module):
         return next_token_loss(out, first)
 
 
-_WRAPPER_PREFIX = "model."
+WRAPPER_PREFIX = "model."
 
 
 TRACE_DEVICE = "cpu"  # the device meta models are traced for: the runtime's (gloo on CPU)
@@ -261,7 +261,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
         tied = seen_storage.get(id(p))
         seen_storage.setdefault(id(p), p_name)
         params.append(ParamInfo(name=p_name, shape=tuple(p.shape), dtype=_dtype(p.dtype),
-                                trainable=_WRAPPER_PREFIX + p_name in trainable, tied_to=tied))
+                                trainable=WRAPPER_PREFIX + p_name in trainable, tied_to=tied))
 
     inputs: list[tuple[str, TensorMeta]] = []
     nodes: list[OpNode] = []
@@ -270,7 +270,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             if node.name in placeholder_to_param:
-                param_of[node.name] = placeholder_to_param[node.name].removeprefix(_WRAPPER_PREFIX)
+                param_of[node.name] = placeholder_to_param[node.name].removeprefix(WRAPPER_PREFIX)
             elif node.name in user_inputs:
                 inputs.append((node.name, _tensor_meta(node.meta.get("val"))[0]))
             continue
@@ -440,7 +440,7 @@ def _module_path(node: torch.fx.Node) -> str:
     path = path.removeprefix("L['self'].").replace("L__self__", "")
     # strip the TrainingModule wrapper's "model" only: Llama's own inner module is also
     # called "model" ("model.model.layers.0" -> "model.layers.0", matching block_module)
-    return "" if path == "model" else path.removeprefix(_WRAPPER_PREFIX)
+    return "" if path == "model" else path.removeprefix(WRAPPER_PREFIX)
 
 
 def _user_source(node: torch.fx.Node) -> str:

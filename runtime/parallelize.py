@@ -33,7 +33,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
-from meshplan.tracing import (_WRAPPER_PREFIX, export_training_graph,
+from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
 from meshplan.runtime import lowering, zero
@@ -278,7 +278,7 @@ class ParallelModel:
         for name, p in self.params.items():
             if isinstance(p, nn.Parameter) and id(p) not in seen:
                 seen.add(id(p))
-                out[name.removeprefix(_WRAPPER_PREFIX)] = p
+                out[name.removeprefix(WRAPPER_PREFIX)] = p
         return out
 
     def optimizer_params(self) -> dict[str, nn.Parameter]:
@@ -288,13 +288,13 @@ class ParallelModel:
     def named_buffers(self) -> dict[str, DTensor]:
         """Every buffer the graph reads (BatchNorm's running statistics, rotary tables), by
         FQN, as placed (replicated): what a checkpoint saves beside the parameters."""
-        return {name.removeprefix(_WRAPPER_PREFIX): t for name, t in self.params.items()
+        return {name.removeprefix(WRAPPER_PREFIX): t for name, t in self.params.items()
                 if not isinstance(t, nn.Parameter)}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered to a full tensor, by FQN (for tests and
         checkpoints)."""
-        return {name.removeprefix(_WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
+        return {name.removeprefix(WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
 
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
@@ -337,7 +337,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     pm = ParallelModel(plan=plan, mesh=mesh, gm=gm, params=params, program=program,
                        lowered=lowered,
                        input_placements=[stage.inputs[name] for name, _ in graph.inputs],
-                       block_prefix=_WRAPPER_PREFIX + find_repeated_blocks(model)[0])
+                       block_prefix=WRAPPER_PREFIX + find_repeated_blocks(model)[0])
     if stage.zero in (1, 2):
         axes = data_parallel_axes(stage)
         for p in pm.unique_params():
@@ -402,7 +402,7 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
     params, by_id = {}, {}
     for name, meta_param in gm.named_parameters(remove_duplicate=False):
         if id(meta_param) not in by_id:
-            fqn = name.removeprefix(_WRAPPER_PREFIX)
+            fqn = name.removeprefix(WRAPPER_PREFIX)
             if fqn not in stage.params:
                 raise PlanFileError(f"the plan places no parameter {fqn}; re-plan this model")
             by_id[id(meta_param)] = nn.Parameter(place_tensor(
@@ -411,7 +411,7 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
         params[name] = by_id[id(meta_param)]
     real_buffers = dict(model.named_buffers(remove_duplicate=False))
     for name, _ in gm.named_buffers(remove_duplicate=False):  # e.g. rotary inv_freq
-        fqn = name.removeprefix(_WRAPPER_PREFIX)
+        fqn = name.removeprefix(WRAPPER_PREFIX)
         if fqn in real_buffers:
             params[name] = place_tensor(real_buffers[fqn], mesh, [Replicate()] * mesh.ndim,
                                         device_type)

@@ -51,7 +51,7 @@ from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.support import lists_rank_groups
 from meshplan.graph import OpGraph
-from meshplan.tracing import _WRAPPER_PREFIX, export_training_graph, graph_from_export
+from meshplan.tracing import WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
 from meshplan.schedules import Schedule
 from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module, sharded_over
@@ -449,7 +449,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
         if layout.rank_group(piece.index) != my_group:
             continue
         module = _stage_module(piece, plan, gm, values, params, mesh, len(pieces),
-                               block_prefix=_WRAPPER_PREFIX + graph.block_module,
+                               block_prefix=WRAPPER_PREFIX + graph.block_module,
                                lowered=lowered)
         # Static shapes: the schedule then never runs a stage on uninitialised tensors to
         # infer them (garbage token ids would index out of range).
@@ -506,7 +506,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
             continue
         stage = plan.stages[piece.index]
         for target in piece.param_targets:
-            fqn = target.removeprefix(_WRAPPER_PREFIX)
+            fqn = target.removeprefix(WRAPPER_PREFIX)
             names = aliases.get(fqn, [fqn])
             listed = [stage.params[n] for n in names if n in stage.params]
             if not listed and fqn in buffers:
@@ -561,7 +561,7 @@ def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: 
         owned = {name: st.ops[name] for st in plan.stages for name in piece.recomputed
                  if name in st.ops}
         stage = replace(stage, ops={**stage.ops, **owned})
-    root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] for t in piece.param_targets}
+    root = {t: params[t.removeprefix(WRAPPER_PREFIX)] for t in piece.param_targets}
     # bodies of higher-order operators (e.g. Llama's no-grad rotary embedding) as traced
     root.update({t: whole.get_submodule(t) for t in piece.subgraph_targets})
     gm = fx.GraphModule(root, piece.graph, class_name=f"Stage{piece.index}")
@@ -611,7 +611,7 @@ def _tie_groups(model, plan: Plan, pieces: list[StageGraph], params: dict,
     for piece in pieces:
         stage = plan.stages[piece.index]
         for target in piece.param_targets:
-            fqn = target.removeprefix(_WRAPPER_PREFIX)
+            fqn = target.removeprefix(WRAPPER_PREFIX)
             key = aliases.get(fqn, [target])[0]
             if key in trained:  # buffers have no gradient to sum
                 owners.setdefault(key, set()).add(layout.rank_group(piece.index))

@@ -72,11 +72,11 @@ def hidden_size(model) -> int:
 def manual_variant(name: str, graph, world: int, *, hw):
     """``manual:dp=2+tp=2+...`` (``--manual`` keys joined by +): the plan
     meshplan.manual_plan builds, run with its own operator placements."""
-    from meshplan.cli import _manual
+    from meshplan.specs import parse_manual_spec
     from meshplan.planner.manual import build_manual_plan
 
     return build_manual_plan(graph, Mesh((world,), hw, ("proc",)),
-                             **_manual(name.removeprefix("manual:").replace("+", ",")))
+                             **parse_manual_spec(name.removeprefix("manual:").replace("+", ",")))
 
 
 def sp_only(plan, before: dict, observed: dict):
