@@ -235,6 +235,13 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
                     "parameters replicated or ZeRO-3-sharded there")
         if "P" in placements:
             return f"{fqn} is stored Partial ({placements}); no composable stores a partial weight"
+    norm = next((n for n, m in model.named_modules()
+                 if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))), None)
+    if norm is not None and dp is not None and stage.mesh_shape[dp] > 1:
+        return (f"{norm} is a BatchNorm and the batch is split over {stage.mesh_shape[dp]} "
+                "data-parallel ranks: under fully_shard each rank would normalise its own rows, "
+                "while the plan means statistics over the whole microbatch (DECISIONS 18; the "
+                "graph engine computes those)")
     blocks, num = find_repeated_blocks(model)
     if stage.recompute != "none" and not num:
         return (f"recompute={stage.recompute} wraps each repeated block, but the model has no "
