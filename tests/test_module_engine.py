@@ -232,6 +232,7 @@ def worker(path: str) -> None:
         results[name] = got
     if dist.get_rank() == 0:
         torch.save(results, path)
+    dist.barrier()  # gloo torn down under a peer still saving aborts it ("terminate called")
     dist.destroy_process_group()
 
 
