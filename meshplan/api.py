@@ -61,13 +61,16 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
-                dp: int = 1, tp: int = 1, pp: int = 1, microbatch_size: int = 1,
+                dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, microbatch_size: int = 1,
                 schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None,
                 engine: str = "auto") -> Plan:
-    """A Megatron-style plan written by hand (dp x tp x pp devices), estimated.
+    """A Megatron-style plan written by hand (dp x cp x tp x pp devices), estimated.
+
+    ``cp`` > 1 splits every activation's sequence over a context-parallel mesh axis
+    (meshplan/context.py); the stage mesh is then (dp, cp, tp).
 
     Never raises for memory: a plan that does not fit has ``predicted.fits == False`` and
     ``predicted.overflow`` says what overflows. Pass ``graph`` to reuse a trace.
@@ -79,7 +82,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     if graph is None:
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
-    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
+    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer)
