@@ -69,16 +69,23 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     prop = Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
                        seq_len=training.seq_len, zero=zero)
     cprop = CpPropagator(graph, training.seq_len) if cp > 1 else None
-    shape, axes = ((dp, cp, tp), ("dp", "cp", "tp")) if cp > 1 else ((dp, tp), ("dp", "tp"))
+    shape, axes = ((dp, tp), ("dp", "tp"))
+    keep = (0, 1, 2)
+    if cp > 1:
+        # DTensor's sharding propagation grows steeply with the mesh's rank (a 3-D mesh made
+        # a tiny Llama step take minutes on CPU): with cp, one-rank dp/tp axes are left out
+        keep = tuple(a for a, n in enumerate((dp, cp, tp)) if n > 1 or a == 1)
+        shape = tuple((dp, cp, tp)[a] for a in keep)
+        axes = tuple(("dp", "cp", "tp")[a] for a in keep)
     stages = []
     for s, names in enumerate(groups):
         ops = {n: prop.visit(graph.node(n)) for n in names}
         params = {p: prop.storage(p) for p in stage_params(graph, names)}
         inputs = {name: ("S(0)", R) for name, _ in graph.inputs}
         if cprop is not None:  # (dp, tp) -> (dp, cp, tp); weights replicated over cp
-            ops = {n: _with_cp(pl, *cprop.visit(graph.node(n))) for n, pl in ops.items()}
-            params = {p: insert_cp(pl, R) for p, pl in params.items()}
-            inputs = {name: insert_cp(pl, R) for name, pl in inputs.items()}
+            ops = {n: _with_cp(pl, *cprop.visit(graph.node(n)), keep) for n, pl in ops.items()}
+            params = {p: _keep(insert_cp(pl, R), keep) for p, pl in params.items()}
+            inputs = {name: _keep(insert_cp(pl, R), keep) for name, pl in inputs.items()}
         stages.append(Stage(index=s, devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
                             mesh_shape=shape, axis_names=axes, layers=bounds[s],
                             nodes=(names[0], names[-1]), recompute=recompute, zero=zero,
@@ -93,9 +100,16 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     return replace(plan, solver=solver, wall_time_s=time.perf_counter() - start)
 
 
-def _with_cp(pl: OpPlacement, cp_inputs: tuple[str, ...], cp_out: str) -> OpPlacement:
-    return OpPlacement(inputs=tuple(insert_cp(p, c) for p, c in zip(pl.inputs, cp_inputs)),
-                       output=insert_cp(pl.output, cp_out))
+def _keep(placements: tuple[str, ...], keep: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(placements[a] for a in keep) if placements else placements
+
+
+def _with_cp(pl: OpPlacement, cp_inputs: tuple[str, ...], cp_out: str,
+             keep: tuple[int, ...]) -> OpPlacement:
+    """(dp, tp) placements + the cp axis's -> the stage mesh's axes."""
+    return OpPlacement(inputs=tuple(_keep(insert_cp(p, c), keep) if p else p
+                                    for p, c in zip(pl.inputs, cp_inputs)),
+                       output=_keep(insert_cp(pl.output, cp_out), keep) if pl.output else ())
 
 
 def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_stages, recompute,
