@@ -70,7 +70,7 @@ def run_case(case: str) -> dict:
         else:
             losses.append(pm.train_step(b, opt, grads_out=grads if last else None))
     return {"losses": losses, "grads": grads, "engine": plan.engine,
-            "mesh": (plan.num_stages, tuple(plan.stages[0].mesh_shape))}
+            "axes": dict(zip(plan.stages[0].axis_names, plan.stages[0].mesh_shape))}
 
 
 def reference(case: str) -> dict:
@@ -112,6 +112,79 @@ def worker(out: str, cases) -> None:
     dist.destroy_process_group()
 
 
+# -- pure: the layout and the refusals ---------------------------------------------------------
+
+def test_layout_gives_each_rank_a_head_and_a_tail_chunk():
+    from meshplan.context import causal_work, layout_order, rank_chunks
+
+    assert rank_chunks(16, 4, 0) == ((0, 2), (14, 16))
+    assert rank_chunks(16, 4, 3) == ((6, 8), (8, 10))
+    assert sorted(layout_order(16, 4)) == list(range(16))
+    assert layout_order(8, 2) == [0, 1, 6, 7, 2, 3, 4, 5]
+    # causal work per rank is equal under the layout (contiguous chunks would give 1:3:5:7)
+    work = causal_work(1024, 4)
+    assert len(set(work)) == 1 and sum(work) == 1024 * 1025 // 2
+
+
+class _NoAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32)
+
+    def forward(self, ids):
+        return self.out(torch.relu(self.emb(ids)))
+
+
+class _CausalFlag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out = (torch.nn.Embedding(32, 8), torch.nn.Linear(8, 24),
+                                        torch.nn.Linear(8, 32))
+
+    def forward(self, ids):
+        q, k, v = self.qkv(self.emb(ids)).unsqueeze(1).chunk(3, dim=-1)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.squeeze(1))
+
+
+def _plan(model, seq, **kw):
+    import meshplan
+    from meshplan.mesh import Mesh
+
+    with torch.device("meta"):
+        m = model() if isinstance(model, type) else build(model, "meta")
+    ids = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    return meshplan.manual_plan(m, Mesh.local(4), (ids,), dtype="fp32", **kw)
+
+
+def test_bad_input_gets_one_line_each():
+    from meshplan.errors import MeshplanError, NotSupportedError, PlanningError
+
+    with pytest.raises(PlanningError, match=r"sequence length 12 is not divisible by 2 x cp = 8"):
+        _plan(LLAMA, 12, cp=4)
+    with pytest.raises(PlanningError, match=r"cp=4 .* has no attention operator"):
+        _plan(_NoAttention, 16, cp=4)
+    with pytest.raises(NotSupportedError, match=r"operator scaled_dot_product_attention .*"
+                       r"test_context_parallel.py:\d+ uses is_causal=True"):
+        _plan(_CausalFlag, 16, cp=4)
+    for exc in (PlanningError, NotSupportedError):
+        assert issubclass(exc, MeshplanError)
+
+
+def test_plan_records_the_cp_axis_and_round_trips():
+    from meshplan.plan import Plan
+
+    plan = _plan(LLAMA, 16, cp=2, dp=2)
+    st = plan.stages[0]
+    assert st.axis_names == ("dp", "cp") and st.mesh_shape == (2, 2) and plan.engine == "graph"
+    attn = st.ops["scaled_dot_product_attention"]
+    assert attn.inputs[0] == ("S(0)", "S(2)") and attn.inputs[1][1] == "R"  # Q split, K gathered
+    assert attn.inputs[3][1] == "S(2)"  # the mask's query rows follow the layout
+    assert all(p[1] == "R" for p in st.params.values())  # weights replicated over cp
+    again = Plan.from_json_text(plan.to_json_text())
+    assert again.stages[0].ops == st.ops
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     from _launch import torchrun_results
@@ -123,8 +196,7 @@ def results(tmp_path_factory):
 def test_cp_matches_single_process(results, case):
     got = results[case]
     assert "error" not in got, got.get("traceback")
-    assert got["engine"] == "graph" and "cp" not in () and got["mesh"][1][1] == \
-        CASES[case][1]["cp"]
+    assert got["engine"] == "graph" and got["axes"]["cp"] == CASES[case][1]["cp"]
     ref = reference(case)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
                                rtol=1e-5, atol=1e-6)
