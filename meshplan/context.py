@@ -79,7 +79,7 @@ def check_cp_model(graph: OpGraph, cp: int, seq_len: int) -> None:
     attention = [n for n in graph.nodes if n.kind == OpKind.ATTENTION]
     if not attention:
         raise PlanningError(f"cp={cp} splits attention's sequence, but model "
-                            f"{graph.name or 'graph'} has no attention operator; use cp=1 "
+                            f"{graph.model_name or '(unnamed)'} has no attention operator; use cp=1 "
                             "(split the batch with dp instead)")
     layout_order(seq_len, cp)
     for n in attention:

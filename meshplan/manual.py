@@ -69,6 +69,11 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     prop = Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
                        seq_len=training.seq_len, zero=zero)
     cprop = CpPropagator(graph, training.seq_len) if cp > 1 else None
+    if cprop is not None:
+        # cp stages run on DTensor (runtime/context.py), whose backward cannot turn the
+        # partial gradient of a vocab-parallel embedding's output into its masked partial
+        # (torch 2.13): the token embedding stays replicated on tp
+        prop.vocab = set()
     shape, axes = ((dp, tp), ("dp", "tp"))
     keep = (0, 1, 2)
     if cp > 1:
