@@ -56,6 +56,16 @@ def rank_chunks(seq: int, cp: int, rank: int) -> tuple[tuple[int, int], tuple[in
     return (rank * c, (rank + 1) * c), ((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
 
 
+def chunk_words(seq: int, cp: int, limit: int = 4) -> str:
+    """Each cp rank's sequence chunks, for ``meshplan show`` and the report."""
+    ranks = [f"rank {r}: " + " + ".join(f"[{a}, {b})" for a, b in rank_chunks(seq, cp, r))
+             for r in range(min(cp, limit))]
+    more = f"; ... rank {cp - 1}: " + " + ".join(
+        f"[{a}, {b})" for a, b in rank_chunks(seq, cp, cp - 1)) if cp > limit else ""
+    return (f"cp={cp}: sequence {seq} in {2 * cp} chunks of {seq // (2 * cp)}, each rank a head "
+            f"and a tail chunk; " + "; ".join(ranks) + more)
+
+
 def causal_work(seq: int, cp: int) -> list[int]:
     """Query-key pairs each cp rank scores under a causal mask (the balance the layout buys)."""
     return [sum(q + 1 for a, b in rank_chunks(seq, cp, r) for q in range(a, b))
@@ -240,14 +250,3 @@ class CpPropagator:
 def insert_cp(placements: tuple[str, ...], cp_placement: str, axis: int = 1) -> tuple[str, ...]:
     """(dp, tp) placements -> (dp, cp, tp)."""
     return tuple(placements[:axis]) + (cp_placement,) + tuple(placements[axis:])
-
-
-def cp_degree(stage) -> int:
-    """Size of the stage mesh's "cp" axis (1 without one)."""
-    names = tuple(stage.axis_names)
-    return stage.mesh_shape[names.index(CP_AXIS)] if CP_AXIS in names else 1
-
-
-def cp_axis(stage) -> int | None:
-    names = tuple(stage.axis_names)
-    return names.index(CP_AXIS) if CP_AXIS in names else None

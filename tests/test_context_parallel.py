@@ -183,6 +183,24 @@ def test_plan_records_the_cp_axis_and_round_trips():
     assert all(p[1] == "R" for p in st.params.values())  # weights replicated over cp
     again = Plan.from_json_text(plan.to_json_text())
     assert again.stages[0].ops == st.ops
+    from meshplan.inspect import summary_text
+
+    text = summary_text(again, width=400)  # what meshplan show prints, unwrapped
+    assert "rank 0: [0, 4) + [12, 16); rank 1: [4, 8) + [8, 12)" in text and "(dp,cp)" in text
+
+
+def test_support_rules_refuse_a_cp_plan_they_cannot_run():
+    from dataclasses import replace
+
+    from meshplan.support import Candidate, candidate_problems, plan_problems
+
+    assert candidate_problems(Candidate(cp=4, seq_len=20, global_batch=1))[0].startswith(
+        "sequence length 20 is not divisible by 2 x cp = 8")
+    assert not candidate_problems(Candidate(cp=4, seq_len=32, global_batch=1))
+    plan = _plan(LLAMA, 16, cp=4)
+    assert not plan_problems(plan)
+    assert "context parallelism runs on the graph engine" in plan_problems(
+        replace(plan, engine="modules"))[0]
 
 
 @pytest.fixture(scope="module")
