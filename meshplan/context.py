@@ -131,6 +131,9 @@ def _sdim(p: str) -> int | None:
     return int(p[2:-1]) if p.startswith("S(") else None
 
 
+_MOVABLE_VIEWS = ("unsqueeze", "expand", "reshape", "view", "transpose", "clone", "alias")
+
+
 class CpPropagator:
     """The cp-axis placement of every operator's inputs and output, walked in graph order
     (the rules of the module docstring). ``visit`` returns (input placements, output)."""
@@ -140,6 +143,7 @@ class CpPropagator:
 
         self.g, self.seq, self._map = graph, seq_len, map_view_dim
         self.state: dict[str, str] = {n: R for n, _ in graph.inputs}
+        self.records: dict[str, tuple[tuple[str, ...], str]] = {}
         # graph inputs (and their views) with a sequence dim: name -> that dim
         self.seeds = {n: 1 for n, m in graph.inputs if len(m.shape) >= 2 and m.shape[1] == seq_len}
 
@@ -244,7 +248,31 @@ class CpPropagator:
 
     def _done(self, node: OpNode, consumed, out: str):
         self.state[node.name] = out
+        self.records[node.name] = (tuple(consumed), out)
         return tuple(consumed), out
+
+    def gather_kv_early(self, names) -> dict[str, tuple[tuple[str, ...], str]]:
+        """The records of ``names`` with K and V gathered before the views that feed
+        attention (grouped-query attention's repeat_kv is unsqueeze, expand, reshape): the
+        exchange then moves the kv heads, not their copies (num_heads / num_kv_heads less)."""
+        g, records = self.g, dict(self.records)
+        users: dict[str, list[str]] = {}
+        for n in g.nodes:
+            for i in n.inputs:
+                users.setdefault(i, []).append(n.name)
+        for name in names:
+            node = g.node(name)
+            if node.kind != OpKind.ATTENTION or records[name][1] == R:
+                continue
+            for src in node.inputs[1:3]:
+                while src in records and g.node(src).kind == OpKind.VIEW and \
+                        len(users.get(src, ())) == 1 and records[src][1] != R and \
+                        any(k in g.node(src).target for k in _MOVABLE_VIEWS):
+                    view = g.node(src)
+                    consumed = tuple(R if i == 0 else c for i, c in enumerate(records[src][0]))
+                    records[src] = (consumed, R)
+                    src = view.inputs[0]
+        return {n: records[n] for n in names}
 
 
 def insert_cp(placements: tuple[str, ...], cp_placement: str, axis: int = 1) -> tuple[str, ...]:

@@ -88,7 +88,10 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
         params = {p: prop.storage(p) for p in stage_params(graph, names)}
         inputs = {name: ("S(0)", R) for name, _ in graph.inputs}
         if cprop is not None:  # (dp, tp) -> (dp, cp, tp); weights replicated over cp
-            ops = {n: _with_cp(pl, *cprop.visit(graph.node(n)), keep) for n, pl in ops.items()}
+            for n in names:
+                cprop.visit(graph.node(n))
+            cp_ops = cprop.gather_kv_early(names)
+            ops = {n: _with_cp(pl, *cp_ops[n], keep) for n, pl in ops.items()}
             params = {p: _keep(insert_cp(pl, R), keep) for p, pl in params.items()}
             inputs = {name: _keep(insert_cp(pl, R), keep) for name, pl in inputs.items()}
         stages.append(Stage(index=s, devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
