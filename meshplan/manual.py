@@ -70,30 +70,18 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                        seq_len=training.seq_len, zero=zero)
     cprop = CpPropagator(graph, training.seq_len) if cp > 1 else None
     if cprop is not None:
-        # cp stages run on DTensor (runtime/context.py), whose backward cannot turn the
-        # partial gradient of a vocab-parallel embedding's output into its masked partial
-        # (torch 2.13): the token embedding stays replicated on tp
-        prop.vocab = set()
+        prop.vocab = set()  # see with_cp_axis
     shape, axes = ((dp, tp), ("dp", "tp"))
-    keep = (0, 1, 2)
-    if cp > 1:
-        # DTensor's sharding propagation grows steeply with the mesh's rank (a 3-D mesh made
-        # a tiny Llama step take minutes on CPU): with cp, one-rank dp/tp axes are left out
-        keep = tuple(a for a, n in enumerate((dp, cp, tp)) if n > 1 or a == 1)
-        shape = tuple((dp, cp, tp)[a] for a in keep)
-        axes = tuple(("dp", "cp", "tp")[a] for a in keep)
     stages = []
     for s, names in enumerate(groups):
         ops = {n: prop.visit(graph.node(n)) for n in names}
         params = {p: prop.storage(p) for p in stage_params(graph, names)}
         inputs = {name: ("S(0)", R) for name, _ in graph.inputs}
-        if cprop is not None:  # (dp, tp) -> (dp, cp, tp); weights replicated over cp
+        if cprop is not None:
             for n in names:
                 cprop.visit(graph.node(n))
-            cp_ops = cprop.gather_kv_early(names)
-            ops = {n: _with_cp(pl, *cp_ops[n], keep) for n, pl in ops.items()}
-            params = {p: _keep(insert_cp(pl, R), keep) for p, pl in params.items()}
-            inputs = {name: _keep(insert_cp(pl, R), keep) for name, pl in inputs.items()}
+            shape, axes, ops, params, inputs = with_cp_axis(
+                cprop.gather_kv_early(names), dp, cp, tp, ops, params, inputs)
         stages.append(Stage(index=s, devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
                             mesh_shape=shape, axis_names=axes, layers=bounds[s],
                             nodes=(names[0], names[-1]), recompute=recompute, zero=zero,
@@ -106,6 +94,25 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     plan = with_stage_predictions(plan, graph)
     solver = replace(solver, objective_s=plan.predicted.step_time_s)
     return replace(plan, solver=solver, wall_time_s=time.perf_counter() - start)
+
+
+def with_cp_axis(cp_records: dict, dp: int, cp: int, tp: int, ops: dict, params: dict,
+                 inputs: dict):
+    """A (dp, tp) stage's placements with the cp axis added: (shape, axis names, ops,
+    params, inputs). Weights and graph inputs are replicated over cp.
+
+    DTensor's sharding propagation grows steeply with the mesh's rank (a 3-D mesh made a
+    tiny Llama step take minutes on CPU), so one-rank dp/tp axes are left out. cp stages
+    run on DTensor (runtime/context.py), whose backward cannot turn the partial gradient of
+    a vocab-parallel embedding's output into its masked partial (torch 2.13): the caller's
+    Propagator keeps the token embedding replicated on tp (``vocab = set()``)."""
+    keep = tuple(a for a, n in enumerate((dp, cp, tp)) if n > 1 or a == 1)
+    shape = tuple((dp, cp, tp)[a] for a in keep)
+    axes = tuple(("dp", "cp", "tp")[a] for a in keep)
+    ops = {n: _with_cp(pl, *cp_records[n], keep) for n, pl in ops.items()}
+    params = {p: _keep(insert_cp(pl, R), keep) for p, pl in params.items()}
+    inputs = {name: _keep(insert_cp(pl, R), keep) for name, pl in inputs.items()}
+    return shape, axes, ops, params, inputs
 
 
 def _keep(placements: tuple[str, ...], keep: tuple[int, ...]) -> tuple[str, ...]:
