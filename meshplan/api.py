@@ -34,7 +34,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  microbatches: Sequence[int] | None = None, schedules: Sequence[str] | None = None,
                  recompute: Sequence[str] | None = None, max_stages: int | None = None,
                  time_limit_s: float = 30.0, model_name: str = "",
-                 graph: OpGraph | None = None, engine: str = "auto") -> Plan:
+                 graph: OpGraph | None = None, engine: str = "auto",
+                 context_parallel: Sequence[int] = (1,)) -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
     ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
@@ -42,7 +43,9 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     ``example_targets`` go only to ``loss_fn(outputs, *targets)``; with neither targets nor
     loss_fn the language-model default applies (next-token loss on the first input).
     Pass ``graph`` to reuse a trace. ``engine`` ("auto", "modules", "graph") picks the
-    runtime recorded in the plan (``choose_engine``).
+    runtime recorded in the plan (``choose_engine``). ``context_parallel`` lists the
+    context-parallel degrees the search tries with everything else, e.g. (1, 2, 4, 8, 16)
+    for long sequences (default: none).
     """
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
@@ -53,7 +56,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # the single-stage intra-op ILP compete under one cost model (planner/hybrid); raises
     # MemoryLimitError (with min_memory_gib) when nothing fits
     space = search_space(microbatches=microbatches, schedules=schedules, recompute=recompute,
-                         max_stages=max_stages)
+                         max_stages=max_stages, context_parallel=context_parallel)
     plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
                      memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
     return choose_engine(plan, model, engine)
