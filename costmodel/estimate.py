@@ -410,6 +410,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
 
     fwd = bwd = rec_full = rec_sel = 0.0
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
+    # context parallelism (runtime/context.py): a value gathered over cp (K, V) gets its
+    # partial gradient all-reduced once where it was gathered, not again at each consumer
+    cp_ax = stage.axis_names.index("cp") if "cp" in stage.axis_names else None
     consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
     for name in names:
         node = graph.node(name)
@@ -445,6 +448,8 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                     continue
                 buf = nbytes / split_factor(src, shape, skip_axis=axis)
                 f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
+                if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == "R":
+                    b = Collective.ALL_REDUCE
                 if f:
                     tf = coll(f, buf, axis)
                     comm_fwd += tf
@@ -452,7 +457,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                 if b:
                     comm_bwd += coll(b, buf, axis)
                 if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
-                        and src[axis] == "R":
+                        and src[axis] == "R" and axis != cp_ax:
                     comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
     return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
