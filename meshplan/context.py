@@ -18,7 +18,8 @@ Placements on the cp axis, in graph order (``CpPropagator``):
   (positions, RoPE tables, position embeddings, masks) are read split too, which is where
   the layout gives each rank its own positions; operands of size 1 there stay "R";
 - attention reads Q split and K, V "R" (all-gathered over cp, as Llama 3 does), the mask
-  split on its query dim; its output stays split;
+  split on its query dim; its output stays split; a queries x keys mask computed from
+  positions is built split on its query rows (each rank makes only its rows);
 - anything else that meets a split (a slice of the sequence, a flatten of batch and
   sequence, the loss, a matmul contracting the sequence) reads it "R" (all-gathered).
 """
@@ -194,6 +195,16 @@ class CpPropagator:
                     out = f"S({e})"
             return self._done(node, consumed, out)
         split = [(k, _sdim(ins[k])) for k in acts if _sdim(ins[k]) is not None]
+        if not split and node.kind == OpKind.ELEMENTWISE and len(out_shape) >= 2 and \
+                out_shape[-2:] == (self.seq, self.seq):
+            # a seq x seq mask made from positions (queries x keys): each rank builds only
+            # its own query rows, from the query-side operand
+            rows = [k for k in acts if len(_shape(g, node.inputs[k])) >= 2 and
+                    _shape(g, node.inputs[k])[-2] == self.seq]
+            if rows:
+                d = len(_shape(g, node.inputs[rows[0]])) - 2
+                consumed[rows[0]] = ins[rows[0]] = f"S({d})"
+                split = [(rows[0], d)]
         if not split and node.kind not in (OpKind.CREATION, OpKind.LOSS):
             seeded = [k for k in acts if node.inputs[k] in self.seeds]
             if seeded:
