@@ -54,6 +54,9 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     start = time.perf_counter()
     _check(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
            schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
+    if cp > 1 and recompute == "selective":
+        raise NotSupportedError("recompute='selective' with cp > 1 is not supported (its "
+                                "replay diverges around the cp exchange); use 'full' or 'none'")
     if cp > 1 and sequence_parallel and tp > 1:
         raise NotSupportedError("sequence_parallel=True with cp > 1 would split the sequence on "
                                 "both the tp and the cp axis; cp already splits every "

@@ -194,6 +194,10 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
     cps = {cp_degree(st) for st in plan.stages}
     if len(cps) > 1:
         return (f"stages have different cp degrees {sorted(cps)}; every stage needs the same",)
+    if max(cps) > 1 and any(st.recompute == "selective" for st in plan.stages):
+        return (f"recompute 'selective' with cp={max(cps)}: the selective checkpoint's replay "
+                "diverges from the forward around the cp exchange (tests/"
+                "test_context_parallel.py); use recompute 'full' or 'none' with cp",)
     if max(cps) > 1 and plan.engine != "graph":
         return (f"engine {plan.engine!r} with cp={max(cps)}; context parallelism runs on the "
                 "graph engine: set engine 'graph'",)

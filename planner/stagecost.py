@@ -126,7 +126,7 @@ class MegatronStageCost:
         if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp):
             return None
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
-                              option.sequence_parallel):
+                              option.sequence_parallel or option.recompute == "selective"):
             return None  # no attention to split, or the layout's 2 x cp chunks do not divide
         key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
                need_memory)

@@ -27,6 +27,9 @@ CASES = {
     "llama-cp2xpp2": (LLAMA, dict(cp=2, pp=2, microbatch_size=2)),
     "gpt2-cp4": (GPT2, dict(cp=4)),
     "gpt2-cp2xdp2": (GPT2, dict(cp=2, dp=2)),
+    # recompute re-runs the exchange inside each block; ZeRO-1 shards over dp, not cp
+    "llama-cp2xdp2-full-zero1": (LLAMA, dict(cp=2, dp=2, recompute="full", zero=1)),
+    "gpt2-cp2xtp2": (GPT2, dict(cp=2, tp=2)),
 }
 
 
@@ -164,6 +167,10 @@ def test_bad_input_gets_one_line_each():
         _plan(LLAMA, 12, cp=4)
     with pytest.raises(PlanningError, match=r"cp=4 .* has no attention operator"):
         _plan(_NoAttention, 16, cp=4)
+    with pytest.raises(NotSupportedError, match=r"recompute='selective' with cp > 1"):
+        _plan(LLAMA, 16, cp=4, recompute="selective")
+    with pytest.raises(NotSupportedError, match=r"sequence_parallel=True with cp > 1"):
+        _plan(LLAMA, 16, cp=2, tp=2, sequence_parallel=True)
     with pytest.raises(NotSupportedError, match=r"operator scaled_dot_product_attention .*"
                        r"test_context_parallel.py:\d+ uses is_causal=True"):
         _plan(_CausalFlag, 16, cp=4)
