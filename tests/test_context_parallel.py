@@ -210,6 +210,56 @@ def test_support_rules_refuse_a_cp_plan_they_cannot_run():
         replace(plan, engine="modules"))[0]
 
 
+def test_cost_of_the_exchange_and_the_split_work_closed_form():
+    """cp=8 on one DGX H100 node (cp only): the exposed communication of a microbatch is,
+    for every value gathered over cp (K and V of each layer, the logits before the shifted
+    loss), an all-gather forward and one all-reduce of its partial gradient backward; the
+    attention operator's time is its time on 1/8 of the work."""
+    from meshplan.costmodel.comm import Collective, collective_time_s
+    from meshplan.costmodel.compute import op_time
+    from meshplan.costmodel.estimate import stage_cost
+    from meshplan.mesh import Mesh
+    from meshplan.planner.trace import trace
+
+    graph = trace(build(LLAMA, "meta"), (torch.zeros(1, 64, dtype=torch.long, device="meta"),))
+    mesh = Mesh.preset("dgx-h100", nodes=1)
+    plan = _plan_on(graph, mesh, cp=8)
+    st, hw = plan.stages[0], mesh.hardware
+    assert st.axis_names == ("cp",)
+    gathered = []
+    for name, op in st.ops.items():
+        for src, want in zip(graph.node(name).inputs, op.inputs):
+            if src in st.ops and st.ops[src].output[0].startswith("S") and want[0] == "R":
+                gathered.append(src)
+    assert len(gathered) == 2 * 2 + 1  # K, V of 2 layers, and the logits
+    expect = 0.0
+    for src in gathered:
+        out = graph.node(src).out
+        nbytes = out.numel * 2  # bf16
+        expect += collective_time_s(hw, Collective.ALL_GATHER, nbytes, 8) + \
+            collective_time_s(hw, Collective.ALL_REDUCE, nbytes, 8)
+    cost = stage_cost(st, graph, hw, dtype="bf16", optimizer="adam", seq_len=64,
+                      processes_on_host=8)
+    assert cost.comm_s == pytest.approx(expect, rel=1e-9)
+    # compute: every operator split on cp is charged 1/8 of its work (the layout makes the
+    # causal attention work of the ranks equal, test_layout_...), the others whole
+    from meshplan.costmodel.compute import contention_factor
+
+    c = contention_factor(hw, 8)
+    expect_fwd = sum(op_time(graph.node(n), hw, "bf16", 8 if op.output and op.output[0] != "R"
+                             else 1, contention=c).forward_s for n, op in st.ops.items())
+    assert cost.forward_s == pytest.approx(expect_fwd, rel=1e-9)
+    attention = graph.node("scaled_dot_product_attention")
+    assert st.ops[attention.name].output == ("S(2)",)
+    assert op_time(attention, hw, "bf16", 8).forward_s < op_time(attention, hw, "bf16", 1).forward_s
+
+
+def _plan_on(graph, mesh, **kw):
+    from meshplan.manual import build_manual_plan
+
+    return build_manual_plan(graph, mesh, dtype="bf16", **kw)
+
+
 def test_search_considers_cp_and_beats_every_uniform_manual_plan():
     """The exact pipeline search (eps=0) over dp x cp x tp x pp against brute force over the
     uniform manual plans of the same space: at 2 sequences of 8,192 tokens on 8 GPUs the
