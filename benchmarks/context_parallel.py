@@ -63,7 +63,7 @@ def row(plan, **extra) -> dict:
 
 
 def least_recompute(model, mesh, graph, **kw):
-    for recompute in ("none", "selective", "full"):
+    for recompute in ("none", "full"):  # selective is refused with cp (DECISIONS 37)
         plan = meshplan.manual_plan(model, mesh, graph=graph, recompute=recompute, dtype="bf16",
                                     **kw)
         if plan.predicted.fits:
