@@ -137,9 +137,11 @@ def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_st
         if int(value) < 1:
             raise PlanningError(f"{key}={value} must be at least 1")
     if dp * cp * tp * pp != mesh.num_devices:
-        raise MeshError(f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} = {dp * cp * tp * pp} devices, but "
-                        f"mesh {mesh.name or mesh.shape} has {mesh.num_devices}; choose degrees "
-                        "whose product is the mesh size")
+        names, values = ("dp*cp*tp*pp", (dp, cp, tp, pp)) if cp > 1 else \
+            ("dp*tp*pp", (dp, tp, pp))
+        raise MeshError(f"{names} = {'*'.join(map(str, values))} = {dp * cp * tp * pp} devices, "
+                        f"but mesh {mesh.name or mesh.shape} has {mesh.num_devices}; choose "
+                        "degrees whose product is the mesh size")
     if cp > 1:
         check_cp_model(graph, cp, graph.inputs[0][1].shape[1] if
                        len(graph.inputs[0][1].shape) > 1 else 1)
