@@ -185,6 +185,9 @@ def _batch_words(stage: Stage) -> str:
             if stage.mesh_shape[axis] > 1 and p in ("S(0)", "S(1)"):
                 word = "batch" if p == "S(0)" else "sequence"
                 split.setdefault(word, []).append(f"{axis} ({stage.axis_names[axis]})")
+    if "cp" in stage.axis_names:  # the ids are R on cp; every activation's sequence is split
+        axis = tuple(stage.axis_names).index("cp")
+        split.setdefault("sequence (head + tail chunks)", []).append(f"{axis} (cp)")
     return "; ".join(f"{w} over axis {ax[0]}" if len(ax) == 1 else
                      f"{w} over axes {', '.join(ax)}" for w, ax in split.items())
 
