@@ -4,8 +4,9 @@ processes against one process.
 One torchrun launch of 4 processes (this file is the worker) trains each case two Adam
 steps and saves its losses and the second step's gradients (full tensors); the tests
 compare them with the plain model in this process (rtol 1e-5): a tiny transformers Llama
-(RoPE, grouped-query attention) under cp=4, cp2 x dp2, cp2 x tp2, cp2 x pp2, and a tiny
-GPT-2 (learned positions) under cp=4 and cp2 x dp2.
+(RoPE, grouped-query attention) under cp=4, cp2 x dp2, cp2 x tp2, cp2 x pp2 and cp2 x dp2
+with full recompute and ZeRO-1, a tiny GPT-2 (learned positions) under cp=4, cp2 x dp2 and
+cp2 x tp2, and a tiny Mistral (sliding-window mask) under cp2 x dp2.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import torch
 LLAMA = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=2&"
          "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&max_position_embeddings=64")
 GPT2 = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
+# a sliding-window mask (window 6 < chunk boundaries at 4, 8, 12): built from positions too
+MISTRAL = ("transformers:mistral?hidden_size=64&intermediate_size=128&num_hidden_layers=2&"
+           "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&"
+           "max_position_embeddings=64&sliding_window=6")
 BATCH, SEQ, STEPS, LR, SEED = 4, 16, 2, 1e-3, 0
 
 CASES = {
@@ -30,6 +35,7 @@ CASES = {
     # recompute re-runs the exchange inside each block; ZeRO-1 shards over dp, not cp
     "llama-cp2xdp2-full-zero1": (LLAMA, dict(cp=2, dp=2, recompute="full", zero=1)),
     "gpt2-cp2xtp2": (GPT2, dict(cp=2, tp=2)),
+    "mistral-cp2xdp2": (MISTRAL, dict(cp=2, dp=2)),
 }
 
 
