@@ -27,6 +27,36 @@ def default_dtype(mesh: Mesh) -> str:
     return "fp32" if mesh.hardware.device.name == "cpu" else "bf16"
 
 
+def as_mesh(mesh) -> Mesh:
+    """A Mesh, or a mesh spec string as the command line takes it ("local:4",
+    "dgx-h100:nodes=2", "cluster.json")."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, str):
+        from meshplan.specs import parse_mesh_spec
+        return parse_mesh_spec(mesh)
+    raise PlanningError(f"mesh={mesh!r} is a {type(mesh).__name__}; pass a meshplan.Mesh "
+                        "(Mesh.local(4), Mesh.preset('dgx-h100', nodes=2)) or a spec string "
+                        "such as 'local:4'")
+
+
+def _check_search_options(*, microbatches, max_stages, time_limit_s, memory_limit_gib) -> None:
+    """autoparallel's numeric options: one line naming the bad value."""
+    if microbatches is not None:
+        bad = [m for m in microbatches if not isinstance(m, int) or isinstance(m, bool) or m < 1]
+        if bad or not len(microbatches):
+            raise PlanningError(f"microbatches={list(microbatches)!r}: give microbatch counts "
+                                "as positive integers, e.g. [1, 2, 4], or None for all")
+    if max_stages is not None and (not isinstance(max_stages, int) or max_stages < 1):
+        raise PlanningError(f"max_stages={max_stages!r}: at least 1 pipeline stage, or None")
+    if not time_limit_s > 0:
+        raise PlanningError(f"time_limit_s={time_limit_s!r}: the solver's time limit must be "
+                            "positive (seconds)")
+    if memory_limit_gib is not None and not memory_limit_gib > 0:
+        raise PlanningError(f"memory_limit_gib={memory_limit_gib!r}: must be positive, or None "
+                            "for the devices' capacity")
+
+
 def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
                  loss_fn: Callable | None = None, optimizer: str = "adam",
@@ -47,6 +77,9 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     context-parallel degrees the search tries with everything else, e.g. (1, 2, 4, 8, 16)
     for long sequences (default: none).
     """
+    mesh = as_mesh(mesh)
+    _check_search_options(microbatches=microbatches, max_stages=max_stages,
+                          time_limit_s=time_limit_s, memory_limit_gib=memory_limit_gib)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
     if graph is None:
@@ -80,6 +113,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     """
     from meshplan.manual import build_manual_plan
 
+    mesh = as_mesh(mesh)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
     if graph is None:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from meshplan import support
-from meshplan.errors import MemoryLimitError, PlanningError
+from meshplan.errors import MemoryLimitError, PlanningError, gib
 from meshplan.planner.graph import OpGraph
 from meshplan.planner.inter import SearchSpace
 from meshplan.planner.stagecost import plan_hybrid
@@ -117,7 +117,7 @@ def _model_state_floor(graph: OpGraph, mesh, limit: float, dtype: str,
     w, g, o = model_state_bytes(graph.param_count, dtype=dtype, optimizer=optimizer, zero=3, dp=n)
     floor = (w + g + o) / GIB  # model_state_bytes already divides by the n ZeRO-3 ranks
     return MemoryLimitError(
-        f"no plan fits {limit:.2f} GiB per device on {n} devices: even sharded over all "
+        f"no plan fits {gib(limit)} GiB per device on {n} devices: even sharded over all "
         f"{n} devices (ZeRO-3), the parameters, gradients and optimizer state need at least "
-        f"{floor:.2f} GiB per device before any activation. Use more devices or a smaller "
+        f"{gib(floor)} GiB per device before any activation. Use more devices or a smaller "
         "model, or raise memory_limit_gib.", min_memory_gib=floor)

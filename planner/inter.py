@@ -47,7 +47,7 @@ import numpy as np
 from meshplan.costmodel.memory import inflight_microbatches
 from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
-from meshplan.errors import MemoryLimitError, PlanningError
+from meshplan.errors import MemoryLimitError, PlanningError, gib
 from meshplan.planner.stagedp import RangeClasses, bound_candidates, build_tables, cut
 
 INF = float("inf")
@@ -325,9 +325,9 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
             top = sorted(top + [found], key=lambda p: p.step_time_s)[:keep]
     if not top:
         raise MemoryLimitError(
-            f"no pipeline plan fits {problem.memory_limit_gib:.2f} GiB per device on "
+            f"no pipeline plan fits {gib(problem.memory_limit_gib)} GiB per device on "
             f"{problem.num_devices} devices; the smallest stage found needs "
-            f"{smallest_memory[0]:.2f} GiB. Use more devices, a smaller batch, allow "
+            f"{gib(smallest_memory[0])} GiB. Use more devices, a smaller batch, allow "
             "recompute='full' and zero=3, or raise memory_limit_gib.",
             min_memory_gib=smallest_memory[0])
     return [PipelinePlan(**{**_fields(p), "combos_searched": combos, "dp_runs": runs[0]})
