@@ -64,7 +64,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  microbatches: Sequence[int] | None = None, schedules: Sequence[str] | None = None,
                  recompute: Sequence[str] | None = None, max_stages: int | None = None,
                  time_limit_s: float = 30.0, model_name: str = "",
-                 graph: OpGraph | None = None, engine: str = "auto") -> Plan:
+                 graph: OpGraph | None = None, engine: str = "auto",
+                 context_parallel: Sequence[int] = (1,)) -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
     ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
@@ -72,7 +73,9 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     ``example_targets`` go only to ``loss_fn(outputs, *targets)``; with neither targets nor
     loss_fn the language-model default applies (next-token loss on the first input).
     Pass ``graph`` to reuse a trace. ``engine`` ("auto", "modules", "graph") picks the
-    runtime recorded in the plan (``choose_engine``).
+    runtime recorded in the plan (``choose_engine``). ``context_parallel`` lists the
+    context-parallel degrees the search tries with everything else, e.g. (1, 2, 4, 8, 16)
+    for long sequences (default: none).
     """
     mesh = as_mesh(mesh)
     _check_search_options(microbatches=microbatches, max_stages=max_stages,
@@ -86,7 +89,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # the single-stage intra-op ILP compete under one cost model (planner/hybrid); raises
     # MemoryLimitError (with min_memory_gib) when nothing fits
     space = search_space(microbatches=microbatches, schedules=schedules, recompute=recompute,
-                         max_stages=max_stages)
+                         max_stages=max_stages, context_parallel=context_parallel)
     plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
                      memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
     return choose_engine(plan, model, engine)
@@ -94,13 +97,16 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
-                dp: int = 1, tp: int = 1, pp: int = 1, microbatch_size: int = 1,
+                dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, microbatch_size: int = 1,
                 schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None,
                 engine: str = "auto") -> Plan:
-    """A Megatron-style plan written by hand (dp x tp x pp devices), estimated.
+    """A Megatron-style plan written by hand (dp x cp x tp x pp devices), estimated.
+
+    ``cp`` > 1 splits every activation's sequence over a context-parallel mesh axis
+    (meshplan/context.py); the stage mesh is then (dp, cp, tp).
 
     Never raises for memory: a plan that does not fit has ``predicted.fits == False`` and
     ``predicted.overflow`` says what overflows. Pass ``graph`` to reuse a trace.
@@ -113,7 +119,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     if graph is None:
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
-    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
+    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer)

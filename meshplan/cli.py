@@ -17,8 +17,9 @@ EXIT_USER_ERROR = 2
 
 
 def _manual(text: str) -> dict:
-    """dp=2,tp=2,pp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0 -> manual_plan kwargs."""
-    keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "mb": ("microbatch_size", int),
+    """dp=2,tp=2,pp=1,cp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0 -> manual_plan kwargs."""
+    keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "cp": ("cp", int),
+            "mb": ("microbatch_size", int),
             "schedule": ("schedule", str), "recompute": ("recompute", str),
             "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),
             "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str)}

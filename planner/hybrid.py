@@ -41,9 +41,10 @@ VIRTUAL_STAGES = (2, 4)
 def search_space(*, microbatches: Sequence[int] | None = None,
                  schedules: Sequence[str] | None = None, recompute: Sequence[str] | None = None,
                  max_stages: int | None = None, zero: Sequence[int] | None = None,
-                 eps: float = 0.01) -> SearchSpace:
+                 context_parallel: Sequence[int] = (1,), eps: float = 0.01) -> SearchSpace:
     """autoparallel's options as a SearchSpace; None keeps the whole dimension. ``eps``
-    merges bound candidates within 1% (the exact search, eps=0, is what tests check)."""
+    merges bound candidates within 1% (the exact search, eps=0, is what tests check).
+    ``context_parallel`` lists the cp degrees tried (1: none), jointly with the rest."""
     return SearchSpace(
         schedules=tuple(schedules) if schedules else ("gpipe", "1f1b", "interleaved-1f1b"),
         recompute=tuple(recompute) if recompute else ("none", "selective", "full"),
@@ -51,7 +52,8 @@ def search_space(*, microbatches: Sequence[int] | None = None,
         microbatches=tuple(microbatches) if microbatches else None,
         microbatch_sizes=None if microbatches else MICROBATCH_SIZES,
         virtual_stages=VIRTUAL_STAGES, max_stages=max_stages,
-        sequence_parallel=(False, True), mixed_meshes=False, eps=eps)
+        sequence_parallel=(False, True), mixed_meshes=False,
+        context_parallel=tuple(context_parallel), eps=eps)
 
 
 def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",

@@ -218,6 +218,9 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
         return (f"plan has {plan.num_stages} pipeline stages; the module engine runs one "
                 "stage (the graph engine runs pipelines)")
     t, stage = plan.training, plan.stages[0]
+    if "cp" in stage.axis_names:
+        return ("the plan has a context-parallel axis 'cp'; its K/V exchange and load-balanced "
+                "layout run on the graph engine (meshplan/context.py)")
     if t.dtype not in COMPUTE_DTYPES:
         return (f"dtype {t.dtype} needs loss scaling, which the module engine does not do; "
                 "use bf16 or fp32, or the graph engine")
