@@ -351,9 +351,12 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     if zero >= 3:
         # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
         # gathered copy of one block, not dp of them
-        layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0)
-        # one block's gathered weights and its full gradient before the reduce-scatter:
-        # the engine frees a gathered block after its last reader and gathers it again
+        # the largest gathered unit: a block, or the weights outside the blocks (embedding,
+        # head, final norm: one unit, -1), which with a large vocabulary is the
+        # largest (Llama 0.22B of benchmarks/local_shards.py: 0.24 GiB against 0.05 a block)
+        layer_numel = max(largest_layer.values(), default=0.0)
+        # one unit's gathered weights and its full gradient before the reduce-scatter:
+        # the engine frees a gathered unit after its last reader and gathers it again
         # when the backward unpacks what autograd saved (runtime/spmd.py _Regather), with
         # or without recompute
         buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
