@@ -35,6 +35,10 @@ from meshplan.graph import (CallSignature, OpGraph, OpKind, OpNode, ParamInfo, T
 from meshplan.opcount import (UncountedOperatorsWarning, classify, forward_flops,  # noqa: F401
                                       uncounted_operators, warn_uncounted)
 
+
+class LossError(TraceError):
+    """``loss_fn`` did not return one scalar tensor."""
+
 LossFn = Callable[..., torch.Tensor]
 
 
@@ -131,7 +135,14 @@ class TrainingModule(nn.Module):
         if not self.with_loss:
             return out
         if self.loss_fn is not None:
-            return self.loss_fn(out, *targets)
+            loss = self.loss_fn(out, *targets)
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+                what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
+                    else f"a {type(loss).__name__}"
+                raise LossError(f"loss_fn returned {what}, not a scalar tensor; reduce it "
+                                "(e.g. .mean(), or reduction='mean') so that one number is "
+                                "differentiated")
+            return loss
         if targets:
             return target_loss(out, *targets)
         first = args[0] if args else next(iter(kwargs.values()))
@@ -171,7 +182,14 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
             for table in (ep.state_dict, ep.constants):
                 for key, t in table.items():
                     table[key] = originals.get(id(t), t)
+    except LossError:
+        raise
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear TraceError
+        cause = exc
+        while cause is not None and not isinstance(cause, LossError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:  # the loss, not the model's traceability
+            raise LossError(str(cause)) from None
         raise TraceError(_explain_trace_failure(exc, model)) from exc
     return ep
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from meshplan.costmodel.compute import DTYPE_NAMES
 from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.errors import PlanningError
+from meshplan.errors import PlanningError, gib
 from meshplan.plan import Estimate, Plan, Stage, StagePrediction
 from meshplan.planner import ilp
 from meshplan.planner.assemble import mesh_info, model_info, training_config
@@ -121,7 +121,7 @@ def alternatives(plan: Plan, node_name: str) -> tuple[Alternative, ...]:
         elif total is None:
             reason = "needs a redistribution DTensor cannot do from its neighbours' placements"
         elif mem > options.memory_limit_gib:
-            reason = f"needs {mem:.2f} GiB per device, over the {options.memory_limit_gib:.2f} GiB limit"
+            reason = f"needs {gib(mem)} GiB per device, over the {gib(options.memory_limit_gib)} GiB limit"
         else:
             delta = (total - base) / NS if base is not None else 0.0
             reason = f"slower by {delta * 1e3:.3f} ms" if delta > 0 else \

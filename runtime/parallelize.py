@@ -327,7 +327,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
         ep, rename = microbatch_program(model, plan, ep, meta_inputs, loss_fn, signature)
         program = TracedProgram(ep, graph, plan.training.microbatches, rename)
     ep, graph = program.exported, program.graph
-    plan.check_model(graph.fingerprint)
+    plan.check_graph(graph)
 
     stage = plan.stages[0]
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

@@ -425,7 +425,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     if graph is None:
         graph = graph_from_export(export_training_graph(meta_model, meta_inputs, loss_fn,
                                                         signature=signature), model)
-    plan.check_model(graph.fingerprint)
+    plan.check_graph(graph)
     if plan.training.virtual_stages > 1 and lists_rank_groups(plan):
         plan = expand_interleaved(plan, graph)
     layout = pipeline_layout(plan)

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from meshplan.errors import NotSupportedError
-from meshplan.runtime import lowering
+from meshplan.runtime import context, lowering
 from meshplan.runtime.pipeline_split import writes_in_place, written_attrs
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
@@ -226,7 +226,10 @@ class SPMDExecutor(fx.Interpreter):
                     "updated twice); plan this model with recompute='none'")
         self.stats = ExecStats()
         self.record = record
-        self.lowered = lowered
+        # a context-parallel axis reads "S(d)" as the load-balanced layout (runtime/context.py),
+        # which the lowered program does not know: such stages run on DTensor
+        self.cp_axis = context.cp_axis_of(mesh)
+        self.lowered = lowered and self.cp_axis is None
         self.steps: dict | None = None  # node -> lowering.Step, built by the first call
         self.block_prefix = block_prefix
         self.hoisted: dict = {}  # get_attr node -> (src, dst): gathered once per call
@@ -343,6 +346,8 @@ class SPMDExecutor(fx.Interpreter):
             return value
         try:
             self.stats.redistributions += 1
+            if self.cp_axis is not None and current[self.cp_axis] != target[self.cp_axis]:
+                return context.move_cp(value, current, target, self.cp_axis, to_placements)
             return value.redistribute(self.mesh, to_placements(target, self.mesh))
         except Exception as exc:  # noqa: BLE001 - name the node and the placements
             raise NotSupportedError(

@@ -116,6 +116,7 @@ def worker(out_path: str) -> None:
     results = {case: run_case(case, checkpoint_dir) for case in CASES}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 

@@ -1,6 +1,6 @@
 """The packages import one way: core <- costmodel <- planner <- runtime <- app.
 
-The contract is `.importlinter` at the repository root (docs/DECISIONS.md 38). import-linter
+The contract is `.importlinter` at the repository root (docs/DECISIONS.md 42). import-linter
 reads a package from one folder, while setup.cfg installs meshplan from four (``package_dir``),
 so the test copies the sources into the installed layout and runs ``lint-imports`` on that.
 """

@@ -99,6 +99,7 @@ def worker(out_path: str) -> None:
                "zero": {level: run_zero(level) for level in (0, 1, 2)}}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 

@@ -159,6 +159,7 @@ def worker(out_path: str) -> None:
             dist.barrier()
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 

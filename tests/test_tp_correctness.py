@@ -175,6 +175,7 @@ def worker(out: str) -> None:
                              "traceback": traceback.format_exc()[-4000:]}
     if dist.get_rank() == 0:
         torch.save(results, out)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 

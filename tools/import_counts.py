@@ -16,8 +16,8 @@ import sys
 FOLDERS = {"meshplan": "meshplan", "planner": "planner", "costmodel": "costmodel", "runtime": "runtime"}
 
 
-# modules of meshplan/ that form the core layer (docs/DECISIONS.md 38); the rest is app
-CORE = {"errors", "plan", "placements", "schedules", "graph", "tracing", "opcount", "support",
+# modules of meshplan/ that form the core layer (docs/DECISIONS.md 42); the rest is app
+CORE = {"context", "errors", "plan", "placements", "schedules", "graph", "tracing", "opcount", "support",
         "inspect"}
 PACKAGES = ("core", "costmodel", "planner", "runtime", "app")
 

@@ -181,6 +181,7 @@ def main(argv=None) -> int:
                                 "traceback": traceback.format_exc()}
     if dist.get_rank() == 0:
         torch.save(results, args.out)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
     return 0
 
