@@ -27,7 +27,7 @@ import time
 import torch
 
 import meshplan
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import parse_model_spec
 
 SEQ, BATCH = 8192, 2048  # Table 4: sequence 8,192, 16M tokens per batch

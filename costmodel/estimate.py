@@ -37,9 +37,9 @@ from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
                                        alias_root, grad_sync_buffer_bytes, model_state_bytes,
-                                       state_bytes_per_param, zero3_buffer_bytes)
+                                       optimizer_traffic_s, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
-from meshplan.planner.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 
 ENGINES = ("graph", "modules")  # Plan.engine
@@ -384,10 +384,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     gather_exposed = max(0.0, gather - runtime.param_gather_overlap * compute_mb)
     comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed + per_mb_sync
 
-    b = state_bytes_per_param(dtype, optimizer)
     dev = hw.device
     # the per-tensor fixed costs are CPU work on a CPU host and time-share its cores too
-    optimizer_s = (2 * b.total * opt_numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
+    optimizer_s = (optimizer_traffic_s(opt_numel, dtype=dtype, optimizer=optimizer, hw=hw)
                    + n_tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
                    * (dev.kernel_latency_s + dev.framework_overhead_s)) * all_procs
 
@@ -432,9 +431,12 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     if zero >= 3:
         # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
         # gathered copy of one block, not dp of them
-        layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0)
-        # one block's gathered weights and its full gradient before the reduce-scatter:
-        # the engine frees a gathered block after its last reader and gathers it again
+        # the largest gathered unit: a block, or the weights outside the blocks (embedding,
+        # head, final norm: one unit, -1), which with a large vocabulary is the
+        # largest (Llama 0.22B of benchmarks/local_shards.py: 0.24 GiB against 0.05 a block)
+        layer_numel = max(largest_layer.values(), default=0.0)
+        # one unit's gathered weights and its full gradient before the reduce-scatter:
+        # the engine frees a gathered unit after its last reader and gathers it again
         # when the backward unpacks what autograd saved (runtime/spmd.py _Regather), with
         # or without recompute
         # FSDP2's prefetch holds the next block's gathered weights beside the current's
@@ -495,6 +497,12 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
 
     fwd = bwd = rec_full = rec_sel = rec_nonmatmul = 0.0
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
+    # context parallelism (runtime/context.py): a value gathered over cp for split consumers
+    # (K, V) gets its partial gradient all-reduced once where it was gathered, not again at
+    # each consumer; one gathered for replicated consumers (logits before the shifted loss)
+    # gets the same gradient on every rank, and each keeps its chunk
+    cp_ax = stage.axis_names.index("cp") if "cp" in stage.axis_names else None
+    feeds_split = _feeds_split(stage, graph, cp_ax) if cp_ax is not None else set()
     consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
     for name in names:
         node = graph.node(name)
@@ -533,6 +541,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                     continue
                 buf = nbytes / split_factor(src, shape, skip_axis=axis)
                 f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
+                if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == "R":
+                    b = Collective.ALL_REDUCE if name in feeds_split or (
+                        op.output and op.output[axis] != "R") else None
                 if f:
                     tf = coll(f, buf, axis)
                     comm_fwd += tf
@@ -540,12 +551,29 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                 if b:
                     comm_bwd += coll(b, buf, axis)
                 if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
-                        and src[axis] == "R":
+                        and src[axis] == "R" and axis != cp_ax:
                     comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
     return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
                          rec_nonmatmul=rec_nonmatmul,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
                          p2p_bytes=p2p_bytes, consumer_out=consumer_out)
+
+
+def _feeds_split(stage: Stage, graph: OpGraph, axis: int) -> set[str]:
+    """Operators whose output is replicated on ``axis`` and reaches, through replicated
+    views only, an operator split on it: where a replicated value's gradient is partial."""
+    out: set[str] = set()
+    for name in reversed(list(stage.ops)):  # consumers come later in graph order
+        op = stage.ops[name]
+        if not op.output or op.output[axis] != "R":
+            continue
+        for user in graph.users.get(name, ()):
+            uop = stage.ops.get(user)
+            if uop is not None and uop.output and (uop.output[axis] != "R" or (
+                    user in out and graph.node(user).kind == OpKind.VIEW)):
+                out.add(name)
+                break
+    return out
 
 
 def stage_costs(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,

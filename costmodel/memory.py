@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from meshplan.planner.graph import OpGraph, OpKind, OpNode
+from meshplan.graph import OpGraph, OpKind, OpNode
 
 GIB = 2.0 ** 30
 ADAM_MOMENT_BYTES = 8  # two fp32 moments (Kingma & Ba 2015)
@@ -67,8 +67,14 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
+def moment_bytes(optimizer: str) -> int:
+    """Optimizer state per parameter besides the master weights: Adam's two fp32 moments or
+    SGD's momentum buffer."""
+    return ADAM_MOMENT_BYTES if optimizer == "adam" else SGD_MOMENTUM_BYTES
+
+
 def state_bytes_per_param(dtype: str, optimizer: str) -> StateBytes:
-    moments = ADAM_MOMENT_BYTES if optimizer == "adam" else SGD_MOMENTUM_BYTES
+    moments = moment_bytes(optimizer)
     if dtype == "fp32":
         return StateBytes(weights=4, grads=GRAD_BYTES, optimizer=moments)
     return StateBytes(weights=2, grads=GRAD_BYTES, optimizer=MASTER_BYTES + moments)
@@ -84,6 +90,15 @@ def model_state_bytes(numel: float, *, dtype: str, optimizer: str, zero: int,
     grads = numel * b.grads / (d if zero >= 2 else 1)
     opt = numel * b.optimizer / (d if zero >= 1 else 1)
     return weights, grads, opt
+
+
+def optimizer_traffic_s(numel: float, *, dtype: str, optimizer: str, hw) -> float:
+    """Memory-bound time of the optimizer step over ``numel`` parameters on one device: it
+    reads and writes every state byte once (2 x ``state_bytes_per_param``) at the device's
+    large-transfer memory bandwidth. Per-tensor kernel costs come on top (estimate.py)."""
+    dev = hw.device
+    b = state_bytes_per_param(dtype, optimizer)
+    return 2 * b.total * numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
 
 
 def zero3_buffer_bytes(largest_layer_numel: float, *, dtype: str, prefetch: int = 2) -> float:

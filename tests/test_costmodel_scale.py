@@ -6,7 +6,7 @@ import pytest
 import meshplan
 from meshplan.costmodel.estimate import stage_cost
 from meshplan.costmodel.memory import GIB
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
 GPT2 = "transformers:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=256&n_positions=64"

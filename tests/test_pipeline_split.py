@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from meshplan.planner.trace import export_training_graph
+from meshplan.tracing import export_training_graph
 from meshplan.runtime.parallelize import runnable_graph_module
 from meshplan.runtime.pipeline_split import shape_only_nodes, split_stages
 
@@ -126,9 +126,9 @@ def test_split_tiny_matches_the_whole_graph(tiny):
 
 @pytest.fixture(scope="module")
 def llama():
-    from meshplan.manual import build_manual_plan
+    from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import graph_from_export
+    from meshplan.tracing import graph_from_export
     from meshplan.specs import parse_model_spec
 
     torch.manual_seed(0)
