@@ -28,7 +28,7 @@ import time
 import torch
 
 import meshplan
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import parse_model_spec
 
 SEQ, LOCAL_BATCH = 8192, 2

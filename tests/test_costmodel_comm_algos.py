@@ -50,7 +50,7 @@ def test_stage_gradient_sync_uses_the_tree_on_nccl_only():
     tree all-reduce of all the gradients (the algorithm picked for the buffer's size, not
     per tensor), far cheaper than the gloo-priced ring on the same hardware."""
     from meshplan.costmodel.estimate import default_runtime, stage_cost
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.specs import example_inputs, parse_model_spec
 
     model = parse_model_spec("transformers:gpt2?n_layer=2&n_embd=64&n_head=8&vocab_size=256"
@@ -80,7 +80,7 @@ def test_flat_sync_picks_the_algorithm_for_the_whole_buffer():
     so the sync is one ring all-reduce of all the gradients, not per-tensor times with the
     tree's latency taken off (which over-counted the ring's extra latency once per tensor)."""
     from meshplan.costmodel.estimate import default_runtime, stage_cost
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.specs import example_inputs, parse_model_spec
 
     model = parse_model_spec("transformers:gpt2?n_layer=4&n_embd=2048&n_head=16&vocab_size=256"

@@ -10,7 +10,7 @@ from meshplan.costmodel.estimate import default_runtime, estimate_plan, stage_co
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB
 from meshplan.errors import PlanningError
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
 WIDE = "transformers:gpt2?n_layer=4&n_embd=512&n_head=8&vocab_size=256&n_positions=1024"
