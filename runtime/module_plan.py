@@ -18,8 +18,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from meshplan.errors import PlanFileError
-from meshplan.plan import Plan, Stage
-from meshplan.planner.trace import find_repeated_blocks
+from meshplan.plan import Plan, Stage, check_placements
+from meshplan.tracing import find_repeated_blocks
 from meshplan.runtime.parallelize import data_parallel_axes, meta_copy
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -232,6 +232,9 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
         return (f"plan has {plan.num_stages} pipeline stages; the module engine runs one "
                 "stage (the graph engine runs pipelines)")
     t, stage = plan.training, plan.stages[0]
+    if "cp" in stage.axis_names:
+        return ("the plan has a context-parallel axis 'cp'; its K/V exchange and load-balanced "
+                "layout run on the graph engine (meshplan/context.py)")
     drop = _dropout(model)
     if drop and plan.num_devices > 1:
         return (f"{drop}: eager modules draw DTensor's dropout masks (per-shard on CPU, "
@@ -254,6 +257,13 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
                     "parameters replicated or ZeRO-3-sharded there")
         if "P" in placements:
             return f"{fqn} is stored Partial ({placements}); no composable stores a partial weight"
+    norm = next((n for n, m in model.named_modules()
+                 if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))), None)
+    if norm is not None and dp is not None and stage.mesh_shape[dp] > 1:
+        return (f"{norm} is a BatchNorm and the batch is split over {stage.mesh_shape[dp]} "
+                "data-parallel ranks: under fully_shard each rank would normalise its own rows, "
+                "while the plan means statistics over the whole microbatch (DECISIONS 18; the "
+                "graph engine computes those)")
     blocks, num = find_repeated_blocks(model)
     if stage.recompute != "none" and not num:
         return (f"recompute={stage.recompute} wraps each repeated block, but the model has no "
@@ -276,6 +286,8 @@ def check_model(plan: Plan, model: nn.Module) -> None:
             f"counts {plan.model.param_count} trainable parameters, this model {count}"
         raise PlanFileError(f"plan for {plan.model.name} {what}; make a plan for this model "
                             "(meshplan plan ...)")
+    for fqn, p in named.items():
+        check_placements(stage.params[fqn], p.ndim, f"parameter {fqn}")
 
 
 def _call(model: nn.Module, args: tuple, kwargs: dict):

@@ -33,11 +33,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
-from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
+from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
 from meshplan.runtime import lowering, zero
-from meshplan.runtime.spmd import SPMDExecutor, to_placements  # noqa: F401 (re-exported)
+from meshplan.runtime.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
 # keeps tiny gradients of small models above fp16's subnormal range; a step whose
@@ -322,7 +322,7 @@ class ParallelModel:
         for name, p in self.params.items():
             if isinstance(p, nn.Parameter) and id(p) not in seen:
                 seen.add(id(p))
-                out[name.removeprefix(_WRAPPER_PREFIX)] = p
+                out[name.removeprefix(WRAPPER_PREFIX)] = p
         return out
 
     def optimizer_params(self) -> dict[str, nn.Parameter]:
@@ -332,13 +332,13 @@ class ParallelModel:
     def named_buffers(self) -> dict[str, DTensor]:
         """Every buffer the graph reads (BatchNorm's running statistics, rotary tables), by
         FQN, as placed (replicated): what a checkpoint saves beside the parameters."""
-        return {name.removeprefix(_WRAPPER_PREFIX): t for name, t in self.params.items()
+        return {name.removeprefix(WRAPPER_PREFIX): t for name, t in self.params.items()
                 if not isinstance(t, nn.Parameter)}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered to a full tensor, by FQN (for tests and
         checkpoints)."""
-        return {name.removeprefix(_WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
+        return {name.removeprefix(WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
 
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
@@ -371,7 +371,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
         ep, rename = microbatch_program(model, plan, ep, meta_inputs, loss_fn, signature)
         program = TracedProgram(ep, graph, plan.training.microbatches, rename)
     ep, graph = program.exported, program.graph
-    plan.check_model(graph.fingerprint)
+    plan.check_graph(graph)
 
     stage = plan.stages[0]
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -381,11 +381,11 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     pm = ParallelModel(plan=plan, mesh=mesh, gm=gm, params=params, program=program,
                        lowered=lowered,
                        input_placements=[stage.inputs[name] for name, _ in graph.inputs],
-                       block_prefix=_WRAPPER_PREFIX + find_repeated_blocks(model)[0])
+                       block_prefix=WRAPPER_PREFIX + find_repeated_blocks(model)[0])
     if stage.zero in (1, 2):
         axes = data_parallel_axes(stage)
         for p in pm.unique_params():
-            target = to_placements(sharded_over(_texts(p.placements), axes), mesh)
+            target = to_placements(sharded_over(placement_texts(p.placements), axes), mesh)
             pm.masters[id(p)] = nn.Parameter(p.detach().redistribute(placements=target))
     return pm
 
@@ -446,7 +446,7 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
     params, by_id = {}, {}
     for name, meta_param in gm.named_parameters(remove_duplicate=False):
         if id(meta_param) not in by_id:
-            fqn = name.removeprefix(_WRAPPER_PREFIX)
+            fqn = name.removeprefix(WRAPPER_PREFIX)
             if fqn not in stage.params:
                 raise PlanFileError(f"the plan places no parameter {fqn}; re-plan this model")
             by_id[id(meta_param)] = nn.Parameter(place_tensor(
@@ -455,7 +455,7 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
         params[name] = by_id[id(meta_param)]
     real_buffers = dict(model.named_buffers(remove_duplicate=False))
     for name, _ in gm.named_buffers(remove_duplicate=False):  # e.g. rotary inv_freq
-        fqn = name.removeprefix(_WRAPPER_PREFIX)
+        fqn = name.removeprefix(WRAPPER_PREFIX)
         if fqn in real_buffers:
             params[name] = place_tensor(real_buffers[fqn], mesh, [Replicate()] * mesh.ndim,
                                         device_type)
@@ -482,11 +482,6 @@ def _contiguous(shape) -> tuple[int, ...]:
         out.append(stride)
         stride *= s
     return tuple(reversed(out))
-
-
-def _texts(placements) -> tuple[str, ...]:
-    from meshplan.runtime.spmd import placement_texts
-    return placement_texts(placements)
 
 
 def make_optimizer(params, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:

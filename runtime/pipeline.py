@@ -7,7 +7,7 @@ submesh through the SPMD executor (runtime/spmd.py), wrapped in a ``PipelineStag
 plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives ``plan.training.microbatches``
 microbatches through them.
 
-Device layout (the convention of meshplan/manual.py, written down in docs/DEVELOPING.md):
+Device layout (the convention of planner/manual.py, written down in docs/DEVELOPING.md):
 global ranks are numbered row-major over ``(pp, *stage axes)``, e.g. ``(pp, dp, tp)``. Rank
 group ``r`` (``pp`` index) owns devices ``[r * n, (r + 1) * n)`` with ``n`` devices per stage
 mesh; stage ``i`` runs on rank group ``i % pp`` (with ``virtual_stages = v`` there are
@@ -50,16 +50,17 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.support import lists_rank_groups
-from meshplan.planner.graph import OpGraph
-from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph_from_export
+from meshplan.graph import OpGraph
+from meshplan.tracing import WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
+from meshplan.schedules import Schedule
 from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module, sharded_over
 from meshplan.runtime.pipeline_split import StageGraph, split_stages
 from meshplan.runtime import lowering, zero
 from meshplan.runtime.spmd import placement_texts, stage_executor, to_placements
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+             Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's classes
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ def expand_interleaved(plan: Plan, graph: OpGraph) -> Plan:
     order, chunk j on rank group j % pp (Megatron's interleaved assignment, Narayanan et al.
     2021, Sec. 2.2). Each operator and parameter keeps the placement of the record that
     lists it; all records share one submesh shape."""
-    from meshplan.manual import stage_node_groups
+    from meshplan.planner.manual import stage_node_groups
 
     pp, v = plan.num_stages, plan.training.virtual_stages
     if graph.num_layers % (pp * v):
@@ -424,7 +425,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     if graph is None:
         graph = graph_from_export(export_training_graph(meta_model, meta_inputs, loss_fn,
                                                         signature=signature), model)
-    plan.check_model(graph.fingerprint)
+    plan.check_graph(graph)
     if plan.training.virtual_stages > 1 and lists_rank_groups(plan):
         plan = expand_interleaved(plan, graph)
     layout = pipeline_layout(plan)
@@ -449,7 +450,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
         if layout.rank_group(piece.index) != my_group:
             continue
         module = _stage_module(piece, plan, gm, values, params, mesh, len(pieces),
-                               block_prefix=_WRAPPER_PREFIX + graph.block_module,
+                               block_prefix=WRAPPER_PREFIX + graph.block_module,
                                lowered=lowered)
         # Static shapes: the schedule then never runs a stage on uninitialised tensors to
         # infer them (garbage token ids would index out of range).
@@ -508,7 +509,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
     """This rank's parameters as DTensors with their storage placements (the planned ones,
     ZeRO-3 stages also sharded over the data-parallel axes, as runtime/parallelize.py
     stores them for one stage); tied names share one. Buffers the plan does not place
-    (meshplan/manual.py places none, e.g. Llama's rotary ``inv_freq``) are replicated.
+    (planner/manual.py places none, e.g. Llama's rotary ``inv_freq``) are replicated.
     Returns (FQN -> parameter, id(parameter) -> its stage's ZeRO stage)."""
     real = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -524,7 +525,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
         for target in piece.param_targets:
             if target in constants:  # read from the graph module, as one stage reads it
                 continue
-            fqn = target.removeprefix(_WRAPPER_PREFIX)
+            fqn = target.removeprefix(WRAPPER_PREFIX)
             names = aliases.get(fqn, [fqn])
             listed = [stage.params[n] for n in names if n in stage.params]
             if not listed and fqn in buffers:
@@ -579,7 +580,7 @@ def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: 
         owned = {name: st.ops[name] for st in plan.stages for name in piece.recomputed
                  if name in st.ops}
         stage = replace(stage, ops={**stage.ops, **owned})
-    root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] if t.removeprefix(_WRAPPER_PREFIX)
+    root = {t: params[t.removeprefix(WRAPPER_PREFIX)] if t.removeprefix(WRAPPER_PREFIX)
             in params else _attr(whole, t) for t in piece.param_targets}
     # bodies of higher-order operators (e.g. Llama's no-grad rotary embedding) as traced
     root.update({t: whole.get_submodule(t) for t in piece.subgraph_targets})
@@ -630,7 +631,7 @@ def _tie_groups(model, plan: Plan, pieces: list[StageGraph], params: dict,
     for piece in pieces:
         stage = plan.stages[piece.index]
         for target in piece.param_targets:
-            fqn = target.removeprefix(_WRAPPER_PREFIX)
+            fqn = target.removeprefix(WRAPPER_PREFIX)
             key = aliases.get(fqn, [target])[0]
             if key in trained:  # buffers have no gradient to sum
                 owners.setdefault(key, set()).add(layout.rank_group(piece.index))

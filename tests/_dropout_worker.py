@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import meshplan
-from meshplan.planner.trace import TrainingModule, flatten_call
+from meshplan.tracing import TrainingModule, flatten_call
 from meshplan.specs import parse_model_spec, training_call
 
 T5 = ("transformers:t5?d_model=32&d_ff=64&num_layers=2&num_heads=4&vocab_size=128&d_kv=8"

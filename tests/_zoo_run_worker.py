@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import meshplan
-from meshplan.planner.trace import TrainingModule, flatten_call
+from meshplan.tracing import TrainingModule, flatten_call
 from meshplan.specs import parse_model_spec, training_call
 
 from _zoo_models import ConvNet, TitanLlama

@@ -1,7 +1,7 @@
 """Dropout under meshplan.parallelize (tests/_dropout_worker.py, 4 gloo processes): T5 with
 its default dropout 0.1 (attention weights through sdpa, hidden states through aten.dropout)
 gives, from one seed, the same losses under dp4 and dp2 x tp2 as one eager process seeded
-alike: every rank draws the mask at the global shape and keeps its shard (DECISIONS 36)."""
+alike: every rank draws the mask at the global shape and keeps its shard (DECISIONS 48)."""
 
 from pathlib import Path
 

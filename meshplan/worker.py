@@ -211,8 +211,8 @@ class ModuleWorkerModel:
         return self.run.parameters()
 
     def named_buffers(self) -> dict:
-        from meshplan.runtime.modules import _clean
-        return {_clean(n): b for n, b in self.run.engine.model.named_buffers()}
+        from meshplan.runtime.modules import clean_fqn
+        return {clean_fqn(n): b for n, b in self.run.engine.model.named_buffers()}
 
 
 def batch_source(args, plan: Plan, model, rank: int):
