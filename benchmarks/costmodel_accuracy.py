@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     graph = meshplan.trace(model, example_inputs(model, BATCH, SEQ), model_name=spec.name) \
         if hasattr(meshplan, "trace") else None
     if graph is None:
-        from meshplan.planner.trace import trace
+        from meshplan.tracing import trace
         graph = trace(model, example_inputs(model, BATCH, SEQ), model_name=spec.name)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     fit = mesh.hardware.fitted
     if "framework_overhead_s" in fit:
         lines += ["", "Calibration (fitted by `meshplan calibrate` on the runtime itself, on other "
-                  "graphs than these: costmodel/calibrate.py RUNTIME_GRAPHS): compute scale "
+                  "graphs than these: meshplan/calibrate.py RUNTIME_GRAPHS): compute scale "
                   f"{fit['compute_scale']:.2f} x the micro-benchmark roofline, framework overhead "
                   f"{fit['framework_overhead_s'] * 1e6:.0f} us per operator, effective cores "
                   f"{fit['effective_cores']:.2f} of {mesh.hardware.device.host_cores} "

@@ -27,7 +27,7 @@ import time
 import torch
 
 import meshplan
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import parse_model_spec
 
 SEQ, BATCH = 8192, 2048  # Table 4: sequence 8,192, 16M tokens per batch
@@ -51,6 +51,17 @@ def predict(model, graph, gpus: int, tp: int, pp: int, dp: int, published: float
             break
     est = plan.predicted
     tflops = est.mfu * H100_BF16_TFLOPS
+    # where the time and memory go (issue 14): the slowest stage's per-step terms and the
+    # fullest stage's memory, and the mask's share of the activations
+    from meshplan.costmodel.estimate import plan_stage_costs
+    from meshplan.costmodel.hardware import HardwareProfile
+    costs = plan_stage_costs(plan, graph, HardwareProfile.from_dict(plan.mesh.hardware))
+    m = plan.training.microbatches
+    slow = max(costs, key=lambda c: c.microbatch_s)
+    terms = {"compute_s": m * (slow.forward_s + slow.backward_s + slow.recompute_s),
+             "tp_pp_comm_s": m * slow.comm_s, "pp_bubble_s": est.breakdown["bubble"],
+             "dp_sync_s": max(c.grad_sync_s for c in costs)}
+    mem = est.memory
     return {"gpus": gpus, "tp": tp, "pp": pp, "dp": dp, "recompute": recompute,
             "published_tflops": published, "predicted_tflops": round(tflops, 1),
             "error": round((tflops - published) / published, 4),
@@ -58,6 +69,11 @@ def predict(model, graph, gpus: int, tp: int, pp: int, dp: int, published: float
             "peak_memory_gib": round(est.peak_memory_gib, 1), "fits": est.fits,
             "bubble_fraction": round(est.bubble_fraction, 3),
             "breakdown_s": {k: round(v, 2) for k, v in est.breakdown.items()},
+            "terms_s": {k: round(v, 2) for k, v in terms.items()},
+            "memory_gib": {"params": round(mem.params_gib, 1), "grads": round(mem.grads_gib, 1),
+                           "optimizer": round(mem.optimizer_gib, 1),
+                           "activations": round(mem.activations_gib, 1),
+                           "buffers": round(mem.buffers_gib, 1)},
             "estimate_s": round(time.perf_counter() - start, 1)}
 
 
@@ -72,12 +88,13 @@ def main() -> int:
         results.append(r)
         print(r, flush=True)
     lines = ["| GPUs | TP | PP | DP | recompute | published TFLOP/s | predicted | error | "
-             "peak GiB | bubble | breakdown (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "peak GiB | bubble | terms (s) | memory (GiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['gpus']} | {r['tp']} | {r['pp']} | {r['dp']} | {r['recompute']} | "
                      f"{r['published_tflops']} | {r['predicted_tflops']} | "
                      f"{r['error'] * 100:+.1f}% | {r['peak_memory_gib']} | "
-                     f"{r['bubble_fraction'] * 100:.1f}% | {r['breakdown_s']} |")
+                     f"{r['bubble_fraction'] * 100:.1f}% | {r['terms_s']} | {r['memory_gib']} |")
     text = ("# Cost model vs Llama 3 405B on H100 (arXiv 2407.21783, Table 4)\n\n"
             f"DGX H100 preset, bf16, sequence {SEQ}, {BATCH} sequences per step, microbatch 1, "
             "1F1B, sequence parallel, ZeRO-2; TFLOP/s per GPU = predicted MFU x 989.\n\n"

@@ -28,7 +28,7 @@ import time
 import torch
 
 import meshplan
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
 SEQ, VOCAB = 2048, 51200  # Table 1 caption: sequence length 2048, vocabulary 51,200

@@ -35,14 +35,14 @@ import torch
 
 from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan.errors import MemoryLimitError
-from meshplan.manual import attention_heads, build_manual_plan, layer_bounds
+from meshplan.planner.manual import attention_heads, build_manual_plan, layer_bounds
 from meshplan.mesh import Mesh
 from meshplan.planner.clusters import layer_units
 from meshplan.planner.hybrid import MICROBATCH_SIZES, plan_auto, search_space
 from meshplan.planner.inter import StageOption, in_flight
 from meshplan.planner.stagecost import MegatronStageCost
 from meshplan.planner.stagedp import p2p_hops
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import parse_model_spec
 
 # (preset or spec, global batch, sequence). Batches: GPT-3 paper Table 2.1 (0.5M / 1M /

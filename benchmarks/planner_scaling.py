@@ -32,7 +32,7 @@ import meshplan
 from meshplan.planner import ilp
 from meshplan.planner.intra import StageOptions, build_problem, to_ilp
 from meshplan.planner.singlestage import plan_single_stage
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

@@ -64,17 +64,17 @@ PP, PIPE_DP, PIPE_MB = 2, 2, 2
 
 
 def meshplan_step_time(args, variant: str) -> tuple[float, list[float]]:
-    from meshplan.cli import _manual
-    from meshplan.manual import build_manual_plan
+    from meshplan.specs import parse_manual_spec
+    from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.runtime.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     spec = parse_model_spec(model_spec(args))
     meta = spec.build(device="meta")
     graph = trace(meta, example_inputs(meta, args.batch, args.seq))
-    plan = build_manual_plan(graph, Mesh.local(WORLD), **_manual(MANUAL[variant]))
+    plan = build_manual_plan(graph, Mesh.local(WORLD), **parse_manual_spec(MANUAL[variant]))
     if variant == "pipeline":  # the hand-written version below hard-codes this layout
         t = plan.training
         assert [tuple(st.layers) for st in plan.stages] == layer_ranges(args.layers), plan.stages
@@ -99,7 +99,7 @@ def handwritten_step_time(args, variant: str) -> tuple[float, list[float]]:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    from meshplan.planner.trace import TrainingModule
+    from meshplan.tracing import TrainingModule
     from meshplan.specs import parse_model_spec, synthetic_batch
 
     torch.manual_seed(0)
@@ -136,7 +136,7 @@ def handwritten_step_time(args, variant: str) -> tuple[float, list[float]]:
 
 
 def layer_ranges(layers: int) -> list[tuple[int, int]]:
-    """Blocks of each pipeline stage: contiguous and equal (meshplan/manual.py's split)."""
+    """Blocks of each pipeline stage: contiguous and equal (planner/manual.py's split)."""
     assert layers % PP == 0, f"--layers {layers} must be a multiple of pp={PP}"
     return [(s * layers // PP, (s + 1) * layers // PP) for s in range(PP)]
 
@@ -184,7 +184,7 @@ def handwritten_pipeline_step_time(args) -> tuple[float, list[float]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from meshplan.planner.trace import next_token_loss
+    from meshplan.tracing import next_token_loss
     from meshplan.specs import parse_model_spec, synthetic_batch
 
     torch.manual_seed(0)
@@ -256,10 +256,10 @@ MODULE_MESH = {"tp": (1, WORLD, 1), "zero3": (WORLD, 1, 1), "dpxtp": (2, 2, 1),
 
 
 def module_engine_step(args, variant: str):
-    from meshplan.cli import _manual
-    from meshplan.manual import build_manual_plan
+    from meshplan.specs import parse_manual_spec
+    from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.runtime.module_pipeline import PipelineModuleEngine
     from meshplan.runtime.modules import ModuleEngine
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
@@ -267,7 +267,7 @@ def module_engine_step(args, variant: str):
     spec = parse_model_spec(model_spec(args))
     meta = spec.build(device="meta")
     graph = trace(meta, example_inputs(meta, args.batch, args.seq))
-    plan = build_manual_plan(graph, Mesh.local(WORLD), **_manual(MODULE_MANUAL[variant]))
+    plan = build_manual_plan(graph, Mesh.local(WORLD), **parse_manual_spec(MODULE_MANUAL[variant]))
     torch.manual_seed(0)
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
@@ -294,7 +294,7 @@ def handwritten_module_step(args, variant: str):
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    from meshplan.planner.trace import TrainingModule
+    from meshplan.tracing import TrainingModule
     from meshplan.specs import parse_model_spec, synthetic_batch
 
     torch.manual_seed(0)

@@ -21,7 +21,7 @@ import random
 import time
 
 import meshplan
-from meshplan.manual import attention_heads
+from meshplan.planner.manual import attention_heads
 from meshplan.specs import example_inputs, parse_model_spec, parse_mesh_spec
 from meshplan.sweep import configurations, run_sweep
 

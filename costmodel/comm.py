@@ -25,10 +25,21 @@ the two-level algorithm NCCL and Horovod use: all-reduce = reduce-scatter inside
 all-reduce across nodes on 1/local of the buffer, all-gather inside the node;
 all-gather / reduce-scatter = the inter-node step on 1/local of the buffer plus the intra-node
 step; all-to-all, broadcast and send/recv are priced on the inter-node link.
+
+NCCL also runs all-reduce as a double binary tree and picks, per call, the algorithm its
+model predicts faster (``tree=True``; NVIDIA/nccl src/graph/tuning.cc ``ncclTopoTuneModel``
+and ``ncclTopoGetAlgoTime``, and Jeaugey, "Massively Scale Your Deep Learning Training with
+NCCL 2.4", NVIDIA blog 2019). Its tree reduces up and broadcasts down a chain inside each
+node and a binary tree across nodes: latency 2 ((local-1) a_intra + log2(nodes) a_inter)
+against the ring's 2 (n-1) steps, and algorithm bandwidth 0.5 x 0.9 x bus bandwidth (the
+tree's .9 factor) against the ring's n / (2 (n-1)) x bus bandwidth, so the tree moves a
+buffer in n / (0.9 (n-1)) of the ring's bandwidth time. Small buffers on many ranks go
+by tree, large ones by ring. Gloo has no tree (``tree=False``).
 """
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 from meshplan.costmodel.hardware import HardwareProfile, LinkSpec
@@ -65,9 +76,47 @@ def flat_time_s(link: LinkSpec, kind: Collective | str, nbytes: float, n: int) -
     return latency_steps(kind, n) * latency_s + bytes_factor(kind, n) * nbytes / (bandwidth_gbps * 1e9)
 
 
+TREE_BANDWIDTH_FACTOR = 0.9  # NVIDIA/nccl src/graph/tuning.cc: tree busBw = min(busBw * .9, ...)
+
+
+def tree_all_reduce_s(hw: HardwareProfile, nbytes: float, n: int, *, crosses_nodes: bool,
+                      local_size: int | None, ring_bandwidth_s: float) -> float:
+    """NCCL's double-binary-tree all-reduce (module docstring): chains of ``local`` ranks
+    inside each node, a binary tree over the nodes; ``ring_bandwidth_s`` is the ring's
+    bandwidth time for the same buffer and group."""
+    if not crosses_nodes:
+        local, nodes = n, 1
+    else:
+        local = int(local_size or 1)
+        local = local if 1 <= local < n and n % local == 0 else 1
+        nodes = n // local
+    latency = 2 * ((local - 1) * hw.intra_node.for_collective(Collective.ALL_REDUCE)[1]
+                   + math.ceil(math.log2(nodes)) * hw.inter_node.for_collective(
+                       Collective.ALL_REDUCE)[1])
+    return latency + ring_bandwidth_s * n / (TREE_BANDWIDTH_FACTOR * (n - 1))
+
+
 def collective_time_s(hw: HardwareProfile, kind: Collective | str, nbytes: float,
                       group_size: int, *, crosses_nodes: bool = False,
-                      local_size: int | None = None) -> float:
+                      local_size: int | None = None, tree: bool = False) -> float:
+    """Time of one collective over ``group_size`` devices on a buffer of ``nbytes``.
+
+    ``tree``: the backend also has NCCL's tree all-reduce and takes the faster of the two
+    for this size and group (module docstring).
+    """
+    ring = _ring_time_s(hw, kind, nbytes, group_size, crosses_nodes=crosses_nodes,
+                        local_size=local_size)
+    if not tree or Collective(kind) != Collective.ALL_REDUCE or group_size <= 2 or nbytes <= 0:
+        return ring
+    latency = _ring_time_s(hw, kind, 1e-30, group_size, crosses_nodes=crosses_nodes,
+                           local_size=local_size)
+    return min(ring, tree_all_reduce_s(hw, nbytes, group_size, crosses_nodes=crosses_nodes,
+                                       local_size=local_size, ring_bandwidth_s=ring - latency))
+
+
+def _ring_time_s(hw: HardwareProfile, kind: Collective | str, nbytes: float,
+                 group_size: int, *, crosses_nodes: bool = False,
+                 local_size: int | None = None) -> float:
     """Time of one collective over ``group_size`` devices on a buffer of ``nbytes``.
 
     For all-gather, ``nbytes`` is the gathered (full) buffer; for reduce-scatter, the

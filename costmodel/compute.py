@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.planner.graph import OpKind, OpNode
+from meshplan.graph import OpKind, OpNode
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

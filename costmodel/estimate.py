@@ -34,13 +34,16 @@ from dataclasses import dataclass, replace
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_factor, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
                                        alias_root, grad_sync_buffer_bytes, model_state_bytes,
-                                       state_bytes_per_param, zero3_buffer_bytes)
+                                       optimizer_traffic_s, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
-from meshplan.planner.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 
+ENGINES = ("graph", "modules")  # Plan.engine
+BACKENDS = ("gloo", "nccl")
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP bucket_cap_mb default (25 MiB)
 OPTIMIZER_OPS_PER_TENSOR = {"adam": 10, "sgd": 3}  # torch.optim _single_tensor_adam / sgd
 
@@ -81,6 +84,19 @@ class RuntimeModel:
       (gloo: measured on the 2-core host with torch 2.13, 2 processes, 16 MiB fp32:
       reduce_scatter_tensor 56 ms, all_reduce 39 ms, all_gather 25 ms; 4 MiB: 7.0 / 5.0 /
       12.7 ms, shared machine - the reduce-scatter is never cheaper than the all-reduce).
+    sync_overlaps_backward: the data-parallel gradient collectives are issued per block
+      as the backward produces its gradients (FSDP2's ``fully_shard`` and ``replicate``
+      post-backward hooks), so all but the last block's sync hides behind the backward of
+      the microbatch that syncs: exposed = max(one block's sync, sync - that backward).
+    reduce_scatter_per_microbatch: ZeRO-2/3 gradients are reduce-scattered in every
+      microbatch's backward (FSDP2 without ``set_requires_gradient_sync(False)``, as the
+      module engine runs ZeRO-2/3), so they are sharded at the peak and the sync is paid
+      m times, each overlapping its microbatch's backward.
+    selective_keeps_matmuls: selective recompute keeps only each block's input and its
+      parameter matmuls' outputs and recomputes every other block operator (the module
+      engine's op-level policy, as torchtitan's); False: Korthikanti et al.'s selective,
+      which recomputes only the attention core (the graph engine, runtime/spmd.py).
+    engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
     grad_sync_overlap: float = 0.0
@@ -90,21 +106,54 @@ class RuntimeModel:
     reduce_scatter_as_all_reduce: bool = False
     flat_grad_sync: bool = False
     full_grad_accumulation: bool = False
+    sync_overlaps_backward: bool = False
+    reduce_scatter_per_microbatch: bool = False
+    selective_keeps_matmuls: bool = False
+    engine: str = "graph"
+    backend: str = "nccl"
+
+    def __post_init__(self):
+        if self.engine not in ENGINES:
+            raise PlanningError(f"engine={self.engine!r} is not one of {', '.join(ENGINES)}; "
+                                 "pass the engine the plan names (Plan.engine)")
+        if self.backend not in BACKENDS:
+            raise PlanningError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}; "
+                                 "gloo runs CPU processes, nccl GPUs")
 
 
-def default_runtime(hw: HardwareProfile) -> RuntimeModel:
-    """Every plan runs on meshplan's graph engine (runtime/parallelize.py, runtime/spmd.py):
-    ZeRO-2 accumulates full gradients over the microbatches, ZeRO-3 gathers each block's
-    weights when first used with nothing prefetching them, so no overlap; gradients (and
-    ZeRO-1/2 shards) are synced after the backward in one flat buffer per group
-    (``lowering.reduce_partial_grads``, runtime/zero.py): one latency, not one per 25 MiB
-    bucket. CPU hosts run it on gloo (reduce-scatter at all-reduce cost)."""
-    if hw.device.host_cores > 0 or hw.device.name == "cpu":
-        return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
-                            reduce_scatter_as_all_reduce=True, flat_grad_sync=True,
-                            full_grad_accumulation=True)
+def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
+                    backend: str | None = None) -> RuntimeModel:
+    """The runtime factors of the engine that executes the plan (``Plan.engine``) on its
+    collective backend (default: gloo for CPU processes, NCCL for GPUs).
+
+    "graph" (runtime/parallelize.py, runtime/spmd.py): ZeRO-2 accumulates full gradients
+    over the microbatches, ZeRO-3 gathers each block's weights when first used with nothing
+    prefetching them, so no overlap; gradients (and ZeRO-1/2 shards) are synced after the
+    backward in one flat buffer per group (``lowering.reduce_partial_grads``,
+    runtime/zero.py): one latency, not one per 25 MiB bucket.
+
+    "modules" (runtime/modules.py, torchtitan's composition): ``fully_shard`` per block
+    prefetches the next block's all-gather during the current block's compute (FSDP2's
+    implicit forward/backward prefetch), so ZeRO-3 gathers hide behind compute; gradients
+    are reduced per block (FSDP2's ``replicate`` for ZeRO-0, ``fully_shard`` otherwise) as
+    the backward produces them, overlapping it; ZeRO-0/1 sync on the last microbatch only
+    (``set_requires_gradient_sync``) and accumulate full gradients, ZeRO-2/3
+    reduce-scatter every microbatch and keep sharded gradients (DECISIONS 27).
+
+    gloo's reduce-scatter costs a full all-reduce (RuntimeModel docstring), either engine.
+    """
+    if backend is None:
+        backend = "gloo" if hw.device.host_cores > 0 or hw.device.name == "cpu" else "nccl"
+    gloo = backend == "gloo"
+    if engine == "modules":
+        return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
+                            reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
+                            full_grad_accumulation=False, sync_overlaps_backward=True,
+                            reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
+                            engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
-                        flat_grad_sync=True, full_grad_accumulation=True)
+                        reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
+                        full_grad_accumulation=True, engine=engine, backend=backend)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -186,24 +235,27 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     links = [axis_link(shape, a, hw.devices_per_node, first) for a in range(len(shape))]
 
     # identical layers ask for the same collectives again and again: price each once
-    memo = {} if cache is None else cache.setdefault(("collectives", shape, first, id(hw)), {})
+    memo = {} if cache is None else cache.setdefault(("collectives", shape, first, id(hw), runtime.backend), {})
 
     def coll(kind, nbytes, axis):
         key = (kind, nbytes, axis)
         if key not in memo:
             crosses, local = links[axis]
             memo[key] = collective_time_s(hw, kind, nbytes, shape[axis], crosses_nodes=crosses,
-                                          local_size=local)
+                                          local_size=local, tree=runtime.backend == "nccl")
         return memo[key]
 
     names = list(stage.ops)
     placement = {n: stage.inputs.get(n) for n in stage.inputs}
     placement.update({n: op.output for n, op in stage.ops.items()})
     dbytes = DTYPE_BYTES[dtype]
-    ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll, placement)
+    ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll, placement,
+                               runtime.backend)
     fwd, bwd, rec_full, rec_sel = ops.fwd, ops.bwd, ops.rec_full, ops.rec_sel
     comm_fwd, comm_bwd, comm_layers_fwd = ops.comm_fwd, ops.comm_bwd, ops.comm_layers_fwd
     p2p_bytes, consumer_out = ops.p2p_bytes, ops.consumer_out
+    if runtime.selective_keeps_matmuls:
+        rec_sel = ops.rec_nonmatmul
     recompute = {"full": rec_full, "selective": rec_sel}.get(stage.recompute, 0.0)
     comm_rec = comm_layers_fwd if stage.recompute == "full" else 0.0
     p2p = 0.0
@@ -221,12 +273,16 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     zero = stage.zero
     weights = grads = opt = 0.0
     grad_bytes_total = grad_sync = gather = per_mb_sync = 0.0
-    gathered_bytes = updated_gather = 0.0
+    updated_gather = 0.0
     n_sync = n_tensors = 0
+    sync_bytes: dict = {}  # (collective, axis) -> bytes synced in buffers
+    updated_bytes: dict = {}  # axis -> updated ZeRO-1/2 shards all-gathered in buffers
+    gather_bytes: dict = {}  # axis -> ZeRO-3 weights FSDP2 gathers block by block
     largest_layer: dict[int, float] = {}
     zero3_units: set[int] = set()  # blocks whose ZeRO-3 weights share one collective
     # meshplan's CPU runtime syncs gradients (and ZeRO-1/2 shards) as one flat buffer
-    bucket = math.inf if runtime.flat_grad_sync and zero <= 2 else runtime.grad_bucket_bytes
+    bucket = math.inf if (runtime.flat_grad_sync and zero <= 2) \
+        or runtime.sync_overlaps_backward else runtime.grad_bucket_bytes
     opt_numel = 0.0
     for pname, pl in stage.params.items():
         info = graph.param_map.get(pname)
@@ -274,40 +330,63 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                     continue
                 grad_bytes_total += nbytes
                 n_sync += 1
-                grad_sync += _bucketed(coll, kind, nbytes, axis, bucket,
-                                       latency_only=bucket > 0)
-                if axis == dpa and zero >= 3:
-                    gather += 2 * coll(Collective.ALL_GATHER, wbytes, axis)
+                # bucketed syncs are priced on their buffers below: NCCL picks ring or
+                # tree by the buffer's size, not by each tensor's
+                if bucket > 0:
+                    sync_bytes[(kind, axis)] = sync_bytes.get((kind, axis), 0.0) + nbytes
+                else:
+                    grad_sync += coll(kind, nbytes, axis)
+                if axis == dpa and zero >= 3:  # FSDP2: one all-gather per block (below)
+                    if runtime.sync_overlaps_backward:
+                        gather_bytes[axis] = gather_bytes.get(axis, 0.0) + wbytes
+                    else:
+                        gather += 2 * coll(Collective.ALL_GATHER, wbytes, axis)
                 if axis == dpa and zero in (1, 2):
                     # each rank stepped its shard of the master weights: the updated weights
                     # are all-gathered after the optimizer (Rajbhandari et al. 2020, sec. 5:
                     # ZeRO-1/2 move the same volume as data parallelism, RS + AG = AR)
-                    gathered_bytes += wbytes
-                    updated_gather += _bucketed(coll, Collective.ALL_GATHER, wbytes, axis,
-                                                bucket, latency_only=bucket > 0)
+                    if bucket > 0:
+                        updated_bytes[axis] = updated_bytes.get(axis, 0.0) + wbytes
+                    else:
+                        updated_gather += coll(Collective.ALL_GATHER, wbytes, axis)
     if zero3_units:  # one all-gather and one reduce-scatter per unit (-1: before and after)
         units = len(zero3_units) + (1 if -1 in zero3_units else 0)
         kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
             else Collective.REDUCE_SCATTER
         per_mb_sync += units * coll(kind, 1e-30, dpa)
         gather += 2 * units * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
-    if bucket > 0 and grad_bytes_total:
-        grad_sync += _bucket_latency(coll, hw, grad_bytes_total, bucket,
-                                     dpa if dpa is not None else 0, zero,
-                                     runtime.reduce_scatter_as_all_reduce)
-    if bucket > 0 and gathered_bytes:
-        updated_gather += _buckets(gathered_bytes, bucket) * \
-            coll(Collective.ALL_GATHER, 1e-30, dpa)
-    # the gather of updated weights follows the optimizer step: nothing left to overlap with
-    grad_sync = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
+    # FSDP2 issues one collective per block (and one for the root's parameters)
+    units = max(1, len(largest_layer)) if runtime.sync_overlaps_backward else 1
+
+    def buffers_of(kind, nbytes, axis):
+        """One flat buffer per group, one per block (FSDP2), or DDP-sized buckets."""
+        n = units if math.isinf(bucket) else _buckets(nbytes, bucket)
+        return n * coll(kind, nbytes / n, axis)
+
+    grad_sync += sum(buffers_of(k, b, a) for (k, a), b in sync_bytes.items())
+    updated_gather += sum(buffers_of(Collective.ALL_GATHER, b, a)
+                          for a, b in updated_bytes.items())
+    gather += 2 * sum(buffers_of(Collective.ALL_GATHER, b, a)  # forward, backward
+                      for a, b in gather_bytes.items())
     compute_mb = fwd + bwd + recompute
+    if runtime.sync_overlaps_backward:
+        # per-block collectives behind the backward (and, for the updated shards, the next
+        # step's forward, FSDP2's prefetch): the last block's stays exposed
+        def hidden(t, behind):
+            return max(t / units, t - behind) if t > 0 else 0.0
+        if runtime.reduce_scatter_per_microbatch and zero >= 2:
+            per_mb_sync += hidden(grad_sync, bwd + recompute)
+            grad_sync = 0.0
+        grad_sync = hidden(grad_sync, bwd + recompute) + hidden(updated_gather, fwd)
+    else:
+        # the gather of updated weights follows the optimizer step: nothing to overlap with
+        grad_sync = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
     gather_exposed = max(0.0, gather - runtime.param_gather_overlap * compute_mb)
     comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed + per_mb_sync
 
-    b = state_bytes_per_param(dtype, optimizer)
     dev = hw.device
     # the per-tensor fixed costs are CPU work on a CPU host and time-share its cores too
-    optimizer_s = (2 * b.total * opt_numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
+    optimizer_s = (optimizer_traffic_s(opt_numel, dtype=dtype, optimizer=optimizer, hw=hw)
                    + n_tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
                    * (dev.kernel_latency_s + dev.framework_overhead_s)) * all_procs
 
@@ -336,7 +415,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                   attention_extra_per_node=extra)
         if cache is not None:  # independent of recompute, ZeRO-1/2 and schedule: keep it
             object.__setattr__(ops, "activations", prof)
-    kept, working = prof.stage_bytes(stage.recompute)
+    kept, working = prof.stage_bytes(stage.recompute,
+                                     keep_matmuls_only=runtime.selective_keeps_matmuls)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
     # DDP's buckets live during the backward; the engine's flat sync copies the gradients
@@ -351,12 +431,17 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     if zero >= 3:
         # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
         # gathered copy of one block, not dp of them
-        layer_numel = max((v for k, v in largest_layer.items() if k >= 0), default=0.0)
-        # one block's gathered weights and its full gradient before the reduce-scatter:
-        # the engine frees a gathered block after its last reader and gathers it again
+        # the largest gathered unit: a block, or the weights outside the blocks (embedding,
+        # head, final norm: one unit, -1), which with a large vocabulary is the
+        # largest (Llama 0.22B of benchmarks/local_shards.py: 0.24 GiB against 0.05 a block)
+        layer_numel = max(largest_layer.values(), default=0.0)
+        # one unit's gathered weights and its full gradient before the reduce-scatter:
+        # the engine frees a gathered unit after its last reader and gathers it again
         # when the backward unpacks what autograd saved (runtime/spmd.py _Regather), with
         # or without recompute
-        buffers += zero3_buffer_bytes(layer_numel, dtype=dtype)
+        # FSDP2's prefetch holds the next block's gathered weights beside the current's
+        held = 2 if runtime.param_gather_overlap > 0 and not runtime.zero3_per_use else 1
+        buffers += held * zero3_buffer_bytes(layer_numel, dtype=dtype)
     memory = MemoryBreakdown(params_gib=weights / GIB, grads_gib=grads / GIB,
                              optimizer_gib=opt / GIB, activations_gib=acts / GIB,
                              buffers_gib=buffers / GIB)
@@ -375,6 +460,7 @@ class _OperatorPass:
     bwd: float
     rec_full: float
     rec_sel: float
+    rec_nonmatmul: float  # block operators other than parameter matmuls (module engine)
     comm_fwd: float
     comm_bwd: float
     comm_layers_fwd: float
@@ -384,11 +470,12 @@ class _OperatorPass:
 
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
-                          dtype: str, m: int, contention: float, coll, placement) -> _OperatorPass:
+                          dtype: str, m: int, contention: float, coll, placement,
+                          backend: str = "nccl") -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw))
+           contention, id(hw), backend)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
@@ -408,8 +495,14 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     sent: set[str] = set()
     dbytes = DTYPE_BYTES[dtype]
 
-    fwd = bwd = rec_full = rec_sel = 0.0
+    fwd = bwd = rec_full = rec_sel = rec_nonmatmul = 0.0
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
+    # context parallelism (runtime/context.py): a value gathered over cp for split consumers
+    # (K, V) gets its partial gradient all-reduced once where it was gathered, not again at
+    # each consumer; one gathered for replicated consumers (logits before the shifted loss)
+    # gets the same gradient on every rank, and each keeps its chunk
+    cp_ax = stage.axis_names.index("cp") if "cp" in stage.axis_names else None
+    feeds_split = _feeds_split(stage, graph, cp_ax) if cp_ax is not None else set()
     consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
     for name in names:
         node = graph.node(name)
@@ -421,6 +514,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             rec_full += t.forward_s
             if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
                 rec_sel += t.forward_s
+            if not (node.kind == OpKind.MATMUL
+                    and any(i in graph.param_map for i in node.inputs)):
+                rec_nonmatmul += t.forward_s
         for k, p in enumerate(node.inputs):
             if p in graph.param_map and k < len(op.inputs):
                 consumer_out.setdefault(p, []).append((op.output, op.inputs[k]))
@@ -445,6 +541,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                     continue
                 buf = nbytes / split_factor(src, shape, skip_axis=axis)
                 f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
+                if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == "R":
+                    b = Collective.ALL_REDUCE if name in feeds_split or (
+                        op.output and op.output[axis] != "R") else None
                 if f:
                     tf = coll(f, buf, axis)
                     comm_fwd += tf
@@ -452,11 +551,29 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                 if b:
                     comm_bwd += coll(b, buf, axis)
                 if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
-                        and src[axis] == "R":
+                        and src[axis] == "R" and axis != cp_ax:
                     comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
     return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
+                         rec_nonmatmul=rec_nonmatmul,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
                          p2p_bytes=p2p_bytes, consumer_out=consumer_out)
+
+
+def _feeds_split(stage: Stage, graph: OpGraph, axis: int) -> set[str]:
+    """Operators whose output is replicated on ``axis`` and reaches, through replicated
+    views only, an operator split on it: where a replicated value's gradient is partial."""
+    out: set[str] = set()
+    for name in reversed(list(stage.ops)):  # consumers come later in graph order
+        op = stage.ops[name]
+        if not op.output or op.output[axis] != "R":
+            continue
+        for user in graph.users.get(name, ()):
+            uop = stage.ops.get(user)
+            if uop is not None and uop.output and (uop.output[axis] != "R" or (
+                    user in out and graph.node(user).kind == OpKind.VIEW)):
+                out.add(name)
+                break
+    return out
 
 
 def stage_costs(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
@@ -470,6 +587,7 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
     """Predicted step time, memory, MFU and throughput of ``plan``; never raises for memory."""
     hw = hw or HardwareProfile.from_dict(plan.mesh.hardware)
     t = plan.training
+    runtime = runtime or default_runtime(hw, engine=plan.engine)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime, cache=cache)
     pipe = pipeline_step_time([c.microbatch_s for c in costs], max(1, t.microbatches),
                               t.schedule, t.virtual_stages)
@@ -499,6 +617,7 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
 def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None) -> Plan:
     """The plan with every stage's ``predicted`` and the top-level Estimate filled in."""
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    runtime = runtime or default_runtime(hw, engine=plan.engine)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime)
     stages = tuple(replace(st, predicted=c.prediction()) for st, c in zip(plan.stages, costs))
     plan = replace(plan, stages=stages)
@@ -523,6 +642,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     """
     t = plan.training
     m = max(1, t.microbatches)
+    runtime = runtime or default_runtime(hw, engine=plan.engine)
     on_host = min(plan.num_devices, hw.devices_per_node)
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,
@@ -576,13 +696,6 @@ def _bucketed(coll, kind, nbytes, axis, bucket_bytes, *, latency_only: bool) -> 
     if not latency_only:
         return coll(kind, nbytes, axis)
     return coll(kind, nbytes, axis) - coll(kind, 1e-30, axis) if nbytes else 0.0
-
-
-def _bucket_latency(coll, hw, total_bytes, bucket_bytes, axis, zero,
-                    rs_as_all_reduce: bool = False) -> float:
-    kind = Collective.REDUCE_SCATTER if zero >= 2 and not rs_as_all_reduce \
-        else Collective.ALL_REDUCE
-    return _buckets(total_bytes, bucket_bytes) * coll(kind, 1e-30, axis)
 
 
 def _buckets(total_bytes: float, bucket_bytes: float) -> int:

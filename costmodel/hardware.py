@@ -4,7 +4,7 @@ trace -> **cost** -> solve -> run. A profile is plain data (JSON). Its schema sh
 this module (``hardware.schema.json``, the same text as docs/hardware.schema.json) and every
 profile is validated against it on load. Presets ship in ``presets/`` with the source of
 every number beside it; ``meshplan calibrate`` writes the same format from measurements
-(costmodel/calibrate.py), with its fit residuals under ``fitted``.
+(meshplan/calibrate.py), with its fit residuals under ``fitted``.
 
 Fields the first presets lacked all have defaults, so older profiles still load:
 ``device.host_cores`` (CPU processes of one host share these cores; 0 = dedicated devices),
@@ -21,9 +21,6 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 
 from meshplan.errors import MeshError
-
-COLLECTIVE_NAMES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-                    "send_recv")
 
 
 @dataclass(frozen=True, slots=True)

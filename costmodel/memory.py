@@ -36,9 +36,9 @@ interleaved 1F1B the same amplified by 1 + (p-1)/(p v) (Korthikanti et al. 2022,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from meshplan.planner.graph import OpGraph, OpKind, OpNode
+from meshplan.graph import OpGraph, OpKind, OpNode
 
 GIB = 2.0 ** 30
 ADAM_MOMENT_BYTES = 8  # two fp32 moments (Kingma & Ba 2015)
@@ -67,8 +67,14 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
+def moment_bytes(optimizer: str) -> int:
+    """Optimizer state per parameter besides the master weights: Adam's two fp32 moments or
+    SGD's momentum buffer."""
+    return ADAM_MOMENT_BYTES if optimizer == "adam" else SGD_MOMENTUM_BYTES
+
+
 def state_bytes_per_param(dtype: str, optimizer: str) -> StateBytes:
-    moments = ADAM_MOMENT_BYTES if optimizer == "adam" else SGD_MOMENTUM_BYTES
+    moments = moment_bytes(optimizer)
     if dtype == "fp32":
         return StateBytes(weights=4, grads=GRAD_BYTES, optimizer=moments)
     return StateBytes(weights=2, grads=GRAD_BYTES, optimizer=MASTER_BYTES + moments)
@@ -84,6 +90,15 @@ def model_state_bytes(numel: float, *, dtype: str, optimizer: str, zero: int,
     grads = numel * b.grads / (d if zero >= 2 else 1)
     opt = numel * b.optimizer / (d if zero >= 1 else 1)
     return weights, grads, opt
+
+
+def optimizer_traffic_s(numel: float, *, dtype: str, optimizer: str, hw) -> float:
+    """Memory-bound time of the optimizer step over ``numel`` parameters on one device: it
+    reads and writes every state byte once (2 x ``state_bytes_per_param``) at the device's
+    large-transfer memory bandwidth. Per-tensor kernel costs come on top (estimate.py)."""
+    dev = hw.device
+    b = state_bytes_per_param(dtype, optimizer)
+    return 2 * b.total * numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
 
 
 def zero3_buffer_bytes(largest_layer_numel: float, *, dtype: str, prefetch: int = 2) -> float:
@@ -167,9 +182,21 @@ class ActivationProfile:
     kept: dict
     kept_selective: dict
     boundary: dict
+    kept_matmuls: dict = field(default_factory=dict)
 
-    def stage_bytes(self, recompute: str) -> tuple[float, float]:
-        """(bytes kept per in-flight microbatch, extra working set of one layer's backward)."""
+    def stage_bytes(self, recompute: str, *, keep_matmuls_only: bool = False) -> tuple[float, float]:
+        """(bytes kept per in-flight microbatch, extra working set of one layer's backward).
+
+        ``keep_matmuls_only``: selective recompute as the module engine runs it (torchtitan's
+        op-level policy, runtime/modules.py ``_SAVED_IN_SELECTIVE``): a block keeps its input
+        and its parameter matmuls' outputs (``kept_matmuls``) and recomputes the rest, one
+        block at a time in the backward."""
+        if recompute == "selective" and keep_matmuls_only:
+            kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0) \
+                + sum(v for i, v in self.kept_matmuls.items() if i >= 0)
+            working = max((v - self.kept_matmuls.get(i, 0.0) for i, v in self.kept.items()
+                           if i >= 0), default=0.0)
+            return kept, working
         if recompute == "full":
             # boundary[-1]: values shared by every block (the mask), kept once
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0)
@@ -191,6 +218,7 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
     kept: dict[int, float] = {}
     selective: dict[int, float] = {}
     boundary: dict[int, float] = {}
+    matmuls: dict[int, float] = {}  # outputs of parameter matmuls among the kept tensors
     seen: set[str] = set()
     for name in nodes:
         node = graph.node(name)
@@ -204,6 +232,11 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             kept[layer] = kept.get(layer, 0.0) + b
             if not is_seq_squared(root, graph, seq_len):
                 selective[layer] = selective.get(layer, 0.0) + b
+        if layer >= 0 and _is_param_matmul(name, graph):
+            # selective checkpointing stores every such output in the forward, whether
+            # the backward reads it or not (the recompute reuses it)
+            matmuls[layer] = matmuls.get(layer, 0.0) + tensor_bytes(
+                name, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(name))
         if node.kind == OpKind.ATTENTION and attention_extra_per_node:
             kept[layer] = kept.get(layer, 0.0) + attention_extra_per_node
         if layer >= 0:
@@ -222,7 +255,16 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                 seen.add(("b", at, root))
                 boundary[at] = boundary.get(at, 0.0) + tensor_bytes(
                     root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
-    return ActivationProfile(kept, selective, boundary)
+    return ActivationProfile(kept, selective, boundary, matmuls)
+
+
+def _is_param_matmul(name: str, graph: OpGraph) -> bool:
+    """An output of a matmul with a weight (linear, addmm, mm): what the module engine's
+    selective recompute saves."""
+    if name not in graph:
+        return False
+    node = graph.node(name)
+    return node.kind == OpKind.MATMUL and any(i in graph.param_map for i in node.inputs)
 
 
 def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatches: int,

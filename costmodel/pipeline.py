@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshplan.errors import PlanningError
-from meshplan.plan import SCHEDULES
+from meshplan.schedules import SCHEDULES
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from meshplan.errors import (MemoryLimitError, MeshError, MeshplanError, NotSupp
                              PlanFileError, PlanningError, SpecError, TraceError)
 from meshplan.mesh import Mesh
 from meshplan.plan import Estimate, Plan
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.api import autoparallel, estimate, manual_plan
 
 __all__ = [

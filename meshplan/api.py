@@ -17,14 +17,44 @@ from meshplan.errors import MemoryLimitError, NotSupportedError, PlanningError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
-from meshplan.planner.graph import OpGraph
-from meshplan.planner.trace import Inputs, trace
+from meshplan.graph import OpGraph
+from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 
 
 def default_dtype(mesh: Mesh) -> str:
     """bf16 mixed precision on GPUs, fp32 on CPU processes (CPU bf16 matmuls are slow)."""
     return "fp32" if mesh.hardware.device.name == "cpu" else "bf16"
+
+
+def as_mesh(mesh) -> Mesh:
+    """A Mesh, or a mesh spec string as the command line takes it ("local:4",
+    "dgx-h100:nodes=2", "cluster.json")."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, str):
+        from meshplan.specs import parse_mesh_spec
+        return parse_mesh_spec(mesh)
+    raise PlanningError(f"mesh={mesh!r} is a {type(mesh).__name__}; pass a meshplan.Mesh "
+                        "(Mesh.local(4), Mesh.preset('dgx-h100', nodes=2)) or a spec string "
+                        "such as 'local:4'")
+
+
+def _check_search_options(*, microbatches, max_stages, time_limit_s, memory_limit_gib) -> None:
+    """autoparallel's numeric options: one line naming the bad value."""
+    if microbatches is not None:
+        bad = [m for m in microbatches if not isinstance(m, int) or isinstance(m, bool) or m < 1]
+        if bad or not len(microbatches):
+            raise PlanningError(f"microbatches={list(microbatches)!r}: give microbatch counts "
+                                "as positive integers, e.g. [1, 2, 4], or None for all")
+    if max_stages is not None and (not isinstance(max_stages, int) or max_stages < 1):
+        raise PlanningError(f"max_stages={max_stages!r}: at least 1 pipeline stage, or None")
+    if not time_limit_s > 0:
+        raise PlanningError(f"time_limit_s={time_limit_s!r}: the solver's time limit must be "
+                            "positive (seconds)")
+    if memory_limit_gib is not None and not memory_limit_gib > 0:
+        raise PlanningError(f"memory_limit_gib={memory_limit_gib!r}: must be positive, or None "
+                            "for the devices' capacity")
 
 
 def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
@@ -34,7 +64,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  microbatches: Sequence[int] | None = None, schedules: Sequence[str] | None = None,
                  recompute: Sequence[str] | None = None, max_stages: int | None = None,
                  time_limit_s: float = 30.0, model_name: str = "",
-                 graph: OpGraph | None = None, engine: str = "auto") -> Plan:
+                 graph: OpGraph | None = None, engine: str = "auto",
+                 context_parallel: Sequence[int] = (1,)) -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
     ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
@@ -42,8 +73,13 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     ``example_targets`` go only to ``loss_fn(outputs, *targets)``; with neither targets nor
     loss_fn the language-model default applies (next-token loss on the first input).
     Pass ``graph`` to reuse a trace. ``engine`` ("auto", "modules", "graph") picks the
-    runtime recorded in the plan (``choose_engine``).
+    runtime recorded in the plan (``choose_engine``). ``context_parallel`` lists the
+    context-parallel degrees the search tries with everything else, e.g. (1, 2, 4, 8, 16)
+    for long sequences (default: none).
     """
+    mesh = as_mesh(mesh)
+    _check_search_options(microbatches=microbatches, max_stages=max_stages,
+                          time_limit_s=time_limit_s, memory_limit_gib=memory_limit_gib)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
     if graph is None:
@@ -53,37 +89,41 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # the single-stage intra-op ILP compete under one cost model (planner/hybrid); raises
     # MemoryLimitError (with min_memory_gib) when nothing fits
     space = search_space(microbatches=microbatches, schedules=schedules, recompute=recompute,
-                         max_stages=max_stages)
+                         max_stages=max_stages, context_parallel=context_parallel)
     plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
                      memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
-    return choose_engine(plan, model, engine)
+    return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
-                dp: int = 1, tp: int = 1, pp: int = 1, microbatch_size: int = 1,
+                dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, microbatch_size: int = 1,
                 schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None,
                 engine: str = "auto") -> Plan:
-    """A Megatron-style plan written by hand (dp x tp x pp devices), estimated.
+    """A Megatron-style plan written by hand (dp x cp x tp x pp devices), estimated.
+
+    ``cp`` > 1 splits every activation's sequence over a context-parallel mesh axis
+    (meshplan/context.py); the stage mesh is then (dp, cp, tp).
 
     Never raises for memory: a plan that does not fit has ``predicted.fits == False`` and
     ``predicted.overflow`` says what overflows. Pass ``graph`` to reuse a trace.
     """
-    from meshplan.manual import build_manual_plan
+    from meshplan.planner.manual import build_manual_plan
 
+    mesh = as_mesh(mesh)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
     if graph is None:
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
-    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
+    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer)
-    return choose_engine(plan, model, engine)
+    return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 
 ENGINES = ("auto", "modules", "graph")
@@ -105,6 +145,24 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
     if reason and engine == "modules":
         raise NotSupportedError(f"engine='modules': {reason}")
     return replace(plan, engine="graph" if reason else "modules", engine_note=reason or "")
+
+
+def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
+    """The plan's predictions for the engine that runs it. The search prices the graph
+    engine; a plan the module engine runs is re-priced with its runtime (prefetch and
+    backward overlap, per-microbatch reduce-scatter); under "auto" a plan that fits only
+    as the graph engine runs it stays on the graph engine (DECISIONS 44)."""
+    from meshplan.costmodel.estimate import with_stage_predictions
+
+    if plan.engine == "graph":
+        return plan
+    priced = with_stage_predictions(plan, graph)
+    if engine == "auto" and plan.predicted is not None and plan.predicted.fits \
+            and not priced.predicted.fits:
+        return replace(plan, engine="graph", engine_note=(
+            f"the module engine needs {priced.predicted.peak_memory_gib:.1f} GiB per device "
+            f"(prefetched ZeRO-3 gathers), over {priced.predicted.memory_capacity_gib:.1f}"))
+    return priced
 
 
 def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None) -> Estimate:

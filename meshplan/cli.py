@@ -16,32 +16,28 @@ from meshplan.errors import MeshplanError, SpecError
 EXIT_USER_ERROR = 2
 
 
-def _manual(text: str) -> dict:
-    """dp=2,tp=2,pp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0 -> manual_plan kwargs."""
-    keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "mb": ("microbatch_size", int),
-            "schedule": ("schedule", str), "recompute": ("recompute", str),
-            "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),
-            "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str)}
-    out = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or key.strip() not in keys:
-            raise SpecError(f"--manual item {item!r} is not KEY=VALUE with KEY in "
-                            f"{', '.join(keys)}")
-        name, cast = keys[key.strip()]
-        try:
-            out[name] = cast(value.strip())
-        except ValueError:
-            raise SpecError(f"--manual {key}={value!r}: expected {cast.__name__}") from None
-    return out
-
-
 def _load_model_and_inputs(args):
     from meshplan.specs import example_inputs, parse_model_spec
 
     spec = parse_model_spec(args.model)
     model = spec.build(device="meta")
+    check_batch_and_seq(model, args.batch, args.seq)
     return spec, model, example_inputs(model, args.batch, args.seq)
+
+
+def check_batch_and_seq(model, batch: int, seq: int) -> None:
+    """A sequence the model has positions for, and a step of at most 2^31 - 1 tokens."""
+    config = getattr(model, "config", None)
+    limit = next((getattr(config, k) for k in ("n_positions", "max_position_embeddings",
+                                               "max_seq_len", "n_ctx")
+                  if isinstance(getattr(config, k, None), int)), None)
+    if limit is not None and seq > limit:
+        raise SpecError(f"--seq {seq} is longer than the model's {limit} positions; use "
+                        f"--seq {limit} or less, or a model with more positions")
+    if batch * seq > MAX_TOKENS_PER_STEP:
+        raise SpecError(f"--batch {batch} x --seq {seq} = {batch * seq:.3g} tokens per step, over "
+                        f"2^31 - 1 (int32 indexing in many kernels); use --batch "
+                        f"{MAX_TOKENS_PER_STEP // seq} or less")
 
 
 def _check_writable(path: str) -> None:
@@ -55,7 +51,7 @@ def _check_writable(path: str) -> None:
 
 def cmd_plan(args) -> int:
     import meshplan
-    from meshplan.specs import parse_mesh_spec
+    from meshplan.specs import parse_manual_spec, parse_mesh_spec
 
     if args.output:
         _check_writable(args.output)
@@ -63,11 +59,12 @@ def cmd_plan(args) -> int:
     spec, model, inputs = _load_model_and_inputs(args)
     if args.manual:
         plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
-                                    engine=args.engine, **_manual(args.manual))
+                                    engine=args.engine, **parse_manual_spec(args.manual))
     else:
         plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
                                      memory_limit_gib=args.memory_limit_gib,
                                      time_limit_s=args.time_limit_s, engine=args.engine)
+    plan = plan.with_spec(args.model)
     print(plan.summary())
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
@@ -86,6 +83,8 @@ def cmd_run(args) -> int:
     if args.metrics_out:
         _check_writable(args.metrics_out)
     plan = Plan.from_json(args.plan)
+    args.model = _model_spec(plan, args.plan, args.model)
+    _check_param_placements(plan, args.model)
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank,
                   nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_id=args.rdzv_id).resolve(plan, need_endpoint=not args.slurm)
@@ -118,6 +117,20 @@ def cmd_run(args) -> int:
     return run_plan(args.plan, **common)
 
 
+def _check_param_placements(plan, spec_text: str) -> None:
+    """Every parameter placement against the model's shapes, before any process starts
+    (the model is built on the meta device: nothing allocated, nothing traced)."""
+    from meshplan.plan import check_placements
+    from meshplan.specs import parse_model_spec
+
+    model = parse_model_spec(spec_text).build(device="meta")
+    shapes = {n: p.ndim for n, p in model.named_parameters(remove_duplicate=False)}
+    for stage in plan.stages:
+        for name, placements in stage.params.items():
+            if name in shapes:
+                check_placements(placements, shapes[name], f"stage {stage.index} parameter {name}")
+
+
 def _check_run_numbers(args) -> None:
     """One clear line for numbers that cannot work, before anything starts."""
     rules = [(args.steps >= 1, f"--steps {args.steps}: train at least 1 step"),
@@ -136,19 +149,30 @@ def _check_run_numbers(args) -> None:
             raise SpecError(message)
 
 
-def _plan_and_graph(path: str, model: str = ""):
-    """Load a plan file; with a model spec, re-trace its graph (checks the fingerprint)."""
+def _plan_and_graph(path: str, model: str = "", *, recorded: bool = True):
+    """Load a plan file; with a model spec (given, else with ``recorded`` the one the plan
+    records), re-trace its graph (checks the fingerprint)."""
     from meshplan.explain import retrace
     from meshplan.plan import Plan
 
     plan = Plan.from_json(path)
+    model = model or (plan.model.spec if recorded else "")
     return plan, (retrace(plan, model) if model else None)
+
+
+def _model_spec(plan, path: str, given: str) -> str:
+    """--model, else the spec the plan records; a plan made from a Python object has none."""
+    spec = given or plan.model.spec
+    if not spec:
+        raise SpecError(f"{path} was made from a Python model ({plan.model.name}) and records "
+                        "no model spec; pass --model SPEC (the spec the plan was made for)")
+    return spec
 
 
 def cmd_show(args) -> int:
     from meshplan.inspect import summary_text
 
-    plan, graph = _plan_and_graph(args.plan, args.model)
+    plan, graph = _plan_and_graph(args.plan, args.model, recorded=False)  # show stays quick
     print(summary_text(plan, graph=graph))
     return 0
 
@@ -216,16 +240,32 @@ def cmd_demo(args) -> int:
     return run_demo(procs=args.procs, steps=args.steps, workdir=args.workdir)
 
 
-def _not_yet(what: str):
-    def handler(args) -> int:
-        from meshplan.errors import NotSupportedError
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (no usage block) and exit code 2."""
 
-        raise NotSupportedError(f"`meshplan {what}` is not built yet")
-    return handler
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive(cast):
+    def check(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be positive")
+        return value
+    check.__name__ = cast.__name__  # argparse names the type in its messages
+    return check
+
+
+POSITIVE_INT, POSITIVE_FLOAT = _positive(int), _positive(float)
+MAX_TOKENS_PER_STEP = 2**31 - 1  # int32 indexing limits of many kernels; Llama 3 used 16M
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="meshplan", description=__doc__.splitlines()[0])
+    ap = _OneLineParser(prog="meshplan", description=__doc__.splitlines()[0])
     ap.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -240,16 +280,17 @@ def build_parser() -> argparse.ArgumentParser:
                        "(gpt3-175b, llama2-7b, ...) or path/file.py:factory")
         p.add_argument("--mesh", required=mesh_required,
                        help="dgx-a100-80gb:nodes=8, dgx-h100:nodes=N, local:4 or cluster.json")
-        p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
-        p.add_argument("--seq", type=int, required=True, help="sequence length")
+        p.add_argument("--batch", type=POSITIVE_INT, required=True,
+                       help="global batch (sequences)")
+        p.add_argument("--seq", type=POSITIVE_INT, required=True, help="sequence length")
         p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
 
     p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
     model_mesh(p)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
                    "recompute=none,sp=0,zero=0")
-    p.add_argument("--memory-limit-gib", type=float, default=None)
-    p.add_argument("--time-limit-s", type=float, default=30.0)
+    p.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None)
+    p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0)
     p.add_argument("--engine", choices=("auto", "modules", "graph"), default="auto",
                    help="the runtime the plan names: auto picks the module engine (PyTorch's "
                    "composables) where the plan is expressible in it")
@@ -258,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="train with a plan under torchrun")
     p.add_argument("plan")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default="", help="model spec (default: the one the plan "
+                   "records)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metrics-out", default="")
@@ -338,11 +380,12 @@ def cmd_estimate(args) -> int:
     hardware = load_profile(args.hardware) if args.hardware else None
     if args.plan:
         plan = Plan.from_json(args.plan)
+        args.model = args.model or plan.model.spec
         if not args.model:
             print(f"prediction recorded in {args.plan} (pass --model SPEC to re-price):")
             _print_estimate(plan.predicted, fmt_time)
             return 0
-        from meshplan.planner.trace import trace
+        from meshplan.tracing import trace
         from meshplan.specs import example_inputs, parse_model_spec
 
         spec = parse_model_spec(args.model)
@@ -354,13 +397,13 @@ def cmd_estimate(args) -> int:
         if not (args.model and args.mesh and args.batch and args.seq):
             raise SpecError("meshplan estimate needs a plan file, or --model, --mesh, --batch "
                             "and --seq (with --manual dp=..,tp=..,pp=.. for a hand-written plan)")
-        from meshplan.specs import parse_mesh_spec
+        from meshplan.specs import parse_manual_spec, parse_mesh_spec
 
         mesh = parse_mesh_spec(args.mesh)
         spec, model, inputs = _load_model_and_inputs(args)
         if args.manual:
             plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name,
-                                        dtype=args.dtype, **_manual(args.manual))
+                                        dtype=args.dtype, **parse_manual_spec(args.manual))
         else:
             plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype)
         est = meshplan.estimate(plan, hardware=hardware) if hardware else plan.predicted
@@ -388,7 +431,7 @@ def cmd_calibrate(args) -> int:
 
     from rich.progress import Progress
 
-    from meshplan.costmodel.calibrate import calibrate, progress_steps
+    from meshplan.calibrate import calibrate, progress_steps
     from meshplan.mesh import calibration_cache_path
     from meshplan.plan import atomic_write
 
@@ -429,7 +472,8 @@ def _add_reading_commands(sub, model_mesh) -> None:
 
     p = sub.add_parser("explain", help="the alternatives the solver had at a layer or operator")
     p.add_argument("plan")
-    p.add_argument("--model", default="", help=retrace + " (needed)")
+    p.add_argument("--model", default="", help=retrace + " (default: the one the plan "
+                   "records; needed for a plan made from a Python model)")
     p.add_argument("--layer", type=int, default=None)
     p.add_argument("--node", default=None, help="operator name, as in the plan's ops")
     p.add_argument("--limit", type=int, default=6, help="alternatives shown per operator "
@@ -453,7 +497,8 @@ def _add_reading_commands(sub, model_mesh) -> None:
     p.add_argument("--plot", default="", help="time against memory with the Pareto front (.png)")
     p.add_argument("--no-auto", action="store_true", help="do not run autoparallel to mark "
                    "the automatic plan")
-    p.add_argument("--time-limit-s", type=float, default=30.0, help="for the automatic plan")
+    p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0,
+                   help="for the automatic plan")
     p.set_defaults(func=cmd_sweep)
 
 
@@ -462,7 +507,10 @@ def main(argv=None) -> int:
     # command line shows meshplan's own messages only.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a malformed command line (one line, exit 2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
     try:
         return args.func(args) or 0
     except (MeshplanError, FileNotFoundError, PermissionError, IsADirectoryError) as exc:

@@ -42,3 +42,9 @@ class MemoryLimitError(PlanningError):
 
 class NotSupportedError(MeshplanError):
     """A capability meshplan does not have yet; the message says which."""
+
+
+def gib(value: float) -> str:
+    """A memory size in GiB for a message, with significant digits however small it is
+    ("0.00012", not "0.00"): two decimals from 10 GiB up, three significant digits below."""
+    return f"{value:.2f}" if abs(value) >= 10 else f"{value:.3g}"

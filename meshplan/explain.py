@@ -19,25 +19,21 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
-from meshplan.costmodel.comm import Collective, collective_time_s
+from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import DTYPE_BYTES, op_time
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.memory import GIB, GRAD_BYTES, state_bytes_per_param
 from meshplan.errors import MeshplanError, PlanFileError, SpecError
-from meshplan.plan import Plan, Stage, shard_dim
+from meshplan.placements import shard_dim
+from meshplan.plan import Plan, Stage
 
-GIB = 2.0 ** 30
-# Bytes kept per parameter across steps: fp32 master weights (4) + fp32 gradients (4) +
-# optimizer state (Adam: two fp32 moments, 8; SGD with momentum: 4), plus a 2-byte
-# low-precision weight copy under mixed precision (Rajbhandari et al. 2020, ZeRO, sec. 3.1).
-STATE_BYTES = {"adam": 16, "sgd": 12}
-LOW_PRECISION_COPY = {"fp32": 0, "bf16": 2, "fp16": 2}
 # Operator kinds worth explaining on their own: the ones that carry weights or most FLOPs.
 HEAVY_KINDS = ("matmul", "attention", "embedding", "norm", "loss")
 
 
 def retrace(plan: Plan, model_spec: str):
     """The OpGraph of ``plan``'s model, rebuilt from ``model_spec`` and the plan's batch."""
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.specs import example_inputs, parse_model_spec
 
     if plan.graph is not None:
@@ -178,30 +174,22 @@ def price(node, graph, stage: Stage, hw: HardwareProfile, out_pl, w_pl, *, dtype
             w_split *= mesh[axis]
     act_bytes = (node.out.numel if node.out is not None else 0) * DTYPE_BYTES[dtype] / out_split
     wnumel = sum(graph.param_map[p].numel for p in node.params if p in graph.param_map)
-    state = (STATE_BYTES.get(optimizer, 16) + LOW_PRECISION_COPY.get(dtype, 0)) * wnumel / w_split
+    state = state_bytes_per_param(dtype, optimizer).total * wnumel / w_split
     comm = 0.0
     for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
         n = mesh[axis]
-        crosses = _crosses(stage, axis, hw)
+        crosses, local = axis_link(stage.mesh_shape, axis, hw.devices_per_node, stage.devices[0])
         if o == "S(0)" and w == "R" and node.params:  # data parallel: gradient all-reduce
-            comm += collective_time_s(hw, Collective.ALL_REDUCE, 4 * wnumel / w_split, n,
-                                      crosses_nodes=crosses)
+            comm += collective_time_s(hw, Collective.ALL_REDUCE, GRAD_BYTES * wnumel / w_split, n,
+                                      crosses_nodes=crosses, local_size=local)
         elif o == "P":  # row-parallel: forward all-reduce of the partial output
             comm += collective_time_s(hw, Collective.ALL_REDUCE, act_bytes, n,
-                                      crosses_nodes=crosses)
+                                      crosses_nodes=crosses, local_size=local)
         elif w != "R":  # column-parallel: backward all-reduce of the input gradient
             in_bytes = act_bytes * (node.bytes_read / max(node.bytes_written, 1))
             comm += collective_time_s(hw, Collective.ALL_REDUCE, in_bytes, n,
-                                      crosses_nodes=crosses)
+                                      crosses_nodes=crosses, local_size=local)
     return compute, comm, (state + act_bytes) / GIB
-
-
-def _crosses(stage: Stage, axis: int, hw: HardwareProfile) -> bool:
-    """Whether a group along ``axis`` of the stage mesh spans more than one node."""
-    stride = 1
-    for s in stage.mesh_shape[axis + 1:]:
-        stride *= s
-    return stride * stage.mesh_shape[axis] > hw.devices_per_node
 
 
 def _words(output: tuple[str, ...], stage: Stage) -> str:

@@ -22,7 +22,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from meshplan.plan import Plan, Stage, shard_dim
+from meshplan.context import chunk_words
+from meshplan.placements import shard_dim
+from meshplan.plan import Plan, Stage
+from meshplan.support import cp_degree
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.
@@ -183,6 +186,9 @@ def _batch_words(stage: Stage) -> str:
             if stage.mesh_shape[axis] > 1 and p in ("S(0)", "S(1)"):
                 word = "batch" if p == "S(0)" else "sequence"
                 split.setdefault(word, []).append(f"{axis} ({stage.axis_names[axis]})")
+    if "cp" in stage.axis_names:  # the ids are R on cp; every activation's sequence is split
+        axis = tuple(stage.axis_names).index("cp")
+        split.setdefault("sequence (head + tail chunks)", []).append(f"{axis} (cp)")
     return "; ".join(f"{w} over axis {ax[0]}" if len(ax) == 1 else
                      f"{w} over axes {', '.join(ax)}" for w, ax in split.items())
 
@@ -237,6 +243,9 @@ def head_table(plan: Plan) -> Table:
                  f"{t.optimizer})")
     head.add_row("stages / schedule", f"{plan.num_stages} / {sched}"
                  + (", sequence parallel" if t.sequence_parallel else ""))
+    cp = cp_degree(plan.stages[0]) if plan.stages else 1
+    if cp > 1:
+        head.add_row("context parallel", chunk_words(t.seq_len, cp))
     head.add_row("predicted step time", fmt_time(p.step_time_s))
     head.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s")
     head.add_row("MFU", f"{p.mfu * 100:.1f}%")
@@ -273,7 +282,8 @@ def stage_table(plan: Plan) -> Table:
         devs = f"{st.devices[0]}-{st.devices[-1]}" if len(st.devices) > 1 else str(st.devices[0])
         c, k = st.predicted.compute_s, st.predicted.comm_s
         stages.add_row(str(st.index), f"{devs} ({len(st.devices)})",
-                       "x".join(map(str, st.mesh_shape)),
+                       "x".join(map(str, st.mesh_shape)) + (
+                           f" ({','.join(st.axis_names)})" if "cp" in st.axis_names else ""),
                        f"{st.layers[0]}-{st.layers[1] - 1}" if st.layers[1] > st.layers[0] else "-",
                        st.recompute, str(st.zero), f"{m.params_gib:.3f}", f"{m.grads_gib:.3f}",
                        f"{m.optimizer_gib:.3f}", f"{m.activations_gib:.3f}", f"{m.total_gib:.3f}",

@@ -17,11 +17,11 @@ from importlib import resources
 from pathlib import Path
 
 from meshplan.errors import PlanFileError
+from meshplan.placements import shard_dim
+from meshplan.schedules import SCHEDULES
 
 SCHEMA_VERSION = "meshplan.plan/v1"
-PLACEMENT_RE = re.compile(r"^(R|P|S\((\d+)\))$")
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -100,6 +100,10 @@ class ModelInfo:
     # the call the plan was made for: {name, role (arg | kwarg | target), key, shape, dtype}
     # per flat graph input, global shapes (planner/assemble.input_records)
     inputs: tuple = ()
+    # the model spec the plan was made from on the command line ("transformers:gpt2?...",
+    # "file.py:factory"); "" for a plan made from a Python object. Commands that need the
+    # model (show/explain/report/estimate/run) default to it.
+    spec: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +185,27 @@ class Plan:
                 f"plan was made for model {self.model.name} with fingerprint "
                 f"{self.model.fingerprint}, but this model (with these input shapes) has "
                 f"{fingerprint}; make a new plan for this model (meshplan plan ...)")
+
+    def with_spec(self, spec: str) -> "Plan":
+        """This plan, recording the model spec it was made from."""
+        return replace(self, model=replace(self.model, spec=spec))
+
+    def check_graph(self, graph) -> None:
+        """``check_model`` on ``graph``'s fingerprint, then every planned placement against
+        the tensor it places: a hand-edited "S(7)" on a 2-D weight is refused here, with the
+        tensor named, not at step 1 inside DTensor. ``graph`` is the model's OpGraph."""
+        self.check_model(graph.fingerprint)
+        for stage in self.stages:
+            for name, placements in stage.params.items():
+                info = graph.param_map.get(name)
+                if info is not None:
+                    check_placements(placements, len(info.shape),
+                                     f"stage {stage.index} parameter {name}")
+            for name, op in stage.ops.items():
+                node = graph.node(name) if name in graph else None
+                if node is not None and node.outputs:
+                    check_placements(op.output, len(node.outputs[0].shape),
+                                     f"stage {stage.index} operator {name} output")
 
     # -- JSON ------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -419,18 +444,10 @@ def _is_type(value, t: str) -> bool:
     }[t]
 
 
-def shard_dim(text: str) -> int | None:
-    """"S(2)" -> 2; "R" and "P" -> None."""
-    return parse_placement(text)[1]
-
-
-def parse_placement(text: str) -> tuple[str, int | None]:
-    """"S(1)" -> ("S", 1); "R" -> ("R", None); "P" -> ("P", None)."""
-    m = PLACEMENT_RE.match(text)
-    if not m:
-        raise PlanFileError(f"placement {text!r} is not one of 'R', 'P', 'S(dim)'")
-    return (m.group(1)[0], int(m.group(2)) if m.group(2) is not None else None)
-
-
-def field_names(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
+def check_placements(placements, ndim: int, what: str) -> None:
+    """Every "S(d)" of ``placements`` names a dim of an ``ndim``-dim tensor."""
+    for axis, text in enumerate(placements):
+        dim = shard_dim(text)
+        if dim is not None and not -ndim <= dim < ndim:
+            raise PlanFileError(f"{what} is placed {text} on mesh axis {axis}, but it has "
+                                f"{ndim} dims; shard a dim in 0..{ndim - 1} or use R")

@@ -32,7 +32,10 @@ image-classification          (pixels,) batch x C x H x W float      (class ids,
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import importlib.util
+import inspect
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -137,9 +140,16 @@ def _build_transformers(model_type: str, overrides: dict, device) -> nn.Module:
         raise SpecError(f"head={head!r} is not one of {', '.join(HEADS)}; e.g. "
                         f"transformers:{model_type}?head=causal-lm")
     try:
-        config = transformers.AutoConfig.for_model(model_type, **overrides)
+        default = transformers.AutoConfig.for_model(model_type)
     except ValueError as exc:
         raise SpecError(f"transformers does not know model type {model_type!r}: {exc}") from None
+    overrides = {k: _checked_config_value(model_type, default, k, v) for k, v in overrides.items()}
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **overrides)
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation, in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SpecError(f"transformers:{model_type} refused the config {overrides}: {first}") \
+            from None
     for key, value in config.to_dict().items():  # synthetic runs compare losses across plans
         if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) \
                 and key not in overrides:
@@ -148,6 +158,37 @@ def _build_transformers(model_type: str, overrides: dict, device) -> nn.Module:
     model_cls = _auto_class(transformers, config, head)
     with torch.device(device):
         return model_cls.from_config(config)
+
+
+def _checked_config_value(model_type: str, default, key: str, value):
+    """``value`` for config key ``key``, checked against the default config: an unknown key
+    (a typo would silently build the default model) or a value of the wrong type is a
+    SpecError naming the key, the expected type and close spellings."""
+    # keys transformers folds into a dict attribute (Llama's rope_theta -> rope_parameters)
+    nested = {k: v for d in vars(default).values() if isinstance(d, dict)
+              for k, v in d.items() if isinstance(k, str)}
+    if not hasattr(default, key) and key not in nested:
+        known = sorted(k for k in default.to_dict() if not k.startswith("_"))
+        close = difflib.get_close_matches(key, known, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else \
+            f"known keys include {', '.join(known[:12])}, ..."
+        raise SpecError(f"transformers:{model_type} has no config key {key!r}; {hint}")
+    want = getattr(default, key) if hasattr(default, key) else nested[key]
+    if want is None or isinstance(want, str) and not isinstance(value, bool):
+        return value
+    if isinstance(want, bool):
+        if isinstance(value, bool):
+            return value
+    elif isinstance(want, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(want, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    else:
+        return value  # lists, dicts: transformers checks them
+    raise SpecError(f"transformers:{model_type} config {key}={value!r}: expected "
+                    f"{type(want).__name__} (default {want!r})")
 
 
 def _auto_class(transformers, config, head: str | None = None):
@@ -181,7 +222,17 @@ def _build_from_file(text: str, device) -> nn.Module:
     if not callable(fn):
         raise SpecError(f"{path} has no callable {factory!r}")
     with torch.device(device):
-        model = fn()
+        try:
+            model = fn()
+        except Exception as exc:  # noqa: BLE001 - the user's factory, in one line
+            needs = [n for n, p in inspect.signature(fn).parameters.items()
+                     if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                            p.POSITIONAL_OR_KEYWORD)]
+            if needs and isinstance(exc, TypeError):
+                raise SpecError(f"{text}: the factory takes arguments ({', '.join(needs)}), "
+                                "but meshplan calls it with none; give them defaults or wrap "
+                                "it in a function without arguments") from None
+            raise SpecError(f"{text}: the factory raised {type(exc).__name__}: {exc}") from None
     if not isinstance(model, nn.Module):
         raise SpecError(f"{text} returned {type(model).__name__}, not an nn.Module")
     return model
@@ -290,3 +341,24 @@ def training_call(model: nn.Module, batch: int, seq: int, *, device="meta",
     decoder_ids = torch.cat([torch.full((batch, 1), start, dtype=torch.long, device=device),
                              labels[:, :-1]], dim=1)
     return TrainingCall(head, {"input_ids": ids, "decoder_input_ids": decoder_ids}, (labels,))
+
+
+def parse_manual_spec(text: str) -> dict:
+    """dp=2,tp=2,pp=1,cp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0 -> manual_plan kwargs."""
+    keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "cp": ("cp", int),
+            "mb": ("microbatch_size", int),
+            "schedule": ("schedule", str), "recompute": ("recompute", str),
+            "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),
+            "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str)}
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in keys:
+            raise SpecError(f"--manual item {item!r} is not KEY=VALUE with KEY in "
+                            f"{', '.join(keys)}")
+        name, cast = keys[key.strip()]
+        try:
+            out[name] = cast(value.strip())
+        except ValueError:
+            raise SpecError(f"--manual {key}={value!r}: expected {cast.__name__}") from None
+    return out

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
+from meshplan.schedules import SCHEDULES
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/pipeline.py)
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -40,6 +40,8 @@ class Candidate:
     zero: int = 0
     dtype: str = "fp32"
     num_layers: int | None = None
+    cp: int = 1  # context-parallel degree (meshplan/context.py)
+    seq_len: int = 0  # 0 when unknown
 
 
 # -- the rules -----------------------------------------------------------------------------------
@@ -113,8 +115,20 @@ def dtype_rule(c: Candidate) -> tuple[str, ...]:
     return ()
 
 
+def context_parallel_rule(c: Candidate) -> tuple[str, ...]:
+    """The load-balanced layout cuts the sequence into 2 x cp equal chunks
+    (meshplan/context.py)."""
+    if c.cp < 1:
+        return (f"cp={c.cp} must be at least 1",)
+    if c.cp > 1 and c.seq_len and c.seq_len % (2 * c.cp):
+        return (f"sequence length {c.seq_len} is not divisible by 2 x cp = {2 * c.cp}; the "
+                "load-balanced layout cuts it into 2 x cp chunks; choose cp with 2 x cp "
+                f"dividing {c.seq_len}",)
+    return ()
+
+
 RULES = (schedule_rule, virtual_stage_rule, microbatch_rule, data_parallel_rule, zero_rule,
-         dtype_rule)
+         dtype_rule, context_parallel_rule)
 
 
 def candidate_problems(c: Candidate) -> tuple[str, ...]:
@@ -125,7 +139,7 @@ def candidate_problems(c: Candidate) -> tuple[str, ...]:
 # -- plans ---------------------------------------------------------------------------------------
 
 def lists_rank_groups(plan: Plan) -> bool:
-    """An interleaved plan written with one stage record per rank group (as meshplan/manual.py
+    """An interleaved plan written with one stage record per rank group (as planner/manual.py
     and planner/inter write it) rather than one per virtual stage."""
     n = len(plan.stages[0].devices)
     return plan.training.schedule == "interleaved-1f1b" and \
@@ -165,7 +179,29 @@ def candidate_of(plan: Plan) -> Candidate:
                      microbatches=t.microbatches, global_batch=t.global_batch,
                      microbatch_size=t.microbatch_size if plan.num_stages > 1 else 0,
                      zero=max(st.zero for st in plan.stages), dtype=t.dtype,
-                     num_layers=plan.model.num_layers if lists_rank_groups(plan) else None)
+                     num_layers=plan.model.num_layers if lists_rank_groups(plan) else None,
+                     cp=cp_degree(plan.stages[0]), seq_len=t.seq_len)
+
+
+def cp_degree(stage) -> int:
+    """Size of the stage mesh's "cp" axis (1 without one)."""
+    names = tuple(stage.axis_names)
+    return stage.mesh_shape[names.index("cp")] if "cp" in names else 1
+
+
+def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
+    """A cp axis runs on the graph engine (runtime/context.py), on every stage alike."""
+    cps = {cp_degree(st) for st in plan.stages}
+    if len(cps) > 1:
+        return (f"stages have different cp degrees {sorted(cps)}; every stage needs the same",)
+    if max(cps) > 1 and any(st.recompute == "selective" for st in plan.stages):
+        return (f"recompute 'selective' with cp={max(cps)}: the selective checkpoint's replay "
+                "diverges from the forward around the cp exchange (tests/"
+                "test_context_parallel.py); use recompute 'full' or 'none' with cp",)
+    if max(cps) > 1 and plan.engine != "graph":
+        return (f"engine {plan.engine!r} with cp={max(cps)}; context parallelism runs on the "
+                "graph engine: set engine 'graph'",)
+    return ()
 
 
 def stage_layout_rule(plan: Plan) -> tuple[str, ...]:
@@ -225,12 +261,13 @@ def plan_problems(plan: Plan) -> tuple[str, ...]:
     """Why ``plan`` cannot run (empty: it runs)."""
     if not plan.stages:
         return ("the plan has no stages; re-plan",)
-    out = stage_layout_rule(plan) + interleaved_split_rule(plan)
+    out = stage_layout_rule(plan) + interleaved_split_rule(plan) + \
+        context_parallel_plan_rule(plan)
     c = candidate_of(plan)
     if plan.num_stages == 1:
         # one stage: the schedule, microbatch size and interleaving are not used by the
         # single-stage runtime (it accumulates gradients over the microbatches)
-        out += microbatch_rule(c) + zero_rule(c) + dtype_rule(c)
+        out += microbatch_rule(c) + zero_rule(c) + dtype_rule(c) + context_parallel_rule(c)
     else:
         out += candidate_problems(c)
     return out

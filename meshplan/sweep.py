@@ -31,8 +31,6 @@ from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.plan import RECOMPUTE, Plan
 
-COLUMNS = ("dp", "tp", "pp", "microbatch_size", "microbatches", "schedule", "virtual_stages",
-           "recompute", "sequence_parallel", "zero")
 SHOW_PROGRESS_AFTER_S = 2.0  # a progress bar only for sweeps a person waits on
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 
@@ -126,7 +124,7 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
 
     import meshplan
     from meshplan.api import default_dtype
-    from meshplan.manual import attention_heads
+    from meshplan.planner.manual import attention_heads
 
     if plot and not str(plot).lower().endswith(PLOT_FORMATS):
         raise SpecError(f"--plot {plot}: the picture is written as {', '.join(PLOT_FORMATS)}; "

@@ -8,7 +8,7 @@ stage records) so that every planner writes the same file for the same decision.
 from __future__ import annotations
 
 from meshplan.errors import PlanningError
-from meshplan.planner.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import ModelInfo, MeshInfo, OpPlacement, TrainingConfig
 
 DTYPES = ("fp32", "bf16", "fp16")

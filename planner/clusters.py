@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.errors import PlanningError
-from meshplan.planner.graph import OpGraph
+from meshplan.graph import OpGraph
 
 
 @dataclass(frozen=True, slots=True)

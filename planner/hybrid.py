@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from meshplan import support
-from meshplan.errors import MemoryLimitError, PlanningError
-from meshplan.planner.graph import OpGraph
+from meshplan.errors import MemoryLimitError, PlanningError, gib
+from meshplan.graph import OpGraph
 from meshplan.planner.inter import SearchSpace
 from meshplan.planner.stagecost import plan_hybrid
 from meshplan.plan import Plan
@@ -41,9 +41,10 @@ VIRTUAL_STAGES = (2, 4)
 def search_space(*, microbatches: Sequence[int] | None = None,
                  schedules: Sequence[str] | None = None, recompute: Sequence[str] | None = None,
                  max_stages: int | None = None, zero: Sequence[int] | None = None,
-                 eps: float = 0.01) -> SearchSpace:
+                 context_parallel: Sequence[int] = (1,), eps: float = 0.01) -> SearchSpace:
     """autoparallel's options as a SearchSpace; None keeps the whole dimension. ``eps``
-    merges bound candidates within 1% (the exact search, eps=0, is what tests check)."""
+    merges bound candidates within 1% (the exact search, eps=0, is what tests check).
+    ``context_parallel`` lists the cp degrees tried (1: none), jointly with the rest."""
     return SearchSpace(
         schedules=tuple(schedules) if schedules else ("gpipe", "1f1b", "interleaved-1f1b"),
         recompute=tuple(recompute) if recompute else ("none", "selective", "full"),
@@ -51,7 +52,8 @@ def search_space(*, microbatches: Sequence[int] | None = None,
         microbatches=tuple(microbatches) if microbatches else None,
         microbatch_sizes=None if microbatches else MICROBATCH_SIZES,
         virtual_stages=VIRTUAL_STAGES, max_stages=max_stages,
-        sequence_parallel=(False, True), mixed_meshes=False, eps=eps)
+        sequence_parallel=(False, True), mixed_meshes=False,
+        context_parallel=tuple(context_parallel), eps=eps)
 
 
 def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
@@ -115,7 +117,7 @@ def _model_state_floor(graph: OpGraph, mesh, limit: float, dtype: str,
     w, g, o = model_state_bytes(graph.param_count, dtype=dtype, optimizer=optimizer, zero=3, dp=n)
     floor = (w + g + o) / GIB  # model_state_bytes already divides by the n ZeRO-3 ranks
     return MemoryLimitError(
-        f"no plan fits {limit:.2f} GiB per device on {n} devices: even sharded over all "
+        f"no plan fits {gib(limit)} GiB per device on {n} devices: even sharded over all "
         f"{n} devices (ZeRO-3), the parameters, gradients and optimizer state need at least "
-        f"{floor:.2f} GiB per device before any activation. Use more devices or a smaller "
+        f"{gib(floor)} GiB per device before any activation. Use more devices or a smaller "
         "model, or raise memory_limit_gib.", min_memory_gib=floor)

@@ -7,7 +7,7 @@ The program (Alpa's inter-operator pass, Zheng et al. OSDI'22 section 5, extende
 is ``K`` units (planner/clusters). The mesh's ``N`` devices form ``p`` equal device groups
 (contiguous ranges, realisable as DeviceMesh slices: a power-of-two slice of one node or
 whole nodes, Alpa's submesh rule). A pipeline cuts the units into ``p`` contiguous stages,
-stage ``s`` on group ``s`` (as meshplan/manual.py writes Megatron plans; the interleaved
+stage ``s`` on group ``s`` (as planner/manual.py writes Megatron plans; the interleaved
 schedule keeps ``p`` stage records and ``v`` enters the schedule's formulas). Every stage
 picks an option ``o`` = (logical mesh (dp, tp) of its group, recompute, ZeRO stage); the
 stage-cost function gives, per microbatch of ``G / B`` sequences, its time ``t`` (forward +
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Protocol
 
 import numpy as np
@@ -47,16 +46,11 @@ import numpy as np
 from meshplan.costmodel.memory import inflight_microbatches
 from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
-from meshplan.errors import MemoryLimitError, PlanningError
+from meshplan.errors import MemoryLimitError, PlanningError, gib
+from meshplan.schedules import Schedule
 from meshplan.planner.stagedp import RangeClasses, bound_candidates, build_tables, cut
 
 INF = float("inf")
-
-
-class Schedule(StrEnum):
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved-1f1b"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +92,9 @@ class SearchSpace:
     max_stages: int | None = None
     microbatch_sizes: tuple[int, ...] | None = None  # sequences per dp rank; None: any
     sequence_parallel: tuple[bool, ...] = (False,)  # tried per pipeline (tp > 1 only)
+    # context-parallel degrees tried per pipeline (one per pipeline: every stage of a plan has
+    # the same submesh); only on uniform meshes (mixed_meshes=False)
+    context_parallel: tuple[int, ...] = (1,)
     mixed_meshes: bool = True  # stages of one pipeline may pick different (dp, tp)
     eps: float = 0.0  # bound candidates closer than a factor (1 + eps) merge; 0 = exact
 
@@ -119,6 +116,7 @@ class StageOption:
     recompute: str
     zero: int
     sequence_parallel: bool = False
+    cp: int = 1  # context parallel: the group is dp x cp x tp devices (meshplan/context.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,16 +203,24 @@ def group_sizes(num_devices: int, devices_per_node: int) -> list[int]:
 
 
 def stage_meshes(size: int, devices_per_node: int,
-                 tensor_degrees: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """Logical (dp, tp) meshes of a group of ``size`` devices: tp stays inside a node."""
+                 tensor_degrees: Sequence[int] | None = None,
+                 context_degrees: Sequence[int] = (1,)) -> list[tuple[int, ...]]:
+    """Logical (dp, tp) meshes of a group of ``size`` devices: tp stays inside a node; with
+    context parallelism (dp, tp, cp), dp x cp x tp = size."""
     out = []
     for tp in range(1, min(size, devices_per_node) + 1):
         if size % tp or devices_per_node % tp:
             continue
         if tensor_degrees is not None and tp not in tensor_degrees:
             continue
-        out.append((size // tp, tp))
+        for cp in context_degrees:
+            if (size // tp) % cp == 0:
+                out.append((size // tp, tp) if cp == 1 else (size // tp // cp, tp, cp))
     return out
+
+
+def _dp_tp_cp(mesh: tuple[int, ...]) -> tuple[int, int, int]:
+    return (mesh[0], mesh[1], mesh[2] if len(mesh) > 2 else 1)
 
 
 def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches: int,
@@ -223,7 +229,7 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
     zeros = space.zero if size == problem.num_devices or space.pipeline_zero is None \
         else space.pipeline_zero
     out = []
-    for dp, tp in meshes:
+    for dp, tp, cp in map(_dp_tp_cp, meshes):
         if sp and tp == 1:
             continue
         if support.data_parallel_rule(support.Candidate(
@@ -238,7 +244,7 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
                     continue  # ZeRO over one replica is plain data parallelism
                 if support.zero_rule(support.Candidate(zero=z)):
                     continue
-                out.append(StageOption((dp, tp), rc, z, sp))
+                out.append(StageOption((dp, tp), rc, z, sp, cp))
     return out
 
 
@@ -313,9 +319,9 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
             top = sorted(top + [found], key=lambda p: p.step_time_s)[:keep]
     if not top:
         raise MemoryLimitError(
-            f"no pipeline plan fits {problem.memory_limit_gib:.2f} GiB per device on "
+            f"no pipeline plan fits {gib(problem.memory_limit_gib)} GiB per device on "
             f"{problem.num_devices} devices; the smallest stage found needs "
-            f"{smallest_memory[0]:.2f} GiB. Use more devices, a smaller batch, allow "
+            f"{gib(smallest_memory[0])} GiB. Use more devices, a smaller batch, allow "
             "recompute='full' and zero=3, or raise memory_limit_gib.",
             min_memory_gib=smallest_memory[0])
     return [PipelinePlan(**{**_fields(p), "combos_searched": combos, "dp_runs": runs[0]})
@@ -329,7 +335,7 @@ def _may_fit(problem: Problem, space: SearchSpace, stages: int, mesh) -> bool:
     meshes = [mesh] if mesh else stage_meshes(size, problem.devices_per_node,
                                               space.tensor_degrees)
     return any(problem.weights_floor_gib(stages, dp, tp, max(space.zero))
-               <= problem.memory_limit_gib for dp, tp in meshes)
+               <= problem.memory_limit_gib for dp, tp, _ in map(_dp_tp_cp, meshes))
 
 
 def relaxed_space(space: SearchSpace) -> SearchSpace:
@@ -363,7 +369,8 @@ def _combos(problem: Problem, space: SearchSpace):
             if schedule == Schedule.INTERLEAVED and stages == 1:
                 continue
             meshes = [None] if space.mixed_meshes else \
-                stage_meshes(size, problem.devices_per_node, space.tensor_degrees)
+                stage_meshes(size, problem.devices_per_node, space.tensor_degrees,
+                             space.context_parallel)
             for virtual in virtuals:
                 for b in batches:
                     if problem.global_batch % b:

@@ -27,26 +27,19 @@ from dataclasses import dataclass, field, replace
 from meshplan.costmodel.compute import DTYPE_BYTES, op_time
 from meshplan.costmodel.comm import Collective
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.memory import GIB
 from meshplan.errors import MemoryLimitError, PlanningError
 from meshplan.plan import MemoryBreakdown, OpPlacement, SolverInfo
 from meshplan.planner import ilp
-from meshplan.planner.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind
 from meshplan.planner.reshard import (INF, AxisLinks, edge_s, grad_placement, output_grad,
                                       shard_factor)
-from meshplan.planner.strategies import (P, R, Strategy, enumerate_strategies, follow,
-                                         input_shapes, keeps_partial, op_spec, placement_str,
+from meshplan.placements import P, R, placement_str
+from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
+                                         input_shapes, keeps_partial, op_spec,
                                          replicated_strategy, tensor_of, tensor_placements)
 
-GIB = 2.0 ** 30
 NS = 1e9  # objective unit: 1 ns (integer costs for the solver)
-# bytes kept per parameter between steps besides the compute copy: fp32 master weights (4),
-# fp32 gradients (4), optimizer state: Adam's two fp32 moments (8) or SGD momentum (4)
-# (Rajbhandari et al. 2020, ZeRO, section 3.1)
-MASTER_BYTES, GRAD_BYTES = 4, 4
-OPTIMIZER_BYTES = {"adam": 8, "sgd": 4}
-# the optimizer step reads and writes weights, grads and moments: ~16 bytes each way per
-# parameter at memory bandwidth (same convention as costmodel/estimate.py)
-OPTIMIZER_TRAFFIC_BYTES = 32
 RECOMPUTE = ("none", "selective", "full")
 
 

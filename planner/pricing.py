@@ -22,15 +22,15 @@ import itertools
 
 from meshplan.costmodel.comm import Collective
 from meshplan.costmodel.compute import DTYPE_BYTES, op_time
-from meshplan.costmodel.memory import alias_root, is_seq_squared, saved_inputs
+from meshplan.costmodel.memory import (GIB, GRAD_BYTES, MASTER_BYTES, alias_root, is_seq_squared,
+                                       moment_bytes, optimizer_traffic_s, saved_inputs)
 from meshplan.plan import MemoryBreakdown
-from meshplan.planner.graph import OpKind
-from meshplan.planner.intra import (GIB, MASTER_BYTES, GRAD_BYTES, OPTIMIZER_BYTES,
-                                    OPTIMIZER_TRAFFIC_BYTES, Candidate, Group, StageProblem,
-                                    warn_fallbacks)
+from meshplan.graph import OpKind
+from meshplan.planner.intra import Candidate, Group, StageProblem, warn_fallbacks
 from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
                                       output_grad, shard_factor)
-from meshplan.planner.strategies import (P, R, Strategy, enumerate_strategies, follow,
+from meshplan.placements import P, R
+from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
                                          input_shapes, is_pointwise, keeps_partial, op_spec,
                                          replicated_strategy, tensor_of, tensor_placements)
 
@@ -270,9 +270,9 @@ class Pricer:
             pbytes += n_store * (copy_b + master_b / div)
             if info.trainable:
                 gbytes += n_store * GRAD_BYTES
-                obytes += n_store * OPTIMIZER_BYTES.get(o.optimizer, 8) / div
-                optim_s += OPTIMIZER_TRAFFIC_BYTES * n_store / div / (
-                    self.hw.device.memory_bandwidth_gbps * 1e9)
+                obytes += n_store * moment_bytes(o.optimizer) / div
+                optim_s += optimizer_traffic_s(n_store / div, dtype=o.dtype, optimizer=o.optimizer,
+                                               hw=self.hw)
             for ax in sync:
                 if zero:  # FSDP gathers the weight for every microbatch's forward and backward
                     gathers += 2 * self.links.collective(

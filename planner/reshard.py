@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
-from meshplan.planner.strategies import P, R, Placement
+from meshplan.placements import P, R, Placement
 
 INF = math.inf
 # runtime/ realises each planned input placement with DTensor.redistribute, which refuses

@@ -15,13 +15,14 @@ from dataclasses import dataclass, replace
 from meshplan.costmodel.compute import DTYPE_NAMES
 from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.errors import PlanningError
+from meshplan.errors import PlanningError, gib
 from meshplan.plan import Estimate, Plan, Stage, StagePrediction
 from meshplan.planner import ilp
 from meshplan.planner.assemble import mesh_info, model_info, training_config
-from meshplan.planner.graph import OpGraph
-from meshplan.planner.intra import (GIB, NS, StageOptions, build_problem, solve_stage, to_ilp)
-from meshplan.planner.strategies import placement_str
+from meshplan.graph import OpGraph
+from meshplan.costmodel.memory import GIB
+from meshplan.planner.intra import (NS, StageOptions, build_problem, solve_stage, to_ilp)
+from meshplan.placements import placement_str
 
 
 def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = "bf16", optimizer: str = "adam",
@@ -91,7 +92,7 @@ def alternatives(plan: Plan, node_name: str) -> tuple[Alternative, ...]:
     graph = plan.graph
     if graph is None:
         raise PlanningError("alternatives() needs the plan's graph: plan = replace(plan, "
-                            "graph=meshplan.planner.trace.trace(model, inputs))")
+                            "graph=meshplan.tracing.trace(model, inputs))")
     if plan.num_stages != 1 or node_name not in plan.stages[0].ops:
         raise PlanningError(f"{node_name!r} is not an operator of this single-stage plan")
     st = plan.stages[0]
@@ -120,7 +121,7 @@ def alternatives(plan: Plan, node_name: str) -> tuple[Alternative, ...]:
         elif total is None:
             reason = "needs a redistribution DTensor cannot do from its neighbours' placements"
         elif mem > options.memory_limit_gib:
-            reason = f"needs {mem:.2f} GiB per device, over the {options.memory_limit_gib:.2f} GiB limit"
+            reason = f"needs {gib(mem)} GiB per device, over the {gib(options.memory_limit_gib)} GiB limit"
         else:
             delta = (total - base) / NS if base is not None else 0.0
             reason = f"slower by {delta * 1e3:.3f} ms" if delta > 0 else \

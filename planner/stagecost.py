@@ -3,7 +3,7 @@ becomes.
 
 trace -> **cost** (costmodel.estimate.stage_cost) -> solve (planner/inter) -> assemble -> run.
 A candidate stage runs a range of layer units on a (dp, tp) submesh with Megatron-LM's
-placements (meshplan/manual.py's propagation rules, so a uniform answer is exactly a plan
+placements (planner/manual.py's propagation rules, so a uniform answer is exactly a plan
 ``manual_plan`` would write), priced by the same ``stage_cost`` that ``meshplan.estimate``
 applies to whole plans. Pricing every one of the thousands of candidate ranges would take
 minutes, so ranges are priced *affinely*: a range costs its first unit as a stage of its own
@@ -28,10 +28,11 @@ from meshplan import support
 from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
-from meshplan.manual import Propagator, stage_params, attention_heads
+from meshplan.planner.cp_placements import CpPropagator
+from meshplan.planner.manual import Propagator, attention_heads, stage_params, with_cp_axis
 from meshplan.planner.assemble import batch_and_seq, mesh_info, model_info, training_config
 from meshplan.planner.clusters import LayerUnit, layer_units
-from meshplan.planner.graph import OpGraph
+from meshplan.graph import OpGraph
 from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
                                     search_best)
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage
@@ -56,36 +57,58 @@ class MegatronStageCost:
         self._walks: dict = {}
         self._probes: dict = {}
         self._neighbourhoods: dict = {}
+        self._cp = None  # CpPropagator after its one walk
 
     # -- placements ---------------------------------------------------------------------------
-    def placements(self, dp: int, tp: int, sp: bool, zero: int):
+    def placements(self, dp: int, tp: int, sp: bool, zero: int, cp: bool = False):
         """(ops, params) of the whole graph under Megatron's rules on a (dp, tp) mesh. The
         operator rules do not read dp or ZeRO (only parameter storage does), so the graph
         is walked once per (tp, sp)."""
         sp = sp and tp > 1
-        key = (dp, tp, sp, zero)
+        key = (dp, tp, sp, zero, cp)
         if key not in self._placements:
-            walk = self._walks.get((tp, sp))
+            walk = self._walks.get((tp, sp, cp))
             if walk is None:
                 prop = Propagator(self.graph, dp=1, tp=tp, sp=sp, seq_len=self.seq, zero=0)
-                walk = self._walks[(tp, sp)] = (
+                if cp:
+                    prop.vocab = set()  # planner/manual.with_cp_axis
+                walk = self._walks[(tp, sp, cp)] = (
                     {n.name: prop.visit(n) for n in self.graph.nodes}, prop.consumed)
             ops, consumed = walk
             store = Propagator(self.graph, dp=dp, tp=tp, sp=sp, seq_len=self.seq, zero=zero)
             store.consumed = consumed
+            if cp:
+                store.vocab = set()
             params = {p.name: store.storage(p.name) for p in self.graph.params}
             self._placements[key] = (ops, params)
         return self._placements[key]
 
     def stage(self, names, option: StageOption, *, index: int = 0, layers=(0, 0)) -> Stage:
         dp, tp = option.mesh_shape
-        ops, params = self.placements(dp, tp, option.sequence_parallel, option.zero)
-        return Stage(index=index, devices=tuple(range(index * dp * tp, (index + 1) * dp * tp)),
-                     mesh_shape=(dp, tp), axis_names=("dp", "tp"), layers=layers,
+        ops, params = self.placements(dp, tp, option.sequence_parallel, option.zero,
+                                      option.cp > 1)
+        params = {p: params[p] for p in stage_params(self.graph, names)}
+        inputs = {name: ("S(0)", "R") for name, _ in self.graph.inputs}
+        ops = {n: ops[n] for n in names}
+        shape, axes, n = (dp, tp), ("dp", "tp"), dp * tp
+        if option.cp > 1:  # the cp axis as planner/manual.py writes it
+            shape, axes, ops, params, inputs = with_cp_axis(
+                self._cp_records(names), dp, option.cp, tp, ops, params, inputs)
+            n *= option.cp
+        return Stage(index=index, devices=tuple(range(index * n, (index + 1) * n)),
+                     mesh_shape=shape, axis_names=axes, layers=layers,
                      nodes=(names[0], names[-1]), recompute=option.recompute, zero=option.zero,
-                     inputs={name: ("S(0)", "R") for name, _ in self.graph.inputs},
-                     params={p: params[p] for p in stage_params(self.graph, names)},
-                     ops={n: ops[n] for n in names})
+                     inputs=inputs, params=params, ops=ops)
+
+    def _cp_records(self, names) -> dict:
+        """cp-axis placements of ``names`` (one walk of the graph; they do not depend on
+        the cp degree)."""
+        if self._cp is None:
+            prop = CpPropagator(self.graph, self.seq)
+            for node in self.graph.nodes:
+                prop.visit(node)
+            self._cp = prop
+        return self._cp.gather_kv_early(names)
 
     def weights_floor_gib(self, stages: int, dp: int, tp: int, zero: int) -> float:
         """Model state of the average stage with every parameter split over tp: no stage of
@@ -102,6 +125,9 @@ class MegatronStageCost:
         dp, tp = option.mesh_shape
         if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp):
             return None
+        if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
+                              option.sequence_parallel or option.recompute == "selective"):
+            return None  # no attention to split, or the layout's 2 x cp chunks do not divide
         key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
                need_memory)
         if key in self._probes:

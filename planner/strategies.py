@@ -45,12 +45,8 @@ import itertools
 import re
 from dataclasses import dataclass, replace
 
-from meshplan.plan import shard_dim
-from meshplan.planner.graph import OpGraph, OpKind, OpNode
-
-R, P = -1, -2  # Replicate, Partial; a non-negative int d is Shard(d)
-
-Placement = tuple[int, ...]  # one entry per mesh axis
+from meshplan.placements import P, R, Placement
+from meshplan.graph import OpGraph, OpKind, OpNode
 
 PROJECT_RULES = ("aten.scaled_dot_product_attention", "aten.cross_entropy_loss",
                  "aten.nll_loss", "aten.linear", "aten.matmul", "aten.einsum",
@@ -58,17 +54,6 @@ PROJECT_RULES = ("aten.scaled_dot_product_attention", "aten.cross_entropy_loss",
 # Batch normalisation in training (running statistics updated in place): replicated only.
 BATCH_NORMS = ("batch_norm", "native_batch_norm", "_native_batch_norm_legit_functional",
                "_native_batch_norm_legit", "instance_norm")
-
-
-def placement_str(pl: Placement) -> tuple[str, ...]:
-    return tuple("R" if p == R else "P" if p == P else f"S({p})" for p in pl)
-
-
-def placement_from_str(pl) -> Placement:
-    out = []
-    for p in pl:
-        out.append(R if p == "R" else P if p == "P" else shard_dim(p))
-    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ all-reduce over the world sums (or, for p = inf, takes the max of) the partial n
 scaling multiplies the local shards in place, with torch.nn.utils' rule. Works for
 ``runtime.parallelize.ParallelModel`` (gradients of ZeRO-1/2 masters included: they are what
 the optimizer steps) and ``runtime.pipeline.PipelineModel``, after their gradient sync
-(``Optimizer.register_step_pre_hook`` is the place: runtime/worker.py).
+(``Optimizer.register_step_pre_hook`` is the place: meshplan/worker.py).
 """
 
 from __future__ import annotations

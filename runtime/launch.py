@@ -15,7 +15,7 @@ mesh axis 0 crosses nodes); which node gets which block is the rendezvous's choi
 ``torchrun_command`` gives the equivalent shell command, ``slurm_script`` an sbatch script.
 
 Ctrl-C: the agent turns SIGINT into ``SignalException`` and sends SIGINT to the workers,
-which die at once (runtime/worker.py restores the default action); we print one line.
+which die at once (meshplan/worker.py restores the default action); we print one line.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 def worker_args(plan_path: str, *, model: str, steps: int, seed: int, metrics_out: str = "",
                 extra: tuple[str, ...] = ()) -> list[str]:
-    args = ["-m", "meshplan.runtime.worker", "--plan", plan_path, "--model", model,
+    args = ["-m", "meshplan.worker", "--plan", plan_path, "--model", model,
             "--steps", str(steps), "--seed", str(seed)]
     if metrics_out:
         args += ["--metrics-out", metrics_out]

@@ -10,7 +10,7 @@ stage (``apply_tp``, ``apply_ac``, ``apply_fsdp`` over the stage's own dp x tp s
 wrapped in a ``PipelineStage``; the plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives
 the microbatches. ``pipeline_refusal`` says why a plan cannot run this way (the graph engine,
 runtime/pipeline.py, then runs it); it exports every stage's forward on meta, which is what
-refuses a model whose forward does not run with its blocks removed (DECISIONS 35).
+refuses a model whose forward does not run with its blocks removed (DECISIONS 49).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
-from meshplan.planner.trace import find_block_paths, next_token_loss
+from meshplan.tracing import find_block_paths, next_token_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved-1f1b": ScheduleInterleaved1F1B}
@@ -367,13 +367,13 @@ class PipelineModuleEngine:
         return self.train(False)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        from meshplan.runtime.modules import _clean
-        return {_clean(n.removeprefix(_ROOT)): p for m in self.modules
+        from meshplan.runtime.modules import clean_fqn
+        return {clean_fqn(n.removeprefix(_ROOT)): p for m in self.modules
                 for n, p in m.named_parameters() if p.requires_grad}
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        from meshplan.runtime.modules import _clean
-        return {_clean(n.removeprefix(_ROOT)): t for m in self.modules
+        from meshplan.runtime.modules import clean_fqn
+        return {clean_fqn(n.removeprefix(_ROOT)): t for m in self.modules
                 for n, t in [*m.named_parameters(remove_duplicate=False),
                              *m.named_buffers(remove_duplicate=False)]}
 
@@ -417,13 +417,13 @@ class PipelineModuleEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors of every stage under the model's own FQNs, buffers included."""
-        from meshplan.runtime.modules import _clean
+        from meshplan.runtime.modules import clean_fqn
         local = {}
         for m in self.modules:
             sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
             local.update({k.removeprefix(_ROOT): v for k, v in sd.items()})
             for name, buf in m.named_buffers():
-                local.setdefault(_clean(name.removeprefix(_ROOT)), buf.detach().clone())
+                local.setdefault(clean_fqn(name.removeprefix(_ROOT)), buf.detach().clone())
         return self._gather(local)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
@@ -434,7 +434,7 @@ class PipelineModuleEngine:
     def load_full_state_dict(self, sd: dict, *, broadcast_from_rank0: bool = False) -> None:
         """Each stage loads its own entries of the full state dict (every rank passes it, or
         rank 0 with ``broadcast_from_rank0``: then it is broadcast whole first)."""
-        from meshplan.runtime.modules import _clean
+        from meshplan.runtime.modules import clean_fqn
         if broadcast_from_rank0:
             holder = [sd if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(holder, src=0)
@@ -447,7 +447,7 @@ class PipelineModuleEngine:
                                  options=StateDictOptions(full_state_dict=True, strict=True))
             with torch.no_grad():
                 for name, buf in m.named_buffers():
-                    key = _clean(name.removeprefix(_ROOT))
+                    key = clean_fqn(name.removeprefix(_ROOT))
                     if key in sd and key not in persistent:
                         buf.copy_(sd[key])
         self._unset_buffers -= set(sd)

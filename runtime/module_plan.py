@@ -19,8 +19,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from meshplan.errors import PlanFileError
-from meshplan.plan import Plan, Stage
-from meshplan.planner.trace import find_repeated_blocks
+from meshplan.plan import Plan, Stage, check_placements
+from meshplan.tracing import find_repeated_blocks
 from meshplan.runtime.parallelize import data_parallel_axes, meta_copy
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -212,6 +212,20 @@ def _meta_inputs(plan: Plan, dp_size: int) -> tuple | None:
     return None
 
 
+def _dropout(model: nn.Module) -> str | None:
+    """The first active dropout of ``model``: an nn.Dropout with p > 0, or a float config
+    value named like transformers' dropout keys (attention dropout goes to sdpa as a float)."""
+    for name, m in model.named_modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return f"{name or 'the model'} is dropout p={m.p}"
+    config = getattr(model, "config", None)
+    items = config.to_dict().items() if hasattr(config, "to_dict") else ()
+    for key, value in items:
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
+            return f"config {key}={value}"
+    return None
+
+
 def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why ``plan`` cannot run on ``model`` with PyTorch's composables; None when it can.
     Pure: needs no process group (the local-shard check runs the model on meta)."""
@@ -219,6 +233,14 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
         from meshplan.runtime.module_pipeline import pipeline_refusal
         return pipeline_refusal(plan, model)
     t, stage = plan.training, plan.stages[0]
+    if "cp" in stage.axis_names:
+        return ("the plan has a context-parallel axis 'cp'; its K/V exchange and load-balanced "
+                "layout run on the graph engine (meshplan/context.py)")
+    drop = _dropout(model)
+    if drop and plan.num_devices > 1:
+        return (f"{drop}: eager modules draw DTensor's dropout masks (per-shard on CPU, "
+                "DTensor's own stream on GPU); the graph engine draws one process's masks, "
+                "the same under every single-stage plan")
     if t.dtype not in COMPUTE_DTYPES:
         return (f"dtype {t.dtype} needs loss scaling, which the module engine does not do; "
                 "use bf16 or fp32, or the graph engine")
@@ -236,6 +258,13 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
                     "parameters replicated or ZeRO-3-sharded there")
         if "P" in placements:
             return f"{fqn} is stored Partial ({placements}); no composable stores a partial weight"
+    norm = next((n for n, m in model.named_modules()
+                 if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))), None)
+    if norm is not None and dp is not None and stage.mesh_shape[dp] > 1:
+        return (f"{norm} is a BatchNorm and the batch is split over {stage.mesh_shape[dp]} "
+                "data-parallel ranks: under fully_shard each rank would normalise its own rows, "
+                "while the plan means statistics over the whole microbatch (DECISIONS 18; the "
+                "graph engine computes those)")
     blocks, num = find_repeated_blocks(model)
     if stage.recompute != "none" and not num:
         return (f"recompute={stage.recompute} wraps each repeated block, but the model has no "
@@ -266,6 +295,8 @@ def check_model(plan: Plan, model: nn.Module) -> None:
             f"counts {plan.model.param_count} trainable parameters, this model {count}"
         raise PlanFileError(f"plan for {plan.model.name} {what}; make a plan for this model "
                             "(meshplan plan ...)")
+    for fqn, p in named.items():
+        check_placements(stage.params[fqn], p.ndim, f"parameter {fqn}")
 
 
 def _call(model: nn.Module, args: tuple, kwargs: dict):

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
-from meshplan.planner.trace import find_repeated_blocks, next_token_loss
+from meshplan.tracing import find_repeated_blocks, next_token_loss
 from meshplan.runtime.module_plan import (COMPUTE_DTYPES, _axes, _call, check_model,  # noqa: F401
                                           module_engine_refusal, tp_styles)  # re-exported
 
@@ -127,7 +127,7 @@ def compile_blocks(model: nn.Module, container: str | None = None) -> None:
 
 # -- the engine ------------------------------------------------------------------------------
 
-def _clean(fqn: str) -> str:
+def clean_fqn(fqn: str) -> str:
     for part in _WRAPPER_PARTS:
         fqn = fqn.replace(part, "")
     return fqn
@@ -184,7 +184,7 @@ class ModuleEngine:
         self.dp_rank = self.mesh[self.dp_axis].get_local_rank() if self.dp_axis else 0
         self.dp_size = stage.mesh_shape[dp] if dp is not None else 1
         on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        self._unset_buffers = {_clean(n) for n, b in model.named_buffers() if b.is_meta}
+        self._unset_buffers = {clean_fqn(n) for n, b in model.named_buffers() if b.is_meta}
         if not on_meta:
             model.to(self.device)
         styles, _ = tp_styles(plan, model)
@@ -258,7 +258,7 @@ class ModuleEngine:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {_clean(n): t for n, t in [*self.model.named_parameters(remove_duplicate=False),
+        return {clean_fqn(n): t for n, t in [*self.model.named_parameters(remove_duplicate=False),
                                           *self.model.named_buffers(remove_duplicate=False)]}
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -285,19 +285,19 @@ class ModuleEngine:
         """Full tensors under the model's own FQNs, persistent and non-persistent buffers."""
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
         for name, buf in self.model.named_buffers():
-            sd.setdefault(_clean(name), buf.detach().clone())
+            sd.setdefault(clean_fqn(name), buf.detach().clone())
         return sd
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient as a full tensor, by FQN (for tests and debugging)."""
-        return {_clean(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        return {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
                 for n, p in self.model.named_parameters() if p.grad is not None}
 
     def load_full_state_dict(self, sd: dict, *, broadcast_from_rank0: bool = False) -> None:
         """Load full tensors (every rank passes them, or rank 0 only with
         ``broadcast_from_rank0``); non-persistent buffers in ``sd`` are copied too."""
         persistent = set(get_model_state_dict(self.model).keys())
-        extra = {_clean(n) for n, _ in self.model.named_buffers()} - persistent
+        extra = {clean_fqn(n) for n, _ in self.model.named_buffers()} - persistent
         # strict: a missing weight or an unknown name raises (torch's message names it)
         set_model_state_dict(self.model, {k: v for k, v in sd.items() if k not in extra},
                              options=StateDictOptions(full_state_dict=True,
@@ -305,8 +305,8 @@ class ModuleEngine:
                                                       strict=not broadcast_from_rank0))
         with torch.no_grad():
             for name, buf in self.model.named_buffers():
-                if _clean(name) in sd and _clean(name) not in persistent:
-                    buf.copy_(sd[_clean(name)])
+                if clean_fqn(name) in sd and clean_fqn(name) not in persistent:
+                    buf.copy_(sd[clean_fqn(name)])
         self._unset_buffers -= set(sd) | persistent
 
     def init_weights(self, fn) -> None:

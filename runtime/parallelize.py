@@ -33,11 +33,11 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
-from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph,
+from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
 from meshplan.runtime import lowering, zero
-from meshplan.runtime.spmd import SPMDExecutor, to_placements  # noqa: F401 (re-exported)
+from meshplan.runtime.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
 # keeps tiny gradients of small models above fp16's subnormal range; a step whose
@@ -47,10 +47,8 @@ FP16_LOSS_SCALE = 2.0 ** 10
 
 def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
-    """scaled_dot_product_attention as matmul + softmax + matmul (every op has a DTensor rule)."""
-    if dropout_p:
-        raise NotSupportedError("attention dropout is not supported by the runtime; set the "
-                                "model's attention dropout to 0")
+    """scaled_dot_product_attention as matmul + softmax + matmul (every op has a DTensor rule);
+    attention dropout as PyTorch's math kernel applies it, to the softmax (global_dropout)."""
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(rep, dim=-3)
@@ -63,10 +61,42 @@ def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    weights = torch.softmax(scores, dim=-1)
+    if dropout_p:
+        weights = global_dropout(weights, dropout_p, True)
+    return torch.matmul(weights, v)
+
+
+def sdpa_math_dropout(*args, **kwargs):
+    """sdpa_math with attention dropout: kept on DTensor (a local run would draw shard masks)."""
+    return sdpa_math(*args, **kwargs)
+
+
+def global_dropout(x, p: float, train: bool):
+    """aten.dropout with one process's mask: every rank draws the mask at the tensor's GLOBAL
+    shape from its default generator, as eager CPU dropout does
+    (``empty_like(x).bernoulli_(1 - p).div_(1 - p)``), and keeps its shard of it. Ranks that
+    run the same operators in the same order (one stage) stay in step with one process
+    seeded alike, so the result does not depend on how the plan shards ``x``. DTensor's
+    OffsetBasedRNGTracker gives the same guarantee only on CUDA-like devices
+    (``is_rng_supported_mesh`` is False on CPU), and draws a different stream than eager."""
+    if not train or p == 0:
+        return x
+    if not isinstance(x, DTensor):
+        return x * torch.empty_like(x).bernoulli_(1 - p).div_(1 - p)
+    if any(pl.is_partial() for pl in x.placements):
+        x = x.redistribute(x.device_mesh, [Replicate() if pl.is_partial() else pl
+                                           for pl in x.placements])
+    noise = torch.empty(x.shape, dtype=x.dtype).bernoulli_(1 - p).div_(1 - p)
+    shape, offset = compute_local_shape_and_global_offset(x.shape, x.device_mesh, x.placements)
+    local = noise[tuple(slice(o, o + n) for o, n in zip(offset, shape))].to(x.device_mesh.device_type)
+    mask = DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
+                              shape=x.shape, stride=x.stride())
+    return x * mask
 
 
 lowering.LOCAL_EQUIVALENT[sdpa_math] = torch.nn.functional.scaled_dot_product_attention
+lowering.KEEP_ON_DTENSOR.update({global_dropout, sdpa_math_dropout})
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -84,10 +114,13 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def runnable_graph_module(ep: torch.export.ExportedProgram, *, device_type: str) -> torch.fx.GraphModule:
     """The exported program as a GraphModule that runs on ``device_type`` with DTensors
     (subgraphs of higher-order operators, such as Llama's rotary embedding, included)."""
+    from meshplan.runtime.custom_ops import replicate_unsharded_custom_ops
+
     gm = ep.module()
     for sub in gm.modules():
         if isinstance(sub, torch.fx.GraphModule):
             _make_runnable(sub, device_type)
+            replicate_unsharded_custom_ops(sub.graph)  # MoE experts' grouped matmul
     return gm
 
 
@@ -99,9 +132,20 @@ def _make_runnable(gm: torch.fx.GraphModule, device_type: str) -> None:
                 lambda a: torch.device(device_type) if isinstance(a, torch.device) else a)
         if node.op == "call_function" and str(node.target).startswith("aten._assert"):
             gm.graph.erase_node(node)
+        elif node.target is torch.ops.aten.dropout.default and len(node.args) == 3 \
+                and node.args[1] and node.args[2]:
+            node.target = global_dropout  # p > 0 in training (p = 0 stays a lowered no-op)
+        elif node.target is torch.ops.aten.scaled_dot_product_attention.default and \
+                _sdpa_dropout(node):
+            node.target = sdpa_math_dropout
         elif device_type == "cpu" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
             node.target = sdpa_math
     gm.recompile()
+
+
+def _sdpa_dropout(node: torch.fx.Node) -> bool:
+    p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+    return bool(p)
 
 
 def data_parallel_axes(stage: Stage) -> tuple[int, ...]:
@@ -278,7 +322,7 @@ class ParallelModel:
         for name, p in self.params.items():
             if isinstance(p, nn.Parameter) and id(p) not in seen:
                 seen.add(id(p))
-                out[name.removeprefix(_WRAPPER_PREFIX)] = p
+                out[name.removeprefix(WRAPPER_PREFIX)] = p
         return out
 
     def optimizer_params(self) -> dict[str, nn.Parameter]:
@@ -288,13 +332,13 @@ class ParallelModel:
     def named_buffers(self) -> dict[str, DTensor]:
         """Every buffer the graph reads (BatchNorm's running statistics, rotary tables), by
         FQN, as placed (replicated): what a checkpoint saves beside the parameters."""
-        return {name.removeprefix(_WRAPPER_PREFIX): t for name, t in self.params.items()
+        return {name.removeprefix(WRAPPER_PREFIX): t for name, t in self.params.items()
                 if not isinstance(t, nn.Parameter)}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered to a full tensor, by FQN (for tests and
         checkpoints)."""
-        return {name.removeprefix(_WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
+        return {name.removeprefix(WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
 
 
 def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
@@ -327,7 +371,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
         ep, rename = microbatch_program(model, plan, ep, meta_inputs, loss_fn, signature)
         program = TracedProgram(ep, graph, plan.training.microbatches, rename)
     ep, graph = program.exported, program.graph
-    plan.check_model(graph.fingerprint)
+    plan.check_graph(graph)
 
     stage = plan.stages[0]
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
@@ -337,11 +381,11 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     pm = ParallelModel(plan=plan, mesh=mesh, gm=gm, params=params, program=program,
                        lowered=lowered,
                        input_placements=[stage.inputs[name] for name, _ in graph.inputs],
-                       block_prefix=_WRAPPER_PREFIX + find_repeated_blocks(model)[0])
+                       block_prefix=WRAPPER_PREFIX + find_repeated_blocks(model)[0])
     if stage.zero in (1, 2):
         axes = data_parallel_axes(stage)
         for p in pm.unique_params():
-            target = to_placements(sharded_over(_texts(p.placements), axes), mesh)
+            target = to_placements(sharded_over(placement_texts(p.placements), axes), mesh)
             pm.masters[id(p)] = nn.Parameter(p.detach().redistribute(placements=target))
     return pm
 
@@ -402,7 +446,7 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
     params, by_id = {}, {}
     for name, meta_param in gm.named_parameters(remove_duplicate=False):
         if id(meta_param) not in by_id:
-            fqn = name.removeprefix(_WRAPPER_PREFIX)
+            fqn = name.removeprefix(WRAPPER_PREFIX)
             if fqn not in stage.params:
                 raise PlanFileError(f"the plan places no parameter {fqn}; re-plan this model")
             by_id[id(meta_param)] = nn.Parameter(place_tensor(
@@ -411,7 +455,7 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
         params[name] = by_id[id(meta_param)]
     real_buffers = dict(model.named_buffers(remove_duplicate=False))
     for name, _ in gm.named_buffers(remove_duplicate=False):  # e.g. rotary inv_freq
-        fqn = name.removeprefix(_WRAPPER_PREFIX)
+        fqn = name.removeprefix(WRAPPER_PREFIX)
         if fqn in real_buffers:
             params[name] = place_tensor(real_buffers[fqn], mesh, [Replicate()] * mesh.ndim,
                                         device_type)
@@ -438,11 +482,6 @@ def _contiguous(shape) -> tuple[int, ...]:
         out.append(stride)
         stride *= s
     return tuple(reversed(out))
-
-
-def _texts(placements) -> tuple[str, ...]:
-    from meshplan.runtime.spmd import placement_texts
-    return placement_texts(placements)
 
 
 def make_optimizer(params, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:

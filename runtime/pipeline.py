@@ -7,7 +7,7 @@ submesh through the SPMD executor (runtime/spmd.py), wrapped in a ``PipelineStag
 plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives ``plan.training.microbatches``
 microbatches through them.
 
-Device layout (the convention of meshplan/manual.py, written down in docs/DEVELOPING.md):
+Device layout (the convention of planner/manual.py, written down in docs/DEVELOPING.md):
 global ranks are numbered row-major over ``(pp, *stage axes)``, e.g. ``(pp, dp, tp)``. Rank
 group ``r`` (``pp`` index) owns devices ``[r * n, (r + 1) * n)`` with ``n`` devices per stage
 mesh; stage ``i`` runs on rank group ``i % pp`` (with ``virtual_stages = v`` there are
@@ -50,16 +50,17 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.support import lists_rank_groups
-from meshplan.planner.graph import OpGraph
-from meshplan.planner.trace import _WRAPPER_PREFIX, export_training_graph, graph_from_export
+from meshplan.graph import OpGraph
+from meshplan.tracing import WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
+from meshplan.schedules import Schedule
 from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module, sharded_over
 from meshplan.runtime.pipeline_split import StageGraph, split_stages
 from meshplan.runtime import lowering, zero
 from meshplan.runtime.spmd import placement_texts, stage_executor, to_placements
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+             Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's classes
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ def expand_interleaved(plan: Plan, graph: OpGraph) -> Plan:
     order, chunk j on rank group j % pp (Megatron's interleaved assignment, Narayanan et al.
     2021, Sec. 2.2). Each operator and parameter keeps the placement of the record that
     lists it; all records share one submesh shape."""
-    from meshplan.manual import stage_node_groups
+    from meshplan.planner.manual import stage_node_groups
 
     pp, v = plan.num_stages, plan.training.virtual_stages
     if graph.num_layers % (pp * v):
@@ -424,7 +425,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     if graph is None:
         graph = graph_from_export(export_training_graph(meta_model, meta_inputs, loss_fn,
                                                         signature=signature), model)
-    plan.check_model(graph.fingerprint)
+    plan.check_graph(graph)
     if plan.training.virtual_stages > 1 and lists_rank_groups(plan):
         plan = expand_interleaved(plan, graph)
     layout = pipeline_layout(plan)
@@ -439,7 +440,8 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
     mesh = world[layout.axis_names]
     lane = world["pp"].get_group()
     my_group = dist.get_rank() // layout.stage_size
-    params, zero_of = _place_params(model, plan, pieces, mesh, layout, my_group, device)
+    params, zero_of = _place_params(model, plan, pieces, mesh, layout, my_group, device,
+                                    constants=_lifted_constants(gm))
     masters = _masters(params, zero_of, support.dp_axes(plan.stages[0]))
 
     values = {n.name: n for n in gm.graph.nodes}
@@ -448,7 +450,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
         if layout.rank_group(piece.index) != my_group:
             continue
         module = _stage_module(piece, plan, gm, values, params, mesh, len(pieces),
-                               block_prefix=_WRAPPER_PREFIX + graph.block_module,
+                               block_prefix=WRAPPER_PREFIX + graph.block_module,
                                lowered=lowered)
         # Static shapes: the schedule then never runs a stage on uninitialised tensors to
         # infer them (garbage token ids would index out of range).
@@ -486,12 +488,28 @@ def _aliases(model: nn.Module) -> dict[str, list[str]]:
     return {name: names for names in by_id.values() for name in names}
 
 
+def _lifted_constants(gm: fx.GraphModule) -> frozenset[str]:
+    """get_attr targets that are neither parameters nor buffers: tensor constants the export
+    lifted (Falcon's index tensors), kept on the graph module as traced."""
+    named = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    named |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    return frozenset(n.target for n in gm.graph.nodes if n.op == "get_attr"
+                     and n.target not in named
+                     and isinstance(_attr(gm, n.target), torch.Tensor))
+
+
+def _attr(gm: nn.Module, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name, None)
+
+
 def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
-                  layout: PipelineLayout, my_group: int, device):
+                  layout: PipelineLayout, my_group: int, device, *,
+                  constants: frozenset[str] = frozenset()):
     """This rank's parameters as DTensors with their storage placements (the planned ones,
     ZeRO-3 stages also sharded over the data-parallel axes, as runtime/parallelize.py
     stores them for one stage); tied names share one. Buffers the plan does not place
-    (meshplan/manual.py places none, e.g. Llama's rotary ``inv_freq``) are replicated.
+    (planner/manual.py places none, e.g. Llama's rotary ``inv_freq``) are replicated.
     Returns (FQN -> parameter, id(parameter) -> its stage's ZeRO stage)."""
     real = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -505,7 +523,9 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
             continue
         stage = plan.stages[piece.index]
         for target in piece.param_targets:
-            fqn = target.removeprefix(_WRAPPER_PREFIX)
+            if target in constants:  # read from the graph module, as one stage reads it
+                continue
+            fqn = target.removeprefix(WRAPPER_PREFIX)
             names = aliases.get(fqn, [fqn])
             listed = [stage.params[n] for n in names if n in stage.params]
             if not listed and fqn in buffers:
@@ -560,7 +580,8 @@ def _stage_module(piece: StageGraph, plan: Plan, whole: fx.GraphModule, values: 
         owned = {name: st.ops[name] for st in plan.stages for name in piece.recomputed
                  if name in st.ops}
         stage = replace(stage, ops={**stage.ops, **owned})
-    root = {t: params[t.removeprefix(_WRAPPER_PREFIX)] for t in piece.param_targets}
+    root = {t: params[t.removeprefix(WRAPPER_PREFIX)] if t.removeprefix(WRAPPER_PREFIX)
+            in params else _attr(whole, t) for t in piece.param_targets}
     # bodies of higher-order operators (e.g. Llama's no-grad rotary embedding) as traced
     root.update({t: whole.get_submodule(t) for t in piece.subgraph_targets})
     gm = fx.GraphModule(root, piece.graph, class_name=f"Stage{piece.index}")
@@ -610,7 +631,7 @@ def _tie_groups(model, plan: Plan, pieces: list[StageGraph], params: dict,
     for piece in pieces:
         stage = plan.stages[piece.index]
         for target in piece.param_targets:
-            fqn = target.removeprefix(_WRAPPER_PREFIX)
+            fqn = target.removeprefix(WRAPPER_PREFIX)
             key = aliases.get(fqn, [target])[0]
             if key in trained:  # buffers have no gradient to sum
                 owners.setdefault(key, set()).add(layout.rank_group(piece.index))

@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshplan.errors import MeshplanError, NotSupportedError, PlanFileError
 from meshplan.plan import Plan
-from meshplan.planner.graph import CallSignature
-from meshplan.planner.trace import (_WRAPPER_PREFIX, export_training_graph, flatten_call,
+from meshplan.graph import CallSignature
+from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph, flatten_call,
                                     unflatten_call)
 
 
@@ -261,7 +261,7 @@ class ParallelRun:
         """This rank's placed tensors (parameters and buffers) by FQN."""
         # one stage: names of the exported graph (the wrapper's prefix first); pipeline: FQNs
         strip = self.plan.num_stages == 1
-        return {(name.removeprefix(_WRAPPER_PREFIX) if strip else name): t
+        return {(name.removeprefix(WRAPPER_PREFIX) if strip else name): t
                 for name, t in self.engine.params.items() if isinstance(t, DTensor)}
 
     def _set(self, name: str, full: torch.Tensor, tensors: dict) -> None:

@@ -46,7 +46,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from meshplan.errors import NotSupportedError
-from meshplan.runtime import lowering
+from meshplan.runtime import context, lowering
 from meshplan.runtime.pipeline_split import writes_in_place, written_attrs
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
@@ -54,7 +54,8 @@ try:  # non-reentrant checkpoint stops a recomputation early by raising this
 except ImportError:  # pragma: no cover - older torch
     class _StopRecomputationError(Exception):
         pass
-from meshplan.plan import OpPlacement, parse_placement
+from meshplan.placements import parse_placement
+from meshplan.plan import OpPlacement
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -149,12 +150,12 @@ def _nested_shard(t) -> bool:
 
 def check_executable(n: fx.Node, args) -> None:
     """Fail fast, naming the node, on placements DTensor hangs or fails on (torch 2.13):
-    found by runtime/strategy_check.py on every planner rule."""
+    found by tests/harness/strategy_check.py on every planner rule."""
     if n.target is torch.ops.aten.embedding.default and isinstance(args[0], DTensor):
         vocab_axes = [i for i, p in enumerate(args[0].placements) if p == Shard(0)]
         ids = args[1]
         # ids sharded on a mesh axis after the vocab axis: the reduction's mask is the wrong
-        # shape (found by runtime/strategy_check.py); before it (batch on dp, vocab on tp) works
+        # shape (found by tests/harness/strategy_check.py); before it (batch on dp, vocab on tp) works
         late_ids = isinstance(ids, DTensor) and vocab_axes and any(
             isinstance(p, Shard) and i > vocab_axes[0] for i, p in enumerate(ids.placements))
         if len(vocab_axes) > 1 or late_ids:
@@ -225,7 +226,10 @@ class SPMDExecutor(fx.Interpreter):
                     "updated twice); plan this model with recompute='none'")
         self.stats = ExecStats()
         self.record = record
-        self.lowered = lowered
+        # a context-parallel axis reads "S(d)" as the load-balanced layout (runtime/context.py),
+        # which the lowered program does not know: such stages run on DTensor
+        self.cp_axis = context.cp_axis_of(mesh)
+        self.lowered = lowered and self.cp_axis is None
         self.steps: dict | None = None  # node -> lowering.Step, built by the first call
         self.block_prefix = block_prefix
         self.hoisted: dict = {}  # get_attr node -> (src, dst): gathered once per call
@@ -342,6 +346,8 @@ class SPMDExecutor(fx.Interpreter):
             return value
         try:
             self.stats.redistributions += 1
+            if self.cp_axis is not None and current[self.cp_axis] != target[self.cp_axis]:
+                return context.move_cp(value, current, target, self.cp_axis, to_placements)
             return value.redistribute(self.mesh, to_placements(target, self.mesh))
         except Exception as exc:  # noqa: BLE001 - name the node and the placements
             raise NotSupportedError(
@@ -407,8 +413,11 @@ class SPMDExecutor(fx.Interpreter):
         # the reference run (and each lowering attempt) updates the running statistics; the
         # replay that follows this build is the call's one update
         saved = [(t, t.clone()) for t in self._buffers_written()]
+        # and draws random numbers (dropout): the replay draws them again from the same state,
+        # so a seeded run does not depend on when the executor was built
+        devices = [] if self.mesh.device_type == "cpu" else [torch.cuda.current_device()]
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
                 self._run_reference(*inputs, checkpointed=False)
         finally:
             self._building = False

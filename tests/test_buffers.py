@@ -116,6 +116,7 @@ def worker(out_path: str) -> None:
     results = {case: run_case(case, checkpoint_dir) for case in CASES}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 
@@ -125,7 +126,7 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
     import meshplan
     from meshplan.mesh import Mesh
     from meshplan.runtime import checkpoint
-    from meshplan.planner.graph import CallSignature
+    from meshplan.graph import CallSignature
     from meshplan.runtime.parallelize import make_optimizer, parallelize
 
     model_name, source, options = CASES[case]
@@ -174,8 +175,9 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
 def test_planner_and_manual_plans_run_batch_norm_on_the_whole_batch():
     import meshplan
     from meshplan.mesh import Mesh
-    from meshplan.planner.strategies import R, enumerate_strategies, op_spec
-    from meshplan.planner.trace import trace
+    from meshplan.placements import R
+    from meshplan.planner.strategies import enumerate_strategies, op_spec
+    from meshplan.tracing import trace
 
     x = batches("mlp")[0]
     graph = trace(build("mlp"), (x,), example_targets=(labels(x),), loss_fn=loss_fn)

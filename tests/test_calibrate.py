@@ -6,7 +6,7 @@ import gc
 import numpy as np
 import torch
 
-from meshplan.costmodel import calibrate as cal
+from meshplan import calibrate as cal
 from meshplan.costmodel.compute import contention_factor
 from meshplan.costmodel.hardware import load_preset
 from meshplan.runtime.memory_probe import StepMemoryProbe
@@ -64,7 +64,7 @@ def test_fit_runtime_recovers_a_known_profile():
     from meshplan.api import manual_plan
     from meshplan.costmodel.estimate import estimate_plan
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.specs import example_inputs, parse_model_spec
 
     base = cal._with_device(load_preset("cpu-local"), host_cores=2)

@@ -17,8 +17,8 @@ import pytest
 
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import propagate_batch_sharding
-from meshplan.planner.trace import trace
-from meshplan.runtime.variants import unpriced_plan, with_param_placements
+from meshplan.tracing import trace
+from tests.harness.variants import unpriced_plan, with_param_placements
 from meshplan.specs import example_inputs, parse_model_spec
 
 MODEL = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"

@@ -131,7 +131,7 @@ def test_print_torchrun_is_a_valid_torchrun_command(plan4, capsys):
     parsed = get_args_parser().parse_args(shlex.split(line)[1:])  # torchrun's own parser
     assert (parsed.nnodes, parsed.nproc_per_node, parsed.node_rank) == ("2", "2", 1)
     assert parsed.rdzv_endpoint == "10.1.2.3:29400" and parsed.rdzv_backend == "c10d"
-    assert parsed.module and parsed.training_script == "meshplan.runtime.worker"
+    assert parsed.module and parsed.training_script == "meshplan.worker"
     worker = parsed.training_script_args
     assert worker[worker.index("--plan") + 1] == plan4 and "--clip" in worker
     assert worker[worker.index("--steps") + 1] == "7"

@@ -6,7 +6,7 @@ import pytest
 
 from meshplan.errors import PlanningError
 from meshplan.planner.clusters import balanced_bounds, layer_units, node_segments
-from meshplan.planner.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
+from meshplan.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
 
 T = (TensorMeta((2, 4), "float32"),)
 

@@ -159,9 +159,9 @@ def test_pipeline_contention_uses_busy_ranks():
     from meshplan.costmodel.compute import contention_factor
     from meshplan.costmodel.estimate import plan_stage_costs, stage_cost
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.specs import example_inputs, parse_model_spec
-    from meshplan.costmodel.calibrate import _with_device
+    from meshplan.calibrate import _with_device
 
     hw = _with_device(load_preset("cpu-local"), host_cores=1)
     spec = parse_model_spec("transformers:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=512"

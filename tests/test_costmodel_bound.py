@@ -13,7 +13,7 @@ import torch
 
 from meshplan.mesh import Mesh
 from meshplan.planner.hybrid import plan_auto, search_space
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import parse_model_spec
 
 BEST_PUBLISHED_MFU = {"dgx-a100-80gb": 0.52, "dgx-h100": 0.47}

@@ -6,7 +6,7 @@ import pytest
 import meshplan
 from meshplan.costmodel.estimate import stage_cost
 from meshplan.costmodel.memory import GIB
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
 GPT2 = "transformers:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
@@ -178,7 +178,7 @@ def test_flat_zero2_sync_copies_raise_the_peak(gpt2):
                              "&n_positions=64").build("meta")
     graph = trace(model, example_inputs(model, BATCH, SEQ))
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=2,
-                                dtype="bf16", zero=2)
+                                dtype="bf16", zero=2, engine="graph")
     mem = plan.stages[0].predicted.memory
     grads = mem.grads_gib * GIB  # full-size, the engine's accumulation buffers
     assert mem.buffers_gib * GIB == pytest.approx(2 * grads - mem.activations_gib * GIB,

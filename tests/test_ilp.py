@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from meshplan.costmodel.hardware import load_preset
 from meshplan.planner import ilp
-from meshplan.planner.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
+from meshplan.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
 from meshplan.planner.intra import StageOptions, build_problem, to_ilp
 
 F32 = "float32"

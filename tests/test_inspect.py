@@ -7,7 +7,8 @@ import pytest
 import meshplan
 from meshplan.diff import diff_plans, diff_text
 from meshplan.errors import SpecError
-from meshplan.explain import STATE_BYTES, explain, explain_text
+from meshplan.costmodel.memory import state_bytes_per_param
+from meshplan.explain import explain, explain_text
 from meshplan.inspect import fmt_mem, split_param_name, summary_text
 from meshplan.mesh import Mesh
 from meshplan.plan import Plan
@@ -103,7 +104,8 @@ def test_explain_node_prices_alternatives(plans):
     rep = by_out[(("R", "R"), ("R", "R"))]
     node = graph.node("addmm")
     wnumel = sum(graph.param_map[p].numel for p in node.params)
-    assert rep.memory_gib == pytest.approx((STATE_BYTES["adam"] * wnumel + 4 * node.out.numel) / GIB)
+    assert rep.memory_gib == pytest.approx((state_bytes_per_param(dp.training.dtype, "adam").total * wnumel
+                                          + 4 * node.out.numel) / GIB)
     assert rep.comm_s == 0 and rep.compute_s > chosen.compute_s  # no split: all the work
     col = by_out[(("S(1)", "R"), ("S(1)", "R"))]  # column-parallel over the 4 processes
     assert col.memory_gib == pytest.approx(rep.memory_gib / 4)

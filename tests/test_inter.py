@@ -214,7 +214,7 @@ def test_bad_space_is_refused():
 def tiny_gpt():
     import torch
 
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.specs import parse_model_spec
     model = parse_model_spec("transformers:gpt2?n_layer=4&n_embd=64&n_head=4&vocab_size=256"
                              "&n_positions=64").build(device="meta")
@@ -242,7 +242,7 @@ def test_hybrid_plan_is_valid_and_priced_like_estimate(tiny_gpt):
 
 
 def test_hybrid_beats_or_matches_every_uniform_manual_plan(tiny_gpt):
-    from meshplan.manual import build_manual_plan
+    from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.planner.hybrid import search_space
     from meshplan.planner.stagecost import plan_hybrid

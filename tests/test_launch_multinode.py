@@ -171,7 +171,7 @@ def clipped(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    from meshplan.planner.trace import TrainingModule
+    from meshplan.tracing import TrainingModule
     from meshplan.specs import parse_model_spec, synthetic_batch
 
     torch.manual_seed(SEED)

@@ -22,9 +22,9 @@ STEPS, CHANGE_AT = 4, 2
 
 
 def run(lowered: bool) -> dict:
-    from meshplan.manual import build_manual_plan
+    from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.runtime.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
@@ -56,9 +56,9 @@ def run(lowered: bool) -> dict:
 def run_zero(level: int) -> dict:
     """Three steps of a Llama with an odd vocabulary (uneven dim-0 shards) at ZeRO ``level``
     over 2 data-parallel ranks; which parameters took the flat collectives."""
-    from meshplan.manual import build_manual_plan
+    from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.runtime import zero
     from meshplan.runtime.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
@@ -99,6 +99,7 @@ def worker(out_path: str) -> None:
                "zero": {level: run_zero(level) for level in (0, 1, 2)}}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 

@@ -6,7 +6,7 @@ import torch
 
 import meshplan
 from meshplan.errors import MeshError, PlanningError
-from meshplan.planner.trace import trace
+from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
 GPT2 = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
@@ -75,10 +75,13 @@ def test_memory_falls_with_sharding_and_recompute(gpt2):
     model, graph = gpt2
     mesh = meshplan.Mesh.local(4)
     base = meshplan.manual_plan(model, mesh, graph=graph, dp=4).predicted
-    z = meshplan.manual_plan(model, mesh, graph=graph, dp=4, zero=2).predicted
+    z = meshplan.manual_plan(model, mesh, graph=graph, dp=4, zero=2, engine="graph").predicted
     assert z.memory.optimizer_gib == pytest.approx(base.memory.optimizer_gib / 4)
-    # the graph engine accumulates ZeRO-2 gradients full-size (DECISIONS 19)
+    # the graph engine accumulates ZeRO-2 gradients full-size (DECISIONS 19); the module
+    # engine's fully_shard reduce-scatters them every microbatch (DECISIONS 44)
     assert z.memory.grads_gib == pytest.approx(base.memory.grads_gib)
+    zm = meshplan.manual_plan(model, mesh, graph=graph, dp=4, zero=2, engine="modules").predicted
+    assert zm.memory.grads_gib == pytest.approx(base.memory.grads_gib / 4)
     z3 = meshplan.manual_plan(model, mesh, graph=graph, dp=4, zero=3).predicted
     assert z3.memory.params_gib == pytest.approx(base.memory.params_gib / 4)
     assert z3.memory.grads_gib == pytest.approx(base.memory.grads_gib / 4)

@@ -83,7 +83,7 @@ def batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def loss_of(kind: str, out, ids, targets):
     """The engine's defaults: cross-entropy on targets (toy), next-token loss (Llama)."""
-    from meshplan.planner.trace import next_token_loss
+    from meshplan.tracing import next_token_loss
     if kind == "toy":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets.reshape(-1))
     return next_token_loss(out, ids)
@@ -200,7 +200,7 @@ def worker(path: str) -> None:
 
     from meshplan.runtime.modules import ModuleEngine
 
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
 
     dist.init_process_group("gloo")
     results, graphs = {}, {}
@@ -234,6 +234,7 @@ def worker(path: str) -> None:
         results[name] = got
     if dist.get_rank() == 0:
         torch.save(results, path)
+    dist.barrier()  # gloo torn down under a peer still saving aborts it ("terminate called")
     dist.destroy_process_group()
 
 
@@ -274,3 +275,21 @@ def test_matches_one_process(launched, name):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+def test_batchnorm_over_a_split_batch_is_refused():
+    """BatchNorm under data parallelism: fully_shard would normalise each rank's rows, the
+    plan means the whole microbatch's statistics, so the plan goes to the graph engine; on
+    one data-parallel rank the module engine runs it."""
+    from meshplan.runtime.modules import module_engine_refusal
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    x, y = torch.zeros(8, 4, device="meta"), torch.zeros(8, dtype=torch.long, device="meta")
+    kw = dict(example_targets=(y,), loss_fn=nn.functional.cross_entropy)
+    plan = meshplan.manual_plan(model, meshplan.Mesh.local(2), (x,), dp=2, **kw)
+    why = module_engine_refusal(plan, model)
+    assert why is not None and "1 is a BatchNorm" in why and "2 data-parallel ranks" in why
+    assert plan.engine == "graph"
+    one = meshplan.manual_plan(model, meshplan.Mesh.local(1), (x,), **kw)
+    assert module_engine_refusal(one, model) is None and one.engine == "modules"

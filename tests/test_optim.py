@@ -122,6 +122,7 @@ def worker(out_path: str) -> None:
     results = {f"{o}/{lay}": run_case(o, lay, mesh, paths) for o, lay in CASES}
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 

@@ -7,7 +7,7 @@ runs every (model, plan variant) pair of that size for 3 training steps plus one
 forward/backward, and writes losses, final parameters and final gradients to a file; the
 tests compare them with one process training the same model on the same batches (fp32).
 The plans are written here from a traced graph (stage node ranges cut where only tensors
-cross), the way meshplan/manual.py lays them out: stage i on rank group i % pp, devices
+cross), the way planner/manual.py lays them out: stage i on rank group i % pp, devices
 row-major over (pp, dp, tp).
 
 Run as a script under torchrun, this file is the worker.
@@ -147,7 +147,7 @@ def make_plan(graph, pp: int, stage_mesh: tuple[int, int], schedule: str, virtua
 def worker(out_path: str) -> None:
     import torch.distributed as dist
 
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
 
     dist.init_process_group("gloo")
     results = {}
@@ -159,6 +159,7 @@ def worker(out_path: str) -> None:
             dist.barrier()
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 
@@ -201,7 +202,7 @@ def run_variant(model_name: str, variant: str, graph) -> dict:
 
 def reference(model_name: str) -> dict:
     """One process, the plain model: the losses, parameters and gradients to match."""
-    from meshplan.planner.trace import TrainingModule
+    from meshplan.tracing import TrainingModule
     from meshplan.specs import synthetic_batch
 
     model = build_model(model_name)
@@ -226,7 +227,7 @@ def reference(model_name: str) -> dict:
 
 def trace_runnable(model_name: str):
     """The runnable graph module and the OpGraph of a test model at the global batch."""
-    from meshplan.planner.trace import export_training_graph, graph_from_export
+    from meshplan.tracing import export_training_graph, graph_from_export
     from meshplan.runtime.parallelize import runnable_graph_module
 
     model = build_model(model_name, "meta")

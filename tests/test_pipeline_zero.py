@@ -64,7 +64,7 @@ def worker(out_path: str) -> None:
 
     import meshplan
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
 
     dist.init_process_group("gloo")
     results = {}
@@ -87,6 +87,7 @@ def worker(out_path: str) -> None:
             results["gpt2/mixed"] = run(name, plan, graph)
     if dist.get_rank() == 0:
         torch.save(results, out_path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 
@@ -117,7 +118,7 @@ def run(name: str, plan, graph) -> dict:
 
 
 def reference(name: str) -> dict:
-    from meshplan.planner.trace import TrainingModule
+    from meshplan.tracing import TrainingModule
 
     model = build_model(name)
     step = TrainingModule(model)

@@ -1,7 +1,7 @@
 """Runtime equivalence: every parallel plan reproduces the single-process losses and grads.
 
 One torchrun launch per world size runs every (model, variant) pair in a row
-(meshplan/runtime/equivalence.py) and saves per-step losses and the last step's gradients;
+(tests/harness/equivalence.py) and saves per-step losses and the last step's gradients;
 the tests compare them with plain single-process PyTorch (the HF model, the same loss,
 Adam) with torch.testing.assert_close at fp32 tolerances.
 """
@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from meshplan.planner.trace import TrainingModule
+from meshplan.tracing import TrainingModule
 from meshplan.specs import parse_model_spec, synthetic_batch
 
 GPT2 = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
 LLAMA = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=2&"
          "num_attention_heads=4&num_key_value_heads=4&vocab_size=256")
 BATCH, SEQ, STEPS, SEED = 8, 16, 3, 0
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
 
 RUNS = {  # world size -> model -> variants
     4: {GPT2: ["dp", "tp", "sp", "2d", "zero3", "zero2", "recompute-selective", "microbatches",
@@ -42,12 +44,13 @@ def launch(world: int, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(f"equiv{world}") / "results.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
            "--nnodes=1", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0",
-           "--max_restarts=0", "-m", "meshplan.runtime.equivalence", "--out", str(out)]
+           "--max_restarts=0", "-m", "tests.harness.equivalence", "--out", str(out)]
     for model, variants in RUNS[world].items():
         cmd += ["--model", model, "--variants", ",".join(variants)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
            "LOGLEVEL": "WARNING"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
+                          cwd=ROOT)  # -m tests.harness.equivalence
     assert proc.returncode == 0, proc.stderr[-3000:]
     return torch.load(out, weights_only=False)
 

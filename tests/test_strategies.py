@@ -8,10 +8,10 @@ import textwrap
 import pytest
 
 from meshplan.costmodel.hardware import load_preset
-from meshplan.planner.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
+from meshplan.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
 from meshplan.planner.reshard import INF, AxisLinks, edge_s, grad_placement, transition_s
-from meshplan.planner.strategies import (P, R, enumerate_strategies, follow, op_spec,
-                                         placement_str)
+from meshplan.placements import P, R, placement_str
+from meshplan.planner.strategies import enumerate_strategies, follow, op_spec
 
 F32 = "float32"
 

@@ -139,7 +139,7 @@ def run_case(case: str) -> dict:
 
 
 def reference(case: str) -> dict:
-    from meshplan.planner.trace import TrainingModule
+    from meshplan.tracing import TrainingModule
 
     model_name, batch, seq, _ = CASES[case]
     model = build(model_name)
@@ -175,6 +175,7 @@ def worker(out: str) -> None:
                              "traceback": traceback.format_exc()[-4000:]}
     if dist.get_rank() == 0:
         torch.save(results, out)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 

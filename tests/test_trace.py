@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import meshplan
 from meshplan.errors import TraceError
-from meshplan.planner.graph import OpKind
+from meshplan.graph import OpKind
 from meshplan.specs import example_inputs, parse_model_spec
 
 B, S = 4, 32

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import meshplan
-from meshplan.planner.trace import find_block_paths
+from meshplan.tracing import find_block_paths
 from meshplan.specs import parse_model_spec
 from _zoo_models import ConvNet, TitanLlama
 
@@ -103,7 +103,7 @@ OLMOE = ("transformers:olmoe?hidden_size=64&intermediate_size=128&num_hidden_lay
 def test_moe_graph_traced_on_meta_runs_a_training_step_on_cpu(text):
     """On the meta device transformers' routing takes histc on int32, which CPU cannot run;
     the trace is made for CPU, so the graph runs and equals the eager model."""
-    from meshplan.planner.trace import TrainingModule, export_training_graph, flatten_call
+    from meshplan.tracing import TrainingModule, export_training_graph, flatten_call
     from meshplan.runtime.parallelize import runnable_graph_module
 
     spec = parse_model_spec(text)
@@ -234,7 +234,7 @@ class CustomOp(torch.nn.Module):
 
 
 def test_unknown_operators_are_listed_in_one_warning():
-    from meshplan.planner.trace import UncountedOperatorsWarning
+    from meshplan.tracing import UncountedOperatorsWarning
     with torch.device("meta"):
         model = CustomOp()
     with pytest.warns(UncountedOperatorsWarning) as record:
@@ -246,7 +246,7 @@ def test_unknown_operators_are_listed_in_one_warning():
 
 
 def test_known_models_warn_of_nothing(recwarn):
-    from meshplan.planner.trace import UncountedOperatorsWarning
+    from meshplan.tracing import UncountedOperatorsWarning
     meshplan.trace(_build(MIXTRAL), _ids())
     assert not [w for w in recwarn if w.category is UncountedOperatorsWarning]
 
@@ -297,7 +297,7 @@ def test_synthetic_calls_mask_tokens_and_shift_decoder_ids():
     bart = parse_model_spec(BART).build("cpu")
     c = training_call(bart, 2, 8, device="cpu", seed=0)
     torch.testing.assert_close(c.inputs["decoder_input_ids"][:, 1:], c.targets[0][:, :-1])
-    loss = meshplan.planner.trace.TrainingModule(bart, None, meshplan.planner.trace.flatten_call(
+    loss = meshplan.tracing.TrainingModule(bart, None, meshplan.tracing.flatten_call(
         c.inputs, c.targets)[1])(*c.inputs.values(), *c.targets)
     assert loss.ndim == 0 and 4 < loss.item() < 7  # about log(256) = 5.5 at random weights
 

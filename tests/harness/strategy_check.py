@@ -8,7 +8,7 @@ the mesh, builds a one-operator plan (the strategy's input placements as
 placements the strategy's producers would give them (Partial ones as local shares), the
 executor redistributes what the plan asks, and the output and input gradients are compared
 with the same operator on full tensors. Runs inside a process group (called from
-runtime/equivalence.py ``--check-strategies``).
+tests/harness/equivalence.py ``--check-strategies``).
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from meshplan.errors import NotSupportedError
-from meshplan.planner.graph import OpGraph, OpKind
-from meshplan.planner.strategies import (P, R, enumerate_strategies, follow, input_shapes,
-                                         op_spec, placement_str, tensor_placements)
+from meshplan.graph import OpGraph, OpKind
+from meshplan.placements import P, R, placement_str
+from meshplan.planner.strategies import (enumerate_strategies, follow, input_shapes, op_spec,
+                                         tensor_placements)
 from meshplan.plan import OpPlacement
 from meshplan.runtime.spmd import SPMDExecutor, placement_texts, to_placements
 

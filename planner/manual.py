@@ -2,9 +2,10 @@
 sequence parallelism and ZeRO, as the same ``Plan`` the solver writes.
 
 trace -> cost -> solve (here: a rule, not a search) -> **assemble** -> run. Behind
-``meshplan.manual_plan``. Devices are numbered row-major over (pp, dp, tp): tp innermost
-(inside a node), then dp, pp outermost; stage s owns devices [s*dp*tp, (s+1)*dp*tp) as a
-(dp, tp) mesh with axes ("dp", "tp"), both kept even at size 1.
+``meshplan.manual_plan``. Devices are numbered row-major over (pp, dp, cp, tp): tp innermost
+(inside a node), then cp, dp, pp outermost; stage s owns devices [s*dp*cp*tp, (s+1)*...) as a
+(dp, tp) mesh with axes ("dp", "tp"), both kept even at size 1, or with cp > 1 a (dp, cp, tp)
+mesh (context parallelism: meshplan/context.py gives the cp axis's placements).
 
 Placements come from propagating two rules through the graph in order (Shoeybi et al.
 2019, Megatron-LM section 3; Korthikanti et al. 2022 for sequence parallelism):
@@ -35,40 +36,60 @@ import time
 from dataclasses import replace
 
 from meshplan.costmodel.estimate import estimate_plan, with_stage_predictions
-from meshplan.errors import MeshError, PlanningError
+from meshplan.context import check_cp_model, insert_cp
+from meshplan.planner.cp_placements import CpPropagator
+from meshplan.errors import MeshError, NotSupportedError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
-from meshplan.planner.graph import OpGraph, OpKind, OpNode
+from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.planner.strategies import BATCH_NORMS
-from meshplan.plan import RECOMPUTE, SCHEDULES, Estimate, OpPlacement, Plan, SolverInfo, Stage, shard_dim
+from meshplan.schedules import SCHEDULES
+from meshplan.placements import shard_dim
+from meshplan.plan import RECOMPUTE, Estimate, OpPlacement, Plan, SolverInfo, Stage
 
 NAME = "manual"
 R = "R"
 
 
-def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int = 1,
+def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
                       microbatch_size: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
                       recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
                       dtype: str = "fp32", optimizer: str = "adam") -> Plan:
     start = time.perf_counter()
-    _check(graph, mesh, dp=dp, tp=tp, pp=pp, microbatch_size=microbatch_size,
+    _check(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
            schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
+    if cp > 1 and recompute == "selective":
+        raise NotSupportedError("recompute='selective' with cp > 1 is not supported (its "
+                                "replay diverges around the cp exchange); use 'full' or 'none'")
+    if cp > 1 and sequence_parallel and tp > 1:
+        raise NotSupportedError("sequence_parallel=True with cp > 1 would split the sequence on "
+                                "both the tp and the cp axis; cp already splits every "
+                                "activation's sequence: set sequence_parallel=False")
     training = training_config(graph, dtype=dtype, optimizer=optimizer, schedule=schedule,
                                virtual_stages=virtual_stages if schedule == "interleaved-1f1b" else 1,
                                sequence_parallel=bool(sequence_parallel and tp > 1),
                                microbatch_size=microbatch_size,
                                microbatches=graph.inputs[0][1].shape[0] // (dp * microbatch_size))
     groups = stage_node_groups(graph, pp)
-    per_stage = dp * tp
+    per_stage = dp * cp * tp
     bounds = layer_bounds(graph.num_layers, pp)
     prop = Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
                        seq_len=training.seq_len, zero=zero)
+    cprop = CpPropagator(graph, training.seq_len) if cp > 1 else None
+    if cprop is not None:
+        prop.vocab = set()  # see with_cp_axis
+    shape, axes = ((dp, tp), ("dp", "tp"))
     stages = []
     for s, names in enumerate(groups):
         ops = {n: prop.visit(graph.node(n)) for n in names}
         params = {p: prop.storage(p) for p in stage_params(graph, names)}
         inputs = {name: ("S(0)", R) for name, _ in graph.inputs}
+        if cprop is not None:
+            for n in names:
+                cprop.visit(graph.node(n))
+            shape, axes, ops, params, inputs = with_cp_axis(
+                cprop.gather_kv_early(names), dp, cp, tp, ops, params, inputs)
         stages.append(Stage(index=s, devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
-                            mesh_shape=(dp, tp), axis_names=("dp", "tp"), layers=bounds[s],
+                            mesh_shape=shape, axis_names=axes, layers=bounds[s],
                             nodes=(names[0], names[-1]), recompute=recompute, zero=zero,
                             inputs=inputs, params=params, ops=ops))
     placeholder = Estimate(step_time_s=0.0, peak_memory_gib=0.0, memory_capacity_gib=0.0,
@@ -81,15 +102,52 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     return replace(plan, solver=solver, wall_time_s=time.perf_counter() - start)
 
 
-def _check(graph, mesh, *, dp, tp, pp, microbatch_size, schedule, virtual_stages, recompute, zero):
-    for key, value in (("dp", dp), ("tp", tp), ("pp", pp), ("microbatch_size", microbatch_size),
-                       ("virtual_stages", virtual_stages)):
+def with_cp_axis(cp_records: dict, dp: int, cp: int, tp: int, ops: dict, params: dict,
+                 inputs: dict):
+    """A (dp, tp) stage's placements with the cp axis added: (shape, axis names, ops,
+    params, inputs). Weights and graph inputs are replicated over cp.
+
+    DTensor's sharding propagation grows steeply with the mesh's rank (a 3-D mesh made a
+    tiny Llama step take minutes on CPU), so one-rank dp/tp axes are left out. cp stages
+    run on DTensor (runtime/context.py), whose backward cannot turn the partial gradient of
+    a vocab-parallel embedding's output into its masked partial (torch 2.13): the caller's
+    Propagator keeps the token embedding replicated on tp (``vocab = set()``)."""
+    keep = tuple(a for a, n in enumerate((dp, cp, tp)) if n > 1 or a == 1)
+    shape = tuple((dp, cp, tp)[a] for a in keep)
+    axes = tuple(("dp", "cp", "tp")[a] for a in keep)
+    ops = {n: _with_cp(pl, *cp_records[n], keep) for n, pl in ops.items()}
+    params = {p: _keep(insert_cp(pl, R), keep) for p, pl in params.items()}
+    inputs = {name: _keep(insert_cp(pl, R), keep) for name, pl in inputs.items()}
+    return shape, axes, ops, params, inputs
+
+
+def _keep(placements: tuple[str, ...], keep: tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(placements[a] for a in keep) if placements else placements
+
+
+def _with_cp(pl: OpPlacement, cp_inputs: tuple[str, ...], cp_out: str,
+             keep: tuple[int, ...]) -> OpPlacement:
+    """(dp, tp) placements + the cp axis's -> the stage mesh's axes."""
+    return OpPlacement(inputs=tuple(_keep(insert_cp(p, c), keep) if p else p
+                                    for p, c in zip(pl.inputs, cp_inputs)),
+                       output=_keep(insert_cp(pl.output, cp_out), keep) if pl.output else ())
+
+
+def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_stages, recompute,
+           zero):
+    for key, value in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp),
+                       ("microbatch_size", microbatch_size), ("virtual_stages", virtual_stages)):
         if int(value) < 1:
             raise PlanningError(f"{key}={value} must be at least 1")
-    if dp * tp * pp != mesh.num_devices:
-        raise MeshError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} devices, but mesh "
-                        f"{mesh.name or mesh.shape} has {mesh.num_devices}; choose degrees whose "
-                        "product is the mesh size")
+    if dp * cp * tp * pp != mesh.num_devices:
+        names, values = ("dp*cp*tp*pp", (dp, cp, tp, pp)) if cp > 1 else \
+            ("dp*tp*pp", (dp, tp, pp))
+        raise MeshError(f"{names} = {'*'.join(map(str, values))} = {dp * cp * tp * pp} devices, "
+                        f"but mesh {mesh.name or mesh.shape} has {mesh.num_devices}; choose "
+                        "degrees whose product is the mesh size")
+    if cp > 1:
+        check_cp_model(graph, cp, graph.inputs[0][1].shape[1] if
+                       len(graph.inputs[0][1].shape) > 1 else 1)
     if schedule not in SCHEDULES:
         raise PlanningError(f"schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if recompute not in RECOMPUTE:

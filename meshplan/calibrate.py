@@ -234,7 +234,7 @@ def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
     from meshplan.api import manual_plan
     from meshplan.costmodel.hardware import load_preset as _preset
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.runtime.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
@@ -338,7 +338,7 @@ def fit_runtime(profile: HardwareProfile, rows: list[tuple]) -> tuple[HardwarePr
     from meshplan.api import manual_plan
     from meshplan.costmodel.estimate import estimate_plan
     from meshplan.mesh import Mesh
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     from meshplan.specs import example_inputs, parse_model_spec
 
     cases = []

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from meshplan.errors import NotSupportedError
 from meshplan.planner.assemble import mesh_info, model_info, training_config
-from meshplan.planner.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, OpPlacement, Plan, SolverInfo, Stage
 
 # Megatron rules per model family: parameter-name suffix -> placement on the TP axis.

@@ -11,7 +11,7 @@ operator the planner can shard like any other. A model built on the meta device 
 as fake tensors on the device the plan runs on (``on_device``; CPU): no weight is allocated,
 and the model takes that device's branches. Repeated blocks (the pipeline's cut points)
 are found in any container and in several stacks (``find_block_paths``); FLOPs come from
-planner/opcount.py.
+meshplan/opcount.py.
 """
 
 from __future__ import annotations
@@ -30,10 +30,14 @@ import torch.nn.functional as F
 
 import meshplan.errors
 from meshplan.errors import TraceError
-from meshplan.planner.graph import (CallSignature, OpGraph, OpKind, OpNode, ParamInfo, TensorMeta,
+from meshplan.graph import (CallSignature, OpGraph, OpKind, OpNode, ParamInfo, TensorMeta,
                                     dtype_bytes)
-from meshplan.planner.opcount import (UncountedOperatorsWarning, classify, forward_flops,  # noqa: F401
+from meshplan.opcount import (UncountedOperatorsWarning, classify, forward_flops,  # noqa: F401
                                       uncounted_operators, warn_uncounted)
+
+
+class LossError(TraceError):
+    """``loss_fn`` did not return one scalar tensor."""
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -131,14 +135,21 @@ class TrainingModule(nn.Module):
         if not self.with_loss:
             return out
         if self.loss_fn is not None:
-            return self.loss_fn(out, *targets)
+            loss = self.loss_fn(out, *targets)
+            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+                what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) \
+                    else f"a {type(loss).__name__}"
+                raise LossError(f"loss_fn returned {what}, not a scalar tensor; reduce it "
+                                "(e.g. .mean(), or reduction='mean') so that one number is "
+                                "differentiated")
+            return loss
         if targets:
             return target_loss(out, *targets)
         first = args[0] if args else next(iter(kwargs.values()))
         return next_token_loss(out, first)
 
 
-_WRAPPER_PREFIX = "model."
+WRAPPER_PREFIX = "model."
 
 
 TRACE_DEVICE = "cpu"  # the device meta models are traced for: the runtime's (gloo on CPU)
@@ -171,7 +182,14 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
             for table in (ep.state_dict, ep.constants):
                 for key, t in table.items():
                     table[key] = originals.get(id(t), t)
+    except LossError:
+        raise
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear TraceError
+        cause = exc
+        while cause is not None and not isinstance(cause, LossError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:  # the loss, not the model's traceability
+            raise LossError(str(cause)) from None
         raise TraceError(_explain_trace_failure(exc, model)) from exc
     return ep
 
@@ -261,7 +279,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
         tied = seen_storage.get(id(p))
         seen_storage.setdefault(id(p), p_name)
         params.append(ParamInfo(name=p_name, shape=tuple(p.shape), dtype=_dtype(p.dtype),
-                                trainable=_WRAPPER_PREFIX + p_name in trainable, tied_to=tied))
+                                trainable=WRAPPER_PREFIX + p_name in trainable, tied_to=tied))
 
     inputs: list[tuple[str, TensorMeta]] = []
     nodes: list[OpNode] = []
@@ -270,7 +288,7 @@ def graph_from_export(ep: torch.export.ExportedProgram, model: nn.Module, *,
     for node in ep.graph.nodes:
         if node.op == "placeholder":
             if node.name in placeholder_to_param:
-                param_of[node.name] = placeholder_to_param[node.name].removeprefix(_WRAPPER_PREFIX)
+                param_of[node.name] = placeholder_to_param[node.name].removeprefix(WRAPPER_PREFIX)
             elif node.name in user_inputs:
                 inputs.append((node.name, _tensor_meta(node.meta.get("val"))[0]))
             continue
@@ -440,7 +458,7 @@ def _module_path(node: torch.fx.Node) -> str:
     path = path.removeprefix("L['self'].").replace("L__self__", "")
     # strip the TrainingModule wrapper's "model" only: Llama's own inner module is also
     # called "model" ("model.model.layers.0" -> "model.layers.0", matching block_module)
-    return "" if path == "model" else path.removeprefix(_WRAPPER_PREFIX)
+    return "" if path == "model" else path.removeprefix(WRAPPER_PREFIX)
 
 
 def _user_source(node: torch.fx.Node) -> str:

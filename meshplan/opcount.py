@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from meshplan.planner.graph import OpKind, OpNode
+from meshplan.graph import OpKind, OpNode
 
 
 # -- operator classes and FLOPs -------------------------------------------------------------

@@ -8,7 +8,7 @@ step's gradients (full tensors, by parameter name) with ``torch.save``. Tests an
 compare them with a single-process run. One launch serves many variants, because starting
 the processes costs more than the three steps each variant trains.
 
-    torchrun --nproc_per_node 4 -m meshplan.runtime.equivalence --model SPEC \\
+    torchrun --nproc_per_node 4 -m tests.harness.equivalence --model SPEC \\
         --variants dp,tp,hybrid,sp,2d,zero3 --out results.pt
 """
 
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from meshplan.mesh import Mesh
-from meshplan.planner.trace import export_training_graph, graph_from_export
+from meshplan.tracing import export_training_graph, graph_from_export
 from meshplan.runtime.parallelize import (TracedProgram, make_optimizer, meta_copy,
                                           parallelize)
-from meshplan.runtime.variants import unpriced_plan, with_observed_ops, with_param_placements
 from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
+from tests.harness.variants import unpriced_plan, with_observed_ops, with_param_placements
 
 # variant -> (mesh shape as a function of the world size W, dp axis, tp axis, options)
 VARIANTS = {
@@ -72,11 +72,11 @@ def hidden_size(model) -> int:
 def manual_variant(name: str, graph, world: int, *, hw):
     """``manual:dp=2+tp=2+...`` (``--manual`` keys joined by +): the plan
     meshplan.manual_plan builds, run with its own operator placements."""
-    from meshplan.cli import _manual
-    from meshplan.manual import build_manual_plan
+    from meshplan.specs import parse_manual_spec
+    from meshplan.planner.manual import build_manual_plan
 
     return build_manual_plan(graph, Mesh((world,), hw, ("proc",)),
-                             **_manual(name.removeprefix("manual:").replace("+", ",")))
+                             **parse_manual_spec(name.removeprefix("manual:").replace("+", ",")))
 
 
 def sp_only(plan, before: dict, observed: dict):
@@ -123,7 +123,7 @@ def check_strategies(ep, graph, seen: set) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from meshplan.runtime.parallelize import runnable_graph_module
-    from meshplan.runtime.strategy_check import check_all
+    from tests.harness.strategy_check import check_all
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, world // 2) if world >= 4 else (world,))
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout-s", type=float, default=120.0, help="process-group timeout")
     ap.add_argument("--check-strategies", action="store_true",
                     help="also run every strategy of every planner rule, one operator at a "
-                    "time, on a 2 x W/2 mesh (runtime/strategy_check.py)")
+                    "time, on a 2 x W/2 mesh (tests/harness/strategy_check.py)")
     args = ap.parse_args(argv)
 
     quiet_dtensor_logs()
@@ -181,6 +181,7 @@ def main(argv=None) -> int:
                                 "traceback": traceback.format_exc()}
     if dist.get_rank() == 0:
         torch.save(results, args.out)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
     return 0
 

@@ -1,0 +1,120 @@
+"""The engine that runs a plan picks the cost model's runtime assumptions (issue 14), not the
+device name: FSDP2's prefetch and per-block gradient reduction (module engine) against the
+graph engine's exposed gathers and flat post-backward sync, on a small GPT-2 on a DGX A100."""
+
+import pytest
+
+import meshplan
+from meshplan.costmodel.comm import Collective, collective_time_s
+from meshplan.costmodel.estimate import default_runtime, estimate_plan, stage_cost
+from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.memory import GIB
+from meshplan.errors import PlanningError
+from meshplan.tracing import trace
+from meshplan.specs import example_inputs, parse_model_spec
+
+WIDE = "transformers:gpt2?n_layer=4&n_embd=512&n_head=8&vocab_size=256&n_positions=1024"
+BF16 = 2
+
+
+@pytest.fixture(scope="module")
+def wide():
+    model = parse_model_spec(WIDE).build("meta")
+    graph = trace(model, example_inputs(model, 64, 1024))
+    return model, graph, meshplan.Mesh.preset("dgx-a100-80gb", nodes=1)
+
+
+def _hw(plan):
+    return HardwareProfile.from_dict(plan.mesh.hardware)
+
+
+def _cost(plan, graph, runtime):
+    t = plan.training
+    return stage_cost(plan.stages[0], graph, _hw(plan), dtype=t.dtype, optimizer=t.optimizer,
+                      microbatches=t.microbatches, seq_len=t.seq_len, runtime=runtime)
+
+
+def test_runtime_is_named_by_engine_and_backend():
+    """The same GPU profile priced for gloo (a CPU test of a GPU plan) or NCCL, and for
+    either engine: the factors follow the arguments, not ``hw.device.name``."""
+    hw = meshplan.Mesh.preset("dgx-h100", nodes=1).hardware
+    graph_nccl = default_runtime(hw, engine="graph")
+    assert (graph_nccl.backend, graph_nccl.reduce_scatter_as_all_reduce) == ("nccl", False)
+    assert default_runtime(hw, engine="graph", backend="gloo").reduce_scatter_as_all_reduce
+    mods = default_runtime(hw, engine="modules")
+    assert mods.param_gather_overlap == 1.0 and mods.sync_overlaps_backward
+    assert not mods.zero3_per_use and not graph_nccl.sync_overlaps_backward
+    with pytest.raises(PlanningError, match="engine='fsdp'"):
+        default_runtime(hw, engine="fsdp")
+
+
+def test_plan_is_priced_for_its_engine(wide):
+    """manual_plan's predictions are those of the engine recorded in the plan: ZeRO-3 on
+    the module engine hides its gathers behind compute (FSDP2 prefetch); on the graph engine
+    every microbatch pays two all-gathers of the stage's weights."""
+    model, graph, mesh = wide
+    plans = {e: meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=2,
+                                     dtype="bf16", zero=3, engine=e) for e in ("modules", "graph")}
+    assert plans["modules"].engine == "modules"
+    for engine, plan in plans.items():
+        expected = estimate_plan(plan, graph, runtime=default_runtime(_hw(plan), engine=engine))
+        assert plan.predicted.step_time_s == pytest.approx(expected.step_time_s, rel=1e-9)
+    mods, graph_ = (_cost(plans[e], graph, default_runtime(_hw(plans[e]), engine=e))
+                    for e in ("modules", "graph"))
+    weights = sum(p.numel for p in graph.params if p.tied_to is None) * BF16
+    gather = collective_time_s(_hw(plans["graph"]), Collective.ALL_GATHER, weights, 8)
+    assert graph_.comm_s - mods.comm_s >= 1.5 * gather
+    assert plans["modules"].predicted.step_time_s < plans["graph"].predicted.step_time_s
+
+
+def test_module_engine_overlaps_the_gradient_sync(wide):
+    """FSDP2's replicate reduces each block's gradients while the backward of the blocks
+    before it runs: only the last block's share (or what exceeds the backward) is exposed,
+    where the graph engine pays the whole flat all-reduce after the backward."""
+    model, graph, mesh = wide
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=8,
+                                dtype="bf16", engine="modules")
+    graph_rt = default_runtime(_hw(plan), engine="graph")
+    flat = _cost(plan, graph, graph_rt).grad_sync_s
+    mods = _cost(plan, graph, default_runtime(_hw(plan), engine="modules"))
+    latency = collective_time_s(_hw(plan), Collective.ALL_REDUCE, 1e-30, 8)
+    blocks = 4 + 1  # four blocks and the root's parameters: one collective each
+    assert mods.backward_s > flat  # the backward is long enough to hide all but one block
+    assert mods.grad_sync_s == pytest.approx((flat - latency + blocks * latency) / blocks,
+                                             rel=1e-6)
+
+
+def test_module_engine_zero2_shards_gradients_every_microbatch(wide):
+    """The module engine runs ZeRO-2 as fully_shard without deferring the sync: gradients
+    are reduce-scattered in every microbatch's backward, so they are 1/dp at the peak (the
+    graph engine accumulates full fp32 gradients)."""
+    model, graph, mesh = wide
+    mems = {e: meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=2,
+                                    dtype="bf16", zero=2, engine=e).stages[0].predicted.memory
+            for e in ("modules", "graph")}
+    assert mems["modules"].grads_gib == pytest.approx(mems["graph"].grads_gib / 8, rel=0.01)
+    assert mems["graph"].grads_gib * GIB > 0
+
+
+def test_module_engine_selective_keeps_only_matmul_outputs(wide):
+    """The module engine's selective recompute (runtime/modules.py ``_SAVED_IN_SELECTIVE``)
+    keeps a block's input and its parameter matmuls' outputs and recomputes the rest (norms,
+    GELU, attention), so it keeps less than the graph engine's selective (which drops only
+    seq x seq tensors) and recomputes more."""
+    from meshplan.costmodel.memory import activation_profile
+
+    model, graph, mesh = wide
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=2,
+                                dtype="bf16", recompute="selective", engine="modules")
+    rt = {e: default_runtime(_hw(plan), engine=e) for e in ("modules", "graph")}
+    costs = {e: _cost(plan, graph, r) for e, r in rt.items()}
+    assert costs["modules"].memory.activations_gib < 0.7 * costs["graph"].memory.activations_gib
+    assert costs["modules"].recompute_s > costs["graph"].recompute_s
+    # closed form on block 0: the kept bytes are the outputs of its four weight matmuls
+    # (c_attn, attn c_proj, c_fc, mlp c_proj), microbatch rows x seq x their widths, in bf16
+    t = plan.training
+    rows = 64 // 8 // t.microbatches
+    prof = activation_profile(graph, list(plan.stages[0].ops), split_of=lambda n: 8,
+                              dtype_bytes=BF16, seq_len=1024, micro_fraction=1 / 8 / t.microbatches * 8)
+    width = 3 * 512 + 512 + 4 * 512 + 512
+    assert prof.kept_matmuls[0] == pytest.approx(rows * 1024 * width * BF16, rel=1e-6)
