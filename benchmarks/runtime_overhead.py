@@ -349,7 +349,7 @@ def handwritten_module_pipeline(args, model, batches, dp: int, tp: int, pp: int)
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    parallelize_module)
 
-    from meshplan.planner.trace import next_token_loss
+    from meshplan.tracing import next_token_loss
 
     mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()

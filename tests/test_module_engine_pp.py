@@ -52,7 +52,7 @@ def meta():
 
 @pytest.fixture(scope="module")
 def graph(meta):
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
     return trace(meta, (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),))
 
 
@@ -131,7 +131,7 @@ def test_running_statistics_and_bf16_pipelines_are_refused(meta, graph):
 # -- 4 gloo processes against one process ------------------------------------------------------
 
 def reference() -> dict:
-    from meshplan.planner.trace import next_token_loss
+    from meshplan.tracing import next_token_loss
 
     model = build()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -151,7 +151,7 @@ def reference() -> dict:
 def worker(path: str) -> None:
     import torch.distributed as dist
 
-    from meshplan.planner.trace import trace
+    from meshplan.tracing import trace
 
     dist.init_process_group("gloo")
     graph = trace(build("meta"), (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),)) \
