@@ -207,7 +207,13 @@ def _meta_inputs(plan: Plan, dp_size: int) -> tuple | None:
     if graph is not None:
         return tuple(torch.empty((rows, *m.shape[1:]), dtype=getattr(torch, m.dtype),
                                  device="meta") for _, m in graph.inputs)
-    if len(plan.stages[0].inputs) == 1:  # a plan read from JSON: token ids (the CLI's inputs)
+    args = [r for r in plan.model.inputs if r.get("role") == "arg"]
+    kwargs = [r for r in plan.model.inputs if r.get("role") == "kwarg"]
+    if args and not kwargs:  # a plan read from JSON: its recorded call (targets not needed)
+        args.sort(key=lambda r: int(r["key"]))
+        return tuple(torch.empty((rows, *r["shape"][1:]), dtype=getattr(torch, r["dtype"]),
+                                 device="meta") for r in args)
+    if len(plan.stages[0].inputs) == 1:  # an older plan: token ids (the CLI's inputs)
         return (torch.zeros(rows, t.seq_len, dtype=torch.long, device="meta"),)
     return None
 
