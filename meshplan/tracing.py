@@ -30,10 +30,9 @@ import torch.nn.functional as F
 
 import meshplan.errors
 from meshplan.errors import TraceError
-from meshplan.graph import (CallSignature, OpGraph, OpKind, OpNode, ParamInfo, TensorMeta,
-                                    dtype_bytes)
+from meshplan.graph import CallSignature, OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
 from meshplan.opcount import (UncountedOperatorsWarning, classify, forward_flops,  # noqa: F401
-                                      uncounted_operators, warn_uncounted)
+                              warn_uncounted)
 
 
 class LossError(TraceError):

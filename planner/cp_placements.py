@@ -5,7 +5,7 @@ with the manual-plan propagator's ``map_view_dim``."""
 from __future__ import annotations
 
 from meshplan.context import R, call_args, value_shape
-from meshplan.graph import OpGraph, OpKind
+from meshplan.graph import OpGraph, OpKind, OpNode
 
 # -- placements ----------------------------------------------------------------------------------
 

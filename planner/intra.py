@@ -24,20 +24,15 @@ import math
 import warnings
 from dataclasses import dataclass, field, replace
 
-from meshplan.costmodel.compute import DTYPE_BYTES, op_time
-from meshplan.costmodel.comm import Collective
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB
 from meshplan.errors import MemoryLimitError, PlanningError
 from meshplan.plan import MemoryBreakdown, OpPlacement, SolverInfo
 from meshplan.planner import ilp
-from meshplan.graph import OpGraph, OpKind
-from meshplan.planner.reshard import (INF, AxisLinks, edge_s, grad_placement, output_grad,
-                                      shard_factor)
-from meshplan.placements import P, R, placement_str
-from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
-                                         input_shapes, keeps_partial, op_spec,
-                                         replicated_strategy, tensor_of, tensor_placements)
+from meshplan.graph import OpGraph
+from meshplan.placements import placement_str
+from meshplan.planner.reshard import INF, AxisLinks
+from meshplan.planner.strategies import Strategy
 
 NS = 1e9  # objective unit: 1 ns (integer costs for the solver)
 RECOMPUTE = ("none", "selective", "full")

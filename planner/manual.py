@@ -35,7 +35,7 @@ import ast
 import time
 from dataclasses import replace
 
-from meshplan.costmodel.estimate import estimate_plan, with_stage_predictions
+from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.context import check_cp_model, insert_cp
 from meshplan.planner.cp_placements import CpPropagator
 from meshplan.errors import MeshError, NotSupportedError, PlanningError

@@ -154,7 +154,6 @@ class Pricer:
 
     # -- pass 2: prices ------------------------------------------------------------------------
     def problem(self, count, param_rep):
-        from meshplan.planner.intra import StageProblem
 
         self._build()
         warn_fallbacks(self.fallbacks)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from contextlib import nullcontext
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 
