@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from meshplan.errors import SpecError
 from meshplan.plan import Plan
 
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")  # what `torchrun` runs
 EXIT_RANK_FAILED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 DEFAULT_PORT = 29500  # torchrun's default rendezvous port
@@ -106,7 +107,9 @@ def torchrun_command(plan_path: str, plan: Plan, *, model: str, steps: int, seed
                      nodes: Nodes = Nodes()) -> list[str]:
     """The torchrun command line for one node that does what ``run_plan`` does in-process."""
     nodes = nodes.resolve(plan)
-    cmd = ["torchrun", f"--nnodes={nodes.nnodes}", f"--nproc-per-node={nodes.nproc_per_node}",
+    # this interpreter's torchrun, by absolute path: a bare `torchrun` is "command not
+    # found" (exit 127) wherever the virtual environment is not on PATH
+    cmd = [*TORCHRUN, f"--nnodes={nodes.nnodes}", f"--nproc-per-node={nodes.nproc_per_node}",
            f"--node-rank={nodes.node_rank}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint={nodes.endpoint_or_local()}", f"--rdzv-id={nodes.rdzv_id}",
            "--max-restarts=0"]
@@ -136,7 +139,7 @@ def slurm_script(plan_path: str, plan: Plan, *, model: str, steps: int, seed: in
 {gpus}set -euo pipefail
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)  # reads all: no SIGPIPE under pipefail
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}
-srun torchrun --nnodes={nodes.nnodes} --nproc-per-node={nodes.nproc_per_node} \\
+srun {shlex.join(TORCHRUN)} --nnodes={nodes.nnodes} --nproc-per-node={nodes.nproc_per_node} \\
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:{port}" --rdzv-id="$SLURM_JOB_ID" \\
     --max-restarts=0 \\
     {shlex.join(worker)}

@@ -127,8 +127,13 @@ def test_print_torchrun_is_a_valid_torchrun_command(plan4, capsys):
                  "--rdzv-endpoint", "10.1.2.3:29400", "--steps", "7", "--clip", "1",
                  "--print-torchrun"]) == 0
     line = capsys.readouterr().out.strip()
-    assert "\n" not in line and line.startswith("torchrun ")
-    parsed = get_args_parser().parse_args(shlex.split(line)[1:])  # torchrun's own parser
+    argv = shlex.split(line)
+    # this interpreter's torchrun by absolute path: runs without the venv on PATH
+    assert "\n" not in line and argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    bare = subprocess.run([*argv[:3], "--help"], env={"PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0, bare.stderr  # not 127 ("command not found")
+    parsed = get_args_parser().parse_args(argv[3:])  # torchrun's own parser
     assert (parsed.nnodes, parsed.nproc_per_node, parsed.node_rank) == ("2", "2", 1)
     assert parsed.rdzv_endpoint == "10.1.2.3:29400" and parsed.rdzv_backend == "c10d"
     assert parsed.module and parsed.training_script == "meshplan.worker"
@@ -157,6 +162,9 @@ def test_slurm_script_runs_torchrun_once_per_node(plan4, tmp_path, capsys):
     out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     argv = out.stdout.splitlines()
-    assert argv[0] == "torchrun" and "--nproc-per-node=2" in argv
+    # the srun line names this interpreter by absolute path (the stand-in PATH above holds
+    # no torchrun and no venv: a bare `torchrun` would be "command not found" on the nodes)
+    assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=2" in argv
     assert "--rdzv-endpoint=nodeA:29500" in argv and "--rdzv-id=42" in argv
     assert argv[argv.index("--plan") + 1] == plan4
