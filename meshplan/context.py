@@ -26,10 +26,8 @@ Placements on the cp axis, in graph order (``planner/cp_placements.py``, ``CpPro
 
 from __future__ import annotations
 
-import ast
-
 from meshplan.errors import NotSupportedError, PlanningError
-from meshplan.graph import OpGraph, OpKind, OpNode
+from meshplan.graph import OpGraph, OpKind
 
 R = "R"
 CP_AXIS = "cp"
@@ -75,14 +73,6 @@ def causal_work(seq: int, cp: int) -> list[int]:
 
 # -- checks on the model -------------------------------------------------------------------------
 
-def call_args(node: OpNode) -> tuple[list, dict]:
-    try:
-        args, kwargs = ast.literal_eval(node.args_repr)
-        return list(args), dict(kwargs)
-    except (ValueError, SyntaxError, TypeError):
-        return [], {}
-
-
 def check_cp_model(graph: OpGraph, cp: int, seq_len: int) -> None:
     """Refuse, in one line each, what the K/V exchange cannot split."""
     if cp <= 1:
@@ -94,7 +84,7 @@ def check_cp_model(graph: OpGraph, cp: int, seq_len: int) -> None:
                             "(split the batch with dp instead)")
     layout_order(seq_len, cp)
     for n in attention:
-        args, kwargs = call_args(n)
+        args, kwargs = n.parsed_args()
         causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         where = f"operator {n.name} ({n.target}) at {n.source or 'unknown source'}"

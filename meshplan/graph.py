@@ -7,6 +7,7 @@ change it behind each other's back.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -91,6 +92,15 @@ class OpNode:
     @property
     def out(self) -> TensorMeta | None:
         return self.outputs[0] if self.outputs else None
+
+    def parsed_args(self) -> tuple[list, dict]:
+        """The call's arguments read back from ``args_repr`` (tensors appear as "%");
+        ([], {}) when they do not parse."""
+        try:
+            args, kwargs = ast.literal_eval(self.args_repr)
+            return list(args), dict(kwargs)
+        except (ValueError, SyntaxError, TypeError):
+            return [], {}
 
 
 @dataclass(frozen=True, slots=True)

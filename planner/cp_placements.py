@@ -4,7 +4,7 @@ with the manual-plan propagator's ``map_view_dim``."""
 
 from __future__ import annotations
 
-from meshplan.context import R, call_args, value_shape
+from meshplan.context import R, value_shape
 from meshplan.graph import OpGraph, OpKind, OpNode
 
 # -- placements ----------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ class CpPropagator:
                 if "aten.stack" in node.target:
                     e = None
                 elif "aten.cat" in node.target:
-                    args, _ = call_args(node)
+                    args, _ = node.parsed_args()
                     dim = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
                     dim = dim + len(out_shape) if dim < 0 else dim
                     e = d if dim != d and all(_sdim(ins[j]) == d for j in acts) else None

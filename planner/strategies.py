@@ -40,7 +40,6 @@ Operators with no rule fall back to replication (the caller warns and records th
 
 from __future__ import annotations
 
-import ast
 import itertools
 import re
 from dataclasses import dataclass, replace
@@ -87,14 +86,6 @@ class Strategy:
 
 # -- parsing the traced node --------------------------------------------------------------------
 
-def parsed_args(node: OpNode) -> tuple[list, dict]:
-    try:
-        args, kwargs = ast.literal_eval(node.args_repr)
-        return list(args), dict(kwargs)
-    except (ValueError, SyntaxError, TypeError):
-        return [], {}
-
-
 def input_shapes(graph: OpGraph, node: OpNode) -> tuple[tuple[int, ...] | None, ...]:
     """Shape of each of ``node.inputs`` (a parameter, a graph input or a node's output)."""
     graph_inputs = dict(graph.inputs)
@@ -115,7 +106,7 @@ def tensor_of(graph: OpGraph, producer: str, consumer: OpNode):
     """The TensorMeta ``consumer`` reads from ``producer`` (getitem picks one of several)."""
     prod = graph.node(producer)
     if len(prod.outputs) > 1 and consumer.target.endswith("getitem>"):
-        args, _ = parsed_args(consumer)
+        args, _ = consumer.parsed_args()
         idx = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
         return prod.outputs[idx]
     return prod.outputs[0]
@@ -173,7 +164,7 @@ def op_spec(graph: OpGraph, node: OpNode) -> OpSpec | None:
         return None
     shapes = input_shapes(graph, node)
     out = node.out.shape
-    args, kwargs = parsed_args(node)
+    args, kwargs = node.parsed_args()
     n_tensor = sum(1 for a in args if a == "%") + sum(
         1 for a in args if isinstance(a, list) for x in a if x == "%")
     if n_tensor != len(node.inputs):
@@ -396,7 +387,7 @@ def follow(node: OpNode, in_shape: tuple[int, ...], pl: Placement,
 def _dim_map(node: OpNode, in_shape, out_shape) -> dict[int, int] | None:
     """Input dim -> output dim for the dims a sharding may stay on."""
     name = node.target.rsplit(".", 1)[0].removeprefix("aten.")
-    args, _ = parsed_args(node)
+    args, _ = node.parsed_args()
     n_in = len(in_shape)
     if node.kind != OpKind.VIEW or name in ("clone", "alias", "detach", "contiguous", "to",
                                             "_to_copy") or node.target.endswith("getitem>"):

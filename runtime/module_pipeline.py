@@ -32,6 +32,8 @@ from torch.distributed.tensor import DTensor
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
+from meshplan.runtime.modules import (apply_ac, apply_fsdp, apply_tp, clean_fqn, compile_blocks,
+                                      grad_norm, to_empty_keeping_ties)
 from meshplan.tracing import find_block_paths, next_token_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
@@ -250,8 +252,6 @@ class PipelineModuleEngine:
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):
         from meshplan.runtime.module_plan import COMPUTE_DTYPES, _axes, check_model, tp_styles
-        from meshplan.runtime.modules import (_to_empty_keeping_ties, apply_ac, apply_fsdp,
-                                              apply_tp, compile_blocks)
 
         view = single_stage_view(plan)
         check_model(view, model)
@@ -296,7 +296,7 @@ class PipelineModuleEngine:
                            param_dtype=COMPUTE_DTYPES[plan.training.dtype],
                            blocks=_ROOT + container)
             if on_meta:
-                _to_empty_keeping_ties(wrapped, self.device)
+                to_empty_keeping_ties(wrapped, self.device)
             self.modules.append(wrapped)
             self.stages.append(PipelineStage(wrapped, cut.index, len(cuts), self.device,
                                              group=self.pp_group))
@@ -367,12 +367,10 @@ class PipelineModuleEngine:
         return self.train(False)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
-        from meshplan.runtime.modules import clean_fqn
         return {clean_fqn(n.removeprefix(_ROOT)): p for m in self.modules
                 for n, p in m.named_parameters() if p.requires_grad}
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
-        from meshplan.runtime.modules import clean_fqn
         return {clean_fqn(n.removeprefix(_ROOT)): t for m in self.modules
                 for n, t in [*m.named_parameters(remove_duplicate=False),
                              *m.named_buffers(remove_duplicate=False)]}
@@ -383,18 +381,7 @@ class PipelineModuleEngine:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Global norm over this stage's dp x tp shards (torch's get_total_norm per DTensor
         layout) and then over the pipeline stages (summed p-th powers; max for inf)."""
-        groups: dict = {}
-        for p in self.parameters():
-            if p.grad is not None:
-                g = p.grad
-                key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
-                groups.setdefault(key, []).append(g)
-        norms = []
-        for grads in groups.values():
-            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms \
-            else torch.zeros((), device=self.device)
+        local = grad_norm(self.parameters(), norm_type, self.device)  # this stage's
         if norm_type == float("inf"):
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
             total = local
@@ -417,7 +404,6 @@ class PipelineModuleEngine:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors of every stage under the model's own FQNs, buffers included."""
-        from meshplan.runtime.modules import clean_fqn
         local = {}
         for m in self.modules:
             sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
@@ -434,7 +420,6 @@ class PipelineModuleEngine:
     def load_full_state_dict(self, sd: dict, *, broadcast_from_rank0: bool = False) -> None:
         """Each stage loads its own entries of the full state dict (every rank passes it, or
         rank 0 with ``broadcast_from_rank0``: then it is broadcast whole first)."""
-        from meshplan.runtime.modules import clean_fqn
         if broadcast_from_rank0:
             holder = [sd if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(holder, src=0)

@@ -143,7 +143,7 @@ def _split(value, n: int, what: str):
     return [value] * n
 
 
-def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
+def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
     """``model.to_empty`` materialises each module's parameter on its own, so a weight
     shared by two modules (a tied embedding and head) came out as two tensors: trained
     apart, with half the gradient each. The ties are recorded first and restored after."""
@@ -156,6 +156,24 @@ def _to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
         first = getattr(group[0][0], group[0][1])
         for mod, name in group[1:]:
             setattr(mod, name, first)
+
+
+def grad_norm(params, norm_type: float, device) -> torch.Tensor:
+    """The norm of the gradients of ``params`` over every rank that holds a shard of them:
+    gradients on one DTensor layout are normed together (torch's get_total_norm reduces
+    over their mesh), then the layouts' norms combined."""
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            g = p.grad
+            key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(g)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms \
+        else torch.zeros((), device=device)
 
 
 class ModuleEngine:
@@ -194,7 +212,7 @@ class ModuleEngine:
             recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype,
             compile=compile)
         if on_meta:  # only the local shards get memory; weights come from load/init_weights
-            _to_empty_keeping_ties(model, self.device)
+            to_empty_keeping_ties(model, self.device)
         compute = COMPUTE_DTYPES[plan.training.dtype]
         # FSDP's MixedPrecisionPolicy casts the weights; without FSDP autocast does
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=compute)) \
@@ -265,18 +283,7 @@ class ModuleEngine:
         """Scale gradients so that their global norm is at most ``max_norm``; returns the norm
         before clipping. Gradients on one DTensor layout are normed together (torch's
         get_total_norm), then the groups' norms combined."""
-        groups: dict = {}
-        for p in self.parameters():
-            if p.grad is not None:
-                g = p.grad
-                key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
-                groups.setdefault(key, []).append(g)
-        norms = []
-        for grads in groups.values():
-            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
-            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms \
-            else torch.zeros((), device=self.device)
+        total = grad_norm(self.parameters(), norm_type, self.device)
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach=False)
         return total
 
