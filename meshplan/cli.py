@@ -120,15 +120,10 @@ def cmd_run(args) -> int:
 def _check_param_placements(plan, spec_text: str) -> None:
     """Every parameter placement against the model's shapes, before any process starts
     (the model is built on the meta device: nothing allocated, nothing traced)."""
-    from meshplan.plan import check_placements
     from meshplan.specs import parse_model_spec
 
     model = parse_model_spec(spec_text).build(device="meta")
-    shapes = {n: p.ndim for n, p in model.named_parameters(remove_duplicate=False)}
-    for stage in plan.stages:
-        for name, placements in stage.params.items():
-            if name in shapes:
-                check_placements(placements, shapes[name], f"stage {stage.index} parameter {name}")
+    plan.check_param_ranks({n: p.ndim for n, p in model.named_parameters(remove_duplicate=False)})
 
 
 def _check_run_numbers(args) -> None:

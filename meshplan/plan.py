@@ -190,17 +190,22 @@ class Plan:
         """This plan, recording the model spec it was made from."""
         return replace(self, model=replace(self.model, spec=spec))
 
+    def check_param_ranks(self, ndims: dict[str, int]) -> None:
+        """Every planned parameter placement against its tensor's number of dims
+        (``ndims``: parameter name -> ndim; names it lacks are not checked)."""
+        for stage in self.stages:
+            for name, placements in stage.params.items():
+                if name in ndims:
+                    check_placements(placements, ndims[name],
+                                     f"stage {stage.index} parameter {name}")
+
     def check_graph(self, graph) -> None:
         """``check_model`` on ``graph``'s fingerprint, then every planned placement against
         the tensor it places: a hand-edited "S(7)" on a 2-D weight is refused here, with the
         tensor named, not at step 1 inside DTensor. ``graph`` is the model's OpGraph."""
         self.check_model(graph.fingerprint)
+        self.check_param_ranks({n: len(i.shape) for n, i in graph.param_map.items()})
         for stage in self.stages:
-            for name, placements in stage.params.items():
-                info = graph.param_map.get(name)
-                if info is not None:
-                    check_placements(placements, len(info.shape),
-                                     f"stage {stage.index} parameter {name}")
             for name, op in stage.ops.items():
                 node = graph.node(name) if name in graph else None
                 if node is not None and node.outputs:

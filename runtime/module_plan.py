@@ -19,7 +19,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from meshplan.errors import PlanFileError
-from meshplan.plan import Plan, Stage, check_placements
+from meshplan.plan import Plan, Stage
 from meshplan.tracing import find_repeated_blocks
 from meshplan.runtime.parallelize import data_parallel_axes, meta_copy
 
@@ -301,8 +301,7 @@ def check_model(plan: Plan, model: nn.Module) -> None:
             f"counts {plan.model.param_count} trainable parameters, this model {count}"
         raise PlanFileError(f"plan for {plan.model.name} {what}; make a plan for this model "
                             "(meshplan plan ...)")
-    for fqn, p in named.items():
-        check_placements(stage.params[fqn], p.ndim, f"parameter {fqn}")
+    plan.check_param_ranks({fqn: p.ndim for fqn, p in named.items()})
 
 
 def _call(model: nn.Module, args: tuple, kwargs: dict):
