@@ -35,9 +35,10 @@ from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_factor, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
-from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
-                                       alias_root, grad_sync_buffer_bytes, model_state_bytes,
-                                       optimizer_traffic_s, zero3_buffer_bytes)
+from meshplan.costmodel.memory import (GIB, GRAD_BYTES, ActivationProfile, activation_memory,
+                                       activation_profile, alias_root, grad_sync_buffer_bytes,
+                                       model_state_bytes, optimizer_traffic_s,
+                                       zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
@@ -225,229 +226,417 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                compute_contention: float | None = None, cache: dict | None = None) -> StageCost:
     """Costs of one stage. ``compute_contention`` (default: all ``processes_on_host``
     computing at once) slows the microbatch compute; the optimizer step, which every
-    process runs at the same time, always takes the all-process contention."""
+    process runs at the same time, always takes the all-process contention.
+
+    The steps, one function each: the operator walk (compute and activation collectives
+    of one microbatch), recompute, pipeline send/recv, the parameter walk (model state and
+    the collectives each gradient needs), the price of that parameter traffic after
+    overlap, the optimizer step, then activation and buffer memory."""
     runtime = runtime or default_runtime(hw)
     m = max(1, microbatches)
-    shape = stage.mesh_shape
     all_procs = contention_factor(hw, processes_on_host)
     contention = all_procs if compute_contention is None else compute_contention
-    first = stage.devices[0] if stage.devices else 0
-    links = [axis_link(shape, a, hw.devices_per_node, first) for a in range(len(shape))]
+    coll = CollectivePrices(stage, hw, backend=runtime.backend, cache=cache)
+    ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll,
+                                runtime.backend)
+    recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
+    p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
+                 virtual_stages=virtual_stages)
+    params = parameter_walk(stage, graph, ops.consumer_out, dtype=dtype, optimizer=optimizer,
+                            runtime=runtime)
+    traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd,
+                               backward_s=ops.bwd, recompute_s=recompute)
+    comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec + p2p + traffic.gather_exposed_s
+               + traffic.microbatch_s)
+    optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
+                               contention=all_procs)
 
-    # identical layers ask for the same collectives again and again: price each once
-    memo = {} if cache is None else cache.setdefault(("collectives", shape, first, id(hw), runtime.backend), {})
+    prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
+                                    seq_len=seq_len, cache=cache)
+    kept, working = prof.stage_bytes(stage.recompute,
+                                     keep_matmuls_only=runtime.selective_keeps_matmuls)
+    acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
+                             num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
+    buffers = _buffer_bytes(params, stage.zero, runtime, dtype=dtype, activation_bytes=acts)
+    memory = MemoryBreakdown(params_gib=params.weights_bytes / GIB,
+                             grads_gib=params.grads_bytes / GIB,
+                             optimizer_gib=params.optimizer_bytes / GIB,
+                             activations_gib=acts / GIB, buffers_gib=buffers / GIB)
+    return StageCost(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
+                     comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
+                     memory=memory)
 
-    def coll(kind, nbytes, axis):
+
+class CollectivePrices:
+    """Seconds of one collective on one axis of a stage's mesh (``coll(kind, bytes,
+    axis)``). Identical layers ask for the same collectives again and again: each is priced
+    once, in ``cache`` when given (shared by every stage on the same devices)."""
+
+    __slots__ = ("hw", "shape", "links", "tree", "memo")
+
+    def __init__(self, stage: Stage, hw: HardwareProfile, *, backend: str,
+                 cache: dict | None = None):
+        self.hw = hw
+        self.shape = stage.mesh_shape
+        first = stage.devices[0] if stage.devices else 0
+        self.links = [axis_link(self.shape, a, hw.devices_per_node, first)
+                      for a in range(len(self.shape))]
+        self.tree = backend == "nccl"  # NCCL picks ring or tree; gloo rings
+        self.memo = {} if cache is None else cache.setdefault(
+            ("collectives", self.shape, first, id(hw), backend), {})
+
+    def __call__(self, kind: Collective, nbytes: float, axis: int) -> float:
         key = (kind, nbytes, axis)
-        if key not in memo:
-            crosses, local = links[axis]
-            memo[key] = collective_time_s(hw, kind, nbytes, shape[axis], crosses_nodes=crosses,
-                                          local_size=local, tree=runtime.backend == "nccl")
-        return memo[key]
+        t = self.memo.get(key)
+        if t is None:
+            crosses, local = self.links[axis]
+            t = self.memo[key] = collective_time_s(self.hw, kind, nbytes, self.shape[axis],
+                                                   crosses_nodes=crosses, local_size=local,
+                                                   tree=self.tree)
+        return t
 
-    names = list(stage.ops)
-    placement = {n: stage.inputs.get(n) for n in stage.inputs}
-    placement.update({n: op.output for n, op in stage.ops.items()})
-    dbytes = DTYPE_BYTES[dtype]
-    ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll, placement,
-                               runtime.backend)
-    fwd, bwd, rec_full, rec_sel = ops.fwd, ops.bwd, ops.rec_full, ops.rec_sel
-    comm_fwd, comm_bwd, comm_layers_fwd = ops.comm_fwd, ops.comm_bwd, ops.comm_layers_fwd
-    p2p_bytes, consumer_out = ops.p2p_bytes, ops.consumer_out
-    if runtime.selective_keeps_matmuls:
-        rec_sel = ops.rec_nonmatmul
-    recompute = {"full": rec_full, "selective": rec_sel}.get(stage.recompute, 0.0)
-    comm_rec = comm_layers_fwd if stage.recompute == "full" else 0.0
-    p2p = 0.0
-    if num_stages > 1:
-        crosses = len(stage.devices) >= hw.devices_per_node
-        hops = (2 if 0 < stage.index < num_stages - 1 else 1) * 2  # recv+send, fwd+bwd
-        p2p = hops / 2 * collective_time_s(hw, Collective.SEND_RECV, p2p_bytes, 2,
-                                           crosses_nodes=crosses)
-        if schedule == "interleaved-1f1b":
-            p2p *= max(1, virtual_stages)
 
-    # -- parameters: memory, gradient sync, ZeRO-3 gathers -------------------------------
+def _recompute_s(ops: _OperatorPass, recompute: str,
+                 runtime: RuntimeModel) -> tuple[float, float]:
+    """(recomputed forward compute, its activation collectives) per microbatch. "full"
+    reruns every block operator's forward with its collectives; "selective" the attention
+    core (Korthikanti et al. 2022, section 5), or, in the module engine, every block
+    operator but the parameter matmuls (``RuntimeModel.selective_keeps_matmuls``)."""
+    if recompute == "full":
+        return ops.rec_full, ops.comm_layers_fwd
+    if recompute == "selective":
+        return (ops.rec_nonmatmul if runtime.selective_keeps_matmuls else ops.rec_sel), 0.0
+    return 0.0, 0.0
+
+
+def _p2p_s(stage: Stage, hw: HardwareProfile, p2p_bytes: float, *, num_stages: int,
+           schedule: str, virtual_stages: int) -> float:
+    """Pipeline send/recv of the stage's boundary tensors per microbatch: a receive and a
+    send in the forward and in the backward (one of each on the first and last stage);
+    interleaving crosses the stage boundary once per virtual stage."""
+    if num_stages <= 1:
+        return 0.0
+    crosses = len(stage.devices) >= hw.devices_per_node
+    hops = (2 if 0 < stage.index < num_stages - 1 else 1) * 2  # recv+send, fwd+bwd
+    p2p = hops / 2 * collective_time_s(hw, Collective.SEND_RECV, p2p_bytes, 2,
+                                       crosses_nodes=crosses)
+    if schedule == "interleaved-1f1b":
+        p2p *= max(1, virtual_stages)
+    return p2p
+
+
+# -- parameters: model state and the collectives their gradients need --------------------
+
+@dataclass(frozen=True, slots=True)
+class GradSync:
+    """The collective one parameter's gradient needs on one mesh axis."""
+
+    kind: Collective  # all-reduce, or reduce-scatter over dp under ZeRO-2/3
+    axis: int
+    grad_bytes: float  # the gradient (GRAD_BYTES per parameter)
+    weight_bytes: float  # the weights in the compute dtype: what ZeRO all-gathers
+    layer: int  # the block it belongs to, -1 outside the blocks
+    uses: int  # operators that read it
+    on_dp: bool  # on the data-parallel axis
+    per_use: bool  # ZeRO-3 gathered and reduce-scattered where its block uses it, every
+    # microbatch (RuntimeModel.zero3_per_use), not once per step
+
+
+@dataclass(frozen=True, slots=True)
+class ParamWalk:
+    """What a stage's parameters hold on one device and the collectives they need."""
+
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    optimizer_numel: float  # parameters this device's optimizer steps
+    tensors: int  # parameter tensors it steps (fixed costs per tensor)
+    unit_numel: dict  # block -> local parameters (-1: outside the blocks): ZeRO-3/FSDP units
+    syncs: tuple[GradSync, ...]
+    dp_axis: int | None
+
+    @property
+    def synced_bytes(self) -> float:
+        """Gradient bytes synced once per step after the backward (the flat buffer)."""
+        return sum(s.grad_bytes for s in self.syncs if not s.per_use)
+
+
+def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: str,
+                   optimizer: str, runtime: RuntimeModel) -> ParamWalk:
+    """Model state of every parameter the stage keeps (tied copies once) and the gradient
+    collectives each trainable one needs (``_grad_syncs``); ``consumer_out`` maps a
+    parameter to the (output, read-as) placements of the operators reading it."""
+    shape = stage.mesh_shape
     dpa = dp_axis(stage)
     dp = shape[dpa] if dpa is not None else 1
     zero = stage.zero
-    weights = grads = opt = 0.0
-    grad_bytes_total = grad_sync = gather = per_mb_sync = 0.0
-    updated_gather = 0.0
-    n_sync = n_tensors = 0
-    sync_bytes: dict = {}  # (collective, axis) -> bytes synced in buffers
-    updated_bytes: dict = {}  # axis -> updated ZeRO-1/2 shards all-gathered in buffers
-    gather_bytes: dict = {}  # axis -> ZeRO-3 weights FSDP2 gathers block by block
-    largest_layer: dict[int, float] = {}
-    zero3_units: set[int] = set()  # blocks whose ZeRO-3 weights share one collective
-    # meshplan's CPU runtime syncs gradients (and ZeRO-1/2 shards) as one flat buffer
-    bucket = math.inf if (runtime.flat_grad_sync and zero <= 2) \
-        or runtime.sync_overlaps_backward else runtime.grad_bucket_bytes
-    opt_numel = 0.0
+    weights = grads = opt = opt_numel = 0.0
+    tensors = 0
+    unit_numel: dict[int, float] = {}
+    syncs: list[GradSync] = []
     for pname, pl in stage.params.items():
         info = graph.param_map.get(pname)
         if info is None or (info.tied_to is not None and info.tied_to in stage.params):
             continue
         numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
-        uses = max(1, len(consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())))
         w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
         if zero == 2 and runtime.full_grad_accumulation:
             g = numel * GRAD_BYTES  # the full gradient, reduce-scattered once per step
         weights, grads, opt = weights + w, grads + g, opt + o
         opt_numel += numel / (dp if zero >= 1 else 1)
-        n_tensors += 1
+        tensors += 1
         layer = _param_layer(pname, graph)
-        largest_layer[layer] = largest_layer.get(layer, 0.0) + numel
-        if not info.trainable:
+        unit_numel[layer] = unit_numel.get(layer, 0.0) + numel
+        if info.trainable:
+            outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
+            syncs += _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
+                                 runtime=runtime)
+    return ParamWalk(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt,
+                     optimizer_numel=opt_numel, tensors=tensors, unit_numel=unit_numel,
+                     syncs=tuple(syncs), dp_axis=dpa)
+
+
+def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
+                shape: tuple[int, ...], dpa: int | None, *, zero: int, dtype: str,
+                runtime: RuntimeModel) -> list[GradSync]:
+    """The gradient is partial on an axis where an operator split on it reads the weight
+    whole (R); a weight read as P (a row-parallel bias) has the same gradient everywhere.
+    It is reduced where the weight is replicated, and always over dp (ZeRO shards keep
+    their slice of the reduced gradient)."""
+    out = []
+    for axis, size in enumerate(shape):
+        if size == 1 or not any(o[axis] != "R" and used[axis] != "P" for o, used in outs):
             continue
-        outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
-        for axis, size in enumerate(shape):
-            # the gradient is partial where an op split on this axis reads the weight whole
-            # (R); a weight read as P (a row-parallel bias) has the same gradient everywhere
-            if size == 1 or not any(out[axis] != "R" and used[axis] != "P" for out, used in outs):
-                continue
-            if pl[axis] == "R" or axis == dpa:
-                kind = Collective.REDUCE_SCATTER if (axis == dpa and zero >= 2) else Collective.ALL_REDUCE
-                if kind == Collective.REDUCE_SCATTER and runtime.reduce_scatter_as_all_reduce:
-                    kind = Collective.ALL_REDUCE
-                nbytes = numel * GRAD_BYTES
-                wbytes = numel * (4 if dtype == "fp32" else 2)
-                if axis == dpa and zero >= 3 and runtime.zero3_per_use:
-                    if stage.recompute == "none":
-                        # gathered with the other weights its block first uses, in the
-                        # forward and again in the backward (runtime/spmd.py _Regather):
-                        # bandwidth here, latencies per block below
-                        per_mb_sync += _bucketed(coll, kind, nbytes, axis, 1.0,
-                                                 latency_only=True)
-                        gather += 2 * _bucketed(coll, Collective.ALL_GATHER, wbytes, axis,
-                                                1.0, latency_only=True)
-                        zero3_units.add(layer)
-                        continue
-                    # per microbatch and per consumer: gather in the forward, reduce-scatter
-                    # of that consumer's gradient in the backward (RuntimeModel docstring)
-                    per_mb_sync += uses * coll(kind, nbytes, axis)
-                    gather += uses * coll(Collective.ALL_GATHER, wbytes, axis)
-                    continue
-                grad_bytes_total += nbytes
-                n_sync += 1
-                # bucketed syncs are priced on their buffers below: NCCL picks ring or
-                # tree by the buffer's size, not by each tensor's
-                if bucket > 0:
-                    sync_bytes[(kind, axis)] = sync_bytes.get((kind, axis), 0.0) + nbytes
-                else:
-                    grad_sync += coll(kind, nbytes, axis)
-                if axis == dpa and zero >= 3:  # FSDP2: one all-gather per block (below)
-                    if runtime.sync_overlaps_backward:
-                        gather_bytes[axis] = gather_bytes.get(axis, 0.0) + wbytes
-                    else:
-                        gather += 2 * coll(Collective.ALL_GATHER, wbytes, axis)
-                if axis == dpa and zero in (1, 2):
-                    # each rank stepped its shard of the master weights: the updated weights
-                    # are all-gathered after the optimizer (Rajbhandari et al. 2020, sec. 5:
-                    # ZeRO-1/2 move the same volume as data parallelism, RS + AG = AR)
-                    if bucket > 0:
-                        updated_bytes[axis] = updated_bytes.get(axis, 0.0) + wbytes
-                    else:
-                        updated_gather += coll(Collective.ALL_GATHER, wbytes, axis)
-    if zero3_units:  # one all-gather and one reduce-scatter per unit (-1: before and after)
-        units = len(zero3_units) + (1 if -1 in zero3_units else 0)
-        kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
-            else Collective.REDUCE_SCATTER
-        per_mb_sync += units * coll(kind, 1e-30, dpa)
-        gather += 2 * units * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
+        if placement[axis] != "R" and axis != dpa:
+            continue
+        on_dp = axis == dpa
+        kind = Collective.REDUCE_SCATTER if (on_dp and zero >= 2) else Collective.ALL_REDUCE
+        if kind == Collective.REDUCE_SCATTER and runtime.reduce_scatter_as_all_reduce:
+            kind = Collective.ALL_REDUCE
+        out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * GRAD_BYTES,
+                            weight_bytes=numel * (4 if dtype == "fp32" else 2), layer=layer,
+                            uses=max(1, len(outs)), on_dp=on_dp,
+                            per_use=on_dp and zero >= 3 and runtime.zero3_per_use))
+    return out
+
+
+# -- pricing the parameter traffic --------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class _TrafficTimes:
+    step_s: float  # exposed once per step: gradient sync, ZeRO-1/2 updated-shard gathers
+    microbatch_s: float  # exposed per microbatch: per-use ZeRO-3 / per-microbatch reduce-scatter
+    gather_exposed_s: float  # ZeRO-3 weight all-gathers per microbatch not hidden by compute
+
+
+class _Traffic:
+    """One kind of parameter traffic. Priced one collective per tensor (``bucket_bytes``
+    0: DTensor's per-parameter redistribute), or its bytes summed per (collective, axis)
+    and priced per buffer: one flat buffer per group, or one per FSDP unit (``inf``), or
+    DDP-sized buckets. NCCL picks ring or tree by the buffer's size, not each tensor's."""
+
+    def __init__(self, coll: CollectivePrices, bucket_bytes: float, units: int):
+        self.coll, self.bucket_bytes, self.units = coll, bucket_bytes, units
+        self.tensor_s = 0.0
+        self.buffered: dict[tuple[Collective, int], float] = {}
+
+    def add(self, kind: Collective, nbytes: float, axis: int) -> None:
+        if self.bucket_bytes > 0:
+            self.buffered[(kind, axis)] = self.buffered.get((kind, axis), 0.0) + nbytes
+        else:
+            self.tensor_s += self.coll(kind, nbytes, axis)
+
+    def time_s(self) -> float:
+        return self.tensor_s + sum(self._buffers_s(k, b, a)
+                                   for (k, a), b in self.buffered.items())
+
+    def _buffers_s(self, kind: Collective, nbytes: float, axis: int) -> float:
+        n = self.units if math.isinf(self.bucket_bytes) else _buckets(nbytes, self.bucket_bytes)
+        return n * self.coll(kind, nbytes / n, axis)
+
+
+def _param_traffic_s(params: ParamWalk, stage: Stage, coll: CollectivePrices,
+                     runtime: RuntimeModel, *, forward_s: float, backward_s: float,
+                     recompute_s: float) -> _TrafficTimes:
+    """Gradient sync, ZeRO gathers and their overlap with compute (RuntimeModel)."""
+    mb_sync, gather = _per_use_zero3_s([s for s in params.syncs if s.per_use], coll, runtime,
+                                       recompute=stage.recompute, dpa=params.dp_axis)
     # FSDP2 issues one collective per block (and one for the root's parameters)
-    units = max(1, len(largest_layer)) if runtime.sync_overlaps_backward else 1
-
-    def buffers_of(kind, nbytes, axis):
-        """One flat buffer per group, one per block (FSDP2), or DDP-sized buckets."""
-        n = units if math.isinf(bucket) else _buckets(nbytes, bucket)
-        return n * coll(kind, nbytes / n, axis)
-
-    grad_sync += sum(buffers_of(k, b, a) for (k, a), b in sync_bytes.items())
-    updated_gather += sum(buffers_of(Collective.ALL_GATHER, b, a)
-                          for a, b in updated_bytes.items())
-    gather += 2 * sum(buffers_of(Collective.ALL_GATHER, b, a)  # forward, backward
-                      for a, b in gather_bytes.items())
-    compute_mb = fwd + bwd + recompute
+    units = max(1, len(params.unit_numel)) if runtime.sync_overlaps_backward else 1
+    grads, updated, fsdp = _after_backward_traffic(params, stage.zero, coll, runtime, units)
+    grad_sync, updated_gather = grads.time_s(), updated.time_s()
+    gather += 2 * fsdp.time_s()  # forward and backward
     if runtime.sync_overlaps_backward:
         # per-block collectives behind the backward (and, for the updated shards, the next
         # step's forward, FSDP2's prefetch): the last block's stays exposed
-        def hidden(t, behind):
-            return max(t / units, t - behind) if t > 0 else 0.0
-        if runtime.reduce_scatter_per_microbatch and zero >= 2:
-            per_mb_sync += hidden(grad_sync, bwd + recompute)
+        behind = backward_s + recompute_s
+        if runtime.reduce_scatter_per_microbatch and stage.zero >= 2:
+            mb_sync += _hidden_s(grad_sync, behind, units)
             grad_sync = 0.0
-        grad_sync = hidden(grad_sync, bwd + recompute) + hidden(updated_gather, fwd)
+        step = _hidden_s(grad_sync, behind, units) + _hidden_s(updated_gather, forward_s, units)
     else:
         # the gather of updated weights follows the optimizer step: nothing to overlap with
-        grad_sync = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
-    gather_exposed = max(0.0, gather - runtime.param_gather_overlap * compute_mb)
-    comm_mb = comm_fwd + comm_bwd + comm_rec + p2p + gather_exposed + per_mb_sync
+        step = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
+    compute = forward_s + backward_s + recompute_s
+    exposed = max(0.0, gather - runtime.param_gather_overlap * compute)
+    return _TrafficTimes(step_s=step, microbatch_s=mb_sync, gather_exposed_s=exposed)
 
+
+def _hidden_s(t: float, behind: float, units: int) -> float:
+    """Exposed part of ``t`` split into ``units`` collectives issued as compute of
+    ``behind`` seconds proceeds: all but the last unit's can hide."""
+    return max(t / units, t - behind) if t > 0 else 0.0
+
+
+def _per_use_zero3_s(syncs: list[GradSync], coll: CollectivePrices, runtime: RuntimeModel, *,
+                     recompute: str, dpa: int | None) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) seconds per microbatch of ZeRO-3 as meshplan's graph
+    engine runs it (``RuntimeModel.zero3_per_use``). Without recompute, each block's
+    weights are gathered together in the forward and again in the backward, and their
+    gradients reduce-scattered together: bandwidth per tensor, one latency per block (the
+    weights outside the blocks: one before and one after them). Under recompute: per
+    consumer, a gather in the forward and a reduce-scatter in the backward."""
+    sync = gather = 0.0
+    units: set[int] = set()
+    for s in syncs:
+        if recompute == "none":
+            sync += _bandwidth_s(coll, s.kind, s.grad_bytes, s.axis)
+            gather += 2 * _bandwidth_s(coll, Collective.ALL_GATHER, s.weight_bytes, s.axis)
+            units.add(s.layer)
+        else:
+            sync += s.uses * coll(s.kind, s.grad_bytes, s.axis)
+            gather += s.uses * coll(Collective.ALL_GATHER, s.weight_bytes, s.axis)
+    if units:
+        n = len(units) + (1 if -1 in units else 0)
+        kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
+            else Collective.REDUCE_SCATTER
+        sync += n * coll(kind, 1e-30, dpa)
+        gather += 2 * n * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
+    return sync, gather
+
+
+def _after_backward_traffic(params: ParamWalk, zero: int, coll: CollectivePrices,
+                            runtime: RuntimeModel,
+                            units: int) -> tuple[_Traffic, _Traffic, _Traffic]:
+    """(gradient sync, ZeRO-1/2 updated-shard all-gather, FSDP ZeRO-3 weight all-gather of
+    one pass) of the parameters synced once per step. meshplan's graph engine syncs the
+    gradients (and ZeRO-1/2 shards) in one flat buffer, FSDP2 per block, DDP in buckets."""
+    bucket = math.inf if (runtime.flat_grad_sync and zero <= 2) \
+        or runtime.sync_overlaps_backward else runtime.grad_bucket_bytes
+    grads, updated = _Traffic(coll, bucket, units), _Traffic(coll, bucket, units)
+    # FSDP2 gathers block by block; otherwise one all-gather per tensor
+    fsdp = _Traffic(coll, bucket if runtime.sync_overlaps_backward else 0.0, units)
+    for s in params.syncs:
+        if s.per_use:
+            continue
+        grads.add(s.kind, s.grad_bytes, s.axis)
+        if s.on_dp and zero >= 3:
+            fsdp.add(Collective.ALL_GATHER, s.weight_bytes, s.axis)
+        if s.on_dp and zero in (1, 2):
+            # each rank stepped its shard of the master weights: the updated weights are
+            # all-gathered after the optimizer (Rajbhandari et al. 2020, sec. 5: ZeRO-1/2
+            # move the same volume as data parallelism, RS + AG = AR)
+            updated.add(Collective.ALL_GATHER, s.weight_bytes, s.axis)
+    return grads, updated, fsdp
+
+
+def _optimizer_s(params: ParamWalk, hw: HardwareProfile, *, dtype: str, optimizer: str,
+                 contention: float) -> float:
+    """The optimizer step: its state read and written at memory bandwidth, plus kernels
+    per tensor (the per-tensor fixed costs are CPU work on a CPU host and time-share its
+    cores too)."""
     dev = hw.device
-    # the per-tensor fixed costs are CPU work on a CPU host and time-share its cores too
-    optimizer_s = (optimizer_traffic_s(opt_numel, dtype=dtype, optimizer=optimizer, hw=hw)
-                   + n_tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
-                   * (dev.kernel_latency_s + dev.framework_overhead_s)) * all_procs
+    return (optimizer_traffic_s(params.optimizer_numel, dtype=dtype, optimizer=optimizer, hw=hw)
+            + params.tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
+            * (dev.kernel_latency_s + dev.framework_overhead_s)) * contention
 
-    # -- activations ----------------------------------------------------------------------
-    read_as: dict[str, tuple[str, ...]] = {}  # tensors received from the previous stage
+
+# -- memory: activations and buffers ----------------------------------------------------------
+
+def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
+                             microbatches: int, seq_len: int,
+                             cache: dict | None = None) -> ActivationProfile:
+    """Activation bytes per layer of one microbatch on one device of ``stage``. It does not
+    depend on recompute, ZeRO or the schedule, so ``cache`` keeps it for every plan that
+    shares ``stage.ops``."""
+    m = max(1, microbatches)
+    key = ("activations", id(stage.ops), id(stage.inputs), stage.mesh_shape, m, dtype,
+           hw.device.name, seq_len)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is stage.ops and hit[1] is stage.inputs:
+        return hit[2]
+    placement = _placements(stage)
+    read_as = _received_placements(stage, graph, placement)
+    shape = stage.mesh_shape
 
     def split_of(tensor: str) -> int:
         pl = placement.get(tensor) or read_as.get(tensor)
         return split_factor(pl, shape) if pl else 1
 
-    prof = ops.activations
-    if prof is None:
-        # a tensor another stage produced lives here as its first consumer reads it (the
-        # placement the send/recv delivers, as ``p2p_bytes`` prices it), not whole
-        for name in names:
-            for k, src in enumerate(graph.node(name).inputs):
-                if src not in placement and src not in graph.param_map \
-                        and k < len(stage.ops[name].inputs):
-                    read_as.setdefault(src, stage.ops[name].inputs[k])
-                    read_as.setdefault(alias_root(src, graph), stage.ops[name].inputs[k])
-        extra = 0.0
-        if dev.name == "cpu" and seq_len:  # math attention keeps the probabilities (b x heads x s x s)
-            extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
-        prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
-                                  seq_len=seq_len, micro_fraction=1.0 / m,
-                                  attention_extra_per_node=extra)
-        if cache is not None:  # independent of recompute, ZeRO-1/2 and schedule: keep it
-            object.__setattr__(ops, "activations", prof)
-    kept, working = prof.stage_bytes(stage.recompute,
-                                     keep_matmuls_only=runtime.selective_keeps_matmuls)
-    acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
-                             num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
-    # DDP's buckets live during the backward; the engine's flat sync copies the gradients
-    # after the backward has freed the activations: once to all-reduce (ZeRO 0/1,
-    # lowering.reduce_partial_grads), twice to reduce-scatter (ZeRO-2: padded blocks and
-    # their concatenation, runtime/zero.py), so it raises the peak by what those copies
-    # exceed the activations
-    buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, grads)
-    if runtime.flat_grad_sync and grad_bytes_total:
-        copies = 2 if zero == 2 else 1
-        buffers += max(0.0, copies * grad_bytes_total - acts)
-    if zero >= 3:
-        # ``largest_layer`` counts weights unsplit over dp already (skip_axis above): the
-        # gathered copy of one block, not dp of them
-        # the largest gathered unit: a block, or the weights outside the blocks (embedding,
-        # head, final norm: one unit, -1), which with a large vocabulary is the
-        # largest (Llama 0.22B of benchmarks/local_shards.py: 0.24 GiB against 0.05 a block)
-        layer_numel = max(largest_layer.values(), default=0.0)
-        # one unit's gathered weights and its full gradient before the reduce-scatter:
-        # the engine frees a gathered unit after its last reader and gathers it again
-        # when the backward unpacks what autograd saved (runtime/spmd.py _Regather), with
-        # or without recompute
-        # FSDP2's prefetch holds the next block's gathered weights beside the current's
-        held = 2 if runtime.param_gather_overlap > 0 and not runtime.zero3_per_use else 1
-        buffers += held * zero3_buffer_bytes(layer_numel, dtype=dtype)
-    memory = MemoryBreakdown(params_gib=weights / GIB, grads_gib=grads / GIB,
-                             optimizer_gib=opt / GIB, activations_gib=acts / GIB,
-                             buffers_gib=buffers / GIB)
-    return StageCost(forward_s=fwd, backward_s=bwd, recompute_s=recompute, comm_s=comm_mb,
-                     grad_sync_s=grad_sync, optimizer_s=optimizer_s, memory=memory)
+    names = list(stage.ops)
+    dbytes = DTYPE_BYTES[dtype]
+    extra = 0.0
+    if hw.device.name == "cpu" and seq_len:
+        # math attention keeps the probabilities (b x heads x s x s)
+        extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
+    prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
+                              seq_len=seq_len, micro_fraction=1.0 / m,
+                              attention_extra_per_node=extra)
+    if cache is not None:
+        cache[key] = (stage.ops, stage.inputs, prof)
+    return prof
 
+
+def _placements(stage: Stage) -> dict:
+    """Placement of every value the stage produces or takes as input."""
+    placement = {n: stage.inputs.get(n) for n in stage.inputs}
+    placement.update({n: op.output for n, op in stage.ops.items()})
+    return placement
+
+
+def _received_placements(stage: Stage, graph: OpGraph, placement: dict) -> dict:
+    """A tensor another stage produced lives here as its first consumer reads it (the
+    placement the send/recv delivers, as ``p2p_bytes`` prices it), not whole."""
+    read_as: dict[str, tuple[str, ...]] = {}
+    for name in stage.ops:
+        for k, src in enumerate(graph.node(name).inputs):
+            if src not in placement and src not in graph.param_map \
+                    and k < len(stage.ops[name].inputs):
+                read_as.setdefault(src, stage.ops[name].inputs[k])
+                read_as.setdefault(alias_root(src, graph), stage.ops[name].inputs[k])
+    return read_as
+
+
+def _buffer_bytes(params: ParamWalk, zero: int, runtime: RuntimeModel, *, dtype: str,
+                  activation_bytes: float) -> float:
+    """Communication buffers at the stage's peak.
+
+    DDP's buckets live during the backward; the engine's flat sync copies the gradients
+    after the backward has freed the activations: once to all-reduce (ZeRO 0/1,
+    lowering.reduce_partial_grads), twice to reduce-scatter (ZeRO-2: padded blocks and
+    their concatenation, runtime/zero.py), so it raises the peak by what those copies
+    exceed the activations. ZeRO-3 holds the largest gathered unit: a block, or the
+    weights outside the blocks (embedding, head, final norm: one unit, -1), which with a
+    large vocabulary is the largest (Llama 0.22B of benchmarks/local_shards.py: 0.24 GiB
+    against 0.05 a block). ``unit_numel`` counts weights unsplit over dp already: the
+    gathered copy of one unit, not dp of them. The engine frees a gathered unit after its
+    last reader and gathers it again when the backward unpacks what autograd saved
+    (runtime/spmd.py _Regather), with or without recompute; FSDP2's prefetch holds the
+    next block's gathered weights beside the current's.
+    """
+    buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, params.grads_bytes)
+    synced = params.synced_bytes
+    if runtime.flat_grad_sync and synced:
+        copies = 2 if zero == 2 else 1
+        buffers += max(0.0, copies * synced - activation_bytes)
+    if zero >= 3:
+        unit = max(params.unit_numel.values(), default=0.0)
+        held = 2 if runtime.param_gather_overlap > 0 and not runtime.zero3_per_use else 1
+        buffers += held * zero3_buffer_bytes(unit, dtype=dtype)
+    return buffers
+
+
+# -- operators: compute and activation communication of one microbatch --------------------------
 
 @dataclass(frozen=True, slots=True)
 class _OperatorPass:
@@ -466,11 +655,10 @@ class _OperatorPass:
     comm_layers_fwd: float
     p2p_bytes: float
     consumer_out: dict
-    activations: object = None  # memory.ActivationProfile, filled on first use
 
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
-                          dtype: str, m: int, contention: float, coll, placement,
+                          dtype: str, m: int, contention: float, coll,
                           backend: str = "nccl") -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets)."""
@@ -479,17 +667,18 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
-    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, placement)
+    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll)
     if cache is not None:
         cache[key] = result
     return result
 
 
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
-                   contention: float, coll, placement) -> _OperatorPass:
+                   contention: float, coll) -> _OperatorPass:
     names = list(stage.ops)
     in_stage = set(names)
     shape = stage.mesh_shape
+    placement = _placements(stage)
     needs_grad = graph.grad_nodes
     needs_data = graph.data_nodes
     sent: set[str] = set()
@@ -691,10 +880,8 @@ def _param_layer(name: str, graph: OpGraph) -> int:
     return -1
 
 
-def _bucketed(coll, kind, nbytes, axis, bucket_bytes, *, latency_only: bool) -> float:
-    """Bandwidth part of a bucketed sync (latency added per bucket), or a whole collective."""
-    if not latency_only:
-        return coll(kind, nbytes, axis)
+def _bandwidth_s(coll, kind: Collective, nbytes: float, axis: int) -> float:
+    """A collective's time less its latency (the time of an empty one)."""
     return coll(kind, nbytes, axis) - coll(kind, 1e-30, axis) if nbytes else 0.0
 
 

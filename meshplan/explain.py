@@ -233,8 +233,24 @@ def explain_node(plan: Plan, graph, node_name: str) -> NodeExplanation:
                                alternatives=solved,
                                source=f"{plan.solver.name} (whole-plan objective per candidate)")
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
-    t = plan.training
     chosen_out = stage.ops[node_name].output
+    rows = _candidate_rows(node, graph, stage, hw, plan.training)
+    chosen = next(r for r in rows if r[6])
+    alts = [Alternative(label, out_pl, w_pl, compute + comm, mem, is_chosen,
+                        _verdict(compute, comm, mem, is_chosen, bad, chosen, stage,
+                                 plan.predicted.memory_capacity_gib), compute, comm)
+            for label, out_pl, w_pl, compute, comm, mem, is_chosen, bad in rows]
+    alts.sort(key=lambda a: (not a.chosen, a.verdict.startswith("invalid"), a.time_s))
+    return NodeExplanation(node=node_name, target=node.target, module_path=node.module_path,
+                           layer=node.layer, stage=stage.index, chosen_output=tuple(chosen_out),
+                           alternatives=tuple(alts), source="meshplan.explain (local re-pricing)")
+
+
+def _candidate_rows(node, graph, stage, hw: HardwareProfile, t) -> list[list]:
+    """Every placement style of ``node`` on each split axis, re-priced locally:
+    [label, output, weight, compute s, comm s, memory GiB, chosen, why invalid]; the
+    planned placement comes first when it is none of these styles."""
+    chosen_out = stage.ops[node.name].output
     w = _weight(node, graph)
     chosen_w = stage.params.get(w[0]) if w else None
     if chosen_w is None and node.params and node.params[0] in stage.params:
@@ -266,32 +282,27 @@ def explain_node(plan: Plan, graph, node_name: str) -> NodeExplanation:
                                    dtype=t.dtype, optimizer=t.optimizer)
         rows.insert(0, ["as planned", tuple(chosen_out), chosen_w if w else (), compute, comm,
                         mem, True, ""])
-    chosen = next(r for r in rows if r[6])
+    return rows
+
+
+def _verdict(compute: float, comm: float, mem: float, is_chosen: bool, bad: str, chosen: list,
+             stage, capacity_gib: float) -> str:
+    """Why a candidate was not chosen, against the chosen row: invalid, over memory, slower,
+    a tie, or locally cheaper (the solver weighed the whole plan)."""
+    if is_chosen:
+        return "chosen"
+    if bad:
+        return f"invalid: {bad}"
     stage_mem = stage.predicted.memory.total_gib
-    cap = plan.predicted.memory_capacity_gib
-    alts = []
-    for label, out_pl, w_pl, compute, comm, mem, is_chosen, bad in rows:
-        if is_chosen:
-            verdict = "chosen"
-        elif bad:
-            verdict = f"invalid: {bad}"
-        elif cap and stage_mem - chosen[5] + mem > cap:
-            verdict = (f"memory: stage would need {stage_mem - chosen[5] + mem:.2f} GiB of "
-                       f"{cap:.1f} GiB")
-        else:
-            delta = compute + comm - (chosen[3] + chosen[4])
-            if abs(delta) < 1e-6:
-                verdict = "same local cost (tie)"
-            elif delta > 0:
-                verdict = f"slower by {_fmt(delta)} per step"
-            else:
-                verdict = f"locally cheaper by {_fmt(-delta)} *"
-        alts.append(Alternative(label, out_pl, w_pl, compute + comm, mem, is_chosen, verdict,
-                                compute, comm))
-    alts.sort(key=lambda a: (not a.chosen, a.verdict.startswith("invalid"), a.time_s))
-    return NodeExplanation(node=node_name, target=node.target, module_path=node.module_path,
-                           layer=node.layer, stage=stage.index, chosen_output=tuple(chosen_out),
-                           alternatives=tuple(alts), source="meshplan.explain (local re-pricing)")
+    if capacity_gib and stage_mem - chosen[5] + mem > capacity_gib:
+        return (f"memory: stage would need {stage_mem - chosen[5] + mem:.2f} GiB of "
+                f"{capacity_gib:.1f} GiB")
+    delta = compute + comm - (chosen[3] + chosen[4])
+    if abs(delta) < 1e-6:
+        return "same local cost (tie)"
+    if delta > 0:
+        return f"slower by {_fmt(delta)} per step"
+    return f"locally cheaper by {_fmt(-delta)} *"
 
 
 def _fmt(s: float) -> str:

@@ -4,7 +4,7 @@ attention mask and ZeRO-3 buffers on a small GPT-2 on a fake DGX A100 mesh."""
 import pytest
 
 import meshplan
-from meshplan.costmodel.estimate import stage_cost
+from meshplan.costmodel.estimate import stage_activation_profile, stage_cost
 from meshplan.costmodel.memory import GIB
 from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
@@ -24,13 +24,10 @@ def gpt2():
 
 
 def _profile(plan, graph, stage):
-    """The activation profile ``stage_cost`` computed for one stage (kept in its cache)."""
+    """The activation profile ``stage_cost`` prices one stage's memory with."""
     t = plan.training
-    cache: dict = {}
-    stage_cost(plan.stages[stage], graph, plan_hw(plan), dtype=t.dtype, optimizer=t.optimizer,
-               microbatches=t.microbatches, num_stages=plan.num_stages, seq_len=t.seq_len,
-               cache=cache)
-    return next(v.activations for v in cache.values() if getattr(v, "activations", None))
+    return stage_activation_profile(plan.stages[stage], graph, plan_hw(plan), dtype=t.dtype,
+                                    microbatches=t.microbatches, seq_len=t.seq_len)
 
 
 def plan_hw(plan):
@@ -183,3 +180,24 @@ def test_flat_zero2_sync_copies_raise_the_peak(gpt2):
     grads = mem.grads_gib * GIB  # full-size, the engine's accumulation buffers
     assert mem.buffers_gib * GIB == pytest.approx(2 * grads - mem.activations_gib * GIB,
                                                   rel=0.01)
+
+
+def test_cached_activation_profile_follows_seq_len(gpt2):
+    """The activation profile kept in a shared cache is keyed by everything it depends on:
+    pricing the same stage with another sequence length (on a CPU host, math attention
+    keeps b x heads x s x s probabilities) does not reuse the first one, and a cache gives
+    the results of no cache."""
+    from meshplan.costmodel.hardware import load_preset
+
+    model, graph, mesh = gpt2
+    plan = _pp_plan(model, graph, mesh, recompute="none")
+    st, t, cpu = plan.stages[0], plan.training, load_preset("cpu-local")
+    kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
+              num_stages=plan.num_stages)
+    cache: dict = {}
+    stage_cost(st, graph, cpu, seq_len=0, cache=cache, **kw)
+    cached = stage_cost(st, graph, cpu, seq_len=SEQ, cache=cache, **kw)
+    fresh = stage_cost(st, graph, cpu, seq_len=SEQ, **kw)
+    assert cached == fresh
+    assert stage_cost(st, graph, cpu, seq_len=0, **kw).memory.activations_gib \
+        < fresh.memory.activations_gib
