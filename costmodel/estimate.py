@@ -315,7 +315,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                 if axis == dpa and zero >= 3 and runtime.zero3_per_use:
                     if stage.recompute == "none":
                         # gathered with the other weights its block first uses, in the
-                        # forward and again in the backward (runtime/spmd.py _Regather):
+                        # forward and again in the backward (runtime/gathers.py _Regather):
                         # bandwidth here, latencies per block below
                         per_mb_sync += _bucketed(coll, kind, nbytes, axis, 1.0,
                                                  latency_only=True)
@@ -437,7 +437,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         layer_numel = max(largest_layer.values(), default=0.0)
         # one unit's gathered weights and its full gradient before the reduce-scatter:
         # the engine frees a gathered unit after its last reader and gathers it again
-        # when the backward unpacks what autograd saved (runtime/spmd.py _Regather), with
+        # when the backward unpacks what autograd saved (runtime/gathers.py _Regather), with
         # or without recompute
         # FSDP2's prefetch holds the next block's gathered weights beside the current's
         held = 2 if runtime.param_gather_overlap > 0 and not runtime.zero3_per_use else 1
