@@ -621,7 +621,7 @@ def _buffer_bytes(params: ParamWalk, zero: int, runtime: RuntimeModel, *, dtype:
     against 0.05 a block). ``unit_numel`` counts weights unsplit over dp already: the
     gathered copy of one unit, not dp of them. The engine frees a gathered unit after its
     last reader and gathers it again when the backward unpacks what autograd saved
-    (runtime/spmd.py _Regather), with or without recompute; FSDP2's prefetch holds the
+    (runtime/gathers.py _Regather), with or without recompute; FSDP2's prefetch holds the
     next block's gathered weights beside the current's.
     """
     buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, params.grads_bytes)

@@ -196,6 +196,9 @@ class ParallelModel:
     _ops_of: object = None  # the stage ops ``_renamed`` was made from
     _renamed: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        install_params(self.gm, self.params)
+
     @property
     def stage(self) -> Stage:
         return self.plan.stages[0]
@@ -223,8 +226,7 @@ class ParallelModel:
                 dtype=self.plan.training.dtype, record=record, lowered=self.lowered)
         if not record:  # the lowered program is built by the first call and then reused
             self._executor = executor
-        with torch.nn.utils.stateless._reparametrize_module(self.gm, self.params):
-            out = executor.run(*inputs)
+        out = executor.run(*inputs)
         self.last_stats = executor.stats
         return out.float()
 
@@ -460,6 +462,21 @@ def distribute_params(model: nn.Module, gm, mesh: DeviceMesh, stage: Stage,
             params[name] = place_tensor(real_buffers[fqn], mesh, [Replicate()] * mesh.ndim,
                                         device_type)
     return params
+
+
+def install_params(gm: nn.Module, params: dict) -> None:
+    """Put the placed parameters and buffers (``params``: attribute name -> DTensor, tied
+    names sharing one) into ``gm`` in place of those it was traced with, once: the SPMD
+    executor reads them through ``gm``'s ``get_attr`` nodes, as the pipeline's stage
+    GraphModules are built holding them. Names ``gm`` lacks are skipped."""
+    for name, value in params.items():
+        owner, _, leaf = name.rpartition(".")
+        try:
+            module = gm.get_submodule(owner)
+        except AttributeError:
+            continue
+        if hasattr(module, leaf):
+            setattr(module, leaf, value)  # a Parameter slot takes the nn.Parameter(DTensor)
 
 
 def place_tensor(tensor: torch.Tensor, mesh: DeviceMesh, placements, device,

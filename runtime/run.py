@@ -379,7 +379,8 @@ class ParallelRun:
 
     def _forward_program(self, records):
         if self._forward is None:
-            from meshplan.runtime.parallelize import meta_copy, runnable_graph_module
+            from meshplan.runtime.parallelize import (install_params, meta_copy,
+                                                      runnable_graph_module)
             from meshplan.runtime.spmd import SPMDExecutor
             from torch.distributed.tensor import distribute_tensor
 
@@ -390,6 +391,7 @@ class ParallelRun:
             model = meta_copy(self._pristine).eval()
             ep = export_training_graph(model, meta, self.loss_fn, signature=sig, loss=False)
             gm = runnable_graph_module(ep, device_type=pm.mesh.device_type)
+            install_params(gm, pm.params)
             placements = [self._placements.get(r["name"], ("R",) * pm.mesh.ndim) for r in records]
             # the plan's placements for the forward operators the eval graph shares with the
             # training graph (same node name and inputs): left to itself DTensor lays eval
@@ -408,8 +410,7 @@ class ParallelRun:
                 xs = [distribute_tensor(x.to(pm.mesh.device_type), pm.mesh,
                                         executor.input_placements[i], src_data_rank=None)
                       for i, x in enumerate(xs)]
-                with torch.no_grad(), \
-                        torch.nn.utils.stateless._reparametrize_module(gm, pm.params):
+                with torch.no_grad():
                     return executor.run(*xs)
             self._forward = forward
         return self._forward

@@ -44,13 +44,13 @@ def run(lowered: bool) -> dict:
             with torch.no_grad():
                 inv_freq.to_local().mul_(0.5)
         losses.append(pm.train_step(synthetic_batch(model, 4, 32, seed=0, step=step), opt))
-        folded.append(sorted(n.name for n in pm._executor.folded))
+        folded.append(sorted(n.name for n in pm._executor.folder.folded))
     pm.loss(synthetic_batch(model, 4, 32, seed=0, step=STEPS).chunk(
         plan.training.microbatches)[0]).backward()
     grads = {fqn: p.grad.full_tensor() for fqn, p in pm.named_unique_params().items()}
     return {"losses": losses, "folded": folded, "grads": grads,
             "grad_types": sorted({type(p.grad).__name__ for p in pm.unique_params()}),
-            "constant": sorted(n.name for n in pm._executor.constant)}
+            "constant": sorted(n.name for n in pm._executor.folder.constant)}
 
 
 def run_zero(level: int) -> dict:
