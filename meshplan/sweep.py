@@ -172,7 +172,8 @@ def price_group(configs: list[Config], *, model, mesh, graph, dtype, optimizer) 
     batch = graph.inputs[0][1].shape[0]
     try:
         base = meshplan.manual_plan(model, mesh, graph=graph, dp=c0.dp, tp=c0.tp, pp=c0.pp,
-                                    microbatch_size=1, sequence_parallel=c0.sequence_parallel,
+                                    microbatch_size=1, schedule="gpipe",  # variant() sets it
+                                    sequence_parallel=c0.sequence_parallel,
                                     zero=3 if c0.zero == 3 else 0, dtype=dtype,
                                     optimizer=optimizer)
     except MeshplanError as exc:
