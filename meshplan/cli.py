@@ -234,7 +234,8 @@ def cmd_sweep(args) -> int:
     spec, loaded, graph = _load_model_and_graph(args)
     frame = run_sweep(loaded.model, mesh, graph=graph, model_name=spec.name, dtype=args.dtype,
                       output=args.output, plot=args.plot, auto=not args.no_auto,
-                      time_limit_s=args.time_limit_s, progress=True)
+                      time_limit_s=args.time_limit_s, progress=True,
+                      model_spec=spec.text if spec.kind == "file" else "")
     fits = int(frame["fits"].sum()) if len(frame) else 0
     print(f"wrote {args.output}: {len(frame)} configurations, {fits} fit"
           + (f"; plot {args.plot}" if args.plot else ""))

@@ -4,7 +4,6 @@ the losses of one process on the same synthetic data; transformers specs are cal
 their heads are trained; bad factories and --data with a float-input model are one line."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -66,17 +65,20 @@ def _reference_losses(spec_text: str, batch: int, steps: int, seed: int = 0,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("factory, mesh, manual", [
-    ("convnet", "local:2", ""),                      # BatchNorm over the global batch
-    ("encoder_decoder", "local:2", "dp=2"),          # keyword inputs: float features + ids
+@pytest.mark.parametrize("factory, extra, engine", [
+    # BatchNorm statistics over the global batch, positional images + label targets
+    ("convnet", ["--engine", "graph"], "graph"),
+    # keyword inputs (float features + decoder ids) + label targets
+    ("encoder_decoder", ["--manual", "dp=2"], "modules"),
 ])
-def test_factory_plans_and_runs_with_the_losses_of_one_process(factory, mesh, manual, tmp_path,
+def test_factory_plans_and_runs_with_the_losses_of_one_process(factory, extra, engine, tmp_path,
                                                                capsys):
     spec = f"{FACTORIES}:{factory}"
     plan = tmp_path / "plan.json"
-    args = ["plan", "--model", spec, "--mesh", mesh, "--batch", "8", "-o", str(plan)]
-    assert main(args + (["--manual", manual] if manual else [])) == 0
+    args = ["plan", "--model", spec, "--mesh", "local:2", "--batch", "8", "-o", str(plan)]
+    assert main(args + extra) == 0
     recorded = json.loads(plan.read_text())
+    assert recorded["engine"] == engine, recorded["engine_note"]
     assert recorded["model"]["spec"] == spec
     assert any(r["role"] == "target" for r in recorded["model"]["inputs"])
     metrics = tmp_path / "metrics.json"
