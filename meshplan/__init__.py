@@ -16,9 +16,10 @@ from meshplan.mesh import Mesh
 from meshplan.plan import Estimate, Plan
 from meshplan.tracing import trace
 from meshplan.api import autoparallel, estimate, manual_plan
+from meshplan.specs import ModelBundle
 
 __all__ = [
-    "Mesh", "Plan", "Estimate", "autoparallel", "manual_plan", "estimate", "trace",
+    "Mesh", "Plan", "Estimate", "autoparallel", "manual_plan", "estimate", "trace", "ModelBundle",
     "MeshplanError", "TraceError", "MeshError", "SpecError", "PlanFileError", "PlanningError",
     "MemoryLimitError", "NotSupportedError", "parallelize", "ParallelRun", "DataError",
 ]

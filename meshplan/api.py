@@ -18,6 +18,7 @@ from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.graph import OpGraph
+from meshplan.support import check_plan
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 
@@ -123,6 +124,9 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer)
+    # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is
+    # refused here, with the same reason (meshplan/support.py)
+    check_plan(plan, PlanningError)
     return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 

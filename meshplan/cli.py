@@ -16,13 +16,16 @@ from meshplan.errors import MeshplanError, SpecError
 EXIT_USER_ERROR = 2
 
 
-def _load_model_and_inputs(args):
-    from meshplan.specs import example_inputs, parse_model_spec
+def _load_model_and_graph(args):
+    """The model spec, the model loaded at --batch (and --seq, for token models) on the meta
+    device with its example call (specs.LoadedModel), and its traced graph."""
+    from meshplan.specs import parse_model_spec
 
     spec = parse_model_spec(args.model)
-    model = spec.build(device="meta")
-    check_batch_and_seq(model, args.batch, args.seq)
-    return spec, model, example_inputs(model, args.batch, args.seq)
+    loaded = spec.load(args.batch, args.seq, device="meta")
+    if not loaded.bundle:
+        check_batch_and_seq(loaded.model, args.batch, args.seq)
+    return spec, loaded, loaded.trace(spec.name)
 
 
 def check_batch_and_seq(model, batch: int, seq: int) -> None:
@@ -56,13 +59,14 @@ def cmd_plan(args) -> int:
     if args.output:
         _check_writable(args.output)
     mesh = parse_mesh_spec(args.mesh)
-    spec, model, inputs = _load_model_and_inputs(args)
+    spec, loaded, graph = _load_model_and_graph(args)
     if args.manual:
-        plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
-                                    engine=args.engine, **parse_manual_spec(args.manual))
+        plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,
+                                    dtype=args.dtype, engine=args.engine,
+                                    **parse_manual_spec(args.manual))
     else:
-        plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
-                                     memory_limit_gib=args.memory_limit_gib,
+        plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
+                                     dtype=args.dtype, memory_limit_gib=args.memory_limit_gib,
                                      time_limit_s=args.time_limit_s, engine=args.engine)
     plan = plan.with_spec(args.model)
     print(plan.summary())
@@ -84,7 +88,7 @@ def cmd_run(args) -> int:
         _check_writable(args.metrics_out)
     plan = Plan.from_json(args.plan)
     args.model = _model_spec(plan, args.plan, args.model)
-    _check_param_placements(plan, args.model)
+    _check_model_for_run(plan, args.model, data=bool(args.data))
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank,
                   nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_id=args.rdzv_id).resolve(plan, need_endpoint=not args.slurm)
@@ -117,13 +121,21 @@ def cmd_run(args) -> int:
     return run_plan(args.plan, **common)
 
 
-def _check_param_placements(plan, spec_text: str) -> None:
-    """Every parameter placement against the model's shapes, before any process starts
-    (the model is built on the meta device: nothing allocated, nothing traced)."""
+def _check_model_for_run(plan, spec_text: str, *, data: bool) -> None:
+    """Every parameter placement against the model's shapes, and --data against the model's
+    calling convention, before any process starts (the model is built on the meta device:
+    nothing allocated, nothing traced)."""
     from meshplan.specs import parse_model_spec
 
-    model = parse_model_spec(spec_text).build(device="meta")
+    spec = parse_model_spec(spec_text)
+    loaded = spec.load_for_plan(plan, device="meta")
+    model = loaded.model
     plan.check_param_ranks({n: p.ndim for n, p in model.named_parameters(remove_duplicate=False)})
+    if data and not loaded.takes_token_ids:
+        what = "a ModelBundle whose example inputs are not token ids alone" if loaded.bundle \
+            else f"a {loaded.call.head} model"
+        raise SpecError(f"--data feeds token ids to causal LMs; {spec_text} is {what}; drop "
+                        "--data to train on synthetic batches of its examples' shapes")
 
 
 def _check_run_numbers(args) -> None:
@@ -219,10 +231,11 @@ def cmd_sweep(args) -> int:
     if args.plot:
         _check_writable(args.plot)
     mesh = parse_mesh_spec(args.mesh)
-    spec, model, inputs = _load_model_and_inputs(args)
-    frame = run_sweep(model, mesh, inputs, model_name=spec.name, dtype=args.dtype,
+    spec, loaded, graph = _load_model_and_graph(args)
+    frame = run_sweep(loaded.model, mesh, graph=graph, model_name=spec.name, dtype=args.dtype,
                       output=args.output, plot=args.plot, auto=not args.no_auto,
-                      time_limit_s=args.time_limit_s, progress=True)
+                      time_limit_s=args.time_limit_s, progress=True,
+                      model_spec=spec.text if spec.kind == "file" else "")
     fits = int(frame["fits"].sum()) if len(frame) else 0
     print(f"wrote {args.output}: {len(frame)} configurations, {fits} fit"
           + (f"; plot {args.plot}" if args.plot else ""))
@@ -276,8 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--mesh", required=mesh_required,
                        help="dgx-a100-80gb:nodes=8, dgx-h100:nodes=N, local:4 or cluster.json")
         p.add_argument("--batch", type=POSITIVE_INT, required=True,
-                       help="global batch (sequences)")
-        p.add_argument("--seq", type=POSITIVE_INT, required=True, help="sequence length")
+                       help="global batch (sequences, or rows of a ModelBundle's examples)")
+        p.add_argument("--seq", type=POSITIVE_INT, default=None, help="sequence length "
+                       "(token models; a ModelBundle's examples fix it)")
         p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
 
     p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
@@ -347,7 +361,8 @@ def _add_cost_commands(sub) -> None:
     p.add_argument("--model", default="", help="model spec (re-trace and re-price)")
     p.add_argument("--mesh", default="", help="mesh spec, for --manual")
     p.add_argument("--batch", type=int, default=0, help="global batch, for --manual")
-    p.add_argument("--seq", type=int, default=0, help="sequence length, for --manual")
+    p.add_argument("--seq", type=int, default=0, help="sequence length, for --manual (token "
+                   "models)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
                    "recompute=none,sp=0,zero=0,vs=1")
@@ -380,27 +395,25 @@ def cmd_estimate(args) -> int:
             print(f"prediction recorded in {args.plan} (pass --model SPEC to re-price):")
             _print_estimate(plan.predicted, fmt_time)
             return 0
-        from meshplan.tracing import trace
-        from meshplan.specs import example_inputs, parse_model_spec
+        from meshplan.explain import retrace
 
-        spec = parse_model_spec(args.model)
-        model = spec.build(device="meta")
-        graph = trace(model, example_inputs(model, plan.training.global_batch,
-                                            plan.training.seq_len), model_name=spec.name)
-        est = meshplan.estimate(plan, graph, hardware=hardware)
+        est = meshplan.estimate(plan, retrace(plan, args.model), hardware=hardware)
     else:
-        if not (args.model and args.mesh and args.batch and args.seq):
+        if not (args.model and args.mesh and args.batch):
             raise SpecError("meshplan estimate needs a plan file, or --model, --mesh, --batch "
-                            "and --seq (with --manual dp=..,tp=..,pp=.. for a hand-written plan)")
+                            "(and --seq for token models; with --manual dp=..,tp=..,pp=.. for "
+                            "a hand-written plan)")
         from meshplan.specs import parse_manual_spec, parse_mesh_spec
 
         mesh = parse_mesh_spec(args.mesh)
-        spec, model, inputs = _load_model_and_inputs(args)
+        args.seq = args.seq or None
+        spec, loaded, graph = _load_model_and_graph(args)
         if args.manual:
-            plan = meshplan.manual_plan(model, mesh, inputs, model_name=spec.name,
+            plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,
                                         dtype=args.dtype, **parse_manual_spec(args.manual))
         else:
-            plan = meshplan.autoparallel(model, mesh, inputs, model_name=spec.name, dtype=args.dtype)
+            plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
+                                         dtype=args.dtype)
         est = meshplan.estimate(plan, hardware=hardware) if hardware else plan.predicted
     _print_estimate(est, fmt_time)
     if args.output:

@@ -33,15 +33,12 @@ HEAVY_KINDS = ("matmul", "attention", "embedding", "norm", "loss")
 
 def retrace(plan: Plan, model_spec: str):
     """The OpGraph of ``plan``'s model, rebuilt from ``model_spec`` and the plan's batch."""
-    from meshplan.tracing import trace
-    from meshplan.specs import example_inputs, parse_model_spec
+    from meshplan.specs import parse_model_spec
 
     if plan.graph is not None:
         return plan.graph
     spec = parse_model_spec(model_spec)
-    model = spec.build(device="meta")
-    graph = trace(model, example_inputs(model, plan.training.global_batch, plan.training.seq_len),
-                  model_name=spec.name)
+    graph = spec.load_for_plan(plan, device="meta").trace(spec.name)
     plan.check_model(graph.fingerprint)
     return graph
 

@@ -8,8 +8,11 @@ Model specs:
   classifier for vision models; ``head=causal-lm`` (etc.) in the query picks another;
   dropout is off unless a ``*dropout*`` / ``*pdrop`` key is given (losses compare across plans);
 - ``gpt3-175b``, ``llama2-7b``, ... — named configs of published models (MODEL_PRESETS);
-- ``path/to/file.py:factory`` — a function returning an ``nn.Module`` (optionally taking
-  no arguments); the module needs ``vocab_size`` (attribute or ``config.vocab_size``).
+- ``path/to/file.py:factory`` or ``package.module:factory`` — a function (called without
+  arguments, or with ``batch=`` when it has that keyword) returning either an ``nn.Module``
+  (a causal LM on token ids, batch x seq; its synthetic data needs ``vocab_size``, attribute
+  or ``config.vocab_size``) or a ``ModelBundle`` (the model with its example inputs, targets
+  and loss: images, float features, several tensors; docs/models.md).
 Mesh specs: ``dgx-a100-80gb:nodes=8``, ``local:4``, ``cluster.json``.
 
 What each head is called with and trained on (``training_call``): a ``TrainingCall`` of
@@ -84,15 +87,41 @@ HEADS = ("causal-lm", "masked-lm", "seq2seq", "image-classification")
 @dataclass(frozen=True)
 class ModelSpec:
     text: str
-    kind: str  # "transformers" | "file"
-    target: str  # model_type or "path.py:factory"
+    kind: str  # "transformers" | "file" | "module"
+    target: str  # model_type, "path.py:factory" or "package.module:factory"
     overrides: tuple[tuple[str, object], ...] = ()
 
     def build(self, device: str | torch.device = "meta") -> nn.Module:
         """Build the model on ``device`` (meta: no weights allocated)."""
         if self.kind == "transformers":
             return _build_transformers(self.target, dict(self.overrides), device)
-        return _build_from_file(self.target, device)
+        made = _call_factory(self, device, batch=None)
+        return made.model if isinstance(made, ModelBundle) else made
+
+    def load_for_plan(self, plan, device: str | torch.device = "meta") -> "LoadedModel":
+        """``load`` at a plan's global batch (and sequence length, for token models)."""
+        return self.load(plan.training.global_batch, plan.training.seq_len, device,
+                         bundle_seq=False)
+
+    def load(self, batch: int, seq: int | None, device: str | torch.device = "meta", *,
+             bundle_seq: bool = True) -> "LoadedModel":
+        """The model and its example call at global batch ``batch`` on ``device``: a
+        transformers head's call (``training_call``), token ids for a bare module, or a
+        ``ModelBundle``'s examples resized to ``batch`` (``seq`` must then be None, the
+        examples fix every other dim; ``bundle_seq=False`` ignores it instead)."""
+        if self.kind == "transformers":
+            model, seq = self.build(device), _need_seq(self, seq)
+            return LoadedModel(model, training_call(model, batch, seq, device=device),
+                               spec_text=self.text, batch=batch, seq=seq, kind=self.kind)
+        made = _call_factory(self, device, batch=batch)
+        if isinstance(made, ModelBundle):
+            if seq is not None and bundle_seq:
+                raise SpecError(f"--seq {seq}: {self.text} returns a ModelBundle, whose example "
+                                "inputs fix every dim but the batch; drop --seq")
+            return _loaded_bundle(self, made, batch)
+        seq = _need_seq(self, seq)
+        return LoadedModel(made, training_call(made, batch, seq, device=device),
+                           spec_text=self.text, batch=batch, seq=seq, kind=self.kind)
 
     @property
     def name(self) -> str:
@@ -115,6 +144,15 @@ def parse_model_spec(text: str) -> ModelSpec:
         if not os.path.exists(path):
             raise SpecError(f"model file {path} does not exist")
         return ModelSpec(text, "file", text)
+    if sep and factory.isidentifier() and all(p.isidentifier() for p in path.split(".")):
+        try:
+            found = importlib.util.find_spec(path)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise SpecError(f"model spec {text!r}: no module named {path!r} on the Python path; "
+                            "install it, or name a file: path/to/file.py:factory")
+        return ModelSpec(text, "module", text)
     raise SpecError(f"cannot read model spec {text!r}; use transformers:NAME?key=value&..., "
                     f"path/file.py:factory, or a preset: {', '.join(MODEL_PRESETS)}")
 
@@ -210,32 +248,61 @@ def _auto_class(transformers, config, head: str | None = None):
     return autos[head]
 
 
-def _build_from_file(text: str, device) -> nn.Module:
+def _call_factory(spec: ModelSpec, device, *, batch: int | None):
+    """Import the factory of a file or module spec and call it under ``device`` (with
+    ``batch=`` when it takes that keyword and ``batch`` is given): an nn.Module or a
+    ModelBundle, else a SpecError."""
+    text = spec.text
     path, _, factory = text.rpartition(":")
-    spec = importlib.util.spec_from_file_location(f"meshplan_user_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001
-        raise SpecError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+    if spec.kind == "module":
+        try:
+            module = importlib.import_module(path)
+        except Exception as exc:  # noqa: BLE001
+            raise SpecError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+    else:
+        loader = importlib.util.spec_from_file_location(f"meshplan_user_{abs(hash(path))}", path)
+        module = importlib.util.module_from_spec(loader)
+        try:
+            loader.loader.exec_module(module)
+        except Exception as exc:  # noqa: BLE001
+            raise SpecError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
     fn = getattr(module, factory, None)
     if not callable(fn):
         raise SpecError(f"{path} has no callable {factory!r}")
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    kwargs = {"batch": batch} if batch is not None and "batch" in params else {}
     with torch.device(device):
         try:
-            model = fn()
+            made = fn(**kwargs)
         except Exception as exc:  # noqa: BLE001 - the user's factory, in one line
-            needs = [n for n, p in inspect.signature(fn).parameters.items()
-                     if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
-                                                            p.POSITIONAL_OR_KEYWORD)]
+            needs = [n for n, p in params.items()
+                     if p.default is p.empty and n not in kwargs
+                     and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
             if needs and isinstance(exc, TypeError):
                 raise SpecError(f"{text}: the factory takes arguments ({', '.join(needs)}), "
-                                "but meshplan calls it with none; give them defaults or wrap "
-                                "it in a function without arguments") from None
+                                "but meshplan calls it with none (or batch=N only); give them "
+                                "defaults or wrap it in a function without arguments") from None
             raise SpecError(f"{text}: the factory raised {type(exc).__name__}: {exc}") from None
-    if not isinstance(model, nn.Module):
-        raise SpecError(f"{text} returned {type(model).__name__}, not an nn.Module")
-    return model
+    if isinstance(made, ModelBundle):
+        if not isinstance(made.model, nn.Module):
+            raise SpecError(f"{text} returned a ModelBundle whose model is a "
+                            f"{type(made.model).__name__}, not an nn.Module")
+        return made
+    if not isinstance(made, nn.Module):
+        raise SpecError(f"{text} returned {type(made).__name__}; a factory returns an "
+                        "nn.Module (a causal LM on token ids) or meshplan.ModelBundle(model, "
+                        "example_inputs, example_targets, loss_fn)")
+    return made
+
+
+def _need_seq(spec: ModelSpec, seq: int | None) -> int:
+    if seq is None:
+        raise SpecError(f"--seq is required for {spec.text}: it is called with token ids "
+                        "(batch x seq); give the sequence length, e.g. --seq 512")
+    return seq
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -325,7 +392,7 @@ def training_call(model: nn.Module, batch: int, seq: int, *, device="meta",
         pixels = torch.zeros(shape, device=device) if g is None else \
             torch.randn(shape, generator=g).to(device)
         return TrainingCall(head, (pixels,), (ints(cfg.num_labels, batch),))
-    vocab = vocab_size(model)
+    vocab = vocab_size(model) if g is not None else 2  # tracing reads no values
     ids = ints(vocab, batch, seq)
     if head == "causal-lm":
         return TrainingCall(head, (ids,))
@@ -362,3 +429,159 @@ def parse_manual_spec(text: str) -> dict:
         except ValueError:
             raise SpecError(f"--manual {key}={value!r}: expected {cast.__name__}") from None
     return out
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """What a ``file.py:factory`` (or ``module:factory``) returns for a model that is not a
+    causal LM on token ids: the model with one example batch, its targets and its loss.
+
+    ``example_inputs`` is a tensor, a tuple of tensors (positional arguments of ``forward``)
+    or a dict of tensors (keyword arguments); ``example_targets`` a tensor or a tuple of
+    tensors passed only to the loss; ``loss_fn(outputs, *targets)`` returns a scalar (None:
+    cross entropy of the outputs against the one target, or the next-token loss on the first
+    input when there are no targets). The first dim of every example tensor is the batch.
+    ``meshplan plan --batch N`` calls the factory with ``batch=N`` when it has that keyword,
+    and otherwise repeats (or cuts) the examples along the batch dim to N rows. ``meshplan
+    run`` trains on synthetic batches of the examples' shapes and dtypes: normal floats,
+    integers uniform in each integer example's [min, max] (so make the examples span the
+    range, e.g. class ids 0 and classes - 1), random bools; seeded by ``--seed`` and the
+    step, the same whatever the plan."""
+
+    model: nn.Module
+    example_inputs: object
+    example_targets: object = None
+    loss_fn: Callable | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model spec loaded at one global batch (``ModelSpec.load``): the model, its example
+    call (on the device it was built on) and, for a ModelBundle, the examples that the
+    synthetic batches of ``meshplan run`` copy shapes, dtypes and integer ranges from."""
+
+    model: nn.Module
+    call: TrainingCall
+    bundle: bool = False
+    spec_text: str = ""
+    batch: int = 0
+    seq: int = 0  # token models: the sequence length; 0 for a bundle
+    kind: str = ""  # the spec's kind: "transformers", "file", "module"
+
+    def trace(self, model_name: str = ""):
+        """The OpGraph of the model's training step on the example call. A bare module
+        from a factory that cannot take token ids fails with the calling convention named,
+        not as a tracing problem."""
+        from meshplan.errors import TraceError
+        from meshplan.tracing import trace
+
+        c = self.call
+        try:
+            return trace(self.model, c.inputs, example_targets=c.targets, loss_fn=c.loss_fn,
+                         model_name=model_name or self.spec_text)
+        except TraceError:
+            if self.bundle or self.kind == "transformers" or \
+                    any(isinstance(m, nn.Embedding) for m in self.model.modules()):
+                raise
+            raise SpecError(
+                f"{self.spec_text} returned a {type(self.model).__name__} without a token "
+                "embedding, and meshplan calls a bare nn.Module from a factory as a causal LM "
+                "on token ids (batch x seq), which it cannot take; for images, float "
+                "features or several tensors return meshplan.ModelBundle(model, "
+                "example_inputs, example_targets, loss_fn) (docs/models.md)") from None
+
+    @property
+    def takes_token_ids(self) -> bool:
+        """Whether a token file (``meshplan run --data``) can feed it: a causal LM called with
+        token ids alone and meshplan's next-token loss."""
+        if not self.bundle:
+            return self.call.head == "causal-lm"
+        flat = _flat_examples(self.call)
+        return len(flat) == 1 and isinstance(self.call.inputs, tuple) and \
+            self.call.loss_fn is None and flat[0][1].ndim == 2 and \
+            not flat[0][1].dtype.is_floating_point and flat[0][1].dtype != torch.bool
+
+    def synthetic(self, *, seed: int, step: int) -> TrainingCall:
+        """The global batch of step ``step`` on the CPU: the same for every plan and rank."""
+        if not self.bundle:
+            return training_call(self.model, self.batch, self.seq, device="cpu", seed=seed,
+                                 step=step)
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        drawn = [_draw_like(label, x, g, self.spec_text) for label, x in _flat_examples(self.call)]
+        return _rebuilt(self.call, drawn)
+
+
+def _flat_examples(call: TrainingCall) -> list[tuple[str, torch.Tensor]]:
+    """(label, tensor) of every example input, then every target, in the flat order that
+    ``flatten_call`` gives the trace."""
+    if isinstance(call.inputs, Mapping):
+        out = [(f"example_inputs[{k!r}]", v) for k, v in call.inputs.items()]
+    else:
+        out = [(f"example_inputs[{i}]", v) for i, v in enumerate(call.inputs)]
+    return out + [(f"example_targets[{i}]", v) for i, v in enumerate(call.targets)]
+
+
+def _rebuilt(call: TrainingCall, flat: list[torch.Tensor]) -> TrainingCall:
+    """``call`` with its tensors replaced by ``flat`` (the order of ``_flat_examples``)."""
+    n = len(call.inputs)
+    inputs = dict(zip(call.inputs, flat[:n])) if isinstance(call.inputs, Mapping) \
+        else tuple(flat[:n])
+    return TrainingCall(call.head, inputs, tuple(flat[n:]), call.loss_fn)
+
+
+def _draw_like(label: str, x: torch.Tensor, g: torch.Generator, text: str) -> torch.Tensor:
+    if x.dtype.is_floating_point:
+        return torch.randn(x.shape, generator=g).to(x.dtype)
+    if x.dtype == torch.bool:
+        return torch.randint(0, 2, x.shape, generator=g).bool()
+    if x.dtype.is_complex:
+        raise SpecError(f"{text}: {label} is {x.dtype}; synthetic data covers float, integer "
+                        "and bool tensors")
+    if x.is_meta:
+        raise SpecError(f"{text}: {label} is an integer tensor on the meta device; meshplan run "
+                        "draws integers in the example's value range: build it on the CPU "
+                        "(the factory runs under torch.device('cpu') there)")
+    low, high = (int(x.min()), int(x.max())) if x.numel() else (0, 0)
+    return torch.randint(low, high + 1, x.shape, generator=g, dtype=x.dtype)
+
+
+def _resized(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """``x`` with ``batch`` rows: its own rows repeated, then cut."""
+    if x.shape[0] == batch:
+        return x
+    reps = -(-batch // x.shape[0])
+    return x.repeat(reps, *([1] * (x.ndim - 1)))[:batch]
+
+
+def _loaded_bundle(spec: ModelSpec, bundle: ModelBundle, batch: int) -> LoadedModel:
+    from meshplan.errors import TraceError
+    from meshplan.tracing import flatten_call
+
+    text = spec.text
+    try:
+        flatten_call(bundle.example_inputs, bundle.example_targets)
+    except TraceError as exc:
+        raise SpecError(f"{text}: ModelBundle examples: {exc}") from None
+    inputs = bundle.example_inputs
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else \
+        dict(inputs) if isinstance(inputs, Mapping) else tuple(inputs)
+    targets = bundle.example_targets
+    targets = (targets,) if isinstance(targets, torch.Tensor) else tuple(targets or ())
+    if bundle.loss_fn is not None and not callable(bundle.loss_fn):
+        raise SpecError(f"{text}: ModelBundle loss_fn is a {type(bundle.loss_fn).__name__}, "
+                        "not a callable loss_fn(outputs, *targets)")
+    call = TrainingCall("bundle", inputs, targets, bundle.loss_fn)
+    flat = _flat_examples(call)
+    if not flat:
+        raise SpecError(f"{text}: the ModelBundle has no example inputs; give at least one "
+                        "tensor whose first dim is the batch")
+    rows = flat[0][1].shape[0] if flat[0][1].ndim else None
+    for label, x in flat:
+        if x.ndim == 0 or x.shape[0] != rows:
+            raise SpecError(f"{text}: {label} has shape {list(x.shape)}, but meshplan reads the "
+                            f"batch from the first dim of every example input and target "
+                            f"({flat[0][0]} has {list(flat[0][1].shape)}); give every example "
+                            "tensor the batch as its first dim (bind batch-free tensors in "
+                            "the model)")
+    return LoadedModel(bundle.model, _rebuilt(call, [_resized(x, batch) for _, x in flat]),
+                       bundle=True, spec_text=text, batch=batch, kind=spec.kind)

@@ -114,12 +114,15 @@ def variant(base: Plan, c: Config) -> Plan:
 def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "",
               dtype: str | None = None, optimizer: str = "adam", output: str = "",
               plot: str = "", auto: bool = True, time_limit_s: float = 30.0,
-              progress: bool = False, configs: list[Config] | None = None, workers: int = 0):
+              progress: bool = False, configs: list[Config] | None = None, workers: int = 0,
+              model_spec: str = ""):
     """Price every configuration; returns a DataFrame (one row per configuration, plus one
     row ``kind == "auto"`` for the automatic plan) and writes it when ``output`` is given.
 
     ``workers`` processes (0: one per available core) price groups of configurations that
-    share their placements; they receive the traced graph, so it is not rebuilt."""
+    share their placements; they receive the traced graph, so it is not rebuilt.
+    ``model_spec`` (a ``file.py:factory`` spec the model was built from) makes each worker
+    rebuild the model from it: a class defined in a user file cannot be pickled by name."""
     import pandas as pd
 
     import meshplan
@@ -144,7 +147,7 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
     job = dict(model=model, mesh=mesh, graph=graph, dtype=dtype, optimizer=optimizer)
     rows: list[dict] = []
     with _Progress(len(configs), enabled=progress) as bar:
-        for chunk in _map(price_group, jobs, job, workers):
+        for chunk in _map(price_group, jobs, job, workers, rebuild=model_spec):
             rows += chunk
             bar.advance(len(chunk))
     order = {c: i for i, c in enumerate(configs)}
@@ -172,7 +175,8 @@ def price_group(configs: list[Config], *, model, mesh, graph, dtype, optimizer) 
     batch = graph.inputs[0][1].shape[0]
     try:
         base = meshplan.manual_plan(model, mesh, graph=graph, dp=c0.dp, tp=c0.tp, pp=c0.pp,
-                                    microbatch_size=1, sequence_parallel=c0.sequence_parallel,
+                                    microbatch_size=1, schedule="gpipe",  # variant() sets it
+                                    sequence_parallel=c0.sequence_parallel,
                                     zero=3 if c0.zero == 3 else 0, dtype=dtype,
                                     optimizer=optimizer)
     except MeshplanError as exc:
@@ -198,7 +202,10 @@ def price_group(configs: list[Config], *, model, mesh, graph, dtype, optimizer) 
 _JOB: dict = {}  # a worker's shared arguments (the model, mesh and graph), set once
 
 
-def _init_worker(job: dict) -> None:
+def _init_worker(job: dict, rebuild: str = "") -> None:
+    if rebuild:
+        from meshplan.specs import parse_model_spec
+        job = {**job, "model": parse_model_spec(rebuild).build("meta")}
     _JOB.update(job)
 
 
@@ -206,7 +213,7 @@ def _run_job(configs):
     return price_group(configs, **_JOB)
 
 
-def _map(fn, jobs, job: dict, workers: int):
+def _map(fn, jobs, job: dict, workers: int, rebuild: str = ""):
     """``price_group(jobs[i], **job)`` for every job, in 1 process or in worker processes
     (results as they finish). Workers start from a fork server, not by forking this process:
     a process that has imported pandas holds other threads (pyarrow's jemalloc background
@@ -226,10 +233,10 @@ def _map(fn, jobs, job: dict, workers: int):
     from meshplan.runtime.parallelize import meta_copy
 
     # the workers need shapes only: send a meta copy, not a caller's real weights
-    job = {**job, "model": meta_copy(job["model"])}
+    job = {**job, "model": None if rebuild else meta_copy(job["model"])}
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["meshplan.sweep"])  # imported once, in the server
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(job, rebuild)) as pool:
         yield from pool.imap_unordered(_run_job, jobs)
 
 

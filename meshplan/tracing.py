@@ -493,7 +493,20 @@ def _is_library_frame(path: str) -> bool:
 
 
 def _explain_trace_failure(exc: Exception, model: nn.Module) -> str:
-    """Name the operator or module and the user's source line that stopped tracing."""
+    """Name the operator or module and the user's source line that stopped tracing; a
+    forward that does not take the example inputs is named as such (a calling convention,
+    not a traceability problem)."""
+    cause = exc
+    while cause is not None:
+        if isinstance(cause, TypeError) and re.search(
+                r"forward\(\) (got an unexpected keyword|missing \d+ required|takes \d+ "
+                r"positional|got multiple values)", str(cause)):
+            first = str(cause).strip().splitlines()[0]
+            return (f"{type(model).__name__}.forward does not take the example inputs "
+                    f"({first}); give example inputs that match its signature: a tuple for "
+                    "positional arguments, a dict for keyword arguments (targets go only to "
+                    "the loss)")
+        cause = cause.__cause__ or cause.__context__
     frames = traceback.extract_tb(exc.__traceback__)
     user = [f for f in frames if not _is_library_frame(f.filename)]
     where = f"{user[-1].filename}:{user[-1].lineno} ({user[-1].line.strip()})" if user else \

@@ -36,14 +36,15 @@ import torch
 import torch.nn as nn
 import torch.distributed as dist
 
-from meshplan.errors import MeshplanError
+from meshplan.errors import MeshplanError, SpecError
 from meshplan.plan import Plan, atomic_write
 from meshplan.runtime import checkpoint
 from meshplan.runtime.data import TokenFile, rows_read_by
 from meshplan.runtime.grad_clip import clip_grad_norm_
 from meshplan.runtime.memory_probe import StepMemoryProbe, training_state_tensors
 from meshplan.runtime.parallelize import make_optimizer, parallelize
-from meshplan.specs import parse_model_spec, synthetic_batch
+from meshplan.specs import parse_model_spec
+from meshplan.tracing import flatten_call, unflatten_call
 
 
 def _rss_gib() -> float:
@@ -84,12 +85,13 @@ def main(argv=None) -> int:
         plan = Plan.from_json(args.plan)
         spec = parse_model_spec(args.model)
         torch.manual_seed(args.seed)
-        model = spec.build(device="cpu")
-        batch0 = synthetic_batch(model, plan.training.global_batch, plan.training.seq_len,
-                                 seed=args.seed, step=0)
+        loaded = spec.load_for_plan(plan, device="cpu")
+        model, loss_fn = loaded.model, loaded.call.loss_fn
+        flat0, signature = flatten_call(loaded.call.inputs, loaded.call.targets)
+        check_call(plan, signature, args.model)
         rss_before = _rss_gib()
-        pm = ModuleWorkerModel(model, plan) if plan.engine == "modules" else \
-            parallelize(model, plan, (batch0,))
+        pm = ModuleWorkerModel(model, plan, loss_fn, signature) if plan.engine == "modules" \
+            else parallelize(model, plan, flat0, loss_fn=loss_fn, signature=signature)
         optimizer = make_optimizer(pm.optimizer_params(), plan, lr=args.lr)
         first = 0
         if checkpoint.latest_step(args.checkpoint_dir) is not None:
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
         if args.clip > 0:  # after the runtime's gradient sync, before the update
             optimizer.register_step_pre_hook(
                 lambda *_: norms.append(clip_grad_norm_(pm, args.clip)))
-        batches = batch_source(args, plan, model, rank)
+        batches = batch_source(args, plan, loaded, rank)
         losses, times, lrs = [], [], []
         tensor_peak = 0.0
         for step in range(first, args.steps):
@@ -183,11 +185,12 @@ class ModuleWorkerModel:
     ``optimizer_params()``, ``named_buffers()``, ``unique_params()`` (runtime/checkpoint.py,
     grad_clip.py and memory_probe.py read those). Each rank takes its data-parallel rows."""
 
-    def __init__(self, model, plan: Plan):
+    def __init__(self, model, plan: Plan, loss_fn=None, signature=None):
         from meshplan.runtime.run import parallelize as public_parallelize
 
         self.plan = plan
-        self.run = public_parallelize(model, plan)
+        self.signature = signature
+        self.run = public_parallelize(model, plan, loss_fn=loss_fn)
         self.tie_groups = ()
 
     @staticmethod
@@ -198,9 +201,15 @@ class ModuleWorkerModel:
         n = plan.training.global_batch // dp_size
         return range(dp_rank * n, (dp_rank + 1) * n)
 
-    def train_step(self, batch: torch.Tensor, optimizer) -> float:
-        n = batch.shape[0] // self.run.dp_size
-        loss = self.run.train_step((batch[self.run.dp_rank * n:(self.run.dp_rank + 1) * n],))
+    def train_step(self, batch, optimizer) -> float:
+        """``batch``: the flat global batch (inputs, then targets); this rank takes its rows
+        of every tensor (the first dim is the batch)."""
+        flat = batch if isinstance(batch, tuple) else (batch,)
+        n = flat[0].shape[0] // self.run.dp_size
+        mine = tuple(x[self.run.dp_rank * n:(self.run.dp_rank + 1) * n] for x in flat)
+        args, kwargs, targets = unflatten_call(mine, self.signature) if self.signature \
+            else (mine, {}, ())
+        loss = self.run.train_step(kwargs if kwargs else args, targets=targets)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss
@@ -217,24 +226,47 @@ class ModuleWorkerModel:
                 if n not in params and not isinstance(t, nn.Parameter)}
 
 
-def batch_source(args, plan: Plan, model, rank: int):
-    """step -> the global batch (this rank's rows filled in, for a token file)."""
+def check_call(plan: Plan, signature, spec_text: str) -> None:
+    """The spec's call (positional, keyword, target tensors) must be the one the plan was
+    traced with; a plan made before a spec's calling convention changed says so here."""
+    from meshplan.runtime.run import plan_call
+
+    want, _ = plan_call(plan)
+    if want != signature:
+        raise SpecError(f"the plan was made for a call of {want.num_args} positional, "
+                        f"{len(want.kwarg_names)} keyword and {want.num_targets} target tensors; "
+                        f"{spec_text} now gives {signature.num_args}, "
+                        f"{len(signature.kwarg_names)} and {signature.num_targets}: re-plan it "
+                        "(meshplan plan)")
+
+
+def batch_source(args, plan: Plan, loaded, rank: int):
+    """step -> the flat global batch (inputs, then targets; for a token file, this rank's
+    rows filled in). Synthetic batches come from ``--seed`` and the step alone, the same for
+    every plan and rank (specs.LoadedModel.synthetic)."""
     b, seq = plan.training.global_batch, plan.training.seq_len
+    model = loaded.model
     if not args.data:
-        return lambda step: synthetic_batch(model, b, seq, seed=args.seed, step=step)
+        def synthetic(step: int):
+            call = loaded.synthetic(seed=args.seed, step=step)
+            return flatten_call(call.inputs, call.targets)[0]
+        return synthetic
+    if not loaded.takes_token_ids:
+        raise SpecError(f"--data feeds token ids to causal LMs; {args.model} is called "
+                        "otherwise; drop --data")
     tokens = TokenFile(args.data, args.data_dtype)
     tokens.check_batch(b, seq)
     rows = rows_read_by(plan, rank) if plan.engine != "modules" else \
         ModuleWorkerModel.rows(plan, rank)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
 
-    def read(step: int) -> torch.Tensor:
+    def read(step: int) -> tuple[torch.Tensor]:
         batch = tokens.batch(b, seq, seed=args.seed, step=step, rows=rows)
         if vocab:  # every rank agrees, so a bad id fails all ranks at once, not by timeout
             largest = torch.tensor([int(batch.max())])
             dist.all_reduce(largest, op=dist.ReduceOp.MAX)
             tokens.check_vocab(int(largest), vocab, step)
-        return batch
+        return (batch,)
     return read
 
 

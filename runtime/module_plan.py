@@ -20,7 +20,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from meshplan.errors import PlanFileError
 from meshplan.plan import Plan, Stage
-from meshplan.tracing import find_repeated_blocks
+from meshplan.graph import CallSignature
+from meshplan.tracing import find_repeated_blocks, unflatten_call
 from meshplan.runtime.parallelize import data_parallel_axes, meta_copy
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -136,8 +137,8 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
     gathered outputs where a style gathers them): does the user's forward work on shards?"""
     stage = plan.stages[0]
     dp, tp, _ = _axes(stage)
-    inputs = _meta_inputs(plan, (stage.mesh_shape[dp] if dp is not None else 1))
-    if inputs is None or not styles:
+    call = _meta_call(plan, (stage.mesh_shape[dp] if dp is not None else 1))
+    if call is None or not styles:
         return None
     n = stage.mesh_shape[tp]
     shadow = meta_copy(model)
@@ -153,7 +154,7 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
             setattr(mod, pname, nn.Parameter(torch.empty(shape, device="meta", dtype=p.dtype)))
         _shape_hooks(mod, style, n)
     try:  # exported (non-strict) as the planner traces: HF code makes data-dependent checks
-        torch.export.export(_Forward(shadow), inputs, strict=False)
+        torch.export.export(_Forward(shadow), call[0], call[1], strict=False)
     except Exception as exc:  # noqa: BLE001 - any failure means "not on local shards"
         return (f"the model's forward fails on tensor-parallel local shards ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160]}); the graph engine runs this plan")
@@ -185,8 +186,8 @@ class _Forward(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, *args):
-        return _call(self.model, args, {})
+    def forward(self, *args, **kwargs):
+        return _call(self.model, args, kwargs)
 
 
 def _sharded_dim(mod: nn.Module, pname: str, style) -> int | None:
@@ -200,21 +201,36 @@ def _sharded_dim(mod: nn.Module, pname: str, style) -> int | None:
 
 
 def _meta_inputs(plan: Plan, dp_size: int) -> tuple | None:
-    """One microbatch of this rank's inputs on meta, from the plan's graph (or token ids)."""
+    """One microbatch of this rank's positional inputs on meta (None when the call has
+    keyword inputs, or records none)."""
+    call = _meta_call(plan, dp_size)
+    return None if call is None or call[1] else call[0]
+
+
+def _meta_call(plan: Plan, dp_size: int) -> tuple[tuple, dict] | None:
+    """One microbatch of this rank's model call on meta, (args, kwargs), from the plan's
+    graph and its call signature, else from the call the plan file records (or token ids);
+    the loss targets are not part of it."""
     t = plan.training
     rows = max(1, t.global_batch // (dp_size * t.microbatches))
     graph = plan.graph
     if graph is not None:
-        return tuple(torch.empty((rows, *m.shape[1:]), dtype=getattr(torch, m.dtype),
+        flat = tuple(torch.empty((rows, *m.shape[1:]), dtype=getattr(torch, m.dtype),
                                  device="meta") for _, m in graph.inputs)
-    args = [r for r in plan.model.inputs if r.get("role") == "arg"]
+        sig = graph.signature or CallSignature(len(flat))
+        args, kwargs, _ = unflatten_call(flat, sig)
+        return args, kwargs
+
+    def empty(r):
+        return torch.empty((rows, *r["shape"][1:]), dtype=getattr(torch, r["dtype"]),
+                           device="meta")
+    args = sorted((r for r in plan.model.inputs if r.get("role") == "arg"),
+                  key=lambda r: int(r["key"]))
     kwargs = [r for r in plan.model.inputs if r.get("role") == "kwarg"]
-    if args and not kwargs:  # a plan read from JSON: its recorded call (targets not needed)
-        args.sort(key=lambda r: int(r["key"]))
-        return tuple(torch.empty((rows, *r["shape"][1:]), dtype=getattr(torch, r["dtype"]),
-                                 device="meta") for r in args)
+    if args or kwargs:  # a plan read from JSON: its recorded call (targets not needed)
+        return tuple(empty(r) for r in args), {r["key"]: empty(r) for r in kwargs}
     if len(plan.stages[0].inputs) == 1:  # an older plan: token ids (the CLI's inputs)
-        return (torch.zeros(rows, t.seq_len, dtype=torch.long, device="meta"),)
+        return (torch.zeros(rows, t.seq_len, dtype=torch.long, device="meta"),), {}
     return None
 
 

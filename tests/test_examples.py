@@ -30,3 +30,13 @@ def test_example_matches_one_process(script, tmp_path):
     assert "losses equal one process" in proc.stdout
     assert (tmp_path / "plan.json").exists()  # rank 0 planned, the others read its file
     assert proc.stdout.count("\nstep ") == 2
+
+
+@pytest.mark.slow
+def test_factories_example_plans_every_factory(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "factories.py")], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "convnet: meshplan plan" in proc.stdout
+    assert "encoder_decoder: meshplan plan" in proc.stdout
