@@ -214,11 +214,15 @@ def kendall_tau_b(x, y) -> float:
     return tau_b(pair_counts(x, y), n * (n - 1) // 2)
 
 
-def regret(predicted, measured) -> float:
+def regret(predicted, measured, allowed=None) -> float:
     """measured(predicted-best) / measured-best - 1; ties for predicted-best take the worst
-    measured of them."""
-    best = min(predicted)
-    chosen = max(m for p, m in zip(predicted, measured) if p == best)
+    measured of them. ``allowed`` (one bool per configuration) limits the choice to those
+    the model lets a planner pick (those it predicts fit); the measured best is over all."""
+    allowed = [True] * len(predicted) if allowed is None else list(allowed)
+    if not any(allowed):
+        return float("nan")
+    best = min(p for p, a in zip(predicted, allowed) if a)
+    chosen = max(m for p, m, a in zip(predicted, measured, allowed) if a and p == best)
     return chosen / min(measured) - 1
 
 
@@ -254,6 +258,7 @@ def rank_sweep(sweep: Sweep, model, graph) -> dict:
                      f"vocabulary {sweep.vocab}, sequence {sweep.seq}",
             "rows": rows, "pairs": n * (n - 1) // 2, "counts": counts,
             "tau_b": tau_b(counts, n * (n - 1) // 2), "regret": regret(pred, meas),
+            "fit_regret": regret(pred, meas, [r["fits"] for r in rows]),
             "predicted_best": rows[pred.index(min(pred))]["label"],
             "measured_best": rows[meas.index(min(meas))]["label"],
             "discordant": discordant_pairs(rows)}
@@ -284,9 +289,34 @@ def pooled(results: list[dict]) -> dict:
     counts = tuple(sum(r["counts"][k] for r in results) for k in range(4))
     pairs = sum(r["pairs"] for r in results)
     regrets = [r["regret"] for r in results]
+    fit = [r["fit_regret"] for r in results if not math.isnan(r["fit_regret"])]
     return {"tau_b": tau_b(counts, pairs), "pairs": pairs, "concordant": counts[0],
             "discordant": counts[1], "mean_regret": sum(regrets) / len(regrets),
-            "max_regret": max(regrets), "sweeps": len(results)}
+            "max_regret": max(regrets),
+            "mean_fit_regret": sum(fit) / len(fit) if fit else float("nan"),
+            "max_fit_regret": max(fit) if fit else float("nan"), "sweeps": len(results)}
+
+
+def microbatch_pairs(results: list[dict]) -> list[dict]:
+    """Configurations that differ only in microbatch size: measured vs predicted ratio of
+    the larger microbatch's time to the smaller's, and the predicted ratio of the compute
+    terms (forward + backward + recompute) and the change of the bubble."""
+    out = []
+    for r in results:
+        for a in r["rows"]:
+            for b in r["rows"]:
+                same = all(a[k] == b[k] for k in ("dp", "tp", "pp", "v", "recompute", "sp"))
+                if not same or b["mb"] <= a["mb"]:
+                    continue
+                comp = [sum(x["breakdown_s"][k] for k in ("forward", "backward", "recompute"))
+                        for x in (a, b)]
+                out.append({"sweep": r["sweep"], "config": a["label"], "mb": (a["mb"], b["mb"]),
+                            "measured_ratio": b["measured"] / a["measured"],
+                            "predicted_ratio": b["predicted_s"] / a["predicted_s"],
+                            "compute_ratio": comp[1] / comp[0],
+                            "bubble_delta_s": b["breakdown_s"]["bubble"]
+                            - a["breakdown_s"]["bubble"]})
+    return out
 
 
 # ---- report -------------------------------------------------------------------------------
@@ -298,18 +328,42 @@ def report(results: list[dict], total: dict, seconds: float) -> str:
              "Kendall's tau-b between predicted step time and measured time. Regret: "
              "measured(predicted-best) / measured-best - 1. Pooled tau-b counts the pairs "
              "inside each sweep only.", "",
-             "| sweep | configs | pairs | tau-b | regret | predicted best | measured best |",
-             "|---|---|---|---|---|---|---|"]
+             "Regret (fit): the same with the choice limited to the configurations the model "
+             "predicts fit 80 GB, as a planner would choose (every configuration here ran, so "
+             "a predicted overflow is itself a memory-model miss).", "",
+             "| sweep | configs | pairs | tau-b | regret | regret (fit) | predicted best | "
+             "measured best |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['sweep']} | {len(r['rows'])} | {r['pairs']} | {r['tau_b']:+.3f} | "
-                     f"{r['regret'] * 100:.1f}% | {r['predicted_best']} | "
-                     f"{r['measured_best']} |")
+                     f"{r['regret'] * 100:.1f}% | {r['fit_regret'] * 100:.1f}% | "
+                     f"{r['predicted_best']} | {r['measured_best']} |")
     lines.append(f"| **pooled** | {sum(len(r['rows']) for r in results)} | {total['pairs']} | "
                  f"**{total['tau_b']:+.3f}** | mean **{total['mean_regret'] * 100:.1f}%**, max "
-                 f"{total['max_regret'] * 100:.1f}% | | |")
+                 f"{total['max_regret'] * 100:.1f}% | mean {total['mean_fit_regret'] * 100:.1f}%"
+                 f", max {total['max_fit_regret'] * 100:.1f}% | | |")
     lines += ["", f"{total['concordant']} concordant, {total['discordant']} discordant pairs "
               f"of {total['pairs']}. Reproduce: `python benchmarks/ranking.py` "
               f"({seconds:.0f} s here, tracing included).", ""]
+    terms: dict[str, int] = {}
+    for r in results:
+        for p in r["discordant"]:
+            terms[p["term"]] = terms.get(p["term"], 0) + 1
+    if terms:
+        lines += ["Discordant pairs by the predicted term that moves most towards the wrong "
+                  "order: " + ", ".join(f"{k} {v}" for k, v in sorted(
+                      terms.items(), key=lambda kv: -kv[1])) + ".", ""]
+    mbs = microbatch_pairs(results)
+    if mbs:
+        lines += ["Configurations that differ only in microbatch size (time at the larger "
+                  "over time at the smaller microbatch; < 1: the larger is faster):", "",
+                  "| sweep | config | mb | measured | predicted step | predicted fwd+bwd+"
+                  "recompute | predicted bubble change s |", "|---|---|---|---|---|---|---|"]
+        for m in mbs:
+            lines.append(f"| {m['sweep']} | {m['config']} | {m['mb'][0]} -> {m['mb'][1]} | "
+                         f"{m['measured_ratio']:.3f} | {m['predicted_ratio']:.3f} | "
+                         f"{m['compute_ratio']:.3f} | {m['bubble_delta_s']:+.2f} |")
+        lines.append("")
     for r in results:
         lines += [f"## {r['sweep']}", "",
                   f"{r['model']}; global batch {r['batch']}, {r['dtype']}, ZeRO {r['zero']}. "
@@ -326,7 +380,8 @@ def report(results: list[dict], total: dict, seconds: float) -> str:
                          f"{w['measured']} | {w['measured_rank']} | {w['predicted_s']:.3f} | "
                          f"{w['predicted_rank']} | {'yes' if w['fits'] else 'NO'} "
                          f"({w['peak_gib']}) | {terms} | {w['source']} |")
-        lines += ["", f"tau-b {r['tau_b']:+.3f}, regret {r['regret'] * 100:.1f}% "
+        lines += ["", f"tau-b {r['tau_b']:+.3f}, regret {r['regret'] * 100:.1f}%, regret (fit) "
+                  f"{r['fit_regret'] * 100:.1f}% "
                   f"(predicted best: {r['predicted_best']}; measured best: "
                   f"{r['measured_best']})."]
         if r["discordant"]:
@@ -365,6 +420,7 @@ def main(argv=None) -> int:
         r = rank_sweep(sweep, *graphs[key])
         results.append(r)
         print(f"{r['sweep']}: tau-b {r['tau_b']:+.3f}, regret {r['regret'] * 100:.1f}% "
+              f"(fit: {r['fit_regret'] * 100:.1f}%) "
               f"({time.perf_counter() - start:.0f} s)", flush=True)
     total = pooled(results)
     text = report(results, total, time.perf_counter() - start)
@@ -373,7 +429,8 @@ def main(argv=None) -> int:
     with open(os.path.join(OUT, "ranking.md"), "w") as f:
         f.write(text)
     with open(os.path.join(OUT, "ranking.json"), "w") as f:
-        json.dump({"pooled": total, "sweeps": results}, f, indent=1)
+        json.dump({"pooled": total, "sweeps": results,
+                   "microbatch_pairs": microbatch_pairs(results)}, f, indent=1)
     return 0
 
 

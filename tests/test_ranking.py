@@ -45,15 +45,20 @@ def test_regret_by_hand(ranking):
     assert ranking.regret([1, 3, 2], [10, 12, 11]) == 0.0
     # a tie for predicted-best takes the worse measured of the tied
     assert ranking.regret([1, 1, 2], [10, 12, 11]) == pytest.approx(0.2)
+    # a planner picks among the configurations predicted to fit; the measured best is over
+    # all: predicted-best fitting is the third (11), measured best the first (10)
+    assert ranking.regret([1, 0.5, 2], [10, 12, 11], [False, False, True]) == pytest.approx(0.1)
+    assert math.isnan(ranking.regret([1, 2], [1, 2], [False, False]))
 
 
 def test_pooled_counts_pairs_inside_sweeps(ranking):
-    a = {"counts": (5, 1, 0, 0), "pairs": 6, "regret": 0.0}
-    b = {"counts": (0, 1, 0, 0), "pairs": 1, "regret": 0.3}
+    a = {"counts": (5, 1, 0, 0), "pairs": 6, "regret": 0.0, "fit_regret": 0.1}
+    b = {"counts": (0, 1, 0, 0), "pairs": 1, "regret": 0.3, "fit_regret": float("nan")}
     total = ranking.pooled([a, b])
     assert total["tau_b"] == pytest.approx((5 - 2) / 7)
     assert total["mean_regret"] == pytest.approx(0.15)
     assert total["max_regret"] == pytest.approx(0.3)
+    assert total["mean_fit_regret"] == pytest.approx(0.1)  # sweeps with nothing fitting skipped
 
 
 def _small_sweep(ranking, measured):
@@ -102,6 +107,7 @@ def test_small_sweep_priced_through_the_public_path(ranking):
     r = ranking.rank_sweep(_small_sweep(ranking, measured_in_predicted_order([2, 1, 3, 4])),
                            model, graph)
     assert r["tau_b"] == pytest.approx(4 / 6) and r["regret"] == pytest.approx(1.0)
+    assert all(row["fits"] for row in r["rows"]) and r["fit_regret"] == r["regret"]
     assert r["predicted_best"] == r["rows"][order[0]]["label"]
     assert r["measured_best"] == r["rows"][order[1]]["label"]
     # measured the reverse of predicted
