@@ -26,10 +26,12 @@ Sources (every row in SWEEPS names its own):
   22B 48 layers h 6144 64 heads TP8 PP1 8 GPUs batch 4 microbatch 4; 175B 96/12288/96 TP8
   PP8 64 GPUs batch 64; 530B 105/20480/128 TP8 PP35 280 GPUs batch 280; 1T 128/25600/160
   TP8 PP64 512 GPUs batch 512; microbatch 1 above 22B; sequence 2048, vocabulary 51,200;
-  interleaving 3 for 175B and 530B as summarised in third-party notes of the paper, not
-  checked against the PDF here), Table 4 (22B per-layer forward + backward time, ms, five
-  configurations) and Table 5 (iteration time, s: full recompute vs sequence parallelism +
-  selective recompute). Exact published numbers.
+  interleaving 3 for 175B and 530B), Table 4 (22B per-layer forward + backward time, ms,
+  five configurations) and Table 5 (iteration time, s: full recompute vs sequence
+  parallelism + selective recompute). Exact published numbers, read here from public
+  transcriptions of the paper (the search tool holds no copy of the PDF): two independent
+  ones agree on every number of Tables 4 and 5; Table 3's batch and microbatch sizes and
+  the interleaving depth come from one of them.
 - BigScience BLOOM-176B pre-training throughput search, Jean Zay A100 80GB, 48 nodes of 8:
   github.com/bigscience-workshop/bigscience, train/tr11-176B-ml/chronicles-prequel.md,
   sections "48 node contenders" (02-21), "GBS Variations" (02-25), "Rebalancing layers"
@@ -404,8 +406,8 @@ def main(argv=None) -> int:
     chosen = [n.strip() for n in args.sweeps.split(",") if n.strip()]
     unknown = [n for n in chosen if n not in names]
     if unknown or not chosen:
-        print(f"ranking.py: --sweeps {args.sweeps!r}: unknown sweep {', '.join(unknown) or '(none)'}"
-              f"; pick from {', '.join(names)}", file=sys.stderr)
+        print(f"ranking.py: --sweeps {args.sweeps!r}: unknown sweep "
+              f"{', '.join(unknown) or '(none)'}; pick from {', '.join(names)}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     start = time.perf_counter()
