@@ -243,6 +243,18 @@ def _output(ep) -> torch.Tensor:
     return val
 
 
+def broadcast_from_last(out: torch.Tensor | None, group, device) -> torch.Tensor:
+    """``out`` of the pipeline lane's last rank (``group``'s highest rank, where the last
+    stage runs) on every rank of the lane: its shape and dtype first, then the tensor."""
+    last = dist.get_world_size(group) - 1
+    mine = dist.get_rank(group) == last
+    meta = [(tuple(out.shape), out.dtype) if mine else None]
+    dist.broadcast_object_list(meta, group_src=last, group=group)
+    buf = out if mine else torch.empty(meta[0][0], dtype=meta[0][1], device=device)
+    dist.broadcast(buf, group_src=last, group=group)
+    return buf
+
+
 # -- the engine ------------------------------------------------------------------------------
 
 class PipelineModuleEngine:
@@ -313,6 +325,8 @@ class PipelineModuleEngine:
         out = out.full_tensor() if isinstance(out, DTensor) else out
         out = out.float() if out.is_floating_point() else out
         mode, = self._targets_mode
+        if mode == "none":  # forward only: no loss is wanted
+            return torch.zeros((), device=out.device)
         if mode == "fn":
             return self.loss_fn(out, target)
         if mode == "fn0":  # loss_fn(outputs) without targets; the target was only a carrier
@@ -353,8 +367,32 @@ class PipelineModuleEngine:
         return float(total.item())
 
     def forward(self, args: tuple, kwargs: dict | None = None):
-        raise NotSupportedError("a forward-only call on a module-engine pipeline is not "
-                                "supported yet; run the plan with engine='graph' to evaluate")
+        """Forward only: every microbatch through the stages by the schedule's own
+        forward-only pass (``schedule.eval``: no backward, no gradients kept), the outputs of
+        this rank's data-parallel shard merged on the last stage and broadcast from it to
+        the other stages' ranks of its pipeline lane, so every rank returns its shard's
+        outputs (full over tensor parallel)."""
+        self._check_buffers()
+        if kwargs:
+            raise NotSupportedError("module-engine pipelines take positional inputs; the graph "
+                                    "engine runs calls with keyword inputs")
+        n = self.plan.training.microbatches
+        for i, x in enumerate(args):
+            if isinstance(x, torch.Tensor) and x.shape[0] % n:
+                raise PlanFileError(f"input {i} has {x.shape[0]} rows, which do not split into "
+                                    f"the plan's {n} microbatches; pass this rank's shard of a "
+                                    f"batch divisible by {n}")
+        args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
+        # the last stage still calls the schedule's loss; ("none",) makes it a constant (the
+        # first input only carries the microbatch split to it)
+        self._targets_mode = ("none",)
+        with torch.no_grad():
+            out = self.schedule.eval(*(args if self.has_first else ()),
+                                     target=args[0] if self.has_last else None)
+        if self.has_last:
+            out = out.full_tensor() if isinstance(out, DTensor) else out
+            out = out.contiguous()
+        return broadcast_from_last(out if self.has_last else None, self.pp_group, self.device)
 
     __call__ = forward
 
