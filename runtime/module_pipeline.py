@@ -168,13 +168,17 @@ class StageModule(nn.Module):
     """A stage as ``PipelineStage`` sees it: tensors in, one tensor out (``.logits`` of an HF
     output). Later stages feed the hidden states through the Identity embedding."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, autocast: torch.dtype | None = None):
         super().__init__()
         self.module = module
+        self.autocast = autocast  # the compute dtype where no fully_shard casts the weights
 
     def forward(self, *args):
         from meshplan.runtime.module_plan import _call
-        return _call(self.module, args, {})
+        if self.autocast is None:
+            return _call(self.module, args, {})
+        with torch.autocast(args[0].device.type, dtype=self.autocast):
+            return _call(self.module, args, {})
 
 
 def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
@@ -186,9 +190,6 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
         return "pipeline stages on submeshes of different shapes"
-    if t.dtype != "fp32":
-        return (f"dtype {t.dtype} with pipeline stages: module-engine pipelines run fp32 (the "
-                "stages' activations are sent in the compute dtype, not handled here yet)")
     stats = next((n for n, m in model.named_modules()
                   if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats),
                  None)
@@ -222,6 +223,9 @@ def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> s
     x = meta_inputs(plan, stage.mesh_shape[dp] if dp is not None else 1)
     if x is None:
         return "the plan records no inputs to run the stages on"
+    # the stages take the positional inputs only (flat order: arguments, then targets)
+    roles = [r.get("role") for r in plan.model.inputs]
+    x = x[:roles.count("arg")] if "arg" in roles else x
     try:
         whole = _output(torch.export.export(_Forward(meta_copy(model)), x, strict=False))
         for cut in cuts:
@@ -302,11 +306,14 @@ class PipelineModuleEngine:
                 apply_ac(part, record.recompute, blocks=container)
             if compile:
                 compile_blocks(part, container)
-            wrapped = StageModule(part)
+            # bf16: fully_shard's MixedPrecisionPolicy casts the weights (fp32 gradient
+            # reduction), or autocast where there is no data parallelism; activations and
+            # their gradients cross the stages in the dtype the stage computes them in
+            compute = COMPUTE_DTYPES[plan.training.dtype]
+            wrapped = StageModule(part, autocast=compute if self.dp_size == 1 else None)
             if self.dp_size > 1:
                 apply_fsdp(wrapped, world[self.dp_axis], zero=record.zero,
-                           param_dtype=COMPUTE_DTYPES[plan.training.dtype],
-                           blocks=_ROOT + container)
+                           param_dtype=compute, blocks=_ROOT + container)
             if on_meta:
                 to_empty_keeping_ties(wrapped, self.device)
             self.modules.append(wrapped)

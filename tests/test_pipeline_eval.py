@@ -24,12 +24,13 @@ class Mlp(nn.Module):
     """Biased linear blocks; dropout (off in eval) and, optionally, BatchNorm (running
     statistics in eval)."""
 
-    def __init__(self, norm: bool = False):
+    def __init__(self, norm: bool = False, dropout: float = 0.5):
         super().__init__()
         self.inp = nn.Linear(8, 16)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16) if norm else nn.Identity(),
-                          nn.Tanh(), nn.Dropout(0.5)) for _ in range(4))
+                          nn.Tanh(), nn.Dropout(dropout) if dropout else nn.Identity())
+            for _ in range(4))
         self.out = nn.Linear(16, 4)
 
     def forward(self, x):
@@ -49,7 +50,8 @@ CASES = {
     "llama-dp2xpp2-interleaved-modules": ("llama", dict(dp=2, pp=2, schedule="interleaved-1f1b",
                                                         virtual_stages=2), "modules", True),
     "mlp-dp2xpp2-graph": ("mlp", dict(dp=2, pp=2), "graph", False),
-    "mlp-dp2xpp2-modules": ("mlp", dict(dp=2, pp=2), "modules", False),
+    # the module engine refuses dropout (its masks are drawn per shard): a plain MLP there
+    "mlp-plain-dp2xpp2-modules": ("mlp-plain", dict(dp=2, pp=2), "modules", True),
     "mlp-batchnorm-dp2xpp2-graph": ("mlp-bn", dict(dp=2, pp=2), "graph", False),
 }
 
@@ -58,7 +60,7 @@ def build(kind: str, device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
     if kind.startswith("mlp"):
         with torch.device(device):
-            return Mlp(norm=kind == "mlp-bn")
+            return Mlp(norm=kind == "mlp-bn", dropout=0.0 if kind == "mlp-plain" else 0.5)
     return parse_model_spec(TIED if kind == "tied" else LLAMA).build(device=device)
 
 
