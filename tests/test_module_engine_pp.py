@@ -199,7 +199,7 @@ def launched(tmp_path_factory):
     from tests._launch import torchrun_results
 
     return torchrun_results(__file__, tmp_path_factory.mktemp("modpipe") / "out.pt", nproc=4,
-                            timeout=300)
+                            timeout=900)  # 8 cases; the 2 shared cores are often loaded
 
 
 @pytest.fixture(scope="module")
