@@ -221,7 +221,7 @@ def module_engine_step(args, variant: str):
     torch.manual_seed(0)
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
-               for s in range(args.steps + args.warmup)]
+               for s in range(args.module_steps + args.warmup)]
     engine = (PipelineModuleEngine if plan.num_stages > 1 else ModuleEngine)(model, plan)
     opt = torch.optim.Adam(engine.parameters(), lr=1e-3, foreach=False)
     per = args.batch // engine.dp_size
@@ -250,7 +250,7 @@ def handwritten_module_step(args, variant: str):
     torch.manual_seed(0)
     model = parse_model_spec(model_spec(args)).build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
-               for s in range(args.steps + args.warmup)]
+               for s in range(args.module_steps + args.warmup)]
     dp, tp, pp = MODULE_MESH[variant]
     if pp > 1:
         return handwritten_module_pipeline(args, model, batches, dp, tp, pp)
@@ -349,15 +349,18 @@ MODULE_MANUAL_MB = 2  # mb of the pipeline rows above
 
 
 def alternating_times(steps: dict, n: int, warmup: int) -> dict[str, list[float]]:
-    """Step times of several step functions run in turn (a, b, a, b, ...)."""
+    """Step times of two step functions run in pairs, the order flipped every pair (a b, b a,
+    a b, ...): a slow spell of the machine lands on both alike, and neither always runs
+    first after the barrier (or second, with the other's memory traffic in its caches)."""
     import torch.distributed as dist
 
     times = {name: [] for name in steps}
+    names = list(steps)
     for i in range(warmup + n):
-        for name, step in steps.items():
+        for name in (names if i % 2 == 0 else names[::-1]):
             dist.barrier()
             start = time.perf_counter()
-            step(i)
+            steps[name](i)
             dist.barrier()
             if i >= warmup:
                 times[name].append(time.perf_counter() - start)
@@ -369,16 +372,28 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
+def median_interval(xs: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% confidence interval of the median: the order statistics
+    n/2 -+ 1.96 sqrt(n)/2 (the normal approximation of the binomial sign test)."""
+    ys = sorted(xs)
+    half = 1.96 * len(ys) ** 0.5 / 2
+    lo = max(0, int(len(ys) / 2 - half))
+    hi = min(len(ys) - 1, int(len(ys) / 2 + half + 0.999))
+    return ys[lo], ys[hi]
+
+
 def module_engine_row(args, variant: str) -> dict:
     ours, our_losses = module_engine_step(args, variant)
     theirs, their_losses = handwritten_module_step(args, variant)
-    t = alternating_times({"engine": ours, "hand": theirs}, args.steps, args.warmup)
+    t = alternating_times({"engine": ours, "hand": theirs}, args.module_steps, args.warmup)
     ratios = [a / b for a, b in zip(t["engine"], t["hand"])]
     return {"config": variant, "plan": MODULE_MANUAL[variant],
             "engine_ms": [x * 1e3 for x in quartiles(t["engine"])],
             "handwritten_ms": [x * 1e3 for x in quartiles(t["hand"])],
-            "ratio": statistics.median(t["engine"]) / statistics.median(t["hand"]),
+            "ratio": statistics.median(ratios),  # the median of the per-pair ratios
+            "ratio_of_medians": statistics.median(t["engine"]) / statistics.median(t["hand"]),
             "pair_ratio_quartiles": list(quartiles(ratios)),
+            "ratio_ci95": list(median_interval(ratios)), "pairs": len(ratios),
             "engine_first_loss": our_losses[0], "handwritten_first_loss": their_losses[0]}
 
 
@@ -437,6 +452,8 @@ def main() -> int:
     ap.add_argument("--module-configs", default="tp,zero3,dpxtp,dpxpp,pp_tp",
                     help="module engine rows (runtime/modules.py): tp, zero3, dpxtp, dpxpp, "
                          "pp_tp (pipelines: runtime/module_pipeline.py)")
+    ap.add_argument("--module-steps", type=int, default=60,
+                    help="step pairs per module engine row (after --warmup)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if "LOCAL_RANK" in os.environ:
@@ -502,16 +519,23 @@ def module_table(module_rows: list[dict]) -> list[str]:
              "engine cuts stage modules from the model and runs PipelineStage + "
              "Schedule1F1B; by hand, a LlamaStage per rank with the same tp styles and "
              "fully_shard(reshard_after_forward=False) per block and stage, "
-             "Schedule1F1B. The two step in turn in one launch. Times: median [quartiles] ms; "
-             "pair ratios: quartiles of engine/hand per step pair. The graph engine's rows: "
-             "runtime_overhead_graph.md.", "",
-             "| config | plan | engine ms | hand-written ms | ratio | pair ratios "
-             "| first loss (engine / hand) |", "|---|---|---|---|---:|---|---|"]
+             "Schedule1F1B. The two step in pairs in one launch, the order flipped "
+             "every pair (engine, hand; hand, engine; ...), so a slow spell of the shared "
+             "machine hits both alike. ratio: the median over pairs of engine/hand; "
+             "95% CI: a distribution-free interval of that median (order statistics, "
+             "sign test); pair ratios: their quartiles. Times: median [quartiles] ms. "
+             "A config is reliably over the 1.05 target only when the CI's lower end is. "
+             "The graph engine's rows: runtime_overhead_graph.md.",
+             "",
+             "| config | plan | engine ms | hand-written ms | ratio (median of pairs) "
+             "| 95% CI | pair ratio quartiles | pairs | first loss (engine / hand) |",
+             "|---|---|---|---|---:|---|---|---:|---|"]
     for r in module_rows:
         e, h, q = r["engine_ms"], r["handwritten_ms"], r["pair_ratio_quartiles"]
+        lo, hi = r["ratio_ci95"]
         lines.append(f"| {r['config']} | `{r['plan']}` | {e[1]:.1f} [{e[0]:.1f}, {e[2]:.1f}] "
                      f"| {h[1]:.1f} [{h[0]:.1f}, {h[2]:.1f}] | {r['ratio']:.3f} | "
-                     f"{q[1]:.3f} [{q[0]:.3f}, {q[2]:.3f}] | "
+                     f"[{lo:.3f}, {hi:.3f}] | [{q[0]:.3f}, {q[2]:.3f}] | {r['pairs']} | "
                      f"{r['engine_first_loss']:.5f} / {r['handwritten_first_loss']:.5f} |")
     return lines
 

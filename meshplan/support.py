@@ -204,6 +204,22 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
     return ()
 
 
+# what the module engine (runtime/modules.py, runtime/module_pipeline.py) computes in, one
+# stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
+# MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling
+MODULE_ENGINE_DTYPES = ("fp32", "bf16")
+
+
+def module_engine_dtype_rule(plan: Plan) -> tuple[str, ...]:
+    """The module engine runs fp32 and bf16 plans, pipelines included."""
+    t = plan.training
+    if plan.engine == "modules" and t.dtype not in MODULE_ENGINE_DTYPES:
+        return (f"engine 'modules' with dtype {t.dtype!r}: the module engine runs "
+                f"{' and '.join(MODULE_ENGINE_DTYPES)} (fp16 needs loss scaling); set engine "
+                "'graph' or dtype 'bf16'",)
+    return ()
+
+
 def stage_layout_rule(plan: Plan) -> tuple[str, ...]:
     """The pipeline runtime's device convention (docs/DEVELOPING.md, pipeline layout): stages
     listed in order, every stage on the same submesh shape, stage i on rank group i % pp."""
@@ -262,7 +278,7 @@ def plan_problems(plan: Plan) -> tuple[str, ...]:
     if not plan.stages:
         return ("the plan has no stages; re-plan",)
     out = stage_layout_rule(plan) + interleaved_split_rule(plan) + \
-        context_parallel_plan_rule(plan)
+        context_parallel_plan_rule(plan) + module_engine_dtype_rule(plan)
     c = candidate_of(plan)
     if plan.num_stages == 1:
         # one stage: the schedule, microbatch size and interleaving are not used by the

@@ -168,13 +168,17 @@ class StageModule(nn.Module):
     """A stage as ``PipelineStage`` sees it: tensors in, one tensor out (``.logits`` of an HF
     output). Later stages feed the hidden states through the Identity embedding."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, autocast: torch.dtype | None = None):
         super().__init__()
         self.module = module
+        self.autocast = autocast  # the compute dtype where no fully_shard casts the weights
 
     def forward(self, *args):
         from meshplan.runtime.module_plan import _call
-        return _call(self.module, args, {})
+        if self.autocast is None:
+            return _call(self.module, args, {})
+        with torch.autocast(args[0].device.type, dtype=self.autocast):
+            return _call(self.module, args, {})
 
 
 def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
@@ -186,9 +190,6 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
         return "pipeline stages on submeshes of different shapes"
-    if t.dtype != "fp32":
-        return (f"dtype {t.dtype} with pipeline stages: module-engine pipelines run fp32 (the "
-                "stages' activations are sent in the compute dtype, not handled here yet)")
     stats = next((n for n, m in model.named_modules()
                   if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats),
                  None)
@@ -222,6 +223,9 @@ def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> s
     x = meta_inputs(plan, stage.mesh_shape[dp] if dp is not None else 1)
     if x is None:
         return "the plan records no inputs to run the stages on"
+    # the stages take the positional inputs only (flat order: arguments, then targets)
+    roles = [r.get("role") for r in plan.model.inputs]
+    x = x[:roles.count("arg")] if "arg" in roles else x
     try:
         whole = _output(torch.export.export(_Forward(meta_copy(model)), x, strict=False))
         for cut in cuts:
@@ -241,6 +245,18 @@ def _output(ep) -> torch.Tensor:
     node = next(n for n in ep.graph.nodes if n.op == "output")
     val = node.args[0][0].meta["val"]
     return val
+
+
+def broadcast_from_last(out: torch.Tensor | None, group, device) -> torch.Tensor:
+    """``out`` of the pipeline lane's last rank (``group``'s highest rank, where the last
+    stage runs) on every rank of the lane: its shape and dtype first, then the tensor."""
+    last = dist.get_world_size(group) - 1
+    mine = dist.get_rank(group) == last
+    meta = [(tuple(out.shape), out.dtype) if mine else None]
+    dist.broadcast_object_list(meta, group_src=last, group=group)
+    buf = out if mine else torch.empty(meta[0][0], dtype=meta[0][1], device=device)
+    dist.broadcast(buf, group_src=last, group=group)
+    return buf
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -290,11 +306,14 @@ class PipelineModuleEngine:
                 apply_ac(part, record.recompute, blocks=container)
             if compile:
                 compile_blocks(part, container)
-            wrapped = StageModule(part)
+            # bf16: fully_shard's MixedPrecisionPolicy casts the weights (fp32 gradient
+            # reduction), or autocast where there is no data parallelism; activations and
+            # their gradients cross the stages in the dtype the stage computes them in
+            compute = COMPUTE_DTYPES[plan.training.dtype]
+            wrapped = StageModule(part, autocast=compute if self.dp_size == 1 else None)
             if self.dp_size > 1:
                 apply_fsdp(wrapped, world[self.dp_axis], zero=record.zero,
-                           param_dtype=COMPUTE_DTYPES[plan.training.dtype],
-                           blocks=_ROOT + container)
+                           param_dtype=compute, blocks=_ROOT + container)
             if on_meta:
                 to_empty_keeping_ties(wrapped, self.device)
             self.modules.append(wrapped)
@@ -313,6 +332,8 @@ class PipelineModuleEngine:
         out = out.full_tensor() if isinstance(out, DTensor) else out
         out = out.float() if out.is_floating_point() else out
         mode, = self._targets_mode
+        if mode == "none":  # forward only: no loss is wanted
+            return torch.zeros((), device=out.device)
         if mode == "fn":
             return self.loss_fn(out, target)
         if mode == "fn0":  # loss_fn(outputs) without targets; the target was only a carrier
@@ -353,8 +374,32 @@ class PipelineModuleEngine:
         return float(total.item())
 
     def forward(self, args: tuple, kwargs: dict | None = None):
-        raise NotSupportedError("a forward-only call on a module-engine pipeline is not "
-                                "supported yet; run the plan with engine='graph' to evaluate")
+        """Forward only: every microbatch through the stages by the schedule's own
+        forward-only pass (``schedule.eval``: no backward, no gradients kept), the outputs of
+        this rank's data-parallel shard merged on the last stage and broadcast from it to
+        the other stages' ranks of its pipeline lane, so every rank returns its shard's
+        outputs (full over tensor parallel)."""
+        self._check_buffers()
+        if kwargs:
+            raise NotSupportedError("module-engine pipelines take positional inputs; the graph "
+                                    "engine runs calls with keyword inputs")
+        n = self.plan.training.microbatches
+        for i, x in enumerate(args):
+            if isinstance(x, torch.Tensor) and x.shape[0] % n:
+                raise PlanFileError(f"input {i} has {x.shape[0]} rows, which do not split into "
+                                    f"the plan's {n} microbatches; pass this rank's shard of a "
+                                    f"batch divisible by {n}")
+        args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
+        # the last stage still calls the schedule's loss; ("none",) makes it a constant (the
+        # first input only carries the microbatch split to it)
+        self._targets_mode = ("none",)
+        with torch.no_grad():
+            out = self.schedule.eval(*(args if self.has_first else ()),
+                                     target=args[0] if self.has_last else None)
+        if self.has_last:
+            out = out.full_tensor() if isinstance(out, DTensor) else out
+            out = out.contiguous()
+        return broadcast_from_last(out if self.has_last else None, self.pp_group, self.device)
 
     __call__ = forward
 

@@ -44,7 +44,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from meshplan import support
@@ -663,3 +663,134 @@ def _common(storages: set, axes) -> tuple[str, ...] | None:
         raise NotSupportedError(f"a tied parameter has placements {sorted(plain)} on different "
                                 "rank groups; give its copies one placement")
     return next(iter(plain))
+
+
+# -- forward only (eval) -----------------------------------------------------------------------
+
+class _EvalStageModule(_StageModule):
+    """A stage of the forward-only pipeline: as ``_StageModule``, but the last stage returns
+    the model's output, not a loss: this rank's rows of the microbatch (sharded over the
+    data-parallel axes, full over the others)."""
+
+    def __init__(self, *args, out_placements, out_shape, out_dtype, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._out_placements = out_placements
+        self._out_shape, self._out_dtype = out_shape, out_dtype
+
+    def example_outputs(self, device) -> tuple[torch.Tensor, ...]:
+        if not self._last:
+            return super().example_outputs(device)
+        return (_example(_local_shape(self._out_shape, self._mesh, self._out_placements),
+                         self._out_dtype, device, False),)
+
+    def forward(self, *xs):
+        if not self._last:
+            return super().forward(*xs)
+        ins = []
+        for x, (placements, shape, _) in zip(xs, self._input_specs):
+            if self._first:
+                ins.append(distribute_tensor(x, self._mesh, placements, src_data_rank=None))
+            else:
+                ins.append(DTensor.from_local(x, self._mesh, placements, run_check=False,
+                                              shape=shape, stride=_contiguous_stride(shape)))
+        out = self._run(*ins)[0]
+        return _local(out, self._mesh, self._out_placements)
+
+
+@dataclass
+class EvalPipeline:
+    """The forward-only pipeline of a ``PipelineModel``: the model's eval-mode forward (no
+    loss; dropout off, BatchNorm on its running statistics) exported at the shape of one
+    microbatch, cut where the training stages are cut, each fragment run on the training
+    stages' own parameters (no copy) by the schedule's forward-only pass."""
+
+    schedule: object
+    stages: list
+    lane: object  # the pipeline lane's process group (this stage-mesh coordinate)
+    device: torch.device
+
+    def __call__(self, batch: tuple) -> torch.Tensor:
+        """This rank's rows of the outputs of every microbatch of the global ``batch``, in
+        microbatch order, on every rank of the lane (broadcast from the last stage)."""
+        from meshplan.runtime.module_pipeline import broadcast_from_last
+
+        inputs = tuple(x.to(self.device) for x in batch)
+        has_first = any(st.is_first for st in self.stages)
+        has_last = any(st.is_last for st in self.stages)
+        with torch.no_grad():
+            out = self.schedule.eval(*(inputs if has_first else ()))
+        return broadcast_from_last(out.contiguous() if has_last else None, self.lane,
+                                   self.device)
+
+
+def eval_pipeline(pm: PipelineModel, model: nn.Module, example_inputs: Sequence[torch.Tensor],
+                  dp_axes: Sequence[int], *, loss_fn=None, signature=None) -> EvalPipeline:
+    """Build ``pm``'s forward-only pipeline. ``model`` is a meta copy of the user's model,
+    ``example_inputs`` one global batch of the forward's inputs (meta, no targets)."""
+    plan, layout = pm.plan, pm.layout
+    micro = tuple(x[:layout.microbatch_batch] for x in example_inputs)
+    ep = export_training_graph(meta_copy(model).eval(), micro, loss_fn, signature=signature,
+                               loss=False)
+    gm = runnable_graph_module(ep, device_type=pm.device.type)
+    values = {n.name: n for n in gm.graph.nodes}
+    # each operator goes to the training stage of the operator of the same name (an
+    # eval-only operator to the stage of the one before it): the cut falls where it falls in
+    # training, so every stage reads only the parameters its ranks hold
+    stage_of = {name: k for k, st in enumerate(plan.stages) for name in st.ops}
+    groups: list[list[str]] = [[] for _ in plan.stages]
+    current = 0
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            current = max(current, stage_of.get(n.name, current))
+            groups[current].append(n.name)
+    if any(not g for g in groups):
+        empty = next(k for k, g in enumerate(groups) if not g)
+        raise NotSupportedError(f"the eval-mode forward has no operator in pipeline stage "
+                                f"{empty}; evaluate with a single-stage plan")
+    pieces = split_stages(gm.graph, [(g[0], g[-1]) for g in groups])
+    if len(pieces[-1].outputs) != 1:
+        raise NotSupportedError(f"the model's forward returns {len(pieces[-1].outputs)} "
+                                "tensors; forward-only pipeline calls return one")
+    mesh = next(p for p in pm.params.values()).device_mesh
+    lane = pm.stages[0].group
+    my_group = dist.get_rank() // layout.stage_size
+    out_node = values[pieces[-1].outputs[0]]
+    out_placements = [Shard(0) if a in dp_axes else Replicate() for a in range(mesh.ndim)]
+    stages = []
+    for piece in pieces:
+        if layout.rank_group(piece.index) != my_group:
+            continue
+        st = plan.stages[piece.index]
+        # the plan's placement of an operator the eval graph shares with the training graph
+        # (same name, same number of inputs); DTensor's propagation lays out the others
+        ops = {n: op for s in plan.stages for n, op in s.ops.items()
+               if n in values and len(op.inputs) == len(values[n].all_input_nodes)}
+        record = replace(st, ops={n: ops[n] for n in [*(g for g in groups[piece.index]),
+                                                      *piece.recomputed] if n in ops})
+        root = {t: pm.params[t.removeprefix(WRAPPER_PREFIX)]
+                if t.removeprefix(WRAPPER_PREFIX) in pm.params else _attr(gm, t)
+                for t in piece.param_targets}
+        root.update({t: gm.get_submodule(t) for t in piece.subgraph_targets})
+        frag = fx.GraphModule(root, piece.graph, class_name=f"EvalStage{piece.index}")
+        run = stage_executor(frag, mesh, record, dtype=plan.training.dtype, lowered=False)
+
+        def spec(name):
+            val = values[name].meta["val"]
+            return (to_placements(_placement_of(plan, name, values, mesh.ndim), mesh),
+                    tuple(val.shape), val.dtype)
+        last = piece.index == len(pieces) - 1
+        module = _EvalStageModule(
+            frag, run, mesh, first=piece.index == 0, last=last,
+            input_specs=[spec(n) for n in piece.inputs],
+            output_specs=[] if last else [spec(n) for n in piece.outputs],
+            input_grads=[False] * len(piece.inputs),
+            output_grads=[] if last else [False] * len(piece.outputs),
+            out_placements=out_placements, out_shape=tuple(out_node.meta["val"].shape),
+            out_dtype=out_node.meta["val"].dtype)
+        stages.append(PipelineStage(module, piece.index, len(pieces), pm.device,
+                                    input_args=module.example_inputs(pm.device),
+                                    output_args=module.example_outputs(pm.device), group=lane))
+    cls = SCHEDULES[plan.training.schedule]
+    schedule = cls(stages if cls is ScheduleInterleaved1F1B else stages[0],
+                   n_microbatches=layout.microbatches)
+    return EvalPipeline(schedule=schedule, stages=stages, lane=lane, device=pm.device)

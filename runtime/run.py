@@ -149,12 +149,12 @@ class ParallelRun:
             raise NotSupportedError("call run.eval() before a forward-only call; train_step "
                                     "is the training forward")
         self._check_initialized()
-        if self.plan.num_stages > 1:
-            raise NotSupportedError("forward-only calls of pipeline plans are not supported "
-                                    "yet; evaluate with a single-stage plan")
         self._refresh_masters()
         flat = self._flat(inputs, (), with_targets=False)
         records = [r for r in self.records if r["role"] != "target"]
+        if self.plan.num_stages > 1:  # every microbatch through the stages, forward only
+            batch = tuple(self._global(x, r) for x, r in zip(flat, records))
+            return self._eval_pipeline(records)(batch)
         batch = tuple(self._global(x, r, microbatches=1) for x, r in zip(flat, records))
         out = self._forward_program(records)(*batch)
         if not isinstance(out, DTensor):
@@ -376,6 +376,17 @@ class ParallelRun:
                                 f"rank {self.dp_rank} (tensor-parallel peers or pipeline "
                                 "stages); give them the same shard: index data by "
                                 "run.dp_rank and run.dp_size, not by the global rank")
+
+    def _eval_pipeline(self, records):
+        if self._forward is None:
+            from meshplan.runtime.pipeline import eval_pipeline
+
+            sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
+            meta = tuple(torch.empty(r["shape"], dtype=_DTYPES[r["dtype"]], device="meta")
+                         for r in records)
+            self._forward = eval_pipeline(self.engine, self._pristine, meta, self._dp_axes,
+                                          loss_fn=self.loss_fn, signature=sig)
+        return self._forward
 
     def _forward_program(self, records):
         if self._forward is None:

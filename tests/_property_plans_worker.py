@@ -6,7 +6,7 @@ the output file. For each: rank 0 plans with ``meshplan.autoparallel`` on
 layout it refuses with a clear error is recorded as skipped) and sends the plan (as JSON text) to the others; every rank runs
 ``meshplan.parallelize`` + ``load_full_state_dict`` + two SGD steps on its data-parallel
 rows, gathers every gradient as a full tensor, the final ``full_state_dict`` (buffers
-included) and, for single-stage plans, the eval outputs of every rank. Rank 0 compares all
+included) and the eval outputs of every rank (pipeline plans included). Rank 0 compares all
 of it with the same steps in plain PyTorch, accumulating over the plan's microbatches
 (rtol 1e-5), and saves one record per example.
 """
@@ -200,12 +200,10 @@ def run_example(ex: dict) -> dict:
         opt.step()
         opt.zero_grad()
     final = run.full_state_dict()
-    outs = None
-    if plan.num_stages == 1:
-        run.eval()
-        out = run(rows(data(ex, STEPS)[0], run))
-        outs = [None] * dist.get_world_size()
-        dist.all_gather_object(outs, (run.dp_rank, run.dp_size, out))
+    run.eval()  # pipelines too: every rank returns its shard's outputs
+    out = run(rows(data(ex, STEPS)[0], run))
+    outs = [None] * dist.get_world_size()
+    dist.all_gather_object(outs, (run.dp_rank, run.dp_size, out))
     return {"plan": plan, "losses": losses, "grads": grads, "final": final, "outs": outs,
             "dp": run.dp_size}
 

@@ -208,3 +208,17 @@ def test_interleaved_records_must_hold_equal_blocks(gpt2):
     assert "each of the 2 rank groups 2 of the 4 blocks" in support.interleaved_split_rule(uneven)[0]
     with pytest.raises(PlanFileError, match="cannot run: interleaved stage 0 holds blocks"):
         Plan.from_json_text(uneven.to_json_text())
+
+
+def test_module_engine_runs_fp32_and_bf16_pipelines_and_refuses_fp16(gpt2, tmp_path):
+    model, graph = gpt2
+    plan = meshplan.manual_plan(model, Mesh.local(4), graph=graph, dp=4, microbatch_size=2,
+                                dtype="fp32")
+    for dtype in ("fp32", "bf16"):
+        assert support.module_engine_dtype_rule(
+            dataclasses.replace(_breaks(plan, dtype=dtype), engine="modules")) == ()
+    fp16 = dataclasses.replace(_breaks(plan, dtype="fp16"), engine="modules")
+    assert "engine 'modules' with dtype 'fp16'" in support.plan_problems(fp16)[0]
+    fp16.to_json(tmp_path / "plan.json")
+    with pytest.raises(PlanFileError, match="set engine 'graph'"):
+        Plan.from_json(tmp_path / "plan.json")
