@@ -25,9 +25,13 @@ import os
 import sys
 import time
 
+from dataclasses import replace
+
 import torch
 
 import meshplan
+from meshplan.costmodel.estimate import default_runtime, estimate_plan
+from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
@@ -47,6 +51,15 @@ ROWS = {
     "1008b": (128, 25600, 160, 8, 64, 3072, 1, 1, 3072, 163),
 }
 MEMORY_GIB = 80.0  # A100 SXM4 80GB
+# The kernels Megatron-LM ran then (commit 6985e58 of examples/sc21/README.md, default
+# arguments): attention and hidden dropout 0.1 (--attention-dropout, --hidden-dropout);
+# the bias-GeLU fusion (--bias-gelu-fusion, megatron/model/fused_bias_gelu.py: one
+# tanh-approximation kernel, here the one aten.gelu(approximate="tanh") of
+# gelu_pytorch_tanh rather than gelu_new's eight elementwise operators); no fused
+# attention (FlashAttention came in 2022): Q K^T, the fused scale-mask-softmax kernel,
+# dropout and P V through memory, priced by RuntimeModel(attention="materialized").
+MEGATRON_2021 = ("&attn_pdrop=0.1&resid_pdrop=0.1&embd_pdrop=0.1"
+                 "&activation_function=gelu_pytorch_tanh")
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -59,7 +72,7 @@ def predict(key: str) -> dict:
     layers, hidden, heads, tp, pp, gpus, mb, v, batch, published = ROWS[key]
     dp = gpus // (tp * pp)
     spec = parse_model_spec(f"transformers:gpt2?n_layer={layers}&n_embd={hidden}&n_head={heads}"
-                            f"&vocab_size={VOCAB}&n_positions={SEQ}")
+                            f"&vocab_size={VOCAB}&n_positions={SEQ}{MEGATRON_2021}")
     model = spec.build(device="meta")
     start = time.perf_counter()
     graph = trace(model, example_inputs(model, batch, SEQ), model_name=f"megatron-{key}")
@@ -69,7 +82,9 @@ def predict(key: str) -> dict:
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=dp, tp=tp, pp=pp,
                                 microbatch_size=mb, schedule=schedule, virtual_stages=v,
                                 recompute="full", dtype="fp16")
-    est = plan.predicted
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    runtime = replace(default_runtime(hw, engine=plan.engine), attention="materialized")
+    est = estimate_plan(plan, graph, runtime=runtime, hw=hw)
     measured_s = paper_flops(batch, SEQ, layers, hidden, VOCAB) / (gpus * published * 1e12)
     tflops = paper_flops(batch, SEQ, layers, hidden, VOCAB) / (est.step_time_s * gpus) / 1e12
     return {"model": f"{key.upper()}", "tp": tp, "pp": pp, "dp": dp, "gpus": gpus,
