@@ -4,7 +4,8 @@ trace -> **cost**: each configuration is traced on the meta device, planned by h
 ``meshplan.manual_plan`` exactly as Megatron-LM's ``examples/sc21/run_table_1.sh`` ran it
 (its TP, PP, DP, microbatch size, interleaving depth v, global batch, sequence 2048,
 vocabulary 51,200, fp16 mixed precision, full activation recomputation; 1F1B, interleaved
-1F1B where v > 1), priced on the DGX A100 80GB preset. The measured step time is the
+1F1B where v > 1), priced on the DGX A100 80GB preset with the kernels Megatron ran then
+(``MEGATRON_2021``: attention through memory, fused bias-GeLU, dropout 0.1). The measured step time is the
 paper's FLOPs over the GPUs' published throughput, FLOPs per its eq. 3 (recompute
 included): 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)). Every row ran on 80 GB A100s, so
 every predicted peak must fit.
@@ -128,13 +129,20 @@ def main(argv=None) -> int:
         print(f"{r['model']}: step {r['predicted_step_s']} s predicted, {r['measured_step_s']} s "
               f"measured ({r['error'] * 100:+.1f}%), peak {r['peak_memory_gib']} GiB "
               f"{r['memory_gib']}, breakdown {r['breakdown_s']}", flush=True)
+    return write_results(results)
+
+
+def write_results(results: list[dict]) -> int:
+    """The table, MAPE and fit count of ``results``, printed and written to results/."""
     mape = sum(abs(r["error"]) for r in results) / len(results)
     fit = sum(r["fits_80gib"] for r in results)
     text = (f"# Cost model vs Megatron-LM (Narayanan et al. 2021, Table 1)\n\n"
             f"DGX A100 80GB preset; the configurations of Megatron-LM's "
             f"examples/sc21/run_table_1.sh: fp16, full recompute, sequence {SEQ}, vocabulary "
             f"{VOCAB}, 1F1B (interleaved where v > 1). Measured step time = FLOPs (eq. 3, "
-            f"recompute included) / (GPUs x published TFLOP/s).\n\n{table(results)}\n\n"
+            f"recompute included) / (GPUs x published TFLOP/s). Priced with the kernels Megatron "
+            f"ran in 2021: attention through memory (no fused attention), the fused bias-GeLU, "
+            f"dropout 0.1 (docs/DECISIONS.md 51).\n\n{table(results)}\n\n"
             f"Step-time MAPE {mape * 100:.1f}% over {len(results)} rows; {fit} of "
             f"{len(results)} fit in {MEMORY_GIB:.0f} GiB.\n"
             "Source: arXiv 2104.04473, Table 1. Reproduce: "

@@ -23,7 +23,9 @@ Backward, by operator class:
 - matmul: grad of input and grad of weight are two matmuls of the forward's size
   -> 2 x forward FLOPs (Narayanan et al. 2021, section 5.1: backward = 2 x forward);
 - attention: flash-attention's backward runs 5 matmuls against the forward's 2 (Dao et
-  al. 2022, algorithm 4) -> 2.5 x forward FLOPs;
+  al. 2022, algorithm 4) -> 2.5 x forward FLOPs; where the runtime's attention writes its
+  s x s scores to memory (``RuntimeModel.attention="materialized"``, attention before fused
+  kernels), ``materialized_attention_time`` prices its kernels one by one instead;
 - embedding: a scatter-add of the output gradient into the weight -> the forward's bytes;
 - memory-bound ops (elementwise, norm, softmax, reduction, loss): read the output grad and
   the saved input, write the input grad -> 2 x the forward's bytes;
