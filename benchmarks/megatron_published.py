@@ -4,7 +4,8 @@ trace -> **cost**: each configuration is traced on the meta device, planned by h
 ``meshplan.manual_plan`` exactly as Megatron-LM's ``examples/sc21/run_table_1.sh`` ran it
 (its TP, PP, DP, microbatch size, interleaving depth v, global batch, sequence 2048,
 vocabulary 51,200, fp16 mixed precision, full activation recomputation; 1F1B, interleaved
-1F1B where v > 1), priced on the DGX A100 80GB preset. The measured step time is the
+1F1B where v > 1), priced on the DGX A100 80GB preset with the kernels Megatron ran then
+(``MEGATRON_2021``: attention through memory, fused bias-GeLU, dropout 0.1). The measured step time is the
 paper's FLOPs over the GPUs' published throughput, FLOPs per its eq. 3 (recompute
 included): 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)). Every row ran on 80 GB A100s, so
 every predicted peak must fit.
@@ -25,9 +26,13 @@ import os
 import sys
 import time
 
+from dataclasses import replace
+
 import torch
 
 import meshplan
+from meshplan.costmodel.estimate import default_runtime, estimate_plan
+from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
@@ -47,6 +52,15 @@ ROWS = {
     "1008b": (128, 25600, 160, 8, 64, 3072, 1, 1, 3072, 163),
 }
 MEMORY_GIB = 80.0  # A100 SXM4 80GB
+# The kernels Megatron-LM ran then (commit 6985e58 of examples/sc21/README.md, default
+# arguments): attention and hidden dropout 0.1 (--attention-dropout, --hidden-dropout);
+# the bias-GeLU fusion (--bias-gelu-fusion, megatron/model/fused_bias_gelu.py: one
+# tanh-approximation kernel, here the one aten.gelu(approximate="tanh") of
+# gelu_pytorch_tanh rather than gelu_new's eight elementwise operators); no fused
+# attention (FlashAttention came in 2022): Q K^T, the fused scale-mask-softmax kernel,
+# dropout and P V through memory, priced by RuntimeModel(attention="materialized").
+MEGATRON_2021 = ("&attn_pdrop=0.1&resid_pdrop=0.1&embd_pdrop=0.1"
+                 "&activation_function=gelu_pytorch_tanh")
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -56,11 +70,12 @@ def paper_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> f
 
 
 def gpt_graph(layers: int, hidden: int, heads: int, batch: int, *, vocab: int = VOCAB,
-              seq: int = SEQ, name: str = "megatron"):
+              seq: int = SEQ, name: str = "megatron", config: str = ""):
     """Megatron-LM's GPT as transformers' GPT-2 (same blocks: pre-LN attention and a 4h GeLU
-    MLP) built on the meta device and traced at one global batch: (model, graph, seconds)."""
+    MLP) built on the meta device and traced at one global batch: (model, graph, seconds).
+    ``config``: more ``&key=value`` settings of the spec (``MEGATRON_2021``'s kernels)."""
     spec = parse_model_spec(f"transformers:gpt2?n_layer={layers}&n_embd={hidden}&n_head={heads}"
-                            f"&vocab_size={vocab}&n_positions={seq}")
+                            f"&vocab_size={vocab}&n_positions={seq}{config}")
     model = spec.build(device="meta")
     start = time.perf_counter()
     graph = trace(model, example_inputs(model, batch, seq), model_name=name)
@@ -85,10 +100,13 @@ def megatron_plan(model, graph, *, gpus: int, tp: int, pp: int, mb: int, v: int 
 def predict(key: str) -> dict:
     layers, hidden, heads, tp, pp, gpus, mb, v, batch, published = ROWS[key]
     dp = gpus // (tp * pp)
-    model, graph, traced = gpt_graph(layers, hidden, heads, batch, name=f"megatron-{key}")
+    model, graph, traced = gpt_graph(layers, hidden, heads, batch, name=f"megatron-{key}",
+                                     config=MEGATRON_2021)
     start = time.perf_counter()
     plan = megatron_plan(model, graph, gpus=gpus, tp=tp, pp=pp, mb=mb, v=v)
-    est = plan.predicted
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    runtime = replace(default_runtime(hw, engine=plan.engine), attention="materialized")
+    est = estimate_plan(plan, graph, runtime=runtime, hw=hw)
     measured_s = paper_flops(batch, SEQ, layers, hidden, VOCAB) / (gpus * published * 1e12)
     tflops = paper_flops(batch, SEQ, layers, hidden, VOCAB) / (est.step_time_s * gpus) / 1e12
     return {"model": f"{key.upper()}", "tp": tp, "pp": pp, "dp": dp, "gpus": gpus,
@@ -132,13 +150,20 @@ def main(argv=None) -> int:
         print(f"{r['model']}: step {r['predicted_step_s']} s predicted, {r['measured_step_s']} s "
               f"measured ({r['error'] * 100:+.1f}%), peak {r['peak_memory_gib']} GiB "
               f"{r['memory_gib']}, breakdown {r['breakdown_s']}", flush=True)
+    return write_results(results)
+
+
+def write_results(results: list[dict]) -> int:
+    """The table, MAPE and fit count of ``results``, printed and written to results/."""
     mape = sum(abs(r["error"]) for r in results) / len(results)
     fit = sum(r["fits_80gib"] for r in results)
     text = (f"# Cost model vs Megatron-LM (Narayanan et al. 2021, Table 1)\n\n"
             f"DGX A100 80GB preset; the configurations of Megatron-LM's "
             f"examples/sc21/run_table_1.sh: fp16, full recompute, sequence {SEQ}, vocabulary "
             f"{VOCAB}, 1F1B (interleaved where v > 1). Measured step time = FLOPs (eq. 3, "
-            f"recompute included) / (GPUs x published TFLOP/s).\n\n{table(results)}\n\n"
+            f"recompute included) / (GPUs x published TFLOP/s). Priced with the kernels Megatron "
+            f"ran in 2021: attention through memory (no fused attention), the fused bias-GeLU, "
+            f"dropout 0.1 (docs/DECISIONS.md 51).\n\n{table(results)}\n\n"
             f"Step-time MAPE {mape * 100:.1f}% over {len(results)} rows; {fit} of "
             f"{len(results)} fit in {MEMORY_GIB:.0f} GiB.\n"
             "Source: arXiv 2104.04473, Table 1. Reproduce: "

@@ -23,7 +23,9 @@ Backward, by operator class:
 - matmul: grad of input and grad of weight are two matmuls of the forward's size
   -> 2 x forward FLOPs (Narayanan et al. 2021, section 5.1: backward = 2 x forward);
 - attention: flash-attention's backward runs 5 matmuls against the forward's 2 (Dao et
-  al. 2022, algorithm 4) -> 2.5 x forward FLOPs;
+  al. 2022, algorithm 4) -> 2.5 x forward FLOPs; where the runtime's attention writes its
+  s x s scores to memory (``RuntimeModel.attention="materialized"``, attention before fused
+  kernels), ``materialized_attention_time`` prices its kernels one by one instead;
 - embedding: a scatter-add of the output gradient into the weight -> the forward's bytes;
 - memory-bound ops (elementwise, norm, softmax, reduction, loss): read the output grad and
   the saved input, write the input grad -> 2 x the forward's bytes;
@@ -111,3 +113,68 @@ def contention_factor(hw: HardwareProfile, processes_on_host: float) -> float:
         return 1.0
     cores = hw.device.effective_cores or hw.device.host_cores
     return max(1.0, processes_on_host / cores)
+
+
+ATTENTION_KERNELS = ("flash", "materialized")  # RuntimeModel.attention
+
+
+def attention_dropout(node: OpNode) -> bool:
+    """Whether an attention operator drops probabilities out (its ``dropout_p`` > 0)."""
+    args, kwargs = node.parsed_args()
+    p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+    return isinstance(p, (int, float)) and p > 0
+
+
+def materialized_attention_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp16",
+                                shard: int = 1, *, contention: float = 1.0) -> OpTime:
+    """An attention core that writes its b x heads x s x s scores and probabilities to
+    memory, as attention ran before fused kernels (Megatron-LM 2021's ParallelAttention:
+    baddbmm for Q K^T, one fused scale-mask-softmax kernel, dropout on the probabilities,
+    bmm with V; "standard attention", Dao et al. 2022, algorithm 0). Each kernel is
+    priced on the roofline with its own fixed cost; E = the s x s elements on this device:
+
+    forward: Q K^T (half the FLOPs, writes E), softmax (reads and writes E), dropout
+    (reads E, writes E and a 1-byte mask), P V (half the FLOPs, reads E);
+    backward: dP = dO V^T (writes E) and dV = P^T dO (reads E), dropout (reads E and the
+    mask, writes E), softmax (reads the probabilities and their gradient, writes E),
+    dQ = dS K and dK = dS^T Q (each reads E).
+
+    Dropout's kernels are priced only when the operator has ``dropout_p`` > 0. The
+    fused kernel's forward reads only the causal half (Megatron's upper-triangular
+    softmax); priced in full here, as cuBLAS computes every score.
+    """
+    measured = hw.measured_ops.get(op_signature(node, dtype, shard))
+    if measured:
+        return OpTime(float(measured[0]), float(measured[1]))
+    out = node.out
+    if out is None or len(out.shape) < 2:
+        return op_time(node, hw, dtype, shard, contention=contention)
+    db = DTYPE_BYTES.get(dtype, 4)
+    seq = out.shape[-2]
+    e = out.numel // out.shape[-1] * seq / shard  # scores on this device
+    x = out.numel * db / shard  # one of q, k, v, o on this device
+    half = node.flops / 2 / shard  # each of the two matmuls (and each backward matmul)
+    fixed = hw.device.kernel_latency_s + hw.device.framework_overhead_s
+    dropout = attention_dropout(node)
+
+    def kernels(*work: tuple[float, float]) -> float:
+        return sum(roofline_s(hw, f, b, dtype) + fixed for f, b in work)
+
+    scores = e * db
+    drop = [(0.0, 2 * scores + e)] if dropout else []
+    forward = kernels((half, 2 * x + scores), (0.0, 2 * scores), *drop, (half, scores + 2 * x))
+    backward = kernels((half, 2 * x + scores), (half, scores + 2 * x), *drop,
+                       (0.0, 3 * scores), (half, scores + 2 * x), (half, scores + 2 * x))
+    return OpTime(forward * contention, backward * contention)
+
+
+def materialized_attention_saved_bytes(node: OpNode, dtype: str, shard: int = 1) -> float:
+    """Bytes a materialized attention core keeps for its backward beyond q, k, v and the
+    output: the softmax output, and with dropout its mask (1 byte) and the dropped
+    probabilities P V reads."""
+    out = node.out
+    if out is None or len(out.shape) < 2:
+        return 0.0
+    db = DTYPE_BYTES.get(dtype, 4)
+    e = out.numel // out.shape[-1] * out.shape[-2] / shard
+    return e * (2 * db + 1 if attention_dropout(node) else db)

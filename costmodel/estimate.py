@@ -32,7 +32,9 @@ import math
 from dataclasses import dataclass, replace
 
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
-from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_factor, op_time)
+from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NAMES,
+                                        contention_factor, materialized_attention_saved_bytes,
+                                        materialized_attention_time, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, ActivationProfile, activation_memory,
@@ -97,6 +99,10 @@ class RuntimeModel:
       parameter matmuls' outputs and recomputes every other block operator (the module
       engine's op-level policy, as torchtitan's); False: Korthikanti et al.'s selective,
       which recomputes only the attention core (the graph engine, runtime/spmd.py).
+    attention: the attention core's kernels: "flash" (fused, the s x s scores stay on chip:
+      FlashAttention, cuDNN SDPA, what PyTorch's SDPA picks on GPUs) or "materialized"
+      (scores and probabilities written to memory, as attention ran before fused kernels,
+      e.g. Megatron-LM 2021: ``compute.materialized_attention_time``).
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -110,6 +116,7 @@ class RuntimeModel:
     sync_overlaps_backward: bool = False
     reduce_scatter_per_microbatch: bool = False
     selective_keeps_matmuls: bool = False
+    attention: str = "flash"
     engine: str = "graph"
     backend: str = "nccl"
 
@@ -120,6 +127,10 @@ class RuntimeModel:
         if self.backend not in BACKENDS:
             raise PlanningError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}; "
                                  "gloo runs CPU processes, nccl GPUs")
+        if self.attention not in ATTENTION_KERNELS:
+            raise PlanningError(f"attention={self.attention!r} is not one of "
+                                f"{', '.join(ATTENTION_KERNELS)}; \"flash\" for fused attention "
+                                "kernels, \"materialized\" where the s x s scores go to memory")
 
 
 def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
@@ -238,7 +249,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     contention = all_procs if compute_contention is None else compute_contention
     coll = CollectivePrices(stage, hw, backend=runtime.backend, cache=cache)
     ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll,
-                                runtime.backend)
+                                runtime.backend, runtime.attention)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
@@ -252,7 +263,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                contention=all_procs)
 
     prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
-                                    seq_len=seq_len, cache=cache)
+                                    seq_len=seq_len, attention=runtime.attention, cache=cache)
     kept, working = prof.stage_bytes(stage.recompute,
                                      keep_matmuls_only=runtime.selective_keeps_matmuls)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
@@ -554,14 +565,14 @@ def _optimizer_s(params: ParamWalk, hw: HardwareProfile, *, dtype: str, optimize
 # -- memory: activations and buffers ----------------------------------------------------------
 
 def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
-                             microbatches: int, seq_len: int,
+                             microbatches: int, seq_len: int, attention: str = "flash",
                              cache: dict | None = None) -> ActivationProfile:
     """Activation bytes per layer of one microbatch on one device of ``stage``. It does not
     depend on recompute, ZeRO or the schedule, so ``cache`` keeps it for every plan that
     shares ``stage.ops``."""
     m = max(1, microbatches)
     key = ("activations", id(stage.ops), id(stage.inputs), stage.mesh_shape, m, dtype,
-           hw.device.name, seq_len)
+           hw.device.name, seq_len, attention)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] is stage.ops and hit[1] is stage.inputs:
         return hit[2]
@@ -579,6 +590,10 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     if hw.device.name == "cpu" and seq_len:
         # math attention keeps the probabilities (b x heads x s x s)
         extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
+    elif attention == "materialized":
+        # the softmax output, dropout's mask and dropped probabilities (compute.py)
+        extra = max((materialized_attention_saved_bytes(graph.node(n), dtype, split_of(n) * m)
+                     for n in names if graph.node(n).kind == OpKind.ATTENTION), default=0.0)
     prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
                               seq_len=seq_len, micro_fraction=1.0 / m,
                               attention_extra_per_node=extra)
@@ -659,22 +674,22 @@ class _OperatorPass:
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
                           dtype: str, m: int, contention: float, coll,
-                          backend: str = "nccl") -> _OperatorPass:
+                          backend: str = "nccl", attention: str = "flash") -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend)
+           contention, id(hw), backend, attention)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
-    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll)
+    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention)
     if cache is not None:
         cache[key] = result
     return result
 
 
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
-                   contention: float, coll) -> _OperatorPass:
+                   contention: float, coll, attention: str = "flash") -> _OperatorPass:
     names = list(stage.ops)
     in_stage = set(names)
     shape = stage.mesh_shape
@@ -696,7 +711,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     for name in names:
         node = graph.node(name)
         op = stage.ops[name]
-        t = op_time(node, hw, dtype, split_factor(op.output, shape) * m, contention=contention)
+        price = materialized_attention_time if attention == "materialized" \
+            and node.kind == OpKind.ATTENTION else op_time
+        t = price(node, hw, dtype, split_factor(op.output, shape) * m, contention=contention)
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:
