@@ -38,9 +38,11 @@ from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
                                        alias_root, grad_sync_buffer_bytes, model_state_bytes,
                                        optimizer_traffic_s, zero3_buffer_bytes)
-from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
+from meshplan.costmodel.pipeline import (PipelineTime, busy_ranks, chunked_step_time,
+                                         pipeline_step_time)
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
+from meshplan.support import lists_rank_groups
 
 ENGINES = ("graph", "modules")  # Plan.engine
 BACKENDS = ("gloo", "nccl")
@@ -589,12 +591,13 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
     t = plan.training
     runtime = runtime or default_runtime(hw, engine=plan.engine)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime, cache=cache)
-    pipe = pipeline_step_time([c.microbatch_s for c in costs], max(1, t.microbatches),
-                              t.schedule, t.virtual_stages)
+    pipe = plan_pipeline_time(plan, costs)
     tail = max(c.grad_sync_s + c.optimizer_s for c in costs)
     step = pipe.step_s + tail
-    slow = max(range(len(costs)), key=lambda i: costs[i].microbatch_s)
-    c, m = costs[slow], max(1, t.microbatches)
+    # the slowest rank group (one record, or the chunks it holds under uneven interleaving)
+    units = chunk_groups(plan) or [[i] for i in range(len(costs))]
+    unit = max(units, key=lambda u: sum(costs[i].microbatch_s for i in u))
+    c, m = _summed(costs, unit), max(1, t.microbatches)
     worst = max(range(len(costs)), key=lambda i: costs[i].memory.total_gib)
     peak = costs[worst].memory.total_gib
     capacity = hw.device.memory_gib
@@ -624,6 +627,73 @@ def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel 
     return replace(plan, predicted=estimate_plan(plan, graph, runtime=runtime, hw=hw))
 
 
+def chunk_groups(plan: Plan) -> list[list[int]] | None:
+    """Record indices per rank group when an interleaved plan lists one record per virtual
+    stage (chunk j on rank group j % pp; manual plans whose blocks do not split into
+    pp x v equal chunks are written so); None for every other plan."""
+    t = plan.training
+    v = t.virtual_stages
+    if t.schedule != "interleaved-1f1b" or v <= 1 or plan.num_stages <= v \
+            or plan.num_stages % v or lists_rank_groups(plan):
+        return None
+    pp = plan.num_stages // v
+    return [list(range(g, plan.num_stages, pp)) for g in range(pp)]
+
+
+def plan_pipeline_time(plan: Plan, costs: list[StageCost]) -> PipelineTime:
+    """The pipelined span of ``plan`` from its records' costs (``plan_stage_costs``)."""
+    t = plan.training
+    m = max(1, t.microbatches)
+    groups = chunk_groups(plan)
+    if groups is None:
+        return pipeline_step_time([c.microbatch_s for c in costs], m, t.schedule,
+                                  t.virtual_stages)
+    return chunked_step_time([sum(costs[j].microbatch_s for j in g) for g in groups],
+                             max(c.microbatch_s for c in costs), m)
+
+
+def _summed(costs: list[StageCost], records) -> StageCost:
+    """Per-microbatch times of a rank group's records added; once-per-step terms and
+    memory are the group's (every record of a group carries them)."""
+    first = costs[records[0]]
+    return replace(first, forward_s=sum(costs[j].forward_s for j in records),
+                   backward_s=sum(costs[j].backward_s for j in records),
+                   recompute_s=sum(costs[j].recompute_s for j in records),
+                   comm_s=sum(costs[j].comm_s for j in records))
+
+
+def rank_group_record(plan: Plan, records) -> Stage:
+    """One record holding every chunk of a rank group (operators in graph order, all
+    their parameters): what the group keeps in memory and syncs once per step."""
+    ops, params = {}, {}
+    for j in records:
+        ops.update(plan.stages[j].ops)
+        params.update(plan.stages[j].params)
+    first, last = plan.stages[records[0]], plan.stages[records[-1]]
+    return replace(first, ops=ops, params=params, layers=(first.layers[0], last.layers[1]),
+                   nodes=(first.nodes[0], last.nodes[1]))
+
+
+def _chunked_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, groups, kw: dict,
+                   contention: float) -> list[StageCost]:
+    """Costs of the records of an uneven interleaved plan. Times per chunk: each chunk
+    priced as the pipeline stage it is (its own send/recv, pp x v stages). Memory,
+    gradient sync and optimizer per rank group: the group's chunks priced as one record
+    at the group's place in the schedule (in-flight microbatches of interleaved 1F1B over
+    pp groups), copied to each of its chunks."""
+    chunk_kw = dict(kw, num_stages=plan.num_stages, schedule="1f1b", virtual_stages=1)
+    costs = [stage_cost(st, graph, hw, compute_contention=contention, **chunk_kw)
+             for st in plan.stages]
+    group_kw = dict(kw, num_stages=len(groups))
+    for g, records in enumerate(groups):
+        union = replace(rank_group_record(plan, records), index=g)
+        gc = stage_cost(union, graph, hw, compute_contention=contention, **group_kw)
+        for j in records:
+            costs[j] = replace(costs[j], grad_sync_s=gc.grad_sync_s,
+                               optimizer_s=gc.optimizer_s, memory=gc.memory)
+    return costs
+
+
 CONTENTION_ITERATIONS = 4  # fixed-point passes; converged to < 1% on the accuracy plans
 
 
@@ -647,21 +717,30 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,
               seq_len=t.seq_len, processes_on_host=on_host, runtime=runtime, cache=cache)
+    groups = chunk_groups(plan)
+
+    def price(contention):
+        if groups is not None:
+            return _chunked_costs(plan, graph, hw, groups, kw, contention)
+        return [stage_cost(st, graph, hw, compute_contention=contention, **kw)
+                for st in plan.stages]
+
     contention = contention_factor(hw, on_host)
-    costs = [stage_cost(st, graph, hw, compute_contention=contention, **kw) for st in plan.stages]
+    costs = price(contention)
     if contention <= 1.0:
         return costs
-    # ranks of the host in each stage (plans larger than a node: this host's share)
-    ranks = [len(st.devices) * on_host / max(1, plan.num_devices) for st in plan.stages]
+    # ranks of the host in each rank group (plans larger than a node: this host's share)
+    units = groups or [[i] for i in range(len(plan.stages))]
+    ranks = [len(plan.stages[u[0]].devices) * on_host / max(1, plan.num_devices) for u in units]
     for _ in range(CONTENTION_ITERATIONS):
-        pipe = pipeline_step_time([c.microbatch_s for c in costs], m, t.schedule, t.virtual_stages)
-        busy = busy_ranks([c.microbatch_s for c in costs], ranks, m, pipe.step_s)
+        pipe = plan_pipeline_time(plan, costs)
+        busy = busy_ranks([sum(costs[j].microbatch_s for j in u) for u in units], ranks, m,
+                          pipe.step_s)
         new = contention_factor(hw, busy)
         if abs(new - contention) <= 0.01 * contention:
             break
         contention = new
-        costs = [stage_cost(st, graph, hw, compute_contention=contention, **kw)
-                 for st in plan.stages]
+        costs = price(contention)
     return costs
 
 
