@@ -36,7 +36,7 @@ from meshplan.costmodel.compute import (DTYPE_BYTES, DTYPE_NAMES, contention_fac
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, activation_memory, activation_profile,
-                                       alias_root, grad_sync_buffer_bytes, model_state_bytes,
+                                       alias_root, causal_masks, grad_sync_buffer_bytes, model_state_bytes,
                                        optimizer_traffic_s, zero3_buffer_bytes)
 from meshplan.costmodel.pipeline import (PipelineTime, busy_ranks, chunked_step_time,
                                          pipeline_step_time)
@@ -98,6 +98,11 @@ class RuntimeModel:
       parameter matmuls' outputs and recomputes every other block operator (the module
       engine's op-level policy, as torchtitan's); False: Korthikanti et al.'s selective,
       which recomputes only the attention core (the graph engine, runtime/spmd.py).
+    causal_mask_skipped: the engine runs the user's modules eagerly, where a Hugging Face
+      model without a padding mask builds no causal mask and calls SDPA with
+      ``is_causal=True`` (``memory.causal_masks``): the masks the export made are not
+      allocated (the module engine); False: the exported graph builds them (the graph
+      engine).
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -111,6 +116,7 @@ class RuntimeModel:
     sync_overlaps_backward: bool = False
     reduce_scatter_per_microbatch: bool = False
     selective_keeps_matmuls: bool = False
+    causal_mask_skipped: bool = False
     engine: str = "graph"
     backend: str = "nccl"
 
@@ -152,7 +158,7 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=False, sync_overlaps_backward=True,
                             reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
-                            engine=engine, backend=backend)
+                            causal_mask_skipped=True, engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
                         full_grad_accumulation=True, engine=engine, backend=backend)
@@ -252,7 +258,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     placement.update({n: op.output for n, op in stage.ops.items()})
     dbytes = DTYPE_BYTES[dtype]
     ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll, placement,
-                               runtime.backend)
+                               runtime.backend, causal=runtime.causal_mask_skipped)
     fwd, bwd, rec_full, rec_sel = ops.fwd, ops.bwd, ops.rec_full, ops.rec_sel
     comm_fwd, comm_bwd, comm_layers_fwd = ops.comm_fwd, ops.comm_bwd, ops.comm_layers_fwd
     p2p_bytes, consumer_out = ops.p2p_bytes, ops.consumer_out
@@ -418,7 +424,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         if cache is not None:  # independent of recompute, ZeRO-1/2 and schedule: keep it
             object.__setattr__(ops, "activations", prof)
     kept, working = prof.stage_bytes(stage.recompute,
-                                     keep_matmuls_only=runtime.selective_keeps_matmuls)
+                                     keep_matmuls_only=runtime.selective_keeps_matmuls,
+                                     without_masks=runtime.causal_mask_skipped)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
     # DDP's buckets live during the backward; the engine's flat sync copies the gradients
@@ -473,23 +480,26 @@ class _OperatorPass:
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
                           dtype: str, m: int, contention: float, coll, placement,
-                          backend: str = "nccl") -> _OperatorPass:
+                          backend: str = "nccl", *, causal: bool = False) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
-    thousands of configurations over a few dozen placement sets)."""
+    thousands of configurations over a few dozen placement sets). ``causal``: attention
+    that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_mask_skipped``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend)
+           contention, id(hw), backend, causal)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
-    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, placement)
+    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, placement,
+                            causal=causal)
     if cache is not None:
         cache[key] = result
     return result
 
 
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
-                   contention: float, coll, placement) -> _OperatorPass:
+                   contention: float, coll, placement, *, causal: bool = False) -> _OperatorPass:
     names = list(stage.ops)
+    masks = causal_masks(graph) if causal else set()
     in_stage = set(names)
     shape = stage.mesh_shape
     needs_grad = graph.grad_nodes
@@ -509,7 +519,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     for name in names:
         node = graph.node(name)
         op = stage.ops[name]
-        t = op_time(node, hw, dtype, split_factor(op.output, shape) * m, contention=contention)
+        t = op_time(node, hw, dtype, split_factor(op.output, shape) * m, contention=contention,
+                    causal=node.kind == OpKind.ATTENTION and len(node.inputs) > 3
+                    and alias_root(node.inputs[3], graph) in masks)
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:
