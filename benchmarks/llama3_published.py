@@ -44,15 +44,31 @@ VIRTUAL = (1, 2, 4)  # 1F1B, and interleaved with 2 or 4 chunks per rank group (
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def price(model, graph, mesh, *, tp: int, pp: int, dp: int, v: int):
-    """The least recompute that fits for one schedule: 1F1B (v = 1) or interleaved 1F1B
-    with v chunks per rank group (uneven: 126 blocks, planner/manual.chunk_bounds)."""
+def manual(model, graph, mesh, *, tp: int, pp: int, dp: int, v: int, recompute: str,
+           engine: str):
+    return meshplan.manual_plan(model, mesh, graph=graph, dp=dp, tp=tp, pp=pp,
+                                microbatch_size=1, recompute=recompute,
+                                schedule="interleaved-1f1b" if v > 1 else "1f1b",
+                                virtual_stages=v, sequence_parallel=True, dtype="bf16",
+                                zero=2, engine=engine)
+
+
+def price(model, graph, mesh, engine: str, note: str, **kw):
+    """The least recompute that fits for one schedule (``kw["v"]``: 1F1B for 1, else
+    interleaved 1F1B with v chunks per rank group, uneven: planner/manual.chunk_bounds),
+    priced for ``engine``. The engine check exports every stage of the 405B on meta
+    (minutes), so it runs once per row (``predict``); each variant is planned for the graph
+    engine and re-priced for the chosen one, as manual_plan itself re-prices."""
+    from dataclasses import replace
+
+    from meshplan.costmodel.estimate import with_stage_predictions
+
     for recompute in ("none", "selective", "full"):
-        plan = meshplan.manual_plan(model, mesh, graph=graph, dp=dp, tp=tp, pp=pp,
-                                    microbatch_size=1, recompute=recompute,
-                                    schedule="interleaved-1f1b" if v > 1 else "1f1b",
-                                    virtual_stages=v, sequence_parallel=True, dtype="bf16",
-                                    zero=2)
+        plan = manual(model, graph, mesh, recompute=recompute, engine="graph", **kw)
+        if engine != "graph":
+            plan = with_stage_predictions(replace(plan, engine=engine, engine_note=note), graph)
+        else:
+            plan = replace(plan, engine_note=note)  # why the module engine does not run it
         if plan.predicted.fits:
             break
     return plan
@@ -61,7 +77,12 @@ def price(model, graph, mesh, *, tp: int, pp: int, dp: int, v: int):
 def predict(model, graph, gpus: int, tp: int, pp: int, dp: int, published: float) -> dict:
     mesh = meshplan.Mesh.preset("dgx-h100", nodes=gpus // 8)
     start = time.perf_counter()
-    tried = {v: price(model, graph, mesh, tp=tp, pp=pp, dp=dp, v=v) for v in VIRTUAL}
+    # which engine runs such a plan: meshplan's own check (choose_engine), on the v = 2 plan
+    chosen = manual(model, graph, mesh, tp=tp, pp=pp, dp=dp, v=2, recompute="full",
+                    engine="auto")
+    engine_s = time.perf_counter() - start
+    tried = {v: price(model, graph, mesh, chosen.engine, chosen.engine_note, tp=tp, pp=pp,
+                      dp=dp, v=v) for v in VIRTUAL}
     fitting = [p for p in tried.values() if p.predicted.fits] or list(tried.values())
     plan = min(fitting, key=lambda p: p.predicted.step_time_s)
     est = plan.predicted
@@ -93,6 +114,7 @@ def predict(model, graph, gpus: int, tp: int, pp: int, dp: int, published: float
                                  "peak_gib": round(p.predicted.peak_memory_gib, 1),
                                  "tflops": round(p.predicted.mfu * H100_BF16_TFLOPS, 1)}
                       for v, p in tried.items()},
+            "engine_check_s": round(engine_s, 1),
             "estimate_s": round(time.perf_counter() - start, 1)}
 
 

@@ -16,6 +16,7 @@ refuses a model whose forward does not run with its blocks removed (DECISIONS 49
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -186,9 +187,6 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
         return "pipeline stages on submeshes of different shapes"
-    if t.dtype != "fp32":
-        return (f"dtype {t.dtype} with pipeline stages: module-engine pipelines run fp32 (the "
-                "stages' activations are sent in the compute dtype, not handled here yet)")
     stats = next((n for n, m in model.named_modules()
                   if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats),
                  None)
@@ -271,6 +269,13 @@ class PipelineModuleEngine:
         self.dp_size = st.mesh_shape[dp] if dp is not None else 1
         self.dp_rank = world[self.dp_axis].get_local_rank() if self.dp_axis else 0
         self.dp_group = world[self.dp_axis].get_group() if self.dp_size > 1 else None
+        # bf16: FSDP2's MixedPrecisionPolicy casts each stage's weights and inputs (dp > 1),
+        # else autocast does, as on one stage (runtime/modules.py); the stages then send
+        # and receive activations in the dtype their forward gives, which PipelineStage
+        # reads from its first step's shape inference
+        compute = COMPUTE_DTYPES[plan.training.dtype]
+        self._autocast = (lambda: torch.autocast(self.device.type, dtype=compute)) \
+            if compute is not None and self.dp_size == 1 else nullcontext
         styles, _ = tp_styles(view, model)
         container, cuts = stage_cuts(plan, model)
         on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
@@ -340,9 +345,10 @@ class PipelineModuleEngine:
         target = (targets[0] if targets else args[0]).to(self.device)
         args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
         losses: list = []
-        self.schedule.step(*(args if self.has_first else ()),
-                           target=target if self.has_last else None,
-                           losses=losses if self.has_last else None)
+        with self._autocast():
+            self.schedule.step(*(args if self.has_first else ()),
+                               target=target if self.has_last else None,
+                               losses=losses if self.has_last else None)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.has_last:
             total += torch.stack([x.detach().double() for x in losses]).mean()
