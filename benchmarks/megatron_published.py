@@ -163,7 +163,7 @@ def write_results(results: list[dict]) -> int:
             f"{VOCAB}, 1F1B (interleaved where v > 1). Measured step time = FLOPs (eq. 3, "
             f"recompute included) / (GPUs x published TFLOP/s). Priced with the kernels Megatron "
             f"ran in 2021: attention through memory (no fused attention), the fused bias-GeLU, "
-            f"dropout 0.1 (docs/DECISIONS.md 51).\n\n{table(results)}\n\n"
+            f"dropout 0.1 (docs/DECISIONS.md 55).\n\n{table(results)}\n\n"
             f"Step-time MAPE {mape * 100:.1f}% over {len(results)} rows; {fit} of "
             f"{len(results)} fit in {MEMORY_GIB:.0f} GiB.\n"
             "Source: arXiv 2104.04473, Table 1. Reproduce: "

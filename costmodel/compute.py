@@ -67,10 +67,14 @@ def op_signature(node: OpNode, dtype: str, shard: int = 1) -> str:
     return f"{node.target}|{shapes}|{dtype}|/{shard}"
 
 
-def roofline_s(hw: HardwareProfile, flops: float, nbytes: float, dtype: str) -> float:
-    """max(compute time, memory time) of one kernel, without fixed costs."""
+def roofline_s(hw: HardwareProfile, flops: float, nbytes: float, dtype: str,
+               kind: OpKind | None = None) -> float:
+    """max(compute time, memory time) of one kernel, without fixed costs. Attention
+    (``kind``) runs at the device's fused-attention efficiency where the profile gives one."""
     dev = hw.device
-    t_flops = flops / (dev.peak_flops(DTYPE_NAMES.get(dtype, dtype)) * dev.matmul_efficiency(flops)) \
+    curve = dev.attention_efficiency if kind == OpKind.ATTENTION and dev.attention_efficiency \
+        else dev.matmul_efficiency
+    t_flops = flops / (dev.peak_flops(DTYPE_NAMES.get(dtype, dtype)) * curve(flops)) \
         if flops > 0 else 0.0
     t_bytes = nbytes / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(nbytes)) \
         if nbytes > 0 else 0.0
@@ -78,11 +82,14 @@ def roofline_s(hw: HardwareProfile, flops: float, nbytes: float, dtype: str) -> 
 
 
 def op_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp32", shard: int = 1, *,
-            contention: float = 1.0) -> OpTime:
+            contention: float = 1.0, causal: bool = False) -> OpTime:
     """Forward and backward time of ``node`` when ``shard`` devices split its work evenly.
 
     ``contention`` (>= 1) slows compute when processes share CPU cores (estimate.py
-    derives it from ``device.host_cores``).
+    derives it from ``device.host_cores``). ``causal``: an attention the engine runs with
+    ``is_causal=True``; flash attention skips the blocks above the diagonal, half of the
+    FLOPs the operator counts (Dao 2023, FlashAttention-2, section 3.1.1; its TFLOP/s for
+    causal attention are quoted on half the FLOPs, as ``attention_efficiency`` is).
     """
     if node.kind in FREE_KINDS:
         return OpTime(0.0, 0.0)
@@ -91,13 +98,14 @@ def op_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp32", shard: int =
         return OpTime(float(measured[0]), float(measured[1]))
     dev = hw.device
     scale = DTYPE_BYTES.get(dtype, 4) / 4  # traced in fp32; mixed precision moves fewer bytes
-    flops = node.flops / shard
+    flops = node.flops / shard * (0.5 if causal and node.kind == OpKind.ATTENTION else 1.0)
     nbytes = (node.bytes_read + node.bytes_written) * scale / shard
     fixed = dev.kernel_latency_s + dev.framework_overhead_s
-    forward = (roofline_s(hw, flops, nbytes, dtype) + fixed) * contention
+    forward = (roofline_s(hw, flops, nbytes, dtype, node.kind) + fixed) * contention
     if node.flops:
         factor = BACKWARD_FLOPS_FACTOR.get(node.kind, 2.0)
-        backward = (roofline_s(hw, factor * flops, factor * nbytes, dtype) + 2 * fixed) * contention
+        backward = (roofline_s(hw, factor * flops, factor * nbytes, dtype, node.kind)
+                    + 2 * fixed) * contention
     else:
         factor = BACKWARD_BYTES_FACTOR.get(node.kind, 2.0)
         backward = (roofline_s(hw, 0.0, factor * nbytes, dtype) + fixed) * contention

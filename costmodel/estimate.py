@@ -38,12 +38,14 @@ from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NA
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, ActivationProfile, activation_memory,
-                                       activation_profile, alias_root, grad_sync_buffer_bytes,
-                                       model_state_bytes, optimizer_traffic_s,
-                                       zero3_buffer_bytes)
-from meshplan.costmodel.pipeline import busy_ranks, pipeline_step_time
+                                       activation_profile, alias_root, causal_masks,
+                                       grad_sync_buffer_bytes, model_state_bytes,
+                                       optimizer_traffic_s, zero3_buffer_bytes)
+from meshplan.costmodel.pipeline import (PipelineTime, busy_ranks, chunked_step_time,
+                                         pipeline_step_time)
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
+from meshplan.support import lists_rank_groups
 
 ENGINES = ("graph", "modules")  # Plan.engine
 BACKENDS = ("gloo", "nccl")
@@ -103,6 +105,11 @@ class RuntimeModel:
       FlashAttention, cuDNN SDPA, what PyTorch's SDPA picks on GPUs) or "materialized"
       (scores and probabilities written to memory, as attention ran before fused kernels,
       e.g. Megatron-LM 2021: ``compute.materialized_attention_time``).
+    causal_mask_skipped: the engine runs the user's modules eagerly, where a Hugging Face
+      model without a padding mask builds no causal mask and calls SDPA with
+      ``is_causal=True`` (``memory.causal_masks``): the masks the export made are not
+      allocated (the module engine); False: the exported graph builds them (the graph
+      engine).
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -117,6 +124,7 @@ class RuntimeModel:
     reduce_scatter_per_microbatch: bool = False
     selective_keeps_matmuls: bool = False
     attention: str = "flash"
+    causal_mask_skipped: bool = False
     engine: str = "graph"
     backend: str = "nccl"
 
@@ -162,7 +170,7 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=False, sync_overlaps_backward=True,
                             reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
-                            engine=engine, backend=backend)
+                            causal_mask_skipped=True, engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
                         full_grad_accumulation=True, engine=engine, backend=backend)
@@ -249,7 +257,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     contention = all_procs if compute_contention is None else compute_contention
     coll = CollectivePrices(stage, hw, backend=runtime.backend, cache=cache)
     ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll,
-                                runtime.backend, runtime.attention)
+                                runtime.backend, runtime.attention,
+                                causal=runtime.causal_mask_skipped)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
@@ -265,7 +274,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
                                     seq_len=seq_len, attention=runtime.attention, cache=cache)
     kept, working = prof.stage_bytes(stage.recompute,
-                                     keep_matmuls_only=runtime.selective_keeps_matmuls)
+                                     keep_matmuls_only=runtime.selective_keeps_matmuls,
+                                     without_masks=runtime.causal_mask_skipped)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
     buffers = _buffer_bytes(params, stage.zero, runtime, dtype=dtype, activation_bytes=acts)
@@ -674,23 +684,28 @@ class _OperatorPass:
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
                           dtype: str, m: int, contention: float, coll,
-                          backend: str = "nccl", attention: str = "flash") -> _OperatorPass:
+                          backend: str = "nccl", attention: str = "flash", *,
+                          causal: bool = False) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
-    thousands of configurations over a few dozen placement sets)."""
+    thousands of configurations over a few dozen placement sets). ``causal``: attention
+    that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_mask_skipped``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend, attention)
+           contention, id(hw), backend, attention, causal)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
-    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention)
+    result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
+                            causal=causal)
     if cache is not None:
         cache[key] = result
     return result
 
 
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
-                   contention: float, coll, attention: str = "flash") -> _OperatorPass:
+                   contention: float, coll, attention: str = "flash", *,
+                   causal: bool = False) -> _OperatorPass:
     names = list(stage.ops)
+    masks = causal_masks(graph) if causal else set()
     in_stage = set(names)
     shape = stage.mesh_shape
     placement = _placements(stage)
@@ -711,9 +726,14 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     for name in names:
         node = graph.node(name)
         op = stage.ops[name]
-        price = materialized_attention_time if attention == "materialized" \
-            and node.kind == OpKind.ATTENTION else op_time
-        t = price(node, hw, dtype, split_factor(op.output, shape) * m, contention=contention)
+        if attention == "materialized" and node.kind == OpKind.ATTENTION:
+            t = materialized_attention_time(node, hw, dtype, split_factor(op.output, shape) * m,
+                                            contention=contention)
+        else:
+            t = op_time(node, hw, dtype, split_factor(op.output, shape) * m,
+                        contention=contention,
+                        causal=node.kind == OpKind.ATTENTION and len(node.inputs) > 3
+                        and alias_root(node.inputs[3], graph) in masks)
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:
@@ -795,12 +815,13 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
     t = plan.training
     runtime = runtime or default_runtime(hw, engine=plan.engine)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime, cache=cache)
-    pipe = pipeline_step_time([c.microbatch_s for c in costs], max(1, t.microbatches),
-                              t.schedule, t.virtual_stages)
+    pipe = plan_pipeline_time(plan, costs)
     tail = max(c.grad_sync_s + c.optimizer_s for c in costs)
     step = pipe.step_s + tail
-    slow = max(range(len(costs)), key=lambda i: costs[i].microbatch_s)
-    c, m = costs[slow], max(1, t.microbatches)
+    # the slowest rank group (one record, or the chunks it holds under uneven interleaving)
+    units = chunk_groups(plan) or [[i] for i in range(len(costs))]
+    unit = max(units, key=lambda u: sum(costs[i].microbatch_s for i in u))
+    c, m = _summed(costs, unit), max(1, t.microbatches)
     worst = max(range(len(costs)), key=lambda i: costs[i].memory.total_gib)
     peak = costs[worst].memory.total_gib
     capacity = hw.device.memory_gib
@@ -830,6 +851,73 @@ def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel 
     return replace(plan, predicted=estimate_plan(plan, graph, runtime=runtime, hw=hw))
 
 
+def chunk_groups(plan: Plan) -> list[list[int]] | None:
+    """Record indices per rank group when an interleaved plan lists one record per virtual
+    stage (chunk j on rank group j % pp; manual plans whose blocks do not split into
+    pp x v equal chunks are written so); None for every other plan."""
+    t = plan.training
+    v = t.virtual_stages
+    if t.schedule != "interleaved-1f1b" or v <= 1 or plan.num_stages <= v \
+            or plan.num_stages % v or lists_rank_groups(plan):
+        return None
+    pp = plan.num_stages // v
+    return [list(range(g, plan.num_stages, pp)) for g in range(pp)]
+
+
+def plan_pipeline_time(plan: Plan, costs: list[StageCost]) -> PipelineTime:
+    """The pipelined span of ``plan`` from its records' costs (``plan_stage_costs``)."""
+    t = plan.training
+    m = max(1, t.microbatches)
+    groups = chunk_groups(plan)
+    if groups is None:
+        return pipeline_step_time([c.microbatch_s for c in costs], m, t.schedule,
+                                  t.virtual_stages)
+    return chunked_step_time([sum(costs[j].microbatch_s for j in g) for g in groups],
+                             max(c.microbatch_s for c in costs), m)
+
+
+def _summed(costs: list[StageCost], records) -> StageCost:
+    """Per-microbatch times of a rank group's records added; once-per-step terms and
+    memory are the group's (every record of a group carries them)."""
+    first = costs[records[0]]
+    return replace(first, forward_s=sum(costs[j].forward_s for j in records),
+                   backward_s=sum(costs[j].backward_s for j in records),
+                   recompute_s=sum(costs[j].recompute_s for j in records),
+                   comm_s=sum(costs[j].comm_s for j in records))
+
+
+def rank_group_record(plan: Plan, records) -> Stage:
+    """One record holding every chunk of a rank group (operators in graph order, all
+    their parameters): what the group keeps in memory and syncs once per step."""
+    ops, params = {}, {}
+    for j in records:
+        ops.update(plan.stages[j].ops)
+        params.update(plan.stages[j].params)
+    first, last = plan.stages[records[0]], plan.stages[records[-1]]
+    return replace(first, ops=ops, params=params, layers=(first.layers[0], last.layers[1]),
+                   nodes=(first.nodes[0], last.nodes[1]))
+
+
+def _chunked_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, groups, kw: dict,
+                   contention: float) -> list[StageCost]:
+    """Costs of the records of an uneven interleaved plan. Times per chunk: each chunk
+    priced as the pipeline stage it is (its own send/recv, pp x v stages). Memory,
+    gradient sync and optimizer per rank group: the group's chunks priced as one record
+    at the group's place in the schedule (in-flight microbatches of interleaved 1F1B over
+    pp groups), copied to each of its chunks."""
+    chunk_kw = dict(kw, num_stages=plan.num_stages, schedule="1f1b", virtual_stages=1)
+    costs = [stage_cost(st, graph, hw, compute_contention=contention, **chunk_kw)
+             for st in plan.stages]
+    group_kw = dict(kw, num_stages=len(groups))
+    for g, records in enumerate(groups):
+        union = replace(rank_group_record(plan, records), index=g)
+        gc = stage_cost(union, graph, hw, compute_contention=contention, **group_kw)
+        for j in records:
+            costs[j] = replace(costs[j], grad_sync_s=gc.grad_sync_s,
+                               optimizer_s=gc.optimizer_s, memory=gc.memory)
+    return costs
+
+
 CONTENTION_ITERATIONS = 4  # fixed-point passes; converged to < 1% on the accuracy plans
 
 
@@ -853,21 +941,30 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,
               seq_len=t.seq_len, processes_on_host=on_host, runtime=runtime, cache=cache)
+    groups = chunk_groups(plan)
+
+    def price(contention):
+        if groups is not None:
+            return _chunked_costs(plan, graph, hw, groups, kw, contention)
+        return [stage_cost(st, graph, hw, compute_contention=contention, **kw)
+                for st in plan.stages]
+
     contention = contention_factor(hw, on_host)
-    costs = [stage_cost(st, graph, hw, compute_contention=contention, **kw) for st in plan.stages]
+    costs = price(contention)
     if contention <= 1.0:
         return costs
-    # ranks of the host in each stage (plans larger than a node: this host's share)
-    ranks = [len(st.devices) * on_host / max(1, plan.num_devices) for st in plan.stages]
+    # ranks of the host in each rank group (plans larger than a node: this host's share)
+    units = groups or [[i] for i in range(len(plan.stages))]
+    ranks = [len(plan.stages[u[0]].devices) * on_host / max(1, plan.num_devices) for u in units]
     for _ in range(CONTENTION_ITERATIONS):
-        pipe = pipeline_step_time([c.microbatch_s for c in costs], m, t.schedule, t.virtual_stages)
-        busy = busy_ranks([c.microbatch_s for c in costs], ranks, m, pipe.step_s)
+        pipe = plan_pipeline_time(plan, costs)
+        busy = busy_ranks([sum(costs[j].microbatch_s for j in u) for u in units], ranks, m,
+                          pipe.step_s)
         new = contention_factor(hw, busy)
         if abs(new - contention) <= 0.01 * contention:
             break
         contention = new
-        costs = [stage_cost(st, graph, hw, compute_contention=contention, **kw)
-                 for st in plan.stages]
+        costs = price(contention)
     return costs
 
 

@@ -11,7 +11,8 @@ Fields the first presets lacked all have defaults, so older profiles still load:
 ``device.framework_overhead_s`` (per-operator cost of the executing framework on top of the
 kernel, e.g. DTensor dispatch), ``device.effective_cores`` (the cores N CPU processes
 effectively share, fitted from runs of the runtime; 0 = ``host_cores``), ``LinkSpec.collectives`` (per-collective overrides of the
-link's bandwidth and latency) and ``measured_ops`` (operator signature -> measured time).
+link's bandwidth and latency), ``measured_ops`` (operator signature -> measured time) and
+``device.attention_efficiency`` (fused attention's fraction of peak; absent: as GEMMs).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class DeviceSpec:
     host_cores: int = 0  # CPU processes share this many cores; 0: every device is its own
     framework_overhead_s: float = 0.0  # per-operator cost of the executing framework
     effective_cores: float = 0.0  # fitted cores N processes share (0: host_cores)
+    # fused attention (flash attention) kernels reach less of peak than GEMMs; None: as GEMMs
+    attention_efficiency: EfficiencyCurve | None = None
 
     def peak_flops(self, dtype: str) -> float:
         if dtype in self.peak_tflops:
@@ -91,7 +94,10 @@ class HardwareProfile:
     measured_ops: dict = field(default_factory=dict)  # op signature -> [forward_s, backward_s]
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["device"].get("attention_efficiency") is None:  # optional: absent, not null
+            d["device"].pop("attention_efficiency", None)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, *, origin: str = "hardware profile") -> "HardwareProfile":
@@ -103,6 +109,8 @@ class HardwareProfile:
         dev = dict(d["device"])
         dev["matmul_efficiency"] = EfficiencyCurve(**dev["matmul_efficiency"])
         dev["memory_efficiency"] = EfficiencyCurve(**dev["memory_efficiency"])
+        if dev.get("attention_efficiency") is not None:
+            dev["attention_efficiency"] = EfficiencyCurve(**dev["attention_efficiency"])
         return cls(
             name=d["name"], device=DeviceSpec(**dev),
             intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
@@ -129,8 +137,8 @@ def validate_profile(d) -> list[str]:
     problems = validate_schema(d, hardware_schema())
     if not problems:
         dev = d["device"]
-        for key in ("matmul_efficiency", "memory_efficiency"):
-            if not 0 < dev[key]["max_eff"] <= 1:
+        for key in ("matmul_efficiency", "memory_efficiency", "attention_efficiency"):
+            if key in dev and not 0 < dev[key]["max_eff"] <= 1:
                 problems.append(f"$.device.{key}.max_eff is {dev[key]['max_eff']}; it is a "
                                 "fraction of peak in (0, 1]")
         if not dev["peak_tflops"]:

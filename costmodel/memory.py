@@ -36,7 +36,7 @@ interleaved 1F1B the same amplified by 1 + (p-1)/(p v) (Korthikanti et al. 2022,
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshplan.graph import OpGraph, OpKind, OpNode
 
@@ -183,14 +183,25 @@ class ActivationProfile:
     kept_selective: dict
     boundary: dict
     kept_matmuls: dict = field(default_factory=dict)
+    # bytes of causal masks (``causal_masks``) among kept / boundary, by layer
+    mask_kept: dict = field(default_factory=dict)
+    mask_boundary: dict = field(default_factory=dict)
 
-    def stage_bytes(self, recompute: str, *, keep_matmuls_only: bool = False) -> tuple[float, float]:
+    def stage_bytes(self, recompute: str, *, keep_matmuls_only: bool = False,
+                    without_masks: bool = False) -> tuple[float, float]:
         """(bytes kept per in-flight microbatch, extra working set of one layer's backward).
 
         ``keep_matmuls_only``: selective recompute as the module engine runs it (torchtitan's
         op-level policy, runtime/modules.py ``_SAVED_IN_SELECTIVE``): a block keeps its input
         and its parameter matmuls' outputs (``kept_matmuls``) and recomputes the rest, one
-        block at a time in the backward."""
+        block at a time in the backward. ``without_masks``: the engine never allocates the
+        causal masks the trace made (``causal_masks``)."""
+        if without_masks and (self.mask_kept or self.mask_boundary):
+            return replace(self, kept=_minus(self.kept, self.mask_kept),
+                           kept_selective=_minus(self.kept_selective, self.mask_kept),
+                           boundary=_minus(self.boundary, self.mask_boundary),
+                           mask_kept={}, mask_boundary={}).stage_bytes(
+                recompute, keep_matmuls_only=keep_matmuls_only)
         if recompute == "selective" and keep_matmuls_only:
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0) \
                 + sum(v for i, v in self.kept_matmuls.items() if i >= 0)
@@ -206,6 +217,28 @@ class ActivationProfile:
         return sum(table.values()), 0.0
 
 
+def _minus(table: dict, sub: dict) -> dict:
+    return {k: max(0.0, v - sub.get(k, 0.0)) for k, v in table.items()}
+
+
+def causal_masks(graph: OpGraph) -> set[str]:
+    """Square boolean values that depend on no input and that attention reads as its
+    mask (its fourth input): the causal mask a Hugging Face model builds when it is exported. Run eagerly
+    with SDPA and no padding mask, transformers 5.x builds none and calls SDPA with
+    ``is_causal=True`` (``masking_utils._ignore_causal_mask_sdpa`` returns True unless
+    exporting or the padding mask is traced), so the module engine never allocates them."""
+    out = set()
+    for node in graph.nodes:
+        if node.kind != OpKind.ATTENTION or len(node.inputs) < 4:
+            continue
+        root = alias_root(node.inputs[3], graph)
+        out_meta = graph.node(root).out if root in graph else None
+        if out_meta is not None and root not in graph.data_nodes and out_meta.dtype == "bool" \
+                and len(out_meta.shape) >= 2 and out_meta.shape[-1] == out_meta.shape[-2]:
+            out.add(root)
+    return out
+
+
 def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq_len: int,
                        micro_fraction: float, attention_extra_per_node: float = 0.0) -> ActivationProfile:
     """Saved-for-backward bytes per layer for the operators ``nodes`` (names).
@@ -219,6 +252,9 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
     selective: dict[int, float] = {}
     boundary: dict[int, float] = {}
     matmuls: dict[int, float] = {}  # outputs of parameter matmuls among the kept tensors
+    masks = causal_masks(graph)
+    mask_kept: dict[int, float] = {}
+    mask_boundary: dict[int, float] = {}
     seen: set[str] = set()
     for name in nodes:
         node = graph.node(name)
@@ -230,6 +266,8 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             seen.add(root)
             b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
             kept[layer] = kept.get(layer, 0.0) + b
+            if root in masks:
+                mask_kept[layer] = mask_kept.get(layer, 0.0) + b
             if not is_seq_squared(root, graph, seq_len):
                 selective[layer] = selective.get(layer, 0.0) + b
         if layer >= 0 and _is_param_matmul(name, graph):
@@ -253,9 +291,12 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                 if ("b", at, root) in seen:
                     continue
                 seen.add(("b", at, root))
-                boundary[at] = boundary.get(at, 0.0) + tensor_bytes(
-                    root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
-    return ActivationProfile(kept, selective, boundary, matmuls)
+                b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction \
+                    / max(1, split_of(root))
+                boundary[at] = boundary.get(at, 0.0) + b
+                if root in masks:
+                    mask_boundary[at] = mask_boundary.get(at, 0.0) + b
+    return ActivationProfile(kept, selective, boundary, matmuls, mask_kept, mask_boundary)
 
 
 def _is_param_matmul(name: str, graph: OpGraph) -> bool:

@@ -49,6 +49,27 @@ def pipeline_step_time(stage_times: Sequence[float], microbatches: int, schedule
     return PipelineTime(step_s=step, busy_s=busy, bubble_s=step - microbatches * t_max)
 
 
+def chunked_step_time(group_s: Sequence[float], slowest_chunk_s: float,
+                      microbatches: int) -> PipelineTime:
+    """Step time of interleaved 1F1B whose p rank groups hold chunks of different sizes.
+
+    Group g works T_g = the sum of its chunks' per-microbatch times on every microbatch;
+    filling and draining the pipeline passes a microbatch through p - 1 chunks before the
+    slowest group is busy, each step gated by the slowest chunk c:
+
+        step = m * max(T) + (p - 1) * c
+
+    With v equal chunks per group (c = T / v) this is the interleaved formula of
+    ``pipeline_step_time``, (m + (p - 1) / v) * T (Narayanan et al. 2021, section 2.2).
+    """
+    if microbatches < 1 or not group_s:
+        raise PlanningError(f"microbatches={microbatches} and {len(group_s)} rank groups: need "
+                            "at least one of each")
+    step = microbatches * max(group_s) + (len(group_s) - 1) * slowest_chunk_s
+    busy = microbatches * sum(group_s) / len(group_s)
+    return PipelineTime(step_s=step, busy_s=busy, bubble_s=step - microbatches * max(group_s))
+
+
 def busy_ranks(stage_compute_s: Sequence[float], stage_ranks: Sequence[int], microbatches: int,
                step_s: float) -> float:
     """Average number of ranks computing at the same time during the pipelined span.

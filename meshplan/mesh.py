@@ -14,7 +14,7 @@ from pathlib import Path
 from meshplan.costmodel.hardware import HardwareProfile, load_preset, preset_names, read_json
 from meshplan.errors import MeshError
 
-GPU_PRESETS = ("dgx-a100-80gb", "dgx-h100", "dgx-h200")
+GPU_PRESETS = ("dgx-a100-80gb", "dgx-h100", "dgx-h200", "h100-96gb-hbm2e")
 
 
 @dataclass(frozen=True)

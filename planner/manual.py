@@ -69,9 +69,15 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                                sequence_parallel=bool(sequence_parallel and tp > 1),
                                microbatch_size=microbatch_size,
                                microbatches=graph.inputs[0][1].shape[0] // (dp * microbatch_size))
-    groups = stage_node_groups(graph, pp)
     per_stage = dp * cp * tp
-    bounds = layer_bounds(graph.num_layers, pp)
+    v = training.virtual_stages
+    if v > 1 and graph.num_layers % (pp * v):
+        # uneven interleaved chunks: one record per virtual stage, chunk j on rank group
+        # j % pp (the layout runtime/pipeline and runtime/module_pipeline run)
+        bounds = chunk_bounds(graph.num_layers, pp * v)
+    else:
+        bounds = layer_bounds(graph.num_layers, pp)
+    groups = stage_node_groups(graph, len(bounds), bounds)
     prop = Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
                        seq_len=training.seq_len, zero=zero)
     cprop = CpPropagator(graph, training.seq_len) if cp > 1 else None
@@ -88,7 +94,8 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                 cprop.visit(graph.node(n))
             shape, axes, ops, params, inputs = with_cp_axis(
                 cprop.gather_kv_early(names), dp, cp, tp, ops, params, inputs)
-        stages.append(Stage(index=s, devices=tuple(range(s * per_stage, (s + 1) * per_stage)),
+        g = s % pp  # rank group
+        stages.append(Stage(index=s, devices=tuple(range(g * per_stage, (g + 1) * per_stage)),
                             mesh_shape=shape, axis_names=axes, layers=bounds[s],
                             nodes=(names[0], names[-1]), recompute=recompute, zero=zero,
                             inputs=inputs, params=params, ops=ops))
@@ -159,9 +166,10 @@ def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_st
     if pp > max(1, graph.num_layers):
         raise PlanningError(f"pp={pp} exceeds the {graph.num_layers} blocks of the model; "
                             f"choose pp <= {graph.num_layers}")
-    if schedule == "interleaved-1f1b" and graph.num_layers % (pp * virtual_stages):
-        raise PlanningError(f"interleaved 1F1B needs the {graph.num_layers} blocks to divide into "
-                            f"pp*virtual_stages = {pp * virtual_stages} chunks")
+    if schedule == "interleaved-1f1b" and graph.num_layers < pp * virtual_stages:
+        raise PlanningError(f"interleaved 1F1B cuts the {graph.num_layers} blocks into "
+                            f"pp*virtual_stages = {pp * virtual_stages} chunks of at least one "
+                            f"block; choose pp*virtual_stages <= {graph.num_layers}")
     batch = graph.inputs[0][1].shape[0]
     check_batch_divides(batch, dp * microbatch_size, "dp x microbatch_size")
     heads = attention_heads(graph)
@@ -189,11 +197,34 @@ def layer_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return out
 
 
-def stage_node_groups(graph: OpGraph, pp: int) -> list[list[str]]:
+def chunk_bounds(num_layers: int, chunks: int) -> list[tuple[int, int]]:
+    """Contiguous block ranges of ``chunks`` interleaved chunks that differ by at most one
+    block, the lighter ones at the two ends, alternately first and last: those chunks also
+    hold the embedding and the output head and loss. Llama 3 cut its 126 layers for 16
+    pipeline stages this way, one layer fewer on the first and the last stage (Llama Team
+    2024, arXiv 2407.21783, section 3.3.2)."""
+    if not 1 <= chunks <= num_layers:
+        raise PlanningError(f"{chunks} chunks of at least one block need 1 <= chunks <= "
+                            f"{num_layers} blocks")
+    size = -(-num_layers // chunks)  # ceil
+    sizes = [size] * chunks
+    ends = [i // 2 if i % 2 == 0 else chunks - 1 - i // 2 for i in range(chunks)]
+    for i in range(size * chunks - num_layers):
+        sizes[ends[i]] -= 1
+    out, first = [], 0
+    for n in sizes:
+        out.append((first, first + n))
+        first += n
+    return out
+
+
+def stage_node_groups(graph: OpGraph, pp: int,
+                      bounds: list[tuple[int, int]] | None = None) -> list[list[str]]:
     """Nodes of each stage in graph order: a block's ops go to the stage owning the block;
-    ops outside blocks go to the stage of the last block seen (stage 0 before any)."""
+    ops outside blocks go to the stage of the last block seen (stage 0 before any).
+    ``bounds``: the stages' block ranges (default ``layer_bounds(num_layers, pp)``)."""
     owner = {}
-    for s, (a, b) in enumerate(layer_bounds(graph.num_layers, pp)):
+    for s, (a, b) in enumerate(bounds or layer_bounds(graph.num_layers, pp)):
         for layer in range(a, b):
             owner[layer] = s
     groups: list[list[str]] = [[] for _ in range(pp)]

@@ -120,7 +120,7 @@ class WithBatchNorm(nn.Module):
         return self.head(x)
 
 
-def test_running_statistics_are_refused_and_bf16_pipelines_taken(meta, graph):
+def test_running_statistics_and_fp16_pipelines_are_refused_bf16_taken(meta, graph):
     with torch.device("meta"):
         model = WithBatchNorm()
     plan = meshplan.manual_plan(model, meshplan.Mesh.local(4),
@@ -130,6 +130,8 @@ def test_running_statistics_are_refused_and_bf16_pipelines_taken(meta, graph):
     assert plan.engine == "graph" and "running statistics" in plan.engine_note
     bf16 = plan_for(meta, graph, dp=2, pp=2, dtype="bf16")
     assert bf16.engine == "modules", bf16.engine_note
+    fp16 = plan_for(meta, graph, dp=2, pp=2, dtype="fp16")
+    assert fp16.engine == "graph" and "loss scaling" in fp16.engine_note
 
 
 # -- 4 gloo processes against one process ------------------------------------------------------

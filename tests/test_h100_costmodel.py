@@ -1,0 +1,100 @@
+"""Closed-form checks of what issue 14's H100 set changed in the cost model: fused attention
+priced at its own efficiency (half the FLOPs when the engine runs it causal), the module
+engine holding no causal mask, and the H100 presets with a source for every number."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.costmodel.compute import op_time
+from meshplan.costmodel.hardware import HardwareProfile, load_preset
+from meshplan.graph import OpKind, OpNode, TensorMeta
+from meshplan.specs import parse_model_spec
+
+SDPA = OpNode(name="sdpa", target="aten._scaled_dot_product_flash_attention.default",
+              kind=OpKind.ATTENTION, inputs=("q", "k", "v"),
+              outputs=(TensorMeta((8, 32, 8192, 128), "float32"),), flops=4 * 10 ** 14)
+
+
+def test_attention_runs_at_the_presets_flash_attention_efficiency():
+    hw = load_preset("dgx-h100")
+    dev = hw.device
+    fixed = dev.kernel_latency_s + dev.framework_overhead_s
+    eff = dev.attention_efficiency(SDPA.flops)
+    assert eff < dev.matmul_efficiency(SDPA.flops)  # 0.35 vs 0.75 of peak at this size
+    t = op_time(SDPA, hw, "bf16")
+    assert t.forward_s == pytest.approx(SDPA.flops / (989e12 * eff) + fixed)
+    # backward: 2.5x the forward's FLOPs (compute.py docstring) at the same efficiency
+    assert t.backward_s == pytest.approx(2.5 * SDPA.flops / (989e12 * dev.attention_efficiency(
+        2.5 * SDPA.flops)) + 2 * fixed)
+    # causal (is_causal=True): flash attention skips half of the counted FLOPs
+    causal = op_time(SDPA, hw, "bf16", causal=True)
+    assert causal.forward_s == pytest.approx(SDPA.flops / 2 / (989e12 * dev.attention_efficiency(
+        SDPA.flops / 2)) + fixed)
+    # a profile without the field prices attention as a GEMM, as before
+    a100 = load_preset("dgx-a100-80gb")
+    assert a100.device.attention_efficiency is None
+    assert op_time(SDPA, a100, "bf16").forward_s == pytest.approx(
+        SDPA.flops / (312e12 * a100.device.matmul_efficiency(SDPA.flops))
+        + a100.device.kernel_latency_s + a100.device.framework_overhead_s)
+
+
+def test_h100_presets_source_every_number_and_round_trip():
+    tt = load_preset("h100-96gb-hbm2e")
+    sxm = load_preset("dgx-h100")
+    assert tt.device.memory_bandwidth_gbps == 2400.0 and sxm.device.memory_bandwidth_gbps == 3350.0
+    assert 835.0 <= tt.device.peak_tflops["bfloat16"] <= 989.0  # between NVL and SXM
+    for hw in (tt, sxm):
+        for key in ("device.peak_tflops", "device.memory_bandwidth_gbps", "device.memory_gib",
+                    "device.attention_efficiency", "inter_node", "intra_node"):
+            assert hw.sources.get(key), (hw.name, key)
+        assert HardwareProfile.from_dict(hw.to_dict()) == hw
+    # profiles without the optional field write none (a plan's embedded profile stays valid)
+    assert "attention_efficiency" not in load_preset("dgx-a100-80gb").to_dict()["device"]
+    assert meshplan.Mesh.preset("h100-96gb-hbm2e", nodes=2).num_devices == 16
+
+
+LLAMA = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=2&"
+         "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&max_position_embeddings=64")
+BATCH, SEQ = 8, 32
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from meshplan.tracing import trace
+    model = parse_model_spec(LLAMA).build(device="meta")
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return model, ids, trace(model, (ids,))
+
+
+def test_the_module_engine_holds_no_causal_mask(llama):
+    from meshplan.costmodel.memory import causal_masks
+
+    model, ids, graph = llama
+    (mask,) = causal_masks(graph)
+    assert graph.node(mask).out.shape == (BATCH, 1, SEQ, SEQ)
+    plans = {e: meshplan.manual_plan(model, meshplan.Mesh.local(2), (ids,), graph=graph, dp=2,
+                                     microbatch_size=2, recompute="full", engine=e)
+             for e in ("graph", "modules")}
+    # full recompute keeps the mask once per in-flight microbatch on the graph engine, made
+    # replicated at dp x microbatch rows (DECISIONS 34): 2 x 2 rows x 32 x 32 booleans
+    diff = (plans["graph"].predicted.memory.activations_gib
+            - plans["modules"].predicted.memory.activations_gib) * 2 ** 30
+    assert diff == pytest.approx(2 * 2 * SEQ * SEQ)
+
+
+def test_the_module_engine_runs_attention_causal(llama):
+    model, ids, graph = llama
+    mesh = meshplan.Mesh.preset("dgx-h100")
+    plans = {e: meshplan.manual_plan(model, mesh, (ids,), graph=graph, dp=8, microbatch_size=1,
+                                     dtype="bf16", engine=e) for e in ("graph", "modules")}
+    hw = mesh.hardware
+    attn = [n for n in graph.nodes if n.kind == OpKind.ATTENTION]
+    assert len(attn) == 2
+    saved = sum(op_time(n, hw, "bf16", 8).forward_s - op_time(n, hw, "bf16", 8, causal=True).forward_s
+                for n in attn)
+    assert saved > 0
+    fwd = {e: p.predicted.breakdown["forward"] for e, p in plans.items()}
+    assert fwd["graph"] - fwd["modules"] == pytest.approx(saved, rel=1e-6)

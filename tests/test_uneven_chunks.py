@@ -1,0 +1,168 @@
+"""Interleaved pipelines whose blocks do not split into pp x v equal chunks (issue 14).
+
+Pure: the chunk sizes (``chunk_bounds``), the step-time formula (``chunked_step_time``) and
+how a manual plan records and prices uneven chunks. On 2 gloo processes (one torchrun
+launch): a 5-block Llama cut into 4 chunks of 1, 1, 2 and 1 blocks (pp=2, v=2), run by
+both engines, gives the losses and every gradient of one process.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.specs import parse_model_spec
+
+LLAMA5 = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=5&"
+          "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&max_position_embeddings=64")
+BATCH, SEQ, STEPS = 8, 16, 2
+ENGINES = ("modules", "graph")
+
+
+def build(device: str = "cpu"):
+    torch.manual_seed(0)
+    return parse_model_spec(LLAMA5).build(device=device)
+
+
+def plan_for(model, graph=None, engine: str = "auto") -> meshplan.Plan:
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    return meshplan.manual_plan(model, meshplan.Mesh.local(2), example_inputs=(ids,), graph=graph,
+                                pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                                microbatch_size=2, engine=engine)
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+# -- pure ------------------------------------------------------------------------------------
+
+def test_chunk_bounds_are_near_equal_with_the_lighter_chunks_at_the_ends():
+    from meshplan.planner.manual import chunk_bounds
+
+    sizes = lambda bounds: [b - a for a, b in bounds]  # noqa: E731
+    assert sizes(chunk_bounds(5, 4)) == [1, 1, 2, 1]
+    # Llama 3 405B: 126 layers on 16 stages, one fewer on the first and the last (sec. 3.3.2)
+    assert sizes(chunk_bounds(126, 16)) == [7] + [8] * 14 + [7]
+    assert sizes(chunk_bounds(126, 32)) == [3] + [4] * 30 + [3]
+    assert sizes(chunk_bounds(8, 4)) == [2, 2, 2, 2]
+    for n in (1, 7, 16, 63, 126):
+        b = chunk_bounds(126, n)
+        assert b[0][0] == 0 and b[-1][1] == 126 and all(x[1] == y[0] for x, y in zip(b, b[1:]))
+        assert max(sizes(b)) - min(sizes(b)) <= 1
+
+
+def test_chunked_step_time_closed_form():
+    from meshplan.costmodel.pipeline import chunked_step_time, pipeline_step_time
+
+    # 2 groups: chunks (1, 2) s and (1, 1) s, 4 microbatches: 4 x 3 + (2 - 1) x 2 = 14 s
+    t = chunked_step_time([3.0, 2.0], 2.0, 4)
+    assert t.step_s == pytest.approx(14.0) and t.bubble_s == pytest.approx(2.0)
+    # equal chunks reduce to the interleaved formula (m + (p - 1) / v) x T
+    eq = chunked_step_time([4.0] * 4, 2.0, 8)
+    assert eq.step_s == pytest.approx(pipeline_step_time([4.0] * 4, 8, "interleaved-1f1b", 2).step_s)
+
+
+@pytest.fixture(scope="module")
+def meta():
+    return build("meta")
+
+
+@pytest.fixture(scope="module")
+def graph(meta):
+    from meshplan.tracing import trace
+    return trace(meta, (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),))
+
+
+def test_manual_plan_writes_one_record_per_uneven_chunk_and_prices_the_groups(meta, graph):
+    from meshplan.costmodel.estimate import chunk_groups, plan_stage_costs
+    from meshplan.costmodel.hardware import HardwareProfile
+
+    plan = plan_for(meta, graph)
+    assert [s.layers for s in plan.stages] == [(0, 1), (1, 2), (2, 4), (4, 5)]
+    assert [s.devices for s in plan.stages] == [(0,), (1,), (0,), (1,)]
+    assert meshplan.support.plan_problems(plan) == ()
+    assert chunk_groups(plan) == [[0, 2], [1, 3]]
+    costs = plan_stage_costs(plan, graph, HardwareProfile.from_dict(plan.mesh.hardware))
+    groups = [costs[0].microbatch_s + costs[2].microbatch_s,
+              costs[1].microbatch_s + costs[3].microbatch_s]
+    m = plan.training.microbatches
+    pipelined = m * max(groups) + max(c.microbatch_s for c in costs)
+    tail = max(c.grad_sync_s + c.optimizer_s for c in costs)
+    assert plan.predicted.step_time_s == pytest.approx(pipelined + tail)
+    # a group's memory holds both of its chunks' parameters
+    assert costs[0].memory == costs[2].memory and costs[0].memory.params_gib > 0
+
+
+def test_too_many_chunks_is_one_clear_line(meta, graph):
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    with pytest.raises(meshplan.PlanningError, match="pp\\*virtual_stages = 6 chunks"):
+        meshplan.manual_plan(meta, meshplan.Mesh.local(2), example_inputs=(ids,), graph=graph,
+                             pp=2, schedule="interleaved-1f1b", virtual_stages=3)
+
+
+# -- 2 gloo processes against one process ---------------------------------------------------
+
+def reference() -> dict:
+    from meshplan.tracing import next_token_loss
+
+    model = build()
+    out = {"losses": [], "grads": []}
+    for ids in batches():
+        loss = next_token_loss(model(ids, use_cache=False).logits, ids)
+        loss.backward()
+        out["losses"].append(loss.item())
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad()
+    return out
+
+
+def worker(path: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    results = {}
+    for engine in ENGINES:
+        holder = [plan_for(build("meta"), engine=engine) if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(holder)
+        plan = holder[0]
+        assert plan.engine == engine, plan.engine_note
+        run = meshplan.parallelize(build(), plan)
+        got = {"losses": [], "grads": []}
+        for ids in batches():
+            got["losses"].append(run.train_step((ids,)))
+            got["grads"].append(run.engine.full_grads())
+            for p in run.parameters():
+                p.grad = None
+        results[engine] = got
+    if dist.get_rank() == 0:
+        torch.save(results, path)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    from tests._launch import torchrun_results
+
+    return torchrun_results(__file__, tmp_path_factory.mktemp("uneven") / "out.pt", nproc=2,
+                            timeout=300)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_uneven_chunks_match_one_process(launched, engine):
+    ref, got = reference(), launched[engine]
+    close = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **close)
+    for step in range(STEPS):
+        assert set(got["grads"][step]) == set(ref["grads"][step])
+        for fqn, grad in got["grads"][step].items():
+            torch.testing.assert_close(grad, ref["grads"][step][fqn], **close,
+                                       msg=lambda m: f"{engine} step {step} {fqn}: {m}")
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
