@@ -360,9 +360,9 @@ def _add_cost_commands(sub) -> None:
     p.add_argument("plan", nargs="?", default="", help="a plan JSON file")
     p.add_argument("--model", default="", help="model spec (re-trace and re-price)")
     p.add_argument("--mesh", default="", help="mesh spec, for --manual")
-    p.add_argument("--batch", type=int, default=0, help="global batch, for --manual")
-    p.add_argument("--seq", type=int, default=0, help="sequence length, for --manual (token "
-                   "models)")
+    p.add_argument("--batch", type=POSITIVE_INT, default=0, help="global batch, for --manual")
+    p.add_argument("--seq", type=POSITIVE_INT, default=0, help="sequence length, for --manual "
+                   "(token models)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
                    "recompute=none,sp=0,zero=0,vs=1")

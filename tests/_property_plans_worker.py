@@ -150,7 +150,12 @@ def plan_for(ex: dict, model: nn.Module) -> meshplan.Plan:
                       loss_fn=loss_fn)
         try:
             if ex["plan"] == "auto":
-                plan = meshplan.autoparallel(model, mesh, **common)
+                # BatchNorm normalises each microbatch; over fewer than 4 rows its gradients
+                # are rounding noise (manual_layout), so its search keeps 4 rows or more
+                micro = tuple(m for m in range(1, ex["batch"] + 1)
+                              if ex["batch"] % m == 0 and ex["batch"] // m >= 4) \
+                    if ex["bn"] else None
+                plan = meshplan.autoparallel(model, mesh, microbatches=micro, **common)
             else:
                 try:
                     plan = meshplan.manual_plan(model, mesh, **common,

@@ -63,6 +63,18 @@ def test_plan_command_bad_input(model, extra, message, factories, tmp_path, caps
     _one_line_exit_2(argv, tmp_path / "plan.json", capsys, message)
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--batch", "-3"], "argument --batch: -3 must be positive"),
+    (["--batch", "8", "--seq", "0"], "argument --seq: 0 must be positive"),
+])
+def test_estimate_command_refuses_non_positive_sizes(extra, message, capsys):
+    argv = ["estimate", "--model", GPT, "--mesh", "local:2", "--manual", "dp=2"] + extra
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_hand_edited_placement_is_refused_before_any_process_starts(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(PLAN + ["--model", GPT, "--manual", "dp=2", "-o", str(plan)]) == 0
