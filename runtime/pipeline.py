@@ -169,11 +169,9 @@ class _StageModule(nn.Module):
         return tuple(_example(_local_shape(shape, self._mesh, pl), dtype, device, grad)
                      for (pl, shape, dtype), grad in zip(self._output_specs, self._output_grads))
 
-    def forward(self, *xs):
-        executor = self._executor
-        if getattr(executor, "lowered", False) and executor.steps is not None and \
-                not executor.record:
-            return self._forward_local(executor, xs)
+    def _dtensor_inputs(self, xs) -> list:
+        """The stage's inputs as DTensors on its mesh: the first stage distributes the data it
+        is given, later stages wrap the local shards pipelining received."""
         ins = []
         for x, (placements, shape, _) in zip(xs, self._input_specs):
             if self._first:
@@ -181,7 +179,14 @@ class _StageModule(nn.Module):
             else:
                 ins.append(DTensor.from_local(x, self._mesh, placements, run_check=False,
                                               shape=shape, stride=_contiguous_stride(shape)))
-        outs = self._run(*ins)
+        return ins
+
+    def forward(self, *xs):
+        executor = self._executor
+        if getattr(executor, "lowered", False) and executor.steps is not None and \
+                not executor.record:
+            return self._forward_local(executor, xs)
+        outs = self._run(*self._dtensor_inputs(xs))
         if self._last:
             loss = outs[0]
             if not isinstance(loss, DTensor):
@@ -686,14 +691,7 @@ class _EvalStageModule(_StageModule):
     def forward(self, *xs):
         if not self._last:
             return super().forward(*xs)
-        ins = []
-        for x, (placements, shape, _) in zip(xs, self._input_specs):
-            if self._first:
-                ins.append(distribute_tensor(x, self._mesh, placements, src_data_rank=None))
-            else:
-                ins.append(DTensor.from_local(x, self._mesh, placements, run_check=False,
-                                              shape=shape, stride=_contiguous_stride(shape)))
-        out = self._run(*ins)[0]
+        out = self._run(*self._dtensor_inputs(xs))[0]
         return _local(out, self._mesh, self._out_placements)
 
 
