@@ -216,10 +216,10 @@ def reference(model_name: str, microbatches: int) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from _launch import torchrun_results
+    from _launch import forked_results
 
     root = tmp_path_factory.mktemp("buffers")
-    return torchrun_results(__file__, root / "results.pt", nproc=4, timeout=900)
+    return forked_results(__file__, root / "results.pt", nproc=4, timeout=900)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -311,9 +311,9 @@ def test_search_considers_cp_and_beats_every_uniform_manual_plan():
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from _launch import torchrun_results
+    from _launch import forked_results
 
-    return torchrun_results(__file__, tmp_path_factory.mktemp("cp") / "results.pt", nproc=4)
+    return forked_results(__file__, tmp_path_factory.mktemp("cp") / "results.pt", nproc=4)
 
 
 @pytest.mark.parametrize("case", list(CASES))

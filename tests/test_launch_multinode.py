@@ -161,12 +161,12 @@ def clip_worker(out: str) -> None:
 
 @pytest.fixture(scope="module")
 def clipped(tmp_path_factory):
-    from tests._launch import torchrun_results
+    from tests._launch import forked_results
 
     tmp = tmp_path_factory.mktemp("clip")
     for name, kw in CLIP_PLANS.items():
         write_plan(tmp / f"{name}.json", 2, **kw)
-    return torchrun_results(__file__, tmp / "out.pt", nproc=2)
+    return forked_results(__file__, tmp / "out.pt", nproc=2)
 
 
 @pytest.fixture(scope="module")

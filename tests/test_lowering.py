@@ -105,9 +105,9 @@ def worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from _launch import torchrun_results
+    from _launch import forked_results
 
-    return torchrun_results(__file__, tmp_path_factory.mktemp("lowering") / "results.pt")
+    return forked_results(__file__, tmp_path_factory.mktemp("lowering") / "results.pt")
 
 
 def test_losses_and_grads_equal_the_dtensor_executor(results):

@@ -205,9 +205,9 @@ def worker(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    from tests._launch import torchrun_results
+    from tests._launch import forked_results
 
-    return torchrun_results(__file__, tmp_path_factory.mktemp("modpipe") / "out.pt", nproc=4,
+    return forked_results(__file__, tmp_path_factory.mktemp("modpipe") / "out.pt", nproc=4,
                             timeout=900)  # 8 cases; the 2 shared cores are often loaded
 
 

@@ -130,9 +130,9 @@ def worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from _launch import torchrun_results
+    from _launch import forked_results
 
-    return torchrun_results(__file__, tmp_path_factory.mktemp("optim") / "results.pt")
+    return forked_results(__file__, tmp_path_factory.mktemp("optim") / "results.pt")
 
 
 @pytest.mark.parametrize("opt_name,layout", CASES)

@@ -142,9 +142,9 @@ def reference(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from _launch import torchrun_results
+    from _launch import forked_results
 
-    return torchrun_results(__file__, tmp_path_factory.mktemp("ppzero") / "out.pt", nproc=4,
+    return forked_results(__file__, tmp_path_factory.mktemp("ppzero") / "out.pt", nproc=4,
                             timeout=600)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
-from _launch import torchrun_results
+from _launch import forked_results
 
 WORKER = str(Path(__file__).with_name("_property_plans_worker.py"))
 WORLDS = (1, 2, 4)
@@ -72,7 +72,7 @@ def test_examples_cover_the_space(examples):
 @pytest.mark.parametrize("world", WORLDS)
 def test_auto_plans_equal_one_process(world, examples, tmp_path):
     (tmp_path / "examples.json").write_text(json.dumps(examples[world]))
-    results = torchrun_results(WORKER, tmp_path / "out.pt", nproc=world, timeout=900)
+    results = forked_results(WORKER, tmp_path / "out.pt", nproc=world, timeout=900)
     assert len(results) == len(examples[world])
     failed = [r for r in results if r["problems"]]
     skipped = [r for r in results if r["skipped"]]

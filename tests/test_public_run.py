@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from _launch import torchrun_results
+from _launch import forked_results
 
 WORKER = str(Path(__file__).with_name("_public_run_worker.py"))
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return torchrun_results(WORKER, tmp_path_factory.mktemp("public") / "out.pt", nproc=4,
+    return forked_results(WORKER, tmp_path_factory.mktemp("public") / "out.pt", nproc=4,
                             timeout=900)
 
 

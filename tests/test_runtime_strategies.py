@@ -12,15 +12,13 @@ emitting them.
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 
+from tests._launch import forked_run
 from tests.test_runtime import GPT2, LLAMA
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
@@ -29,15 +27,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("strategies") / "results.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--nnodes=1",
-           "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "--max_restarts=0",
-           "-m", "tests.harness.equivalence", "--check-strategies", "--timeout-s", "60",
-           "--model", GPT2, "--model", LLAMA, "--out", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
-           "LOGLEVEL": "WARNING"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
-                          cwd=ROOT)  # -m tests.harness.equivalence
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    forked_run("tests.harness.equivalence", ["--check-strategies", "--timeout-s", "60",
+                                             "--model", GPT2, "--model", LLAMA, "--out", str(out)],
+               nproc=4, timeout=900, logdir=out.parent / "logs", module=True, cwd=ROOT)
     results = torch.load(out, weights_only=False)
     return [c for key, v in results.items() if key.endswith("|strategies") for c in v]
 

@@ -191,9 +191,9 @@ def worker(out: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from _launch import torchrun_results
+    from _launch import forked_results
 
-    return torchrun_results(__file__, tmp_path_factory.mktemp("tp") / "results.pt", nproc=4,
+    return forked_results(__file__, tmp_path_factory.mktemp("tp") / "results.pt", nproc=4,
                             timeout=900)
 
 

@@ -146,9 +146,9 @@ def worker(path: str) -> None:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    from tests._launch import torchrun_results
+    from tests._launch import forked_results
 
-    return torchrun_results(__file__, tmp_path_factory.mktemp("uneven") / "out.pt", nproc=2,
+    return forked_results(__file__, tmp_path_factory.mktemp("uneven") / "out.pt", nproc=2,
                             timeout=300)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _launch import torchrun_results
+from _launch import forked_results
 
 WORKER = str(Path(__file__).with_name("_zoo_run_worker.py"))
 
@@ -28,7 +28,7 @@ CASES = [(f, p) for f in zoo.FAMILIES for p in zoo.PLANS]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return torchrun_results(WORKER, tmp_path_factory.mktemp("zoo") / "out.pt", nproc=4,
+    return forked_results(WORKER, tmp_path_factory.mktemp("zoo") / "out.pt", nproc=4,
                             timeout=900)
 
 
