@@ -15,8 +15,9 @@ import shutil
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               SequenceParallel)
 
 from meshplan import support
 from meshplan.errors import PlanFileError
@@ -123,7 +124,48 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         return {}, heads
     if sp:
         styles.update(_sequence_parallel_norms(model, styles))
+        gathered = _sequence_gathers(styles, blocks)
+        for name in [n for n, st in styles.items() if isinstance(st, ColwiseParallel)
+                     and n.rpartition(".")[0] in gathered]:
+            # already Replicate on entry: no redistribute of its own, whose backward would
+            # all-reduce each projection's input gradient instead of one reduce-scatter
+            styles[name] = ColwiseParallel()
+        styles.update(gathered)
     return styles, None
+
+
+class GatherSequence(ParallelStyle):
+    """Sequence parallelism's one all-gather per sublayer (Korthikanti et al. 2022, Fig. 5;
+    torchtitan's ``PrepareModuleInput`` on attention and feed-forward): every argument of
+    the module that is a DTensor sharded by sequence is made Replicate before its forward,
+    so the column-parallel projections inside (q, k, v; gate, up) share one all-gather, and
+    the backward reduce-scatters their summed input gradient once. Generic over the call
+    signature (HF passes ``hidden_states=`` by keyword), which PrepareModuleInput is not."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def gather(value):
+            if isinstance(value, DTensor) and value.device_mesh == device_mesh and \
+                    any(isinstance(p, Shard) for p in value.placements):
+                return value.redistribute(device_mesh, [Replicate()] * device_mesh.ndim)
+            return value
+
+        def hook(_mod, args, kwargs):
+            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _sequence_gathers(styles: dict, blocks: str) -> dict:
+    """The modules inside a block that own column-parallel layers (an attention, an MLP)
+    gather the sequence once on entry; a column-parallel layer owned by the block itself
+    gathers its own input (its input_layouts)."""
+    out = {}
+    for name, style in styles.items():
+        parent = name.rpartition(".")[0]
+        if isinstance(style, ColwiseParallel) and blocks and parent.startswith(blocks + ".") \
+                and parent.rpartition(".")[0] != blocks and parent not in styles:
+            out[parent] = GatherSequence()
+    return out
 
 
 def _heads_refusal(model: nn.Module, tp: int) -> str | None:
@@ -199,7 +241,7 @@ class _Forward(nn.Module):
 
 
 def _sharded_dim(mod: nn.Module, pname: str, style) -> int | None:
-    if isinstance(style, SequenceParallel):
+    if isinstance(style, (SequenceParallel, GatherSequence)):
         return None
     if isinstance(mod, nn.Embedding):
         return 0 if isinstance(style, RowwiseParallel) else 1

@@ -54,9 +54,15 @@ def graph(meta):
 
 
 def test_sequence_parallel_gqa_goes_to_the_module_engine(meta, graph):
+    from meshplan.runtime.module_plan import GatherSequence, tp_styles
+
     for options in CASES.values():
         plan = plan_for(meta, graph, **options)
         assert plan.engine == "modules", (options, plan.engine_note)
+    # one all-gather of the sequence per attention and per MLP, not one per projection
+    styles, _ = tp_styles(plan_for(meta, graph, **CASES["dp2xtp2-sp"]), meta)
+    assert {n for n, s in styles.items() if isinstance(s, GatherSequence)} == \
+        {f"model.layers.{i}.{m}" for i in range(4) for m in ("self_attn", "mlp")}
 
 
 def test_kv_heads_not_divisible_by_tp_is_one_line(meta, graph):
