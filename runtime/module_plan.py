@@ -61,8 +61,11 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
     head) gathers its output (Replicate), so the loss sees whole logits. With sequence
     parallelism (Megatron's, Korthikanti et al. 2022) the residual stream is split by
     sequence (dim 1) between the layers: the embedding and row-parallel layers reduce-scatter
-    to Shard(1), column-parallel layers all-gather Shard(1) inputs, and the norms on the
-    residual stream (tp-replicated weights of the embedding's width) are SequenceParallel."""
+    to Shard(1), the norms on the residual stream (tp-replicated weights of the embedding's
+    width) are SequenceParallel, all three leaving a DTensor (global shapes for the user's
+    code); the module owning a block's column-parallel layers gathers the sequence once on
+    entry (``GatherSequence``), and a column-parallel layer owned by the block or outside the
+    blocks (the head) all-gathers its own Shard(1) input (DECISIONS 60)."""
     stage = plan.stages[0]
     _, tp, why = _axes(stage)
     if why or tp is None:
