@@ -105,7 +105,8 @@ def predict(key: str) -> dict:
     start = time.perf_counter()
     plan = megatron_plan(model, graph, gpus=gpus, tp=tp, pp=pp, mb=mb, v=v)
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
-    runtime = replace(default_runtime(hw, engine=plan.engine), attention="materialized")
+    runtime = replace(default_runtime(hw, engine=plan.engine, pipeline=plan.num_stages > 1),
+                      attention="materialized")
     est = estimate_plan(plan, graph, runtime=runtime, hw=hw)
     measured_s = paper_flops(batch, SEQ, layers, hidden, VOCAB) / (gpus * published * 1e12)
     tflops = paper_flops(batch, SEQ, layers, hidden, VOCAB) / (est.step_time_s * gpus) / 1e12

@@ -142,7 +142,7 @@ class RuntimeModel:
 
 
 def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
-                    backend: str | None = None) -> RuntimeModel:
+                    backend: str | None = None, pipeline: bool = False) -> RuntimeModel:
     """The runtime factors of the engine that executes the plan (``Plan.engine``) on its
     collective backend (default: gloo for CPU processes, NCCL for GPUs).
 
@@ -160,11 +160,24 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
     (``set_requires_gradient_sync``) and accumulate full gradients, ZeRO-2/3
     reduce-scatter every microbatch and keep sharded gradients (DECISIONS 27).
 
+    "modules" with ``pipeline`` (runtime/module_pipeline.py): torch.distributed.pipelining
+    (torch 2.13, ``PipelineStage.backward_maybe_with_nosync``) runs every microbatch's
+    backward of an FSDP-wrapped stage with ``set_requires_gradient_sync(False)``, so
+    gradients accumulate at full size (fp32, the reduce dtype), and its ``REDUCE_GRAD``
+    action (``perform_reduce_grad``) reduce-scatters them once, after the last microbatch's
+    backward: one sync per step, behind no compute of this stage (DECISIONS 61).
+
     gloo's reduce-scatter costs a full all-reduce (RuntimeModel docstring), either engine.
     """
     if backend is None:
         backend = "gloo" if hw.device.host_cores > 0 or hw.device.name == "cpu" else "nccl"
     gloo = backend == "gloo"
+    if engine == "modules" and pipeline:
+        return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
+                            reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
+                            full_grad_accumulation=True, sync_overlaps_backward=False,
+                            reduce_scatter_per_microbatch=False, selective_keeps_matmuls=True,
+                            causal_mask_skipped=True, engine=engine, backend=backend)
     if engine == "modules":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
@@ -813,7 +826,8 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
     """Predicted step time, memory, MFU and throughput of ``plan``; never raises for memory."""
     hw = hw or HardwareProfile.from_dict(plan.mesh.hardware)
     t = plan.training
-    runtime = runtime or default_runtime(hw, engine=plan.engine)
+    runtime = runtime or default_runtime(hw, engine=plan.engine,
+                                         pipeline=plan.num_stages > 1)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime, cache=cache)
     pipe = plan_pipeline_time(plan, costs)
     tail = max(c.grad_sync_s + c.optimizer_s for c in costs)
@@ -844,7 +858,8 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
 def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None) -> Plan:
     """The plan with every stage's ``predicted`` and the top-level Estimate filled in."""
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
-    runtime = runtime or default_runtime(hw, engine=plan.engine)
+    runtime = runtime or default_runtime(hw, engine=plan.engine,
+                                         pipeline=plan.num_stages > 1)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime)
     stages = tuple(replace(st, predicted=c.prediction()) for st, c in zip(plan.stages, costs))
     plan = replace(plan, stages=stages)
@@ -936,7 +951,8 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     """
     t = plan.training
     m = max(1, t.microbatches)
-    runtime = runtime or default_runtime(hw, engine=plan.engine)
+    runtime = runtime or default_runtime(hw, engine=plan.engine,
+                                         pipeline=plan.num_stages > 1)
     on_host = min(plan.num_devices, hw.devices_per_node)
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,

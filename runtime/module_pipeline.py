@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                           ScheduleInterleaved1F1B)
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
@@ -168,17 +168,27 @@ class StageModule(nn.Module):
     """A stage as ``PipelineStage`` sees it: tensors in, one tensor out (``.logits`` of an HF
     output). Later stages feed the hidden states through the Identity embedding."""
 
-    def __init__(self, module: nn.Module, autocast: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, autocast: torch.dtype | None = None, *,
+                 sequence_mesh=None, first: bool = True):
         super().__init__()
         self.module = module
         self.autocast = autocast  # the compute dtype where no fully_shard casts the weights
+        # sequence parallelism: the residual stream is a DTensor split by sequence over
+        # ``sequence_mesh`` (the tp submesh); it crosses stages as this rank's rows
+        self.sequence_mesh, self.first = sequence_mesh, first
 
     def forward(self, *args):
         from meshplan.runtime.module_plan import _call
+        if self.sequence_mesh is not None and not self.first:
+            args = tuple(DTensor.from_local(a, self.sequence_mesh, [Shard(1)], run_check=False)
+                         if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                         for a in args)
         if self.autocast is None:
-            return _call(self.module, args, {})
-        with torch.autocast(args[0].device.type, dtype=self.autocast):
-            return _call(self.module, args, {})
+            out = _call(self.module, args, {})
+        else:
+            with torch.autocast(args[0].device.type, dtype=self.autocast):
+                out = _call(self.module, args, {})
+        return out.to_local() if isinstance(out, DTensor) else out
 
 
 def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
@@ -310,7 +320,10 @@ class PipelineModuleEngine:
             # reduction), or autocast where there is no data parallelism; activations and
             # their gradients cross the stages in the dtype the stage computes them in
             compute = COMPUTE_DTYPES[plan.training.dtype]
-            wrapped = StageModule(part, autocast=compute if self.dp_size == 1 else None)
+            sp = tp is not None and bool(styles) and plan.training.sequence_parallel
+            wrapped = StageModule(part, autocast=compute if self.dp_size == 1 else None,
+                                  sequence_mesh=world[st.axis_names[tp]] if sp else None,
+                                  first=cut.first)
             if self.dp_size > 1:
                 apply_fsdp(wrapped, world[self.dp_axis], zero=record.zero,
                            param_dtype=compute, blocks=_ROOT + container)

@@ -15,9 +15,11 @@ import shutil
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+                                               SequenceParallel)
 
+from meshplan import support
 from meshplan.errors import PlanFileError
 from meshplan.plan import Plan, Stage
 from meshplan.graph import CallSignature
@@ -59,8 +61,11 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
     head) gathers its output (Replicate), so the loss sees whole logits. With sequence
     parallelism (Megatron's, Korthikanti et al. 2022) the residual stream is split by
     sequence (dim 1) between the layers: the embedding and row-parallel layers reduce-scatter
-    to Shard(1), column-parallel layers all-gather Shard(1) inputs, and the norms on the
-    residual stream (tp-replicated weights of the embedding's width) are SequenceParallel."""
+    to Shard(1), the norms on the residual stream (tp-replicated weights of the embedding's
+    width) are SequenceParallel, all three leaving a DTensor (global shapes for the user's
+    code); the module owning a block's column-parallel layers gathers the sequence once on
+    entry (``GatherSequence``), and a column-parallel layer owned by the block or outside the
+    blocks (the head) all-gathers its own Shard(1) input (DECISIONS 60)."""
     stage = plan.stages[0]
     _, tp, why = _axes(stage)
     if why or tp is None:
@@ -72,7 +77,10 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         for pname, p in mod.named_parameters(recurse=False):
             owners.setdefault(id(p), []).append((mname, mod, pname))
     sp = plan.training.sequence_parallel
-    seq = dict(output_layouts=Shard(1)) if sp else {}
+    # the residual stream stays a DTensor sharded by sequence (use_local_output=False): the
+    # user's code between the layers then reads the global sequence length (HF Llama sizes
+    # its positions, rotary table and mask from it) while each rank holds s / tp rows
+    seq = dict(output_layouts=Shard(1), use_local_output=False) if sp else {}
     into = dict(input_layouts=Shard(1)) if sp else {}
     styles: dict = {}
     tied = ""  # reported after every layer's style is known: a missing style says more
@@ -97,8 +105,8 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         elif isinstance(mod, nn.Embedding) and w_tp == "S(0)":
             style = RowwiseParallel(input_layouts=Replicate(), **seq)
         elif isinstance(mod, nn.Embedding) and w_tp == "S(1)":
-            style = ColwiseParallel(input_layouts=Replicate(), output_layouts=seq.get(
-                "output_layouts", Replicate()))
+            style = ColwiseParallel(input_layouts=Replicate(), **(seq or dict(
+                output_layouts=Replicate())))
         if style is None:
             return {}, (f"{mname}.{pname} is {on_tp} on the tensor-parallel axis (weight "
                         f"{w_tp}, bias {bias_tp}) in a {type(mod).__name__}; the module engine "
@@ -114,9 +122,63 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         styles[mname] = style
     if tied:
         return {}, tied
+    heads = _heads_refusal(model, stage.mesh_shape[tp]) if styles else None
+    if heads:
+        return {}, heads
     if sp:
         styles.update(_sequence_parallel_norms(model, styles))
+        gathered = _sequence_gathers(styles, blocks)
+        for name in [n for n, st in styles.items() if isinstance(st, ColwiseParallel)
+                     and n.rpartition(".")[0] in gathered]:
+            # already Replicate on entry: no redistribute of its own, whose backward would
+            # all-reduce each projection's input gradient instead of one reduce-scatter
+            styles[name] = ColwiseParallel()
+        styles.update(gathered)
     return styles, None
+
+
+class GatherSequence(ParallelStyle):
+    """Sequence parallelism's one all-gather per sublayer (Korthikanti et al. 2022, Fig. 5;
+    torchtitan's ``PrepareModuleInput`` on attention and feed-forward): every argument of
+    the module that is a DTensor sharded by sequence is made Replicate before its forward,
+    so the column-parallel projections inside (q, k, v; gate, up) share one all-gather, and
+    the backward reduce-scatters their summed input gradient once. Generic over the call
+    signature (HF passes ``hidden_states=`` by keyword), which PrepareModuleInput is not."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def gather(value):
+            if isinstance(value, DTensor) and value.device_mesh == device_mesh and \
+                    any(isinstance(p, Shard) for p in value.placements):
+                return value.redistribute(device_mesh, [Replicate()] * device_mesh.ndim)
+            return value
+
+        def hook(_mod, args, kwargs):
+            return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _sequence_gathers(styles: dict, blocks: str) -> dict:
+    """The modules inside a block that own column-parallel layers (an attention, an MLP)
+    gather the sequence once on entry; a column-parallel layer owned by the block itself
+    gathers its own input (its input_layouts)."""
+    out = {}
+    for name, style in styles.items():
+        parent = name.rpartition(".")[0]
+        if isinstance(style, ColwiseParallel) and blocks and parent.startswith(blocks + ".") \
+                and parent.rpartition(".")[0] != blocks and parent not in styles:
+            out[parent] = GatherSequence()
+    return out
+
+
+def _heads_refusal(model: nn.Module, tp: int) -> str | None:
+    """The attention heads (transformers' config names) must split whole over tp."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ints = [n if isinstance(n, int) else None for n in (heads, kv)]
+    why = support.module_engine_heads_rule(tp, *ints)
+    return why[0] if why else None
 
 
 def _sequence_parallel_norms(model: nn.Module, styles: dict) -> dict:
@@ -128,7 +190,7 @@ def _sequence_parallel_norms(model: nn.Module, styles: dict) -> dict:
         weight = getattr(mod, "weight", None)
         if name not in styles and type(mod).__name__.endswith("Norm") and \
                 isinstance(weight, torch.Tensor) and weight.numel() in width:
-            out[name] = SequenceParallel(use_local_output=True)
+            out[name] = SequenceParallel(use_local_output=False)
     return out
 
 
@@ -162,23 +224,14 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
 
 
 def _shape_hooks(mod: nn.Module, style, n: int) -> None:
-    """Make the meta module's inputs and outputs the local shapes the style gives them."""
-    def resized(t, dim, factor):
-        shape = list(t.shape)
-        shape[dim] = shape[dim] * factor if factor >= 1 else shape[dim] // round(1 / factor)
-        return t.new_empty(shape)
-    if isinstance(style, SequenceParallel):
-        return
-    first = style.input_layouts[0]
-    if isinstance(first, Shard) and first.dim == 1:  # all-gather the sequence first
-        mod.register_forward_pre_hook(lambda _m, args: (resized(args[0], 1, n), *args[1:]))
-    out = style.output_layouts[0]
-    if isinstance(style, ColwiseParallel) and isinstance(out, Replicate):
-        mod.register_forward_hook(lambda _m, _a, y: resized(y, -1, n))
-    elif isinstance(style, ColwiseParallel) and isinstance(out, Shard) and out.dim == 1:
-        mod.register_forward_hook(lambda _m, _a, y: resized(resized(y, -1, n), 1, 1 / n))
-    elif isinstance(style, RowwiseParallel) and isinstance(out, Shard):
-        mod.register_forward_hook(lambda _m, _a, y: resized(y, 1, 1 / n))
+    """Make the meta module's outputs the shapes the style gives the user's code: a
+    column-parallel layer that gathers its output (the head) returns the whole width. A
+    sequence-sharded output is a DTensor (``use_local_output=False``), whose shape is the
+    global one, so the local weights alone give every other shape."""
+    def widened(_m, _a, y):
+        return y.new_empty((*y.shape[:-1], y.shape[-1] * n))
+    if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Replicate):
+        mod.register_forward_hook(widened)
 
 
 class _Forward(nn.Module):
@@ -191,7 +244,7 @@ class _Forward(nn.Module):
 
 
 def _sharded_dim(mod: nn.Module, pname: str, style) -> int | None:
-    if isinstance(style, SequenceParallel):
+    if isinstance(style, (SequenceParallel, GatherSequence)):
         return None
     if isinstance(mod, nn.Embedding):
         return 0 if isinstance(style, RowwiseParallel) else 1

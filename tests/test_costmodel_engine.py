@@ -96,6 +96,36 @@ def test_module_engine_zero2_shards_gradients_every_microbatch(wide):
     assert mems["graph"].grads_gib * GIB > 0
 
 
+def test_module_engine_pipelines_sync_zero2_gradients_once_per_step(wide):
+    """Under torch.distributed.pipelining an FSDP stage accumulates full gradients over the
+    microbatches (``set_requires_gradient_sync(False)``) and reduce-scatters them once after
+    the last backward (``perform_reduce_grad``): full fp32 gradients at the peak, no
+    per-microbatch sync, one exposed sync per step. A single-stage plan keeps FSDP2's
+    reduce-scatter per microbatch."""
+    _, _, mesh = wide
+    model = parse_model_spec("transformers:llama?hidden_size=512&intermediate_size=1024&"
+                             "num_hidden_layers=4&num_attention_heads=8&vocab_size=256&"
+                             "max_position_embeddings=1024").build("meta")
+    graph = trace(model, example_inputs(model, 64, 1024))
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, pp=2, microbatch_size=2,
+                                dtype="bf16", zero=2, engine="modules")
+    hw = _hw(plan)
+    t = plan.training
+    kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
+              num_stages=2, seq_len=t.seq_len)
+    piped = default_runtime(hw, engine="modules", pipeline=True)
+    assert piped.full_grad_accumulation and not piped.reduce_scatter_per_microbatch
+    assert not piped.sync_overlaps_backward
+    once = stage_cost(plan.stages[0], graph, hw, runtime=piped, **kw)
+    every = stage_cost(plan.stages[0], graph, hw, runtime=default_runtime(hw, engine="modules"),
+                       **kw)
+    assert once.memory.grads_gib == pytest.approx(4 * every.memory.grads_gib, rel=0.01)
+    assert once.comm_s < every.comm_s and once.grad_sync_s > every.grad_sync_s
+    # the plan's own prediction is the pipeline runtime's
+    expected = estimate_plan(plan, graph, runtime=piped)
+    assert plan.predicted.step_time_s == pytest.approx(expected.step_time_s, rel=1e-9)
+
+
 def test_module_engine_selective_keeps_only_matmul_outputs(wide):
     """The module engine's selective recompute (runtime/modules.py ``_SAVED_IN_SELECTIVE``)
     keeps a block's input and its parameter matmuls' outputs and recomputes the rest (norms,

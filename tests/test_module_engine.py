@@ -111,9 +111,11 @@ def test_llama_and_moduledict_tensor_parallel_are_expressible(metas):
     assert isinstance(styles["head"], ColwiseParallel)  # the head gathers its logits
 
 
-def test_sequence_parallel_runs_a_plain_residual_stream_but_not_hf_llama(metas):
-    """The hand-written model splits its residual stream by sequence; HF Llama sizes its
-    rotary table from the (then local) sequence, so its shards do not line up."""
+def test_sequence_parallel_runs_a_plain_residual_stream_and_hf_llama(metas):
+    """The residual stream stays a sequence-sharded DTensor between the layers, so HF Llama,
+    which sizes its positions and rotary table from the sequence it reads, sees the global
+    one (it was refused while the stream was local rows; tests/test_module_engine_gqa.py runs
+    it against one process)."""
     from meshplan.runtime.modules import module_engine_refusal, tp_styles
     from torch.distributed.tensor.parallel import SequenceParallel
 
@@ -122,9 +124,10 @@ def test_sequence_parallel_runs_a_plain_residual_stream_but_not_hf_llama(metas):
     styles, _ = tp_styles(plan, metas["toy"])
     assert {n for n, st in styles.items() if isinstance(st, SequenceParallel)} == \
         {"layers.0.norm", "layers.1.norm", "norm"}
-    why = module_engine_refusal(plan_for(metas["llama"], tp=4, sequence_parallel=True),
-                                metas["llama"])
-    assert why is not None and "local shards" in why
+    assert all(not st.use_local_output for st in styles.values()
+               if isinstance(st, SequenceParallel))
+    assert module_engine_refusal(plan_for(metas["llama"], tp=4, sequence_parallel=True),
+                                 metas["llama"]) is None
 
 
 def test_gpt2_conv1d_fused_qkv_is_refused(metas):
@@ -136,16 +139,17 @@ def test_gpt2_conv1d_fused_qkv_is_refused(metas):
 
 
 def test_shards_the_forward_cannot_run_are_refused():
-    """2 key/value heads over tp=4: each rank would hold half a head; the local-shard
-    forward fails, so the plan is not expressible (the mapping alone would accept it)."""
+    """2 key/value heads over tp=4: each rank would hold half a head. The weights split
+    evenly, so the heads rule (support.module_engine_heads_rule) says it in one line; the
+    local-shard forward would fail too."""
     from meshplan.runtime.modules import module_engine_refusal, tp_styles
 
     model = parse_model_spec(LLAMA.replace("num_key_value_heads=4", "num_key_value_heads=2")
                              ).build(device="meta")
     plan = plan_for(model, tp=4)
-    assert tp_styles(plan, model)[1] is None
-    why = module_engine_refusal(plan, model)
-    assert why is not None and "local shards" in why
+    styles, why = tp_styles(plan, model)
+    assert styles == {} and why.startswith("num_key_value_heads=2 is not divisible by tp=4")
+    assert module_engine_refusal(plan, model) == why
 
 
 def test_fp16_plans_are_refused_and_pipelines_taken(metas):
