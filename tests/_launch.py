@@ -27,7 +27,6 @@ import torch
 from meshplan.runtime.launch import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
-TESTS = ROOT / "tests"
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.pipelining",
             "torch.distributed.fsdp", "transformers", "meshplan", "meshplan.runtime.parallelize",
             "meshplan.runtime.modules"]

@@ -13,11 +13,13 @@ import torch
 
 import meshplan
 from meshplan.specs import parse_model_spec
+# the tiny-Llama pipeline cases' batch, steps, plans and data (run under pytest, which puts
+# the repository on sys.path for this file's workers too)
+from tests.test_module_engine_pp import BATCH, LR, SEQ, STEPS, batches, plan_for
 
 # 8 query heads sharing 2 key/value heads (4 per group), head dim 8
 GQA = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=4&"
        "num_attention_heads=8&num_key_value_heads=2&vocab_size=256&max_position_embeddings=64")
-BATCH, SEQ, STEPS, LR = 8, 16, 2, 1e-2
 CASES = {  # name -> manual_plan options
     "dp2xtp2-sp": dict(dp=2, tp=2, sequence_parallel=True),
     "pp2xtp2-sp": dict(pp=2, tp=2, sequence_parallel=True),
@@ -27,17 +29,6 @@ CASES = {  # name -> manual_plan options
 def build(device: str = "cpu"):
     torch.manual_seed(0)
     return parse_model_spec(GQA).build(device=device)
-
-
-def plan_for(model, graph=None, devices: int = 4, **options) -> meshplan.Plan:
-    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
-    return meshplan.manual_plan(model, meshplan.Mesh.local(devices), example_inputs=(ids,),
-                                graph=graph, microbatch_size=1, **options)
-
-
-def batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
 # -- pure: which plans the module engine takes ------------------------------------------------
@@ -125,6 +116,7 @@ def worker(path: str) -> None:
         results[name] = got
     if dist.get_rank() == 0:
         torch.save(results, path)
+    dist.barrier()  # no rank tears gloo down while a peer still works (aborts)
     dist.destroy_process_group()
 
 

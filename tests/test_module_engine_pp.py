@@ -36,9 +36,9 @@ def build(device: str = "cpu", spec: str = LLAMA) -> nn.Module:
     return parse_model_spec(spec).build(device=device)
 
 
-def plan_for(model: nn.Module, graph=None, **options) -> meshplan.Plan:
+def plan_for(model: nn.Module, graph=None, devices: int = 4, **options) -> meshplan.Plan:
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
-    return meshplan.manual_plan(model, meshplan.Mesh.local(4), example_inputs=(ids,),
+    return meshplan.manual_plan(model, meshplan.Mesh.local(devices), example_inputs=(ids,),
                                 graph=graph, microbatch_size=1, **options)
 
 
