@@ -221,12 +221,10 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
 
 
 def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> str | None:
-    """Export every stage's forward on meta, feeding each the previous one's output: the
-    last must give what the whole model gives."""
-    from meshplan.runtime.module_plan import _Forward
+    """Run every stage's forward on meta, feeding each the previous one's output: the last
+    must give what the whole model gives."""
+    from meshplan.runtime.module_plan import _Forward, _axes, run_on_meta
     from meshplan.runtime.parallelize import meta_copy
-
-    from meshplan.runtime.module_plan import _axes
 
     stage = plan.stages[0]
     dp, _, _ = _axes(stage)
@@ -237,10 +235,9 @@ def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> s
     roles = [r.get("role") for r in plan.model.inputs]
     x = x[:roles.count("arg")] if "arg" in roles else x
     try:
-        whole = _output(torch.export.export(_Forward(meta_copy(model)), x, strict=False))
+        whole = run_on_meta(_Forward(meta_copy(model)), x)
         for cut in cuts:
-            out = _output(torch.export.export(StageModule(cut_stage(meta_copy(model), container,
-                                                                    cut)), x, strict=False))
+            out = run_on_meta(StageModule(cut_stage(meta_copy(model), container, cut)), x)
             x = (torch.empty(out.shape, dtype=out.dtype, device="meta"),)
     except Exception as exc:  # noqa: BLE001 - any failure means "cannot run cut"
         return (f"the model's forward fails with blocks removed ({type(exc).__name__}: "
@@ -249,12 +246,6 @@ def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> s
         return (f"the last stage gives shape {list(out.shape)}, the whole model "
                 f"{list(whole.shape)}; the graph engine runs this plan")
     return None
-
-
-def _output(ep) -> torch.Tensor:
-    node = next(n for n in ep.graph.nodes if n.op == "output")
-    val = node.args[0][0].meta["val"]
-    return val
 
 
 def broadcast_from_last(out: torch.Tensor | None, group, device) -> torch.Tensor:

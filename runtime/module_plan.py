@@ -10,6 +10,7 @@ at its local shape and the styles' input/output shapes (DECISIONS 27).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import shutil
 
@@ -215,8 +216,8 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
             shape[dim] //= n
             setattr(mod, pname, nn.Parameter(torch.empty(shape, device="meta", dtype=p.dtype)))
         _shape_hooks(mod, style, n)
-    try:  # exported (non-strict) as the planner traces: HF code makes data-dependent checks
-        torch.export.export(_Forward(shadow), call[0], call[1], strict=False)
+    try:
+        run_on_meta(_Forward(shadow), call[0], call[1])
     except Exception as exc:  # noqa: BLE001 - any failure means "not on local shards"
         return (f"the model's forward fails on tensor-parallel local shards ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160]}); the graph engine runs this plan")
@@ -232,6 +233,37 @@ def _shape_hooks(mod: nn.Module, style, n: int) -> None:
         return y.new_empty((*y.shape[:-1], y.shape[-1] * n))
     if isinstance(style, ColwiseParallel) and isinstance(style.output_layouts[0], Replicate):
         mod.register_forward_hook(widened)
+
+
+@contextlib.contextmanager
+def _as_tracers_see_it():
+    """``torch.compiler.is_compiling()`` and ``is_exporting()`` true, as inside torch.export:
+    HF code then skips its data-dependent checks (``(mask == 0).all()``), which meta tensors
+    cannot answer. Private flags (DECISIONS 63): torch sets them only inside export."""
+    old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
+
+
+def run_on_meta(module: nn.Module, args: tuple, kwargs: dict | None = None) -> torch.Tensor:
+    """The first output tensor of ``module`` run eagerly on meta inputs, as the engines run
+    it (eagerly). A forward whose code asks its tensors for values fails on meta; it is
+    exported instead (non-strict torch.export, whose fake tensors make such values symbolic;
+    about 20x slower). Raises what the export raises when both fail."""
+    kwargs = kwargs or {}
+    try:
+        with _as_tracers_see_it():
+            out = module(*args, **kwargs)
+        leaf = out if isinstance(out, torch.Tensor) else \
+            next(t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        return leaf
+    except Exception:  # noqa: BLE001 - retried with export, which raises the error we report
+        ep = torch.export.export(module, args, kwargs, strict=False)
+        node = next(n for n in ep.graph.nodes if n.op == "output")
+        return node.args[0][0].meta["val"]
 
 
 class _Forward(nn.Module):
