@@ -72,6 +72,11 @@ def _worker(rank: int, nproc: int, port: int, target: str, is_module: bool, argv
     torch.set_num_threads(1)
     os.chdir(cwd)
     code = 0
+    profile = None
+    if env.get("MESHPLAN_PROFILE_DIR"):  # a developer's profile of every rank (DEVELOPING.md)
+        import cProfile
+        profile = cProfile.Profile()
+        profile.enable()
     try:
         if is_module:
             sys.argv = [target, *argv]
@@ -88,6 +93,11 @@ def _worker(rank: int, nproc: int, port: int, target: str, is_module: bool, argv
         traceback.print_exc()
         code = 1
     finally:
+        if profile is not None:
+            profile.disable()
+            name = target if is_module else pathlib.Path(target).stem
+            profile.dump_stats(os.path.join(env["MESHPLAN_PROFILE_DIR"],
+                                            f"{name}-{nproc}procs-rank{rank}.prof"))
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)  # as a torchrun worker ends: no interpreter teardown of the process group
