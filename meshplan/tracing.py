@@ -22,6 +22,7 @@ import inspect
 import os
 import re
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -173,6 +174,10 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
     # twice in the export, a graph unlike the one every later call (distinct tensors) makes
     seen: set[int] = set()
     flat = tuple(x.clone() if id(x) in seen or seen.add(id(x)) else x for x in flat)
+    key = _trace_key(model, flat, loss_fn, signature, loss, device)
+    if key is not None and key in _TRACES:
+        _TRACES.move_to_end(key)
+        return _TRACES[key]
     wrapped = TrainingModule(model, loss_fn, signature, loss=loss)
     try:
         with on_device(model, flat, device) as (fake_flat, originals):
@@ -190,7 +195,59 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
         if cause is not None:  # the loss, not the model's traceability
             raise LossError(str(cause)) from None
         raise TraceError(_explain_trace_failure(exc, model)) from exc
+    if key is not None:
+        _TRACES[key] = ep
+        while len(_TRACES) > _TRACES_KEPT:
+            _TRACES.popitem(last=False)
     return ep
+
+
+# Exports of meta models by what determines them (_trace_key). The planner, the engine
+# check and the runtime each export the same model at the same shapes; a non-strict export
+# costs 1-3 s even for a 2-layer model, and a 4-process test launch made 24 of them per rank
+# (DECISIONS 64). An ExportedProgram is not changed by its users (they take ep.module(),
+# a copy); its state_dict holds meta tensors of the model first exported, which nobody reads
+# for values (graph_from_export takes names and ties from the model passed to it).
+_TRACES: "OrderedDict[tuple, torch.export.ExportedProgram]" = OrderedDict()
+_TRACES_KEPT = 32
+
+
+def _trace_key(model: nn.Module, flat: tuple, loss_fn, signature, loss: bool,
+               device: str) -> tuple | None:
+    """What a meta model's export depends on, or None where that cannot be told (real
+    tensors, hooks, or a loss that cannot be hashed): the module tree (types, training
+    flags, plain attributes), every tensor's name, shape, dtype and ties, the HF config,
+    the inputs' shapes, the loss function object, the call signature and torch's modes."""
+    tensors = [t for _, t in _module_tensors(model)]
+    if not all(t.is_meta for t in tensors) or not all(
+            isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+        return None
+    modules = []
+    for name, m in model.named_modules(remove_duplicate=False):
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or \
+                m._backward_pre_hooks or m._state_dict_hooks:
+            return None
+        attrs = tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(
+            v, (bool, int, float, str, type(None), torch.dtype))))
+        modules.append((name, type(m), attrs))
+    ties: dict[int, int] = {}
+    shapes = tuple((key, tuple(t.shape), t.dtype, t.requires_grad,
+                    ties.setdefault(id(t), len(ties)))
+                   for key, t in _module_tensors(model))
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_json_string"):
+        config = config.to_json_string(use_diff=False)
+    elif config is not None:
+        return None
+    inputs = tuple((tuple(x.shape), x.stride(), x.dtype, x.requires_grad) for x in flat)
+    modes = (torch.is_grad_enabled(), torch.get_default_dtype(),
+             torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+    key = (tuple(modules), shapes, config, inputs, loss_fn, signature, loss, device, modes)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 @contextlib.contextmanager

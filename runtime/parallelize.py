@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # private: no public local-shape helper in 2.13
 
 from meshplan import support
@@ -48,7 +48,11 @@ FP16_LOSS_SCALE = 2.0 ** 10
 def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
               enable_gqa=False):
     """scaled_dot_product_attention as matmul + softmax + matmul (every op has a DTensor rule);
-    attention dropout as PyTorch's math kernel applies it, to the softmax (global_dropout)."""
+    attention dropout as PyTorch's math kernel applies it, to the softmax (global_dropout).
+    DTensors split only by batch and heads run on their local shards (_local_attention)."""
+    local = _local_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if local is not None:
+        return local
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(rep, dim=-3)
@@ -65,6 +69,51 @@ def sdpa_math(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     if dropout_p:
         weights = global_dropout(weights, dropout_p, True)
     return torch.matmul(weights, v)
+
+
+def _local_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """Attention of DTensors q, k, v laid out alike and split only along batch (dim 0) and
+    heads (dim 1), evenly: every rank's rows and heads attend only among themselves, so each
+    rank runs sdpa_math on its local shards and the result keeps q's placements. The mask
+    is moved to the matching layout (split where it has the batch or heads, else whole).
+    None where that does not hold (sequence or head-dim splits, Partial, dropout): DTensor's
+    rules then run it. DTensor decomposes a 4-d matmul into expand / view / bmm, whose
+    flattened batch x heads dimension is a _StridedShard; pricing its redistributions took
+    1-15 s per call on 2 CPU cores (runtime/parallelize.py profile, DECISIONS 64)."""
+    if dropout_p or not all(isinstance(t, DTensor) and t.ndim == 4 for t in (q, k, v)):
+        return None
+    mesh, placements = q.device_mesh, tuple(q.placements)
+    if any(t.device_mesh != mesh or tuple(t.placements) != placements for t in (k, v)):
+        return None
+    split = {0: 1, 1: 1}  # dim -> ranks it is split over
+    for axis, p in enumerate(placements):
+        if p.is_replicate():
+            continue
+        if type(p) is not Shard or p.dim not in split:
+            return None
+        split[p.dim] *= mesh.size(axis)
+    if any(t.shape[d] % n for t in (q, k, v) for d, n in split.items()):
+        return None
+    mask = attn_mask
+    if isinstance(mask, DTensor):
+        if mask.device_mesh != mesh:
+            return None
+        lead = 4 - mask.ndim  # the mask broadcasts from the right
+
+        def fit(p):
+            d = p.dim - lead if type(p) is Shard else -1
+            return Shard(d) if d >= 0 and mask.shape[d] > 1 else Replicate()
+        mask = mask.redistribute(mesh, [fit(p) if type(p) is Shard else Replicate()
+                                        for p in placements]).to_local()
+    elif mask is not None and any(
+            mask.ndim > 3 - d and mask.shape[d - 4 + mask.ndim] > 1
+            for d, n in split.items() if n > 1):
+        return None  # a whole (global) mask along a split dimension
+    out = sdpa_math(q.to_local(), k.to_local(), v.to_local(), mask, 0.0, is_causal, scale,
+                    enable_gqa)
+    shape = (*q.shape[:-1], v.shape[-1])
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def sdpa_math_dropout(*args, **kwargs):
