@@ -174,10 +174,10 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
     # twice in the export, a graph unlike the one every later call (distinct tensors) makes
     seen: set[int] = set()
     flat = tuple(x.clone() if id(x) in seen or seen.add(id(x)) else x for x in flat)
-    key = _trace_key(model, flat, loss_fn, signature, loss, device)
-    if key is not None and key in _TRACES:
-        _TRACES.move_to_end(key)
-        return _TRACES[key]
+    cache_key = _trace_key(model, flat, loss_fn, signature, loss, device)
+    if cache_key is not None and cache_key in _TRACES:
+        _TRACES.move_to_end(cache_key)
+        return _TRACES[cache_key]
     wrapped = TrainingModule(model, loss_fn, signature, loss=loss)
     try:
         with on_device(model, flat, device) as (fake_flat, originals):
@@ -195,8 +195,8 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
         if cause is not None:  # the loss, not the model's traceability
             raise LossError(str(cause)) from None
         raise TraceError(_explain_trace_failure(exc, model)) from exc
-    if key is not None:
-        _TRACES[key] = ep
+    if cache_key is not None:
+        _TRACES[cache_key] = ep
         while len(_TRACES) > _TRACES_KEPT:
             _TRACES.popitem(last=False)
     return ep
