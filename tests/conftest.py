@@ -8,13 +8,15 @@ warnings.filterwarnings("ignore", module="transformers")
 
 # The longest modules first: with `pytest -n 2 --dist loadfile` (the README's command) each
 # module runs whole on one worker, and a long module left for last runs alone on one core.
-# Seconds from `--durations=0` on the 2-core machine (2026-11-23): the zoo run ~500, the
-# runtime equivalence ~350, module-engine pipelines ~300, ...; the rest keep their order.
-LONGEST_FIRST = ["test_zoo_run", "test_runtime", "test_module_engine_pp", "test_launch_multinode",
-                 "test_pipeline_runtime", "test_context_parallel", "test_public_run",
-                 "test_pipeline_zero", "test_examples", "test_pipeline_eval",
-                 "test_module_engine", "test_tp_correctness", "test_module_engine_gqa",
-                 "test_runtime_strategies", "test_support", "test_trace"]
+# Seconds from `--durations=40` on the 2-core machine (2026-11-23 evening, beside the other
+# worker): the zoo run ~390, the multi-node launch ~210, the runtime equivalence ~250, context
+# parallelism ~115, ...; the rest keep their order.
+LONGEST_FIRST = ["test_zoo_run", "test_runtime", "test_launch_multinode", "test_pipeline_runtime",
+                 "test_context_parallel", "test_pipeline_zero", "test_tp_correctness",
+                 "test_pipeline_eval", "test_public_run", "test_runtime_strategies",
+                 "test_examples", "test_module_engine_pp", "test_dropout_run", "test_buffers",
+                 "test_module_engine", "test_costmodel_bound", "test_local_attention",
+                 "test_module_engine_gqa", "test_support", "test_trace"]
 
 
 def pytest_collection_modifyitems(config, items):

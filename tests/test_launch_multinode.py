@@ -2,8 +2,9 @@
 
 * Two "nodes" of 2 processes on localhost (two ``meshplan run --nnodes 2 --node-rank 0/1``
   processes meeting at one c10d rendezvous) train a 4-device dp2 x pp2 plan with the same
-  losses, learning rates and gradient norms as one 4-process launch and as one process.
-  All three read a nanoGPT-style uint16 token file (``--data``), warm up (``--warmup``) and
+  losses, learning rates and gradient norms as one process (one 4-process launch of
+  ``meshplan run`` is the CLI tests' and the demo's).
+  Both read a nanoGPT-style uint16 token file (``--data``), warm up (``--warmup``) and
   clip (``--clip``); the single process is then resumed from its checkpoint directory.
 * ``runtime/grad_clip.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_`` in one
   process, for dp, tp, ZeRO-2 and pp plans (GPT-2 ties its embedding and output head, which
@@ -78,21 +79,18 @@ def runs(tmp_path_factory):
     for node in nodes:
         out, _ = node.communicate(timeout=600)
         assert node.returncode == 0, out[-4000:]
-    run_cli(p4, *data, "--metrics-out", str(tmp / "one_launch.json"))
     ckpt = ["--checkpoint-dir", str(tmp / "ckpt")]
     run_cli(p1, *data, "--metrics-out", str(tmp / "single.json"))
     run_cli(p1, *data[:-len(TRAIN)], *TRAIN[2:], "--steps", "2", *ckpt)
     run_cli(p1, *data, *ckpt, "--metrics-out", str(tmp / "resumed.json"))
     return {name: json.loads((tmp / f"{name}.json").read_text())
-            for name in ("nodes", "one_launch", "single", "resumed")}
+            for name in ("nodes", "single", "resumed")}
 
 
-def test_two_nodes_match_one_launch_and_one_process(runs):
-    nodes, one, single = runs["nodes"], runs["one_launch"], runs["single"]
-    assert nodes["world_size"] == one["world_size"] == 4 and single["world_size"] == 1
+def test_two_nodes_match_one_process(runs):
+    nodes, single = runs["nodes"], runs["single"]
+    assert nodes["world_size"] == 4 and single["world_size"] == 1
     for key in ("losses", "grad_norm"):
-        torch.testing.assert_close(torch.tensor(nodes[key]), torch.tensor(one[key]), rtol=1e-5,
-                                   atol=0)
         torch.testing.assert_close(torch.tensor(nodes[key]), torch.tensor(single[key]),
                                    rtol=1e-5, atol=0)
     assert nodes["lr"] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])  # linear warmup over 3

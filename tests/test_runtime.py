@@ -27,11 +27,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
 RUNS = {  # world size -> model -> variants
     # ZeRO-2 runs on Llama (hybrid-zero2) and in tests/test_pipeline_zero.py; a manual
     # dp x tp plan with microbatches is the sp=1 one below
-    4: {GPT2: ["dp", "tp", "sp", "2d", "zero3", "recompute-selective", "microbatches",
-               "bf16",
+    # Each layout once where both models would run it alike: pure dp and ZeRO-3 on Llama
+    # (GPT-2's Conv1D changes only tensor-parallel rules), GPT-2's sequence parallelism in
+    # its manual sp plan, 1-D tp on GPT-2 (Llama's tp is in hybrid, sp and 2d).
+    4: {GPT2: ["tp", "2d", "recompute-selective", "microbatches", "bf16",
                # plans meshplan.manual_plan builds, executed with their own op placements
                "manual:tp=4+mb=8", "manual:dp=2+tp=2+sp=1+mb=2"],
-        LLAMA: ["dp", "tp", "hybrid", "sp", "2d", "zero3", "zero1", "hybrid-zero2",
+        LLAMA: ["dp", "hybrid", "sp", "2d", "zero3", "zero1", "hybrid-zero2",
                 "recompute-full",
                 "manual:dp=2+tp=2+sp=1+mb=4"]},
     # 8 processes: the layouts whose meshes differ from 4 (dp x tp = 2 x 4 or 4 x 2); every

@@ -1,6 +1,7 @@
 """The model zoo runs (issue 13): eleven families (dense decoders, a masked LM, two
 encoder-decoders, two MoE, a ViT, a BatchNorm ConvNet, a torchtitan-style ModuleDict Llama),
-each traced, planned on local:4 (autoparallel, and manual dp2 x tp2 and dp2 x pp2) and run
+each traced, planned on local:4 (autoparallel, and manual dp2 x tp2 and dp2 x pp2 but for
+the runs in ELSEWHERE, which other tests make; benchmarks/zoo.py runs every one) and run
 2 steps through meshplan.parallelize on 4 gloo processes (tests/_zoo_run_worker.py, one
 launch): losses and every gradient equal one process. A plan the runtime cannot run must be
 refused up front with one line, and only the refusals listed here, with their reason."""
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _launch import forked_results
+from _launch import forked_run
 
 WORKER = str(Path(__file__).with_name("_zoo_run_worker.py"))
 
@@ -23,17 +24,25 @@ KNOWN_REFUSALS: dict[tuple[str, str], str] = {
     # lifted constants from the graph module; MoE plans stopped mid-step on transformers'
     # grouped matmul until runtime/custom_ops.py
 }
-CASES = [(f, p) for f in zoo.FAMILIES for p in zoo.PLANS]
-
-
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return forked_results(WORKER, tmp_path_factory.mktemp("zoo") / "out.pt", nproc=4,
-                            timeout=900)
+# Runs the zoo leaves to other tests (benchmarks/zoo.py runs them all): Llama's manual
+# plans are tests/test_module_engine.py's and test_module_engine_pp.py's layouts on a larger
+# Llama; BART's share T5's engine and refusals (tied embeddings, keyword inputs)
+ELSEWHERE = {("llama", "tp"), ("llama", "pp"), ("bart", "tp"), ("bart", "pp")}
 
 
 def _short(family):
     return family.split()[0]
+
+
+CASES = [(f, p) for f in zoo.FAMILIES for p in zoo.PLANS if (_short(f), p) not in ELSEWHERE]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zoo") / "out.pt"
+    forked_run(WORKER, [str(out), ",".join(f"{f}:{p}" for f, p in sorted(ELSEWHERE))], nproc=4,
+               timeout=900, logdir=out.parent / "out-logs")
+    return torch.load(out)
 
 
 @pytest.mark.slow
