@@ -118,19 +118,20 @@ def test_variants_execute_their_placements(results):
     tp = _stage(res[f"{GPT2}|tp"])
     assert tp["params"]["transformer.h.0.attn.c_attn.weight"] == ["S(1)"]  # column-parallel
     assert tp["params"]["transformer.h.0.mlp.c_proj.weight"] == ["S(0)"]  # row-parallel
-    llama_tp = _stage(res[f"{LLAMA}|tp"])
-    assert llama_tp["params"]["model.layers.0.self_attn.q_proj.weight"] == ["S(0)"]
-    assert llama_tp["params"]["model.layers.0.self_attn.o_proj.weight"] == ["S(1)"]
-    zero3 = _stage(res[f"{GPT2}|zero3"])
-    assert zero3["zero"] == 3 and zero3["params"]["transformer.h.0.ln_1.weight"] == ["S(0)"]
+    llama_tp = _stage(res[f"{LLAMA}|hybrid"])  # dp x tp
+    assert llama_tp["params"]["model.layers.0.self_attn.q_proj.weight"] == ["R", "S(0)"]
+    assert llama_tp["params"]["model.layers.0.self_attn.o_proj.weight"] == ["R", "S(1)"]
+    zero3 = _stage(res[f"{LLAMA}|zero3"])
+    assert zero3["zero"] == 3 and \
+        zero3["params"]["model.layers.0.input_layernorm.weight"] == ["S(0)"]
     # The executor inserted the plan's collectives: ZeRO-3 all-gathers before use, SP
     # gathers and reduce-scatters around the tensor-parallel matmuls.
-    for model in (GPT2, LLAMA):
-        assert res[f"{model}|zero3"]["redistributions"] > 0
-        assert res[f"{model}|sp"]["redistributions"] > 0
-        sp = _stage(res[f"{model}|sp"])
+    assert res[f"{LLAMA}|zero3"]["redistributions"] > 0
+    for key in (f"{LLAMA}|sp", f"{GPT2}|manual:dp=2+tp=2+sp=1+mb=2"):
+        assert res[key]["redistributions"] > 0
+        sp = _stage(res[key])
         assert any(op["inputs"] and op["inputs"][0] == ["S(0)", "S(1)"]
-                   for op in sp["ops"].values())
+                   for op in sp["ops"].values()), key
     two_d = _stage(res[f"{GPT2}|2d"])
     assert two_d["params"]["transformer.h.0.attn.c_attn.weight"] == ["S(0)", "S(1)"]
 
@@ -140,9 +141,8 @@ def test_lowered_program_runs_operators_on_local_shards(results):
     vocab-parallel embedding (its mask is per-call DTensor state) and, under tensor
     parallelism, the dropouts that follow a partial sum (DTensor reduces it first)."""
     res = results(4)
-    for variant in ("dp", "tp", "hybrid", "2d", "zero3", "zero1", "recompute-full"):
+    for variant in ("dp", "hybrid", "2d", "zero3", "zero1", "recompute-full"):
         assert res[f"{LLAMA}|{variant}"]["on_dtensor"] == [], variant
-    assert res[f"{GPT2}|dp"]["on_dtensor"] == []
     left = {name for name, _ in res[f"{GPT2}|tp"]["on_dtensor"]}
     assert "embedding" in left
     assert all(n == "embedding" or n.startswith("dropout") for n in left), left
