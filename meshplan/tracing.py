@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import inspect
 import os
 import re
@@ -205,9 +206,12 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
 # Exports of meta models by what determines them (_trace_key). The planner, the engine
 # check and the runtime each export the same model at the same shapes; a non-strict export
 # costs 1-3 s even for a 2-layer model, and a 4-process test launch made 24 of them per rank
-# (DECISIONS 64). An ExportedProgram is not changed by its users (they take ep.module(),
-# a copy); its state_dict holds meta tensors of the model first exported, which nobody reads
-# for values (graph_from_export takes names and ties from the model passed to it).
+# (DECISIONS 64). Module-level state (an exception to STYLE 3, DECISIONS 64): the callers are
+# the public API's functions, which have no object to hold it. An ExportedProgram is not
+# changed by its users (runtime/parallelize.runnable_graph_module copies the subgraphs it
+# rewrites); its state_dict holds meta tensors of the model first exported, which nobody
+# reads for values (graph_from_export takes names and ties from the model passed to it).
+# 32: a sweep of one model over many meshes and batch sizes stays within it.
 _TRACES: "OrderedDict[tuple, torch.export.ExportedProgram]" = OrderedDict()
 _TRACES_KEPT = 32
 
@@ -215,39 +219,88 @@ _TRACES_KEPT = 32
 def _trace_key(model: nn.Module, flat: tuple, loss_fn, signature, loss: bool,
                device: str) -> tuple | None:
     """What a meta model's export depends on, or None where that cannot be told (real
-    tensors, hooks, or a loss that cannot be hashed): the module tree (types, training
-    flags, plain attributes), every tensor's name, shape, dtype and ties, the HF config,
-    the inputs' shapes, the loss function object, the call signature and torch's modes."""
-    tensors = [t for _, t in _module_tensors(model)]
-    if not all(t.is_meta for t in tensors) or not all(
-            isinstance(x, torch.Tensor) and x.is_meta for x in flat):
+    tensors, hooks, an attribute of a kind not listed in ``_frozen``, an unhashable loss):
+    the module tree (types, training flags, every attribute's value), every tensor's full
+    name, kind, shape, stride, dtype and ties, every HF config (its JSON and attention
+    implementation), the inputs' shapes, the loss function object, the call signature and
+    torch's grad and autocast modes."""
+    if not all(isinstance(x, torch.Tensor) and x.is_meta for x in flat) or \
+            torch.nn.modules.module._global_forward_hooks or \
+            torch.nn.modules.module._global_forward_pre_hooks:
         return None
+    ties: dict[int, int] = {}
+    configs: dict[int, object] = {}
     modules = []
     for name, m in model.named_modules(remove_duplicate=False):
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or \
-                m._backward_pre_hooks or m._state_dict_hooks:
+                m._backward_pre_hooks or m._state_dict_hooks or "forward" in vars(m):
             return None
-        attrs = tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(
-            v, (bool, int, float, str, type(None), torch.dtype))))
-        modules.append((name, type(m), attrs))
-    ties: dict[int, int] = {}
-    shapes = tuple((key, tuple(t.shape), t.dtype, t.requires_grad,
-                    ties.setdefault(id(t), len(ties)))
-                   for key, t in _module_tensors(model))
-    config = getattr(model, "config", None)
-    if hasattr(config, "to_json_string"):
-        config = config.to_json_string(use_diff=False)
-    elif config is not None:
+        attrs = []
+        for k, v in vars(m).items():
+            if k in ("_parameters", "_buffers", "_modules") or isinstance(v, nn.Module):
+                continue
+            if hasattr(v, "to_json_string") and hasattr(v, "_attn_implementation"):
+                configs.setdefault(id(v), v)  # an HF config: keyed once, below
+                continue
+            frozen = _frozen(v, ties)
+            if frozen is _UNKNOWN:
+                return None
+            attrs.append((k, frozen))
+        tensors = tuple((kind, key, _frozen(t, ties), getattr(m, "_non_persistent_buffers_set",
+                                                               set()).__contains__(key))
+                        for kind, table in (("param", m._parameters), ("buffer", m._buffers))
+                        for key, t in table.items() if t is not None)
+        if any(t[2] is _UNKNOWN for t in tensors):
+            return None
+        modules.append((name, type(m), tuple(attrs), tensors))
+    try:
+        config = tuple((c.to_json_string(use_diff=False), c._attn_implementation,
+                        getattr(c, "_experts_implementation", None)) for c in configs.values())
+    except Exception:  # noqa: BLE001 - a config that cannot be written: not cached
         return None
     inputs = tuple((tuple(x.shape), x.stride(), x.dtype, x.requires_grad) for x in flat)
     modes = (torch.is_grad_enabled(), torch.get_default_dtype(),
              torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-    key = (tuple(modules), shapes, config, inputs, loss_fn, signature, loss, device, modes)
+    key = (tuple(modules), config, inputs, loss_fn, signature, loss, device, modes)
     try:
         hash(key)
     except TypeError:
         return None
     return key
+
+
+_UNKNOWN = object()
+
+
+def _frozen(v, ties: dict[int, int]):
+    """A hashable stand-in for an attribute value that tells every value that could trace
+    differently apart (its type included: 1 and 1.0 differ), or _UNKNOWN."""
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+        return (type(v), v)
+    if isinstance(v, torch.Tensor):
+        if not v.is_meta:
+            return _UNKNOWN  # real values a trace may read (or lift as a constant)
+        return (type(v), tuple(v.shape), v.stride(), v.dtype, v.requires_grad,
+                ties.setdefault(id(v), len(ties)))
+    if isinstance(v, (tuple, list, frozenset, set)):
+        items = [_frozen(x, ties) for x in (sorted(v, key=repr) if isinstance(v, (set, frozenset))
+                                            else v)]
+        return _UNKNOWN if any(x is _UNKNOWN for x in items) else (type(v), tuple(items))
+    if isinstance(v, dict):
+        items = [(k, _frozen(x, ties)) for k, x in v.items()]
+        if any(x is _UNKNOWN for _, x in items):
+            return _UNKNOWN
+        return (dict, tuple(items))
+    if inspect.isfunction(v) or inspect.isbuiltin(v):
+        return (type(v), getattr(v, "__module__", None), v.__qualname__)
+    if isinstance(v, enum.Enum):
+        return (type(v), v.value)
+    if callable(getattr(v, "to_json_string", None)):  # HF's GenerationConfig and kin
+        try:
+            return (type(v), v.to_json_string())
+        except Exception:  # noqa: BLE001 - one that cannot be written is not told apart
+            return _UNKNOWN
+    return _UNKNOWN
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ owns them; each stage module is then parallelized as runtime/modules.py parallel
 stage (``apply_tp``, ``apply_ac``, ``apply_fsdp`` over the stage's own dp x tp submesh) and
 wrapped in a ``PipelineStage``; the plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives
 the microbatches. ``pipeline_refusal`` says why a plan cannot run this way (the graph engine,
-runtime/pipeline.py, then runs it); it exports every stage's forward on meta, which is what
+runtime/pipeline.py, then runs it); it runs every stage's forward on meta (DECISIONS 63), which is what
 refuses a model whose forward does not run with its blocks removed (DECISIONS 49).
 """
 

@@ -4,7 +4,7 @@ tensor-parallel styles. Pure: no process group.
 trace -> cost -> solve -> plan -> **run**. ``tp_styles`` reads the plan's parameter placements
 on the tensor-parallel axis as ``parallelize_module`` styles (a dict from module FQN to a
 style, torchtitan's form); ``module_engine_refusal`` says why a plan cannot run that way, and
-checks the user's forward on local shards by exporting it on meta with every sharded weight
+checks the user's forward on local shards by running it on meta (DECISIONS 63) with every sharded weight
 at its local shape and the styles' input/output shapes (DECISIONS 27).
 """
 
@@ -241,16 +241,16 @@ def _as_tracers_see_it():
     HF code then skips its data-dependent checks (``(mask == 0).all()``), which meta tensors
     cannot answer. Private flags (DECISIONS 63): torch sets them only inside export."""
     old = torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag
-    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
     try:
+        torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
         yield
     finally:
         torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
 
 
 def run_on_meta(module: nn.Module, args: tuple, kwargs: dict | None = None) -> torch.Tensor:
-    """The first output tensor of ``module`` run eagerly on meta inputs, as the engines run
-    it (eagerly). A forward whose code asks its tensors for values fails on meta; it is
+    """The first output tensor of ``module`` run eagerly on meta inputs (with the branches
+    HF code takes under tracing, as the export did). A forward whose code asks its tensors for values fails on meta; it is
     exported instead (non-strict torch.export, whose fake tensors make such values symbolic;
     about 20x slower). Raises what the export raises when both fail."""
     kwargs = kwargs or {}

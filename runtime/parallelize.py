@@ -77,7 +77,9 @@ def _local_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
     rank runs sdpa_math on its local shards and the result keeps q's placements. The mask
     is moved to the matching layout (split where it has the batch or heads, else whole).
     None where that does not hold (sequence or head-dim splits, Partial, dropout): DTensor's
-    rules then run it. DTensor decomposes a 4-d matmul into expand / view / bmm, whose
+    rules then run it; so do uneven splits, _StridedShard, q, k, v laid out differently, a
+    mask on another mesh or one that needs a gradient, and a whole (non-DTensor) mask along a
+    split dimension. DTensor decomposes a 4-d matmul into expand / view / bmm, whose
     flattened batch x heads dimension is a _StridedShard; pricing its redistributions took
     1-15 s per call on 2 CPU cores (runtime/parallelize.py profile, DECISIONS 64)."""
     if dropout_p or not all(isinstance(t, DTensor) and t.ndim == 4 for t in (q, k, v)):
@@ -95,6 +97,8 @@ def _local_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
     if any(t.shape[d] % n for t in (q, k, v) for d, n in split.items()):
         return None
     mask = attn_mask
+    if isinstance(mask, torch.Tensor) and mask.requires_grad:
+        return None  # a learned bias: its gradient sums over the ranks that split q
     if isinstance(mask, DTensor):
         if mask.device_mesh != mesh:
             return None
@@ -113,7 +117,7 @@ def _local_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
                     enable_gqa)
     shape = (*q.shape[:-1], v.shape[-1])
     return DTensor.from_local(out, mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+                              stride=_contiguous(shape))
 
 
 def sdpa_math_dropout(*args, **kwargs):
@@ -166,6 +170,11 @@ def runnable_graph_module(ep: torch.export.ExportedProgram, *, device_type: str)
     from meshplan.runtime.custom_ops import replicate_unsharded_custom_ops
 
     gm = ep.module()
+    # ep.module() copies the top graph only; the subgraphs of higher-order operators are
+    # the program's own, and the program may be cached (meshplan.tracing): rewrite copies
+    for name, child in list(gm.named_children()):
+        if isinstance(child, torch.fx.GraphModule):
+            setattr(gm, name, copy.deepcopy(child))
     for sub in gm.modules():
         if isinstance(sub, torch.fx.GraphModule):
             _make_runnable(sub, device_type)

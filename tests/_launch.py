@@ -95,6 +95,7 @@ def _worker(rank: int, nproc: int, port: int, target: str, is_module: bool, argv
     finally:
         if profile is not None:
             profile.disable()
+            os.makedirs(env["MESHPLAN_PROFILE_DIR"], exist_ok=True)
             name = target if is_module else pathlib.Path(target).stem
             profile.dump_stats(os.path.join(env["MESHPLAN_PROFILE_DIR"],
                                             f"{name}-{nproc}procs-rank{rank}.prof"))

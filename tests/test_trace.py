@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import meshplan
+from meshplan.tracing import _TRACES
 from meshplan.errors import TraceError
 from meshplan.graph import OpKind
 from meshplan.specs import example_inputs, parse_model_spec
@@ -107,6 +108,7 @@ def test_fingerprint_changes_with_shapes_not_with_device():
     a = meshplan.trace(spec.build("meta"), example_inputs(None, 2, 8))
     b = meshplan.trace(spec.build("meta"), example_inputs(None, 2, 16))
     assert a.fingerprint != b.fingerprint
+    _TRACES.clear()  # a fresh export, not the cached one (meshplan.tracing, DECISIONS 64)
     c = meshplan.trace(spec.build("meta"), example_inputs(None, 2, 8))
     assert a.fingerprint == c.fingerprint
 
@@ -160,5 +162,6 @@ def test_one_tensor_as_input_and_target_traces_like_two():
     def loss_fn(out, y):
         return nn.functional.cross_entropy(out.reshape(-1, 16), y.reshape(-1))
     same = meshplan.trace(model, (ids,), loss_fn=loss_fn, example_targets=(ids,))
+    _TRACES.clear()  # a fresh export, not the cached one (meshplan.tracing, DECISIONS 64)
     apart = meshplan.trace(model, (ids,), loss_fn=loss_fn, example_targets=(ids.clone(),))
     assert same.fingerprint == apart.fingerprint

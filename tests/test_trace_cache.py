@@ -67,3 +67,28 @@ def test_models_with_real_weights_are_not_cached():
     model = parse_model_spec(GPT2).build(device="cpu")
     x = (torch.zeros(2, 8, dtype=torch.long),)
     assert export_training_graph(model, x) is not export_training_graph(model, x)
+
+
+def test_tuple_attributes_tensor_attributes_and_attention_are_keyed():
+    x = (torch.empty(1, 3, 8, 8, device="meta"),)
+
+    def conv(stride):
+        return nn.Sequential(nn.Conv2d(3, 4, 3, stride=stride, device="meta"), nn.Flatten())
+    one, two = (export_training_graph(conv(s), x, lambda o: o.mean()) for s in (1, 2))
+    assert one is not two
+
+    class Masked(nn.Module):
+        def __init__(self, mask):
+            super().__init__()
+            self.lin = nn.Linear(4, 4, device="meta")
+            self.mask = mask
+
+        def forward(self, v):
+            return self.lin(v) * self.mask
+    v = (torch.empty(2, 4, device="meta"),)
+    real = Masked(torch.ones(4))
+    assert export_training_graph(real, v, lambda o: o.mean()) is not \
+        export_training_graph(real, v, lambda o: o.mean())  # real values: never cached
+    eager = build()
+    eager.config._attn_implementation = "eager"
+    assert export_training_graph(eager, ids()) is not export_training_graph(build(), ids())
