@@ -8,9 +8,12 @@ over DP as its FSDP-style ZeRO-2 did), priced on the DGX H100 preset (the paper'
 H100 SXM 80 GB HBM3 at 700 W, 400 Gb/s per GPU) for the engine that runs the plan
 (``plan.engine``), and its predicted throughput (model FLOPs per second per GPU) compared
 with the published one. The paper does not give every knob: microbatch size 1; the schedule
-is the fastest fitting of 1F1B and interleaved 1F1B with 2 or 4 chunks per rank group, the
-126 blocks cut into uneven chunks with the lighter ones first and last (as the paper's
-section 3.3.2 removes a layer from the first and the last stage); each with the least
+is the fastest fitting of 1F1B and interleaved 1F1B with 2, 4 or 8 chunks per rank group,
+the 126 blocks cut into uneven chunks with the lighter ones first and last (as the paper's
+section 3.3.2 removes a layer from the first and the last stage). With 8 chunks per rank
+group (128 chunks) every chunk holds one block but the first, which holds only the
+embedding, and the last, only the head and loss: the layout that section describes ("the
+first model chunk on the first stage has only the embedding"). Each with the least
 recompute that fits 80 GB (none, then selective, then full).
 
 Source: Llama Team, "The Llama 3 Herd of Models", arXiv 2407.21783, Table 4 (8,192 GPUs:
@@ -39,8 +42,9 @@ SPEC = ("transformers:llama?hidden_size=16384&intermediate_size=53248&num_hidden
 # (GPUs, TP, PP, DP, published TFLOP/s per GPU) — arXiv 2407.21783, Table 4
 ROWS = ((8192, 8, 16, 64, 430), (16384, 8, 16, 128, 400))
 H100_BF16_TFLOPS = 989.0  # H100 SXM dense bf16 datasheet
-VIRTUAL = (1, 2, 4)  # 1F1B, and interleaved with 2 or 4 chunks per rank group (126 blocks:
-# 32 chunks of 3-4 blocks, 64 of 1-2; the paper does not give its depth)
+VIRTUAL = (1, 2, 4, 8)  # 1F1B, and interleaved with 2, 4 or 8 chunks per rank group (126
+# blocks: 32 chunks of 3-4 blocks, 64 of 1-2, 128 of 0-1 with the embedding and the head alone
+# in the two end chunks, as section 3.3.2 describes)
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -140,7 +144,8 @@ def main() -> int:
     text = ("# Cost model vs Llama 3 405B on H100 (arXiv 2407.21783, Table 4)\n\n"
             f"DGX H100 preset, bf16, sequence {SEQ}, {BATCH} sequences per step, microbatch 1, "
             "sequence parallel, ZeRO-2, priced on the engine that runs the plan; per row the "
-            "fastest that fits of 1F1B and interleaved 1F1B with v = 2, 4 (uneven chunks), each "
+            "fastest that fits of 1F1B and interleaved 1F1B with v = 2, 4, 8 (uneven chunks; v = 8: "
+            "embedding-only and head-only end chunks), each "
             "with the least recompute that fits; TFLOP/s per GPU = predicted MFU x 989.\n\n"
             + "\n".join(lines) + "\n\nReproduce: `python benchmarks/llama3_published.py`.\n")
     print("\n" + text)

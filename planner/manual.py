@@ -166,10 +166,11 @@ def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_st
     if pp > max(1, graph.num_layers):
         raise PlanningError(f"pp={pp} exceeds the {graph.num_layers} blocks of the model; "
                             f"choose pp <= {graph.num_layers}")
-    if schedule == "interleaved-1f1b" and graph.num_layers < pp * virtual_stages:
+    if schedule == "interleaved-1f1b" and graph.num_layers + 2 < pp * virtual_stages:
         raise PlanningError(f"interleaved 1F1B cuts the {graph.num_layers} blocks into "
-                            f"pp*virtual_stages = {pp * virtual_stages} chunks of at least one "
-                            f"block; choose pp*virtual_stages <= {graph.num_layers}")
+                            f"pp*virtual_stages = {pp * virtual_stages} chunks, of at least one "
+                            "block each but the first (embedding only) and the last (head "
+                            f"only); choose pp*virtual_stages <= {graph.num_layers + 2}")
     batch = graph.inputs[0][1].shape[0]
     check_batch_divides(batch, dp * microbatch_size, "dp x microbatch_size")
     heads = attention_heads(graph)
@@ -202,10 +203,12 @@ def chunk_bounds(num_layers: int, chunks: int) -> list[tuple[int, int]]:
     block, the lighter ones at the two ends, alternately first and last: those chunks also
     hold the embedding and the output head and loss. Llama 3 cut its 126 layers for 16
     pipeline stages this way, one layer fewer on the first and the last stage (Llama Team
-    2024, arXiv 2407.21783, section 3.3.2)."""
-    if not 1 <= chunks <= num_layers:
-        raise PlanningError(f"{chunks} chunks of at least one block need 1 <= chunks <= "
-                            f"{num_layers} blocks")
+    2024, arXiv 2407.21783, section 3.3.2). Up to ``num_layers + 2`` chunks: with one block
+    per chunk, the first chunk holds only the embedding and the last only the final norm,
+    head and loss, as that section describes the first and last model chunks."""
+    if not 1 <= chunks <= num_layers + 2:
+        raise PlanningError(f"{chunks} chunks need 1 <= chunks <= {num_layers} blocks + 2 "
+                            "(an embedding-only first and a head-only last chunk)")
     size = -(-num_layers // chunks)  # ceil
     sizes = [size] * chunks
     ends = [i // 2 if i % 2 == 0 else chunks - 1 - i // 2 for i in range(chunks)]
@@ -224,15 +227,20 @@ def stage_node_groups(graph: OpGraph, pp: int,
     ops outside blocks go to the stage of the last block seen (stage 0 before any).
     ``bounds``: the stages' block ranges (default ``layer_bounds(num_layers, pp)``)."""
     owner = {}
-    for s, (a, b) in enumerate(bounds or layer_bounds(graph.num_layers, pp)):
+    bounds = bounds or layer_bounds(graph.num_layers, pp)
+    for s, (a, b) in enumerate(bounds):
         for layer in range(a, b):
             owner[layer] = s
     groups: list[list[str]] = [[] for _ in range(pp)]
+    # a last stage without blocks (chunk_bounds) holds what follows the last block
+    last_block = max((i for i, n in enumerate(graph.nodes) if n.layer >= 0), default=None)
+    head = pp - 1 if pp > 1 and bounds[-1][0] == bounds[-1][1] else None
     current = 0
-    for n in graph.nodes:
+    for i, n in enumerate(graph.nodes):
         if n.layer >= 0:
             current = max(current, owner.get(n.layer, current))
-        groups[current].append(n.name)
+        after = head is not None and last_block is not None and i > last_block
+        groups[head if after else current].append(n.name)
     if any(not g for g in groups):
         raise PlanningError(f"pp={pp}: a stage got no operators (the model's blocks were not "
                             "found by the tracer); choose a smaller pp")

@@ -1,9 +1,11 @@
 """Interleaved pipelines whose blocks do not split into pp x v equal chunks (issue 14).
 
 Pure: the chunk sizes (``chunk_bounds``), the step-time formula (``chunked_step_time``) and
-how a manual plan records and prices uneven chunks. On 2 gloo processes (one torchrun
-launch): a 5-block Llama cut into 4 chunks of 1, 1, 2 and 1 blocks (pp=2, v=2), run by
-both engines, gives the losses and every gradient of one process.
+how a manual plan records and prices uneven chunks. On 2 gloo processes (one launch), run by
+both engines against one process (losses and every gradient): a 5-block Llama cut into 4
+chunks of 1, 1, 2 and 1 blocks (pp=2, v=2), and a 2-block Llama cut into 4 chunks of 0, 1,
+1 and 0 blocks, the first holding only the embedding and the last only the norm, head and
+loss (Llama 3's layout, arXiv 2407.21783 section 3.3.2).
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from meshplan.specs import parse_model_spec
 
 LLAMA5 = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=5&"
           "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&max_position_embeddings=64")
+LLAMA2 = LLAMA5.replace("num_hidden_layers=5", "num_hidden_layers=2")
 BATCH, SEQ, STEPS = 8, 16, 2
 ENGINES = ("modules", "graph")
+MODELS = {"uneven": LLAMA5, "empty_ends": LLAMA2}
 
 
-def build(device: str = "cpu"):
+def build(device: str = "cpu", spec: str = LLAMA5):
     torch.manual_seed(0)
-    return parse_model_spec(LLAMA5).build(device=device)
+    return parse_model_spec(spec).build(device=device)
 
 
 def plan_for(model, graph=None, engine: str = "auto") -> meshplan.Plan:
@@ -50,6 +54,11 @@ def test_chunk_bounds_are_near_equal_with_the_lighter_chunks_at_the_ends():
     assert sizes(chunk_bounds(126, 16)) == [7] + [8] * 14 + [7]
     assert sizes(chunk_bounds(126, 32)) == [3] + [4] * 30 + [3]
     assert sizes(chunk_bounds(8, 4)) == [2, 2, 2, 2]
+    # one block per chunk and two more chunks: embedding-only first, head-only last
+    assert sizes(chunk_bounds(126, 128)) == [0] + [1] * 126 + [0]
+    assert sizes(chunk_bounds(2, 3)) == [0, 1, 1] and sizes(chunk_bounds(2, 4)) == [0, 1, 1, 0]
+    with pytest.raises(meshplan.PlanningError, match="5 chunks need"):
+        chunk_bounds(2, 5)
     for n in (1, 7, 16, 63, 126):
         b = chunk_bounds(126, n)
         assert b[0][0] == 0 and b[-1][1] == 126 and all(x[1] == y[0] for x, y in zip(b, b[1:]))
@@ -100,17 +109,33 @@ def test_manual_plan_writes_one_record_per_uneven_chunk_and_prices_the_groups(me
 
 def test_too_many_chunks_is_one_clear_line(meta, graph):
     ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
-    with pytest.raises(meshplan.PlanningError, match="pp\\*virtual_stages = 6 chunks"):
+    with pytest.raises(meshplan.PlanningError, match="pp\\*virtual_stages = 8 chunks"):
         meshplan.manual_plan(meta, meshplan.Mesh.local(2), example_inputs=(ids,), graph=graph,
-                             pp=2, schedule="interleaved-1f1b", virtual_stages=3)
+                             pp=2, schedule="interleaved-1f1b", virtual_stages=4)
+
+
+def test_empty_end_chunks_hold_the_embedding_and_the_head():
+    from meshplan.tracing import trace
+
+    model = build("meta", LLAMA2)
+    graph = trace(model, (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),))
+    plan = plan_for(model, graph)
+    assert [s.layers for s in plan.stages] == [(0, 0), (0, 1), (1, 2), (2, 2)]
+    assert meshplan.support.plan_problems(plan) == ()
+    first, last = plan.stages[0], plan.stages[-1]
+    assert set(first.params) == {"model.embed_tokens.weight"}
+    assert set(last.params) == {"model.norm.weight", "lm_head.weight"}
+    kinds = {graph.node(n).kind.name for n in last.ops}
+    assert "LOSS" in kinds and all(graph.node(n).layer < 0 for n in last.ops)
+    assert plan.predicted.step_time_s > 0 and plan.predicted.fits
 
 
 # -- 2 gloo processes against one process ---------------------------------------------------
 
-def reference() -> dict:
+def reference(spec: str = LLAMA5) -> dict:
     from meshplan.tracing import next_token_loss
 
-    model = build()
+    model = build(spec=spec)
     out = {"losses": [], "grads": []}
     for ids in batches():
         loss = next_token_loss(model(ids, use_cache=False).logits, ids)
@@ -126,19 +151,21 @@ def worker(path: str) -> None:
 
     dist.init_process_group("gloo")
     results = {}
-    for engine in ENGINES:
-        holder = [plan_for(build("meta"), engine=engine) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(holder)
-        plan = holder[0]
-        assert plan.engine == engine, plan.engine_note
-        run = meshplan.parallelize(build(), plan)
-        got = {"losses": [], "grads": []}
-        for ids in batches():
-            got["losses"].append(run.train_step((ids,)))
-            got["grads"].append(run.engine.full_grads())
-            for p in run.parameters():
-                p.grad = None
-        results[engine] = got
+    for key, spec in MODELS.items():
+        for engine in ENGINES:
+            holder = [plan_for(build("meta", spec), engine=engine)
+                      if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(holder)
+            plan = holder[0]
+            assert plan.engine == engine, plan.engine_note
+            run = meshplan.parallelize(build(spec=spec), plan)
+            got = {"losses": [], "grads": []}
+            for ids in batches():
+                got["losses"].append(run.train_step((ids,)))
+                got["grads"].append(run.engine.full_grads())
+                for p in run.parameters():
+                    p.grad = None
+            results[key, engine] = got
     if dist.get_rank() == 0:
         torch.save(results, path)
     dist.destroy_process_group()
@@ -153,15 +180,16 @@ def launched(tmp_path_factory):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_uneven_chunks_match_one_process(launched, engine):
-    ref, got = reference(), launched[engine]
+@pytest.mark.parametrize("key", MODELS)
+def test_uneven_chunks_match_one_process(launched, key, engine):
+    ref, got = reference(MODELS[key]), launched[key, engine]
     close = dict(rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **close)
     for step in range(STEPS):
         assert set(got["grads"][step]) == set(ref["grads"][step])
         for fqn, grad in got["grads"][step].items():
             torch.testing.assert_close(grad, ref["grads"][step][fqn], **close,
-                                       msg=lambda m: f"{engine} step {step} {fqn}: {m}")
+                                       msg=lambda m: f"{key} {engine} step {step} {fqn}: {m}")
 
 
 if __name__ == "__main__":
