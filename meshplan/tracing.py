@@ -237,7 +237,8 @@ def _trace_key(model: nn.Module, flat: tuple, loss_fn, signature, loss: bool,
             return None
         attrs = []
         for k, v in vars(m).items():
-            if k in ("_parameters", "_buffers", "_modules") or isinstance(v, nn.Module):
+            if k in ("_parameters", "_buffers", "_modules") or k in _UNTRACED_ATTRS or \
+                    isinstance(v, nn.Module):
                 continue
             if hasattr(v, "to_json_string") and hasattr(v, "_attn_implementation"):
                 configs.setdefault(id(v), v)  # an HF config: keyed once, below
@@ -270,6 +271,10 @@ def _trace_key(model: nn.Module, flat: tuple, loss_fn, signature, loss: bool,
 
 
 _UNKNOWN = object()
+# Bookkeeping no forward reads: Hugging Face marks modules whose weights it initialized
+# (``_is_hf_initialized``), which a model built on CPU has and its meta copy, built on meta
+# for the planner, has not. Keying it kept the runtime's export from reusing the planner's.
+_UNTRACED_ATTRS = frozenset({"_is_hf_initialized"})
 
 
 def _frozen(v, ties: dict[int, int]):

@@ -39,6 +39,17 @@ def test_the_same_model_and_shapes_export_once():
     assert export_training_graph(build(), ids()) is first  # another instance, same build
 
 
+def test_the_runtimes_meta_copy_of_a_cpu_model_reuses_the_planners_export():
+    """The planner exports the model built on meta; the runtime exports a meta copy of the
+    user's model built on CPU, where Hugging Face marked its modules initialized."""
+    from meshplan.runtime.parallelize import meta_copy
+
+    planned = export_training_graph(build(), ids())
+    cpu = parse_model_spec(GPT2).build(device="cpu")
+    assert any(getattr(m, "_is_hf_initialized", False) for m in cpu.modules())
+    assert export_training_graph(meta_copy(cpu), ids()) is planned
+
+
 def test_what_changes_the_trace_exports_again():
     base = export_training_graph(build(), ids())
     assert export_training_graph(build(), ids(batch=4)) is not base  # shapes
