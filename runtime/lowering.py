@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -398,6 +399,7 @@ class Step:
     subs: list = field(default_factory=list)  # recorded: the decomposition's SubSteps
     result: object = None  # recorded: where the output is among their values
     why: str = ""  # why a step stays on DTensor
+    fast: object = None  # aten: fast_aten's closure (the replay makes it), False: none
 
 
 def propagated_call(func, args, kwargs):
@@ -459,8 +461,9 @@ def aten_step(step: Step, n: fx.Node, args, kwargs) -> bool:
     return True
 
 
-def run_aten(step: Step, value) -> object:
-    """Replay an aten step: ``value(node)`` gives the (planned-moved) local input."""
+def run_aten(step: Step, value, mover=None) -> object:
+    """Replay an aten step: ``value(node)`` gives the (planned-moved) local input;
+    ``mover(node, x, (src, dst))`` redistributes it (default: ``move``)."""
     args = []
     for entry in step.flat:
         if entry[0] == "const":
@@ -468,7 +471,7 @@ def run_aten(step: Step, value) -> object:
             continue
         x = value(entry[1])
         if entry[2] is not None:
-            x = move(x, *entry[2])
+            x = mover(entry[1], x, entry[2]) if mover else move(x, *entry[2])
         args.append(x)
     args = pytree.tree_unflatten(args, step.tree_spec) if step.tree_spec else tuple(args)
     kwargs = fx.node.map_aggregate(step.kwargs,
@@ -691,16 +694,89 @@ def check_recorded(step: Step, calls: list) -> bool:
     return ok
 
 
-def run_call(step: Step, value) -> object:
+def fast_aten(step: Step):
+    """A closure replaying ``step`` (an aten step) with less per-call work than
+    ``run_aten``, or None where its arguments need ``run_aten``'s general path: it calls
+    the operator with the inputs in place (no redistribution, no nested argument lists, no
+    node among the keyword arguments)."""
+    if step.kind != "aten" or any(e[0] == "node" and e[2] is not None for e in step.flat):
+        return None
+    if step.tree_spec is not None and not _is_flat_tuple(step.tree_spec, len(step.flat)):
+        return None
+    if any(isinstance(v, fx.Node) for v in pytree.tree_leaves(step.kwargs)):
+        return None
+    target = _VIEW_AS_RESHAPE.get(step.node.target, step.node.target)
+    kwargs = step.kwargs
+    slots = tuple((e[0] == "node", e[1]) for e in step.flat)
+
+    def run(value):
+        return target(*[value(x) if is_node else x for is_node, x in slots], **kwargs)
+    return run
+
+
+def _is_flat_tuple(tree_spec, n: int) -> bool:
+    """Whether ``tree_spec`` unflattens ``n`` leaves into the plain tuple of them."""
+    try:
+        leaves = list(range(n))
+        return pytree.tree_unflatten(leaves, tree_spec) == tuple(leaves)
+    except Exception:  # noqa: BLE001 - a spec of another arity
+        return False
+
+
+def run_call(step: Step, value, mover=None, causal=None) -> object:
+    """Replay a call step: the node's own function, or its LOCAL_EQUIVALENT. ``causal(node,
+    mask)``, where given, says whether an attention's mask is the causal one: that call then
+    passes ``is_causal=True`` and no mask, the kernel path an eager model without padding
+    takes (the export materialized the mask; the result is the same)."""
     n = step.node
     if step.extra:
         plain_value = value
 
         def value(a):  # noqa: F811 - the inputs DTensor would have broadcast-sharded
             x = plain_value(a)
-            return move(x, *step.extra[a]) if a in step.extra else x
+            if a not in step.extra:
+                return x
+            return mover(a, x, step.extra[a]) if mover else move(x, *step.extra[a])
     args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
-    return LOCAL_EQUIVALENT.get(n.target, n.target)(*args, **kwargs)
+    target = LOCAL_EQUIVALENT.get(n.target, n.target)
+    if causal is not None and target is F.scaled_dot_product_attention:
+        args, kwargs = _causal_attention(n, args, kwargs, causal)
+    return target(*args, **kwargs)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+              "enable_gqa")
+
+
+def _causal_attention(n: fx.Node, args, kwargs, causal):
+    """sdpa's arguments with a causal constant mask replaced by ``is_causal=True``."""
+    bound = dict(zip(_SDPA_ARGS, args)) | dict(kwargs)
+    node = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+    mask = bound.get("attn_mask")
+    if not isinstance(node, fx.Node) or not isinstance(mask, torch.Tensor) or \
+            bound.get("is_causal") or bound.get("dropout_p", 0.0) or \
+            not causal(node, mask, bound["query"].shape[-2], bound["key"].shape[-2]):
+        return args, kwargs
+    bound["attn_mask"], bound["is_causal"] = None, True
+    return (), bound
+
+
+def is_causal_mask(mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
+    """Whether ``mask`` (boolean: True attends; or additive: 0 attends, a value at or below
+    half the dtype's minimum masks) lets every query position attend exactly to the key
+    positions at or before it, for every batch row and head: what ``is_causal=True`` does
+    when queries and keys are equally long."""
+    if q_len != kv_len or mask.ndim < 2 or tuple(mask.shape[-2:]) != (q_len, kv_len):
+        return False
+    tril = torch.ones(q_len, kv_len, dtype=torch.bool, device=mask.device).tril()
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, tril.expand_as(mask)))
+    if not mask.dtype.is_floating_point:
+        return False
+    attends = mask == 0
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    return bool(torch.equal(attends, tril.expand_as(mask))) and \
+        bool(torch.equal(blocked, ~attends))
 
 
 # Python functions the runtime substitutes for DTensor's sake, and what runs on local shards

@@ -111,6 +111,9 @@ class SPMDExecutor(fx.Interpreter):
         self.folder = ConstantFolder(gm, self.fetch_attr)
         self._frees = None  # node -> values it reads last (_last_uses)
         self._local_out = False  # run_local: outputs stay local shards
+        self._owners: dict = {}  # attribute target -> (owning module, name): fetch_attr
+        self._const_moves: dict = {}  # (folded node, move) -> (its value, moved): _move_input
+        self._causal: dict = {}  # folded mask node -> (its value, causal?): _causal_mask
 
     # -- the reference: one node on DTensor ------------------------------------------------
     def run_node(self, n: fx.Node):
@@ -306,6 +309,16 @@ class SPMDExecutor(fx.Interpreter):
             finally:
                 self.env = saved
         step = self.steps[n]
+        if step.fast is None:
+            step.fast = lowering.fast_aten(step) or False
+        if step.fast and not step.moves:  # most operators: inputs as they are, run as is
+            try:
+                return step.fast(self._value if self.gathers.hoisted else self.env.__getitem__)
+            except (NotSupportedError, _StopRecomputationError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - name the operator that failed
+                raise RuntimeError(f"operator {n.name} ({n.target}) failed in the lowered "
+                                   f"program: {type(exc).__name__}: {exc}") from exc
         if step.moves:
             moved = {a: lowering.move(self._value(a), *step.moves[a]) if a in step.moves
                      else self._value(a) for a in n.all_input_nodes}
@@ -314,9 +327,9 @@ class SPMDExecutor(fx.Interpreter):
             value = self._value if self.gathers.hoisted else self.env.__getitem__
         try:
             if step.kind == "aten":
-                return lowering.run_aten(step, value)
+                return lowering.run_aten(step, value, self._move_input)
             if step.kind == "call":
-                return lowering.run_call(step, value)
+                return lowering.run_call(step, value, self._move_input, self._causal_mask)
             if step.kind == "recorded":
                 return lowering.run_recorded(step, value)
             moved = {a: value(a) for a in n.all_input_nodes}
@@ -330,6 +343,44 @@ class SPMDExecutor(fx.Interpreter):
         except Exception as exc:  # noqa: BLE001 - name the operator that failed
             raise RuntimeError(f"operator {n.name} ({n.target}) failed in the lowered program: "
                                f"{type(exc).__name__}: {exc}") from exc
+
+    def _move_input(self, a: fx.Node, x: torch.Tensor, move: tuple) -> torch.Tensor:
+        """``x`` (node ``a``'s local value) redistributed by ``move`` (src, dst specs). A
+        folded constant's move (a causal mask cut to the batch shard) is made once per fold
+        and reused: ``x`` is then the same tensor every call."""
+        if a not in self.folder.folded or self.folder.collecting:
+            return lowering.move(x, *move)
+        key = (a, id(move))
+        hit = self._const_moves.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        out = lowering.move(x, *move)
+        if not out.requires_grad:
+            self._const_moves[key] = (x, out)
+        return out
+
+    def _causal_mask(self, a: fx.Node, mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
+        """Whether attention mask node ``a`` is a folded constant holding the causal mask
+        (``lowering.is_causal_mask``), checked once per folded value."""
+        if a not in self.folder.folded or self.folder.collecting or mask.requires_grad:
+            return False
+        hit = self._causal.get(a)
+        if hit is not None and hit[0] is mask:
+            return hit[1]
+        ok = lowering.is_causal_mask(mask, q_len, kv_len)
+        self._causal[a] = (mask, ok)
+        return ok
+
+    def fetch_attr(self, target: str):
+        """The attribute ``target`` of the module, its owner looked up once: fx's
+        ``fetch_attr`` walks the path with hasattr and getattr on every call, and the
+        replay reads every parameter on every call."""
+        owner = self._owners.get(target)
+        if owner is None:
+            path, _, name = target.rpartition(".")
+            owner = (self.module.get_submodule(path) if path else self.module, name)
+            self._owners[target] = owner
+        return getattr(*owner)
 
     def _distribute(self, x, i: int, comm: bool = True):
         if isinstance(x, DTensor) or not isinstance(x, torch.Tensor):

@@ -5,7 +5,8 @@
   losses, learning rates and gradient norms as one process (one 4-process launch of
   ``meshplan run`` is the CLI tests' and the demo's).
   Both read a nanoGPT-style uint16 token file (``--data``), warm up (``--warmup``) and
-  clip (``--clip``); the single process is then resumed from its checkpoint directory.
+  clip (``--clip``). The one process trains steps 1-2 with a checkpoint directory and is
+  resumed from it for step 3.
 * ``runtime/grad_clip.clip_grad_norm_`` against ``torch.nn.utils.clip_grad_norm_`` in one
   process, for dp, tp, ZeRO-2 and pp plans (GPT-2 ties its embedding and output head, which
   pp puts on different stages): one torchrun launch of 2 processes. Run as a script under
@@ -79,31 +80,37 @@ def runs(tmp_path_factory):
     for node in nodes:
         out, _ = node.communicate(timeout=600)
         assert node.returncode == 0, out[-4000:]
+    # one process: steps 1-2 of the same training, checkpointed, then step 3 resumed from it
     ckpt = ["--checkpoint-dir", str(tmp / "ckpt")]
-    run_cli(p1, *data, "--metrics-out", str(tmp / "single.json"))
-    run_cli(p1, *data[:-len(TRAIN)], *TRAIN[2:], "--steps", "2", *ckpt)
+    run_cli(p1, *data[:-len(TRAIN)], *TRAIN[2:], "--steps", "2", *ckpt,
+            "--metrics-out", str(tmp / "first.json"))
     run_cli(p1, *data, *ckpt, "--metrics-out", str(tmp / "resumed.json"))
     return {name: json.loads((tmp / f"{name}.json").read_text())
-            for name in ("nodes", "single", "resumed")}
+            for name in ("nodes", "first", "resumed")}
 
 
 def test_two_nodes_match_one_process(runs):
-    nodes, single = runs["nodes"], runs["single"]
-    assert nodes["world_size"] == 4 and single["world_size"] == 1
-    for key in ("losses", "grad_norm"):
-        torch.testing.assert_close(torch.tensor(nodes[key]), torch.tensor(single[key]),
+    nodes, first = runs["nodes"], runs["first"]
+    assert nodes["world_size"] == 4 and first["world_size"] == 1 and first["first_step"] == 0
+    for key in ("losses", "grad_norm"):  # steps 1-2; step 3 (resumed) below
+        torch.testing.assert_close(torch.tensor(nodes[key][:2]), torch.tensor(first[key]),
                                    rtol=1e-5, atol=0)
     assert nodes["lr"] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])  # linear warmup over 3
+    assert first["lr"] == pytest.approx(nodes["lr"][:2])
     assert all(n > MAX_NORM for n in nodes["grad_norm"])  # clipping was active
     assert nodes["data"].endswith("train.bin") and len(nodes["step_time_s"]) == 3
 
 
 def test_second_run_resumes_from_the_checkpoint_dir(runs):
-    resumed, single = runs["resumed"], runs["single"]
-    assert resumed["first_step"] == 2
-    torch.testing.assert_close(torch.tensor(resumed["losses"]), torch.tensor(single["losses"][2:]),
-                               rtol=1e-5, atol=0)
-    assert resumed["lr"] == pytest.approx(single["lr"][2:])  # the schedule resumes too
+    """The resumed process's step 3 is the two nodes' step 3 (the same training, so the
+    same loss, gradient norm and learning rate): weights, optimizer state, the schedule
+    and the data position all came back from the checkpoint."""
+    resumed, nodes = runs["resumed"], runs["nodes"]
+    assert resumed["first_step"] == 2 and resumed["world_size"] == 1
+    for key in ("losses", "grad_norm"):
+        torch.testing.assert_close(torch.tensor(resumed[key]), torch.tensor(nodes[key][2:]),
+                                   rtol=1e-5, atol=0)
+    assert resumed["lr"] == pytest.approx(nodes["lr"][2:])  # the schedule resumes too
 
 
 def test_token_windows_depend_on_seed_and_step_only(tmp_path):

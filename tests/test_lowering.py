@@ -48,7 +48,8 @@ def run(lowered: bool) -> dict:
     pm.loss(synthetic_batch(model, 4, 32, seed=0, step=STEPS).chunk(
         plan.training.microbatches)[0]).backward()
     grads = {fqn: p.grad.full_tensor() for fqn, p in pm.named_unique_params().items()}
-    return {"losses": losses, "folded": folded, "grads": grads,
+    causal = sorted(n.name for n, (_, ok) in pm._executor._causal.items() if ok)
+    return {"losses": losses, "folded": folded, "grads": grads, "causal": causal,
             "grad_types": sorted({type(p.grad).__name__ for p in pm.unique_params()}),
             "constant": sorted(n.name for n in pm._executor.folder.constant)}
 
@@ -135,6 +136,31 @@ def test_mask_and_rotary_are_folded_and_refreshed_when_a_buffer_changes(results)
     # that the change matters
     ref = results["dtensor"]["losses"]
     assert abs(ref[CHANGE_AT] - ours["losses"][CHANGE_AT]) < 1e-5
+
+
+def test_the_folded_causal_mask_runs_as_is_causal(results):
+    """The export materialized Llama's causal mask; the lowered program recognizes the
+    folded mask and calls attention with is_causal=True (the losses and gradients above
+    still equal the DTensor executor's)."""
+    assert results["lowered"]["causal"], "the lowered program kept the materialized mask"
+    assert results["dtensor"]["causal"] == []
+
+
+def test_is_causal_mask_accepts_only_the_causal_pattern():
+    from meshplan.runtime.lowering import is_causal_mask
+
+    tril = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert is_causal_mask(tril.expand(2, 1, 4, 4), 4, 4)
+    additive = torch.zeros(4, 4).masked_fill(~tril, torch.finfo(torch.float32).min)
+    assert is_causal_mask(additive[None, None], 4, 4)
+    assert is_causal_mask(torch.zeros(4, 4).masked_fill(~tril, float("-inf")), 4, 4)
+    padded = tril.clone()
+    padded[:, 0] = False  # a padding mask on top of the causal one
+    assert not is_causal_mask(padded, 4, 4)
+    assert not is_causal_mask(torch.stack([tril, padded])[:, None], 4, 4)  # one row differs
+    assert not is_causal_mask(additive.masked_fill(~tril, -1.0), 4, 4)  # a bias, not a mask
+    assert not is_causal_mask(torch.ones(4, 4, dtype=torch.bool), 4, 4)  # full attention
+    assert not is_causal_mask(torch.ones(3, 4, dtype=torch.bool).tril(), 3, 4)  # q != kv
 
 
 def test_zero_1_and_2_use_flat_collectives_and_train_like_data_parallelism(results):

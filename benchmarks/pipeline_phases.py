@@ -1,0 +1,105 @@
+"""Where a graph-engine pipeline step spends its time, against the hand-written pipeline.
+
+trace -> cost -> solve -> plan -> **run**. The dp2 x pp2 row of benchmarks/runtime_overhead.py
+(same model, plan and hand-written code, imported from it), stepped in alternating pairs
+on 4 local gloo processes, with wall-clock timers around the phases of a step: the
+schedule (``PipelineScheduleSingle.step``), each stage's forward and backward of a
+microbatch (``forward_one_chunk``, ``backward_one_chunk``), meshplan's gradient sync
+(``PipelineModel._finish_grads``) and the optimizer steps. The step-level ratio is noisy
+on a shared 2-core machine (+-4% run to run); the phases say which part differs.
+
+    python benchmarks/pipeline_phases.py [--pairs 30]
+
+Prints one line per rank: milliseconds per step of each phase (sums over the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def _timed(acc, cls, meth: str, key: str) -> None:
+    orig = getattr(cls, meth)
+
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            acc[key] += time.perf_counter() - start
+    setattr(cls, meth, wrapper)
+
+
+def worker(pairs: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules, stage
+
+    import runtime_overhead as ro
+    from meshplan.runtime import optim, pipeline
+
+    acc: dict = collections.defaultdict(float)
+    for cls, meth, key in ((stage._PipelineStageBase, "forward_one_chunk", "forward"),
+                           (stage._PipelineStageBase, "backward_one_chunk", "backward"),
+                           (schedules.PipelineScheduleSingle, "step", "schedule"),
+                           (pipeline.PipelineModel, "_finish_grads", "grad_sync"),
+                           (optim.LocalShardAdam, "step", "optimizer"),
+                           (torch.optim.Adam, "step", "optimizer")):
+        _timed(acc, cls, meth, key)
+    args = argparse.Namespace(hidden=256, heads=4, layers=2, vocab=1024, batch=8, seq=128,
+                              steps=pairs + 3, warmup=3)
+    dist.init_process_group("gloo")
+    ours, _ = ro.meshplan_step(args, "pipeline", lowered=True)
+    hand, _ = ro.handwritten_pipeline_step(args)
+    for i in range(3):
+        ours(i)
+        hand(i)
+    total = {"meshplan": collections.defaultdict(float), "hand": collections.defaultdict(float)}
+    for i in range(pairs):
+        order = (("meshplan", ours), ("hand", hand))
+        for name, step in (order if i % 2 == 0 else order[::-1]):
+            acc.clear()
+            dist.barrier()
+            start = time.perf_counter()
+            step(3 + i)
+            dist.barrier()
+            total[name]["step"] += time.perf_counter() - start
+            for key, value in acc.items():
+                total[name][key] += value
+    line = " | ".join(f"{name}: " + " ".join(f"{k}={v / pairs * 1e3:.1f}"
+                                             for k, v in sorted(t.items()))
+                      for name, t in total.items())
+    for rank in range(dist.get_world_size()):
+        dist.barrier()
+        if rank == dist.get_rank():
+            print(f"rank {rank} (ms per step) {line}", flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=30)
+    args = ap.parse_args()
+    if "LOCAL_RANK" in os.environ:
+        worker(args.pairs)
+        return 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--nnodes=1",
+           "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "--max_restarts=0",
+           __file__, "--pairs", str(args.pairs)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+           "LOGLEVEL": "WARNING"}
+    return subprocess.run(cmd, env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
