@@ -744,6 +744,28 @@ def run_call(step: Step, value, mover=None, causal=None) -> object:
     return target(*args, **kwargs)
 
 
+def constant_inputs(steps: dict) -> list:
+    """(step, input node, move) of every redistributed input of an aten or call step: the
+    moves a folded constant may need (``SPMDExecutor._prepare_constants``)."""
+    out = []
+    for step in steps.values():
+        if step.kind == "aten":
+            out += [(step, e[1], e[2]) for e in step.flat if e[0] == "node" and e[2] is not None]
+        elif step.kind == "call":
+            out += [(step, a, mv) for a, mv in step.extra.items()]
+    return out
+
+
+def attention_mask_node(step: Step) -> fx.Node | None:
+    """The mask node of a call step that runs as ``scaled_dot_product_attention``."""
+    if step.kind != "call" or \
+            LOCAL_EQUIVALENT.get(step.node.target) is not F.scaled_dot_product_attention:
+        return None
+    n = step.node
+    node = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
+    return node if isinstance(node, fx.Node) else None
+
+
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
               "enable_gqa")
 

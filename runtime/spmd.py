@@ -114,6 +114,8 @@ class SPMDExecutor(fx.Interpreter):
         self._owners: dict = {}  # attribute target -> (owning module, name): fetch_attr
         self._const_moves: dict = {}  # (folded node, move) -> (its value, moved): _move_input
         self._causal: dict = {}  # folded mask node -> (its value, causal?): _causal_mask
+        self._prepared_for = None  # the folded values those two were made for
+        self._const_inputs = None  # (step, input node, move) that a constant may feed
 
     # -- the reference: one node on DTensor ------------------------------------------------
     def run_node(self, n: fx.Node):
@@ -248,6 +250,8 @@ class SPMDExecutor(fx.Interpreter):
 
     def _replay(self, inputs):
         collect = self.folder.begin()
+        if not collect:
+            self._prepare_constants()
         with implicit_replication(), self._autocast(), self.gathers.hooks():
             self.env = {}
             self.args_iter = iter(inputs)
@@ -344,32 +348,50 @@ class SPMDExecutor(fx.Interpreter):
             raise RuntimeError(f"operator {n.name} ({n.target}) failed in the lowered program: "
                                f"{type(exc).__name__}: {exc}") from exc
 
+    def _prepare_constants(self) -> None:
+        """At the start of a call that serves folded constants (outside every checkpointed
+        region): each folded constant's moves (a causal mask cut to the batch shard) made
+        once, and whether each folded attention mask is the causal one. The call, and the
+        recomputation of its checkpointed blocks in the backward, then only read these, so
+        both run the same operators (selective checkpointing replays the forward's
+        operator list and refuses any difference); a call that folds anew reads none."""
+        folded = self.folder.folded
+        if folded is self._prepared_for:
+            return
+        if self._const_inputs is None:
+            self._const_inputs = lowering.constant_inputs(self.steps)
+        moves, causal = {}, {}
+        with torch.no_grad():
+            for step, a, move in self._const_inputs:
+                if a in folded:
+                    x = folded[a]
+                    moves[(a, id(move))] = (x, lowering.move(x, *move))
+            for step in self.steps.values():
+                a = lowering.attention_mask_node(step)
+                if a is None or a not in folded:
+                    continue
+                mask = folded[a]
+                move = step.extra.get(a)
+                if move is not None:
+                    mask = moves[(a, id(move))][1]
+                if mask.ndim >= 2:
+                    causal[a] = (mask, lowering.is_causal_mask(mask, *mask.shape[-2:]))
+        self._const_moves, self._causal, self._prepared_for = moves, causal, folded
+
     def _move_input(self, a: fx.Node, x: torch.Tensor, move: tuple) -> torch.Tensor:
-        """``x`` (node ``a``'s local value) redistributed by ``move`` (src, dst specs). A
-        folded constant's move (a causal mask cut to the batch shard) is made once per fold
-        and reused: ``x`` is then the same tensor every call."""
-        if a not in self.folder.folded or self.folder.collecting:
-            return lowering.move(x, *move)
-        key = (a, id(move))
-        hit = self._const_moves.get(key)
+        """``x`` (node ``a``'s local value) redistributed by ``move`` (src, dst specs); a
+        folded constant's move as ``_prepare_constants`` made it for this very value."""
+        hit = self._const_moves.get((a, id(move)))
         if hit is not None and hit[0] is x:
             return hit[1]
-        out = lowering.move(x, *move)
-        if not out.requires_grad:
-            self._const_moves[key] = (x, out)
-        return out
+        return lowering.move(x, *move)
 
     def _causal_mask(self, a: fx.Node, mask: torch.Tensor, q_len: int, kv_len: int) -> bool:
-        """Whether attention mask node ``a`` is a folded constant holding the causal mask
-        (``lowering.is_causal_mask``), checked once per folded value."""
-        if a not in self.folder.folded or self.folder.collecting or mask.requires_grad:
-            return False
+        """Whether attention mask node ``a`` holds the causal mask for this call
+        (``_prepare_constants`` checked the folded value; no tensor operation here)."""
         hit = self._causal.get(a)
-        if hit is not None and hit[0] is mask:
-            return hit[1]
-        ok = lowering.is_causal_mask(mask, q_len, kv_len)
-        self._causal[a] = (mask, ok)
-        return ok
+        return hit is not None and hit[0] is mask and hit[1] and \
+            q_len == kv_len == mask.shape[-2] == mask.shape[-1]
 
     def fetch_attr(self, target: str):
         """The attribute ``target`` of the module, its owner looked up once: fx's
