@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+WARMUP = 3
 
 
 def _timed(acc, cls, meth: str, key: str) -> None:
@@ -57,25 +58,27 @@ def worker(pairs: int) -> None:
                            (torch.optim.Adam, "step", "optimizer")):
         _timed(acc, cls, meth, key)
     args = argparse.Namespace(hidden=256, heads=4, layers=2, vocab=1024, batch=8, seq=128,
-                              steps=pairs + 3, warmup=3)
+                              steps=pairs + WARMUP, warmup=WARMUP)
     dist.init_process_group("gloo")
-    ours, _ = ro.meshplan_step(args, "pipeline", lowered=True)
-    hand, _ = ro.handwritten_pipeline_step(args)
-    for i in range(3):
-        ours(i)
-        hand(i)
-    total = {"meshplan": collections.defaultdict(float), "hand": collections.defaultdict(float)}
-    for i in range(pairs):
-        order = (("meshplan", ours), ("hand", hand))
-        for name, step in (order if i % 2 == 0 else order[::-1]):
+    steps = {"meshplan": ro.meshplan_step(args, "pipeline", lowered=True)[0],
+             "hand": ro.handwritten_pipeline_step(args)[0]}
+    total = {name: collections.defaultdict(float) for name in steps}
+
+    def phased(name, step):  # the phases of each step after the warmup, summed
+        calls = [0]
+
+        def run(i):
             acc.clear()
-            dist.barrier()
-            start = time.perf_counter()
-            step(3 + i)
-            dist.barrier()
-            total[name]["step"] += time.perf_counter() - start
-            for key, value in acc.items():
-                total[name][key] += value
+            step(i)
+            calls[0] += 1
+            if calls[0] > WARMUP:
+                for key, value in acc.items():
+                    total[name][key] += value
+        return run
+    times = ro.alternating_times({name: phased(name, step) for name, step in steps.items()},
+                                 pairs, WARMUP)
+    for name, ts in times.items():
+        total[name]["step"] = sum(ts)
     line = " | ".join(f"{name}: " + " ".join(f"{k}={v / pairs * 1e3:.1f}"
                                              for k, v in sorted(t.items()))
                       for name, t in total.items())

@@ -399,7 +399,7 @@ class Step:
     subs: list = field(default_factory=list)  # recorded: the decomposition's SubSteps
     result: object = None  # recorded: where the output is among their values
     why: str = ""  # why a step stays on DTensor
-    fast: object = None  # aten: fast_aten's closure (the replay makes it), False: none
+    fast: object = None  # aten without moves: fast_aten's closure (made by the build)
 
 
 def propagated_call(func, args, kwargs):
@@ -725,9 +725,9 @@ def _is_flat_tuple(tree_spec, n: int) -> bool:
 
 def run_call(step: Step, value, mover=None, causal=None) -> object:
     """Replay a call step: the node's own function, or its LOCAL_EQUIVALENT. ``causal(node,
-    mask)``, where given, says whether an attention's mask is the causal one: that call then
-    passes ``is_causal=True`` and no mask, the kernel path an eager model without padding
-    takes (the export materialized the mask; the result is the same)."""
+    mask, q_len, kv_len)``, where given, says whether an attention's mask is the causal one:
+    that call then passes ``is_causal=True`` and no mask, the kernel path an eager model
+    without padding takes (the export materialized the mask; the result is the same)."""
     n = step.node
     if step.extra:
         plain_value = value
@@ -739,20 +739,21 @@ def run_call(step: Step, value, mover=None, causal=None) -> object:
             return mover(a, x, step.extra[a]) if mover else move(x, *step.extra[a])
     args, kwargs = fx.node.map_arg((n.args, n.kwargs), value)
     target = LOCAL_EQUIVALENT.get(n.target, n.target)
-    if causal is not None and target is F.scaled_dot_product_attention:
-        args, kwargs = _causal_attention(n, args, kwargs, causal)
+    mask_node = attention_mask_node(step) if causal is not None else None
+    if mask_node is not None:
+        args, kwargs = _causal_attention(mask_node, args, kwargs, causal)
     return target(*args, **kwargs)
 
 
 def constant_inputs(steps: dict) -> list:
-    """(step, input node, move) of every redistributed input of an aten or call step: the
-    moves a folded constant may need (``SPMDExecutor._prepare_constants``)."""
+    """(input node, move) of every redistributed input of an aten or call step: the moves
+    a folded constant may need (``SPMDExecutor._prepare_constants``)."""
     out = []
     for step in steps.values():
         if step.kind == "aten":
-            out += [(step, e[1], e[2]) for e in step.flat if e[0] == "node" and e[2] is not None]
+            out += [(e[1], e[2]) for e in step.flat if e[0] == "node" and e[2] is not None]
         elif step.kind == "call":
-            out += [(step, a, mv) for a, mv in step.extra.items()]
+            out += list(step.extra.items())
     return out
 
 
@@ -770,12 +771,12 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
               "enable_gqa")
 
 
-def _causal_attention(n: fx.Node, args, kwargs, causal):
-    """sdpa's arguments with a causal constant mask replaced by ``is_causal=True``."""
+def _causal_attention(node: fx.Node, args, kwargs, causal):
+    """sdpa's arguments with a causal constant mask (graph node ``node``) replaced by
+    ``is_causal=True``."""
     bound = dict(zip(_SDPA_ARGS, args)) | dict(kwargs)
-    node = n.args[3] if len(n.args) > 3 else n.kwargs.get("attn_mask")
     mask = bound.get("attn_mask")
-    if not isinstance(node, fx.Node) or not isinstance(mask, torch.Tensor) or \
+    if not isinstance(mask, torch.Tensor) or \
             bound.get("is_causal") or bound.get("dropout_p", 0.0) or \
             not causal(node, mask, bound["query"].shape[-2], bound["key"].shape[-2]):
         return args, kwargs

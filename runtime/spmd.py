@@ -115,7 +115,7 @@ class SPMDExecutor(fx.Interpreter):
         self._const_moves: dict = {}  # (folded node, move) -> (its value, moved): _move_input
         self._causal: dict = {}  # folded mask node -> (its value, causal?): _causal_mask
         self._prepared_for = None  # the folded values those two were made for
-        self._const_inputs = None  # (step, input node, move) that a constant may feed
+        self._const_inputs = None  # (input node, move) that a constant may feed
 
     # -- the reference: one node on DTensor ------------------------------------------------
     def run_node(self, n: fx.Node):
@@ -177,6 +177,8 @@ class SPMDExecutor(fx.Interpreter):
         self.gathers.plan(self.module.graph, self.steps, self.specs,
                           block_prefix=self.block_prefix, recompute=self.recompute)
         self.folder.find()
+        for step in self.steps.values():
+            step.fast = lowering.fast_aten(step)
         self.stats.on_dtensor = [s.node.name for s in self.steps.values() if s.kind == "dtensor"]
         self.stats.lowered = len(self.steps) - len(self.stats.on_dtensor)
 
@@ -313,16 +315,6 @@ class SPMDExecutor(fx.Interpreter):
             finally:
                 self.env = saved
         step = self.steps[n]
-        if step.fast is None:
-            step.fast = lowering.fast_aten(step) or False
-        if step.fast and not step.moves:  # most operators: inputs as they are, run as is
-            try:
-                return step.fast(self._value if self.gathers.hoisted else self.env.__getitem__)
-            except (NotSupportedError, _StopRecomputationError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - name the operator that failed
-                raise RuntimeError(f"operator {n.name} ({n.target}) failed in the lowered "
-                                   f"program: {type(exc).__name__}: {exc}") from exc
         if step.moves:
             moved = {a: lowering.move(self._value(a), *step.moves[a]) if a in step.moves
                      else self._value(a) for a in n.all_input_nodes}
@@ -330,6 +322,8 @@ class SPMDExecutor(fx.Interpreter):
         else:  # the common case: inputs as they are (this runs once per node per call)
             value = self._value if self.gathers.hoisted else self.env.__getitem__
         try:
+            if step.fast is not None and not step.moves:  # most operators: inputs as they are
+                return step.fast(value)
             if step.kind == "aten":
                 return lowering.run_aten(step, value, self._move_input)
             if step.kind == "call":
@@ -362,7 +356,7 @@ class SPMDExecutor(fx.Interpreter):
             self._const_inputs = lowering.constant_inputs(self.steps)
         moves, causal = {}, {}
         with torch.no_grad():
-            for step, a, move in self._const_inputs:
+            for a, move in self._const_inputs:
                 if a in folded:
                     x = folded[a]
                     moves[(a, id(move))] = (x, lowering.move(x, *move))
