@@ -79,6 +79,41 @@ class TitanLlama(nn.Module):
         return self.output(self.norm(h))
 
 
+class NoGradRotaryLlama(nn.Module):
+    """A Llama whose rotary cos/sin are computed in the forward under ``torch.no_grad()``, as
+    Hugging Face's ``LlamaRotaryEmbedding`` did up to transformers 5.23 (5.24 dropped the
+    no-grad region). torch.export puts that region in a higher-order operator
+    (``wrap_with_set_grad_enabled``) whose body is a submodule of the graph module: the case
+    the pipeline split hands to every stage that reads it (runtime/pipeline_split.py)."""
+
+    def __init__(self, vocab_size=256, dim=64, n_layers=4, heads=4, hidden=128):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        head_dim = dim // heads
+        inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        with torch.no_grad():
+            positions = torch.arange(tokens.shape[1], device=tokens.device, dtype=torch.float32)
+            angles = positions[:, None] * self.inv_freq[None, :]
+            angles = torch.cat((angles, angles), dim=-1)
+            cos, sin = angles.cos(), angles.sin()
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def no_grad_rotary_llama() -> nn.Module:
+    """The ``file.py:factory`` spec of ``NoGradRotaryLlama`` (tests/test_pipeline_runtime.py)."""
+    return NoGradRotaryLlama()
+
+
 class BasicBlock(nn.Module):
     """ResNet's basic block (He et al. 2016, fig. 2): two 3x3 convolutions and a shortcut."""
 

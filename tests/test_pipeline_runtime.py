@@ -1,7 +1,9 @@
 """Pipeline runtime (runtime/pipeline.py) against a single process: losses and gradients.
 
 Two model families, a GPT-2 and a Llama (rotary embeddings, RMSNorm, SwiGLU, grouped-query
-attention, untied output head), both tiny and built from their configs with random weights.
+attention, untied output head), both tiny and built from their configs with random weights,
+and a hand-written Llama whose rotary table is computed under torch.no_grad()
+(tests/_zoo_models.py: a higher-order operator in the exported graph).
 Spawns gloo processes once per module: one torchrun launch of 4 processes (and one of 8)
 runs every (model, plan variant) pair of that size for 3 training steps plus one more
 forward/backward, and writes losses, final parameters and final gradients to a file; the
@@ -27,6 +29,10 @@ MODELS = {
     "llama": ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=4&"
               "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&"
               "max_position_embeddings=64"),
+    # rotary cos/sin computed under torch.no_grad() in the forward: a higher-order operator
+    # whose body every stage that reads it is handed (HF Llama did this up to transformers 5.23)
+    "rotary": os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                           "_zoo_models.py:no_grad_rotary_llama"),
 }
 BATCH, SEQ, STEPS, LR, SEED = 8, 16, 3, 1e-3, 0
 
@@ -47,13 +53,13 @@ VARIANTS = {
 }
 # world size -> model -> variants that launch runs (starting the processes costs more than a
 # variant). Every schedule runs on GPT-2 (tied embedding and head on different stages);
-# Llama (rotary inside a higher-order operator) runs 1F1B and interleaving, and the hybrid
-# DP x TP x PP on 8 processes, which is the costliest variant here (8 processes on the
-# CI's 2 cores): it runs once, on Llama.
+# Llama runs 1F1B and interleaving, and the hybrid DP x TP x PP on 8 processes, which is the
+# costliest variant here (8 processes on the CI's 2 cores): it runs once, on Llama. The
+# no-grad rotary Llama (a higher-order operator read by every stage) runs 1F1B.
 RUNS = {
     4: {"gpt2": ["gpipe-pp4", "1f1b-pp4", "interleaved-pp4-v2", "1f1b-dp2-pp2",
                  "interleaved-tp2-pp2-v2", "interleaved-dp2-pp2-v2"],
-        "llama": ["1f1b-pp4", "interleaved-pp4-v2"]},
+        "llama": ["1f1b-pp4", "interleaved-pp4-v2"], "rotary": ["1f1b-pp4"]},
     8: {"llama": ["interleaved-dp2-tp2-pp2-v2"]},
 }
 # parameter-name suffix -> tensor-parallel placement of the MLP weights (Megatron's column-
@@ -262,12 +268,13 @@ def test_split_makes_cross_stage_values_explicit(traced):
 
 
 def test_split_hands_operator_bodies_apart_from_parameters():
-    """Llama's rotary embedding runs inside a higher-order operator (wrap_with_set_grad_enabled)
-    whose body is a get_attr of a submodule: the stage lists it apart from the parameters and
-    buffers, which are the only targets the runtime places on the mesh."""
+    """A rotary embedding computed under torch.no_grad() runs inside a higher-order operator
+    (wrap_with_set_grad_enabled) whose body is a get_attr of a submodule: the stage lists it
+    apart from the parameters and buffers, which are the only targets the runtime places on
+    the mesh."""
     from meshplan.runtime.pipeline_split import split_stages
 
-    gm, graph = trace_runnable("llama")
+    gm, graph = trace_runnable("rotary")
     cuts = cut_points(graph, 2) + [len(graph.nodes)]
     bounds = [(graph.nodes[a].name, graph.nodes[b - 1].name) for a, b in zip(cuts, cuts[1:])]
     stages = split_stages(gm.graph, bounds)
@@ -278,7 +285,7 @@ def test_split_hands_operator_bodies_apart_from_parameters():
     tensors = {**dict(gm.named_parameters(remove_duplicate=False)),
                **dict(gm.named_buffers(remove_duplicate=False))}
     assert {t for s in stages for t in s.param_targets} <= set(tensors)
-    assert all("model.model.rotary_emb.inv_freq" in s.param_targets for s in stages)
+    assert all("model.inv_freq" in s.param_targets for s in stages)
 
 
 def test_split_rejects_boundaries_that_do_not_tile(traced):
