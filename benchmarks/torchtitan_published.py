@@ -1,27 +1,36 @@
-"""Cost model vs torchtitan's published Llama-3.1-8B FSDP runs on 8 and 128 H100s.
+"""Cost model vs torchtitan's published FSDP runs: Llama-3.1-8B on 8 and 128 H100s, and
+Llama 3 / Llama 2 on 64 A100s.
 
-trace -> **cost**: Llama-3.1-8B (32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV heads,
-vocabulary 128,256) traced on the meta device at torchtitan's batch (local batch 2 x 8,192
-tokens per GPU, 8 GPUs), planned by hand with ``meshplan.manual_plan`` as torchtitan ran it:
-FSDP (ZeRO-3, ``fully_shard`` per block) over 8 GPUs, selective activation checkpointing,
-bf16 parameters with fp32 reduction, AdamW; priced on the preset of torchtitan's hardware
-(``h100-96gb-hbm2e``) for the engine that runs such a plan (the module engine: FSDP2 with
-prefetch, SDPA with ``is_causal=True``) and for the graph engine.
+trace -> **cost**: each model traced on the meta device at torchtitan's batch (local batch x
+sequence per GPU), planned by hand with ``meshplan.manual_plan`` as torchtitan ran it: FSDP
+(ZeRO-3, ``fully_shard`` per block) over every GPU, the run's activation checkpointing, bf16
+parameters with fp32 reduction, AdamW; priced on the preset of that hardware for the engine
+that runs such a plan (the module engine: FSDP2 with prefetch, SDPA with ``is_causal=True``)
+and for the graph engine.
 
-Source: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (end of 2024), Table 1
-(8 GPUs, global batch 16: FSDP 5,762 tokens/s per GPU, 82.4 GiB) and Table 3 (128 GPUs,
-global batch 256: 5,605, 67.0 GiB); local batch 2, sequence 8,192, selective AC, no
-torch.compile, no Float8. Their H100s are Grand Teton parts (96 GB HBM2e, 2.4 TB/s, 500 W,
-400 Gb/s RDMA per GPU), not the 80 GB / 3.35 TB/s / 700 W SXM5 of ``dgx-h100``: the
-``h100-96gb-hbm2e`` preset describes them (its peak, unpublished, is the midpoint of SXM
-and NVL, as torchtitan's doc bounds it).
+Sources:
+- H100 rows: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (end of 2024),
+  Table 1 (8 GPUs, global batch 16: FSDP 5,762 tokens/s per GPU, 82.4 GiB) and Table 3 (128
+  GPUs, global batch 256: 5,605, 67.0 GiB); local batch 2, sequence 8,192, selective AC, no
+  torch.compile, no Float8. Their H100s are Grand Teton parts (96 GB HBM2e, 2.4 TB/s, 500 W,
+  400 Gb/s RDMA per GPU), not the 80 GB / 3.35 TB/s / 700 W SXM5 of ``dgx-h100``: the
+  ``h100-96gb-hbm2e`` preset describes them (its peak, unpublished, is the midpoint of SXM
+  and NVL, as torchtitan's doc bounds it).
+- A100 rows: pytorch/torchtitan docs/performance.md (2024), FSDP2 on 64 A100 80GB: Llama 3
+  8B (local batch 1, sequence 8,192, selective op AC) 2,973 tokens/s per GPU; Llama 3 70B
+  (local batch 1, full AC) 331; Llama 2 13B (local batch 2, sequence 4,096) 2,162 without AC
+  and 1,904 with selective op AC. No memory is published for these. Priced on
+  ``dgx-a100-80gb`` (the preset the Megatron-LM rows use), unchanged: the same team's
+  software on a part whose preset was not tuned to these rows, so they check the engine
+  terms apart from the H100 part's unmeasured efficiency.
 
-Run: python benchmarks/torchtitan_published.py.
+Run: python benchmarks/torchtitan_published.py [--only h100|a100].
 Writes benchmarks/results/torchtitan_published.{md,json}.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -33,32 +42,56 @@ import meshplan
 from meshplan.tracing import trace
 from meshplan.specs import parse_model_spec
 
-SEQ, LOCAL_BATCH = 8192, 2
-SPEC = ("transformers:llama?hidden_size=4096&intermediate_size=14336&num_hidden_layers=32"
-        "&num_attention_heads=32&num_key_value_heads=8&vocab_size=128256"
-        f"&max_position_embeddings={SEQ}")
-# (GPUs, tokens/s per GPU, GiB): llama3_h100_202412_torchtitan.md Tables 1 and 3, "FSDP" rows
-ROWS = ((8, 5762, 82.4), (128, 5605, 67.0))
-PRESET = "h100-96gb-hbm2e"  # torchtitan's Grand Teton H100s (costmodel/presets)
+
+def _llama(hidden, inter, layers, heads, kv, vocab, seq):
+    return (f"transformers:llama?hidden_size={hidden}&intermediate_size={inter}"
+            f"&num_hidden_layers={layers}&num_attention_heads={heads}"
+            f"&num_key_value_heads={kv}&vocab_size={vocab}&max_position_embeddings={seq}")
+
+
+LLAMA3_8B = _llama(4096, 14336, 32, 32, 8, 128256, 8192)
+LLAMA3_70B = _llama(8192, 28672, 80, 64, 8, 128256, 8192)
+LLAMA2_13B = _llama(5120, 13824, 40, 40, 40, 32000, 4096)
+H100 = "benchmarks/llama3_h100_202412_torchtitan.md"
+A100 = "docs/performance.md"
+# (hardware, model, spec, GPUs, local batch, sequence, recompute, tokens/s per GPU, GiB, source)
+ROWS = (
+    ("h100", "Llama-3.1-8B", LLAMA3_8B, 8, 2, 8192, "selective", 5762, 82.4, H100 + " Table 1"),
+    ("h100", "Llama-3.1-8B", LLAMA3_8B, 128, 2, 8192, "selective", 5605, 67.0, H100 + " Table 3"),
+    ("a100", "Llama-3-8B", LLAMA3_8B, 64, 1, 8192, "selective", 2973, None, A100),
+    ("a100", "Llama-3-70B", LLAMA3_70B, 64, 1, 8192, "full", 331, None, A100),
+    ("a100", "Llama-2-13B", LLAMA2_13B, 64, 2, 4096, "none", 2162, None, A100),
+    ("a100", "Llama-2-13B", LLAMA2_13B, 64, 2, 4096, "selective", 1904, None, A100),
+)
+PRESETS = {"h100": "h100-96gb-hbm2e",  # torchtitan's Grand Teton H100s (costmodel/presets)
+           "a100": "dgx-a100-80gb"}
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", choices=sorted(PRESETS), help="only the rows of this hardware")
+    args = ap.parse_args()
     torch.set_num_threads(1)
-    model = parse_model_spec(SPEC).build(device="meta")
     rows = []
-    for gpus, published, published_gib in ROWS:
-        ids = torch.zeros((LOCAL_BATCH * gpus, SEQ), dtype=torch.long, device="meta")
-        graph = trace(model, (ids,), model_name="llama3.1-8b")
-        mesh = meshplan.Mesh.preset(PRESET, nodes=gpus // 8)
+    for hw, name, spec, gpus, local_batch, seq, recompute, published, published_gib, source \
+            in ROWS:
+        if args.only and hw != args.only:
+            continue
+        model = parse_model_spec(spec).build(device="meta")
+        ids = torch.zeros((local_batch * gpus, seq), dtype=torch.long, device="meta")
+        graph = trace(model, (ids,), model_name=name)
+        mesh = meshplan.Mesh.preset(PRESETS[hw], nodes=gpus // 8)
         for engine in ("auto", "graph"):
             start = time.perf_counter()
             plan = meshplan.manual_plan(model, mesh, graph=graph, dp=gpus, zero=3,
-                                        microbatch_size=LOCAL_BATCH, recompute="selective",
+                                        microbatch_size=local_batch, recompute=recompute,
                                         dtype="bf16", engine=engine)
             est = plan.predicted
-            tokens = LOCAL_BATCH * SEQ / est.step_time_s
-            rows.append({"gpus": gpus, "engine": plan.engine,
+            tokens = local_batch * seq / est.step_time_s
+            rows.append({"hardware": PRESETS[hw], "model": name, "gpus": gpus,
+                         "local_batch": local_batch, "seq": seq, "recompute": recompute,
+                         "engine": plan.engine, "source": source,
                          "published_tokens_per_gpu": published, "published_gib": published_gib,
                          "predicted_tokens_per_gpu": round(tokens),
                          "error": round((tokens - published) / published, 4),
@@ -71,24 +104,33 @@ def main() -> int:
                                          "buffers")},
                          "estimate_s": round(time.perf_counter() - start, 1)})
             print(rows[-1], flush=True)
-    lines = ["| GPUs | engine | published tok/s/GPU | predicted | error | MFU | published GiB | "
-             "peak GiB | breakdown (s) | memory (GiB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| preset | model | GPUs | local batch x seq | AC | engine | published tok/s/GPU | "
+             "predicted | error | MFU | published GiB | peak GiB | breakdown (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['gpus']} | {r['engine']} | {r['published_tokens_per_gpu']} | "
-                     f"{r['predicted_tokens_per_gpu']} | {r['error'] * 100:+.1f}% | "
-                     f"{r['predicted_mfu'] * 100:.1f}% | {r['published_gib']} | {r['peak_memory_gib']} | "
-                     f"{r['breakdown_s']} | {r['memory_gib']} |")
-    text = ("# Cost model vs torchtitan Llama-3.1-8B FSDP on 8 and 128 H100s\n\n"
-            f"Preset {PRESET} (H100 96 GB HBM2e, 500 W), bf16, FSDP (ZeRO-3) over all GPUs, local batch {LOCAL_BATCH} x {SEQ}, "
-            "selective recompute, AdamW. Published: pytorch/torchtitan "
-            "benchmarks/llama3_h100_202412_torchtitan.md Tables 1 and 3 (eager; H100 96 GB, 500 W).\n\n" + "\n".join(lines)
+        lines.append(f"| {r['hardware']} | {r['model']} | {r['gpus']} | "
+                     f"{r['local_batch']} x {r['seq']} | {r['recompute']} | {r['engine']} | "
+                     f"{r['published_tokens_per_gpu']} | {r['predicted_tokens_per_gpu']} | "
+                     f"{r['error'] * 100:+.1f}% | {r['predicted_mfu'] * 100:.1f}% | "
+                     f"{r['published_gib'] if r['published_gib'] is not None else '-'} | "
+                     f"{r['peak_memory_gib']} | {r['breakdown_s']} |")
+    text = ("# Cost model vs torchtitan's published FSDP runs\n\n"
+            "FSDP (ZeRO-3) over all GPUs, bf16 with fp32 reduction, AdamW, eager (no "
+            "torch.compile, no Float8). H100 rows: preset h100-96gb-hbm2e (96 GB HBM2e, "
+            f"500 W), pytorch/torchtitan {H100}. A100 rows: preset dgx-a100-80gb, "
+            f"pytorch/torchtitan {A100} (64 A100 80GB; no memory published). "
+            "AC: torchtitan's activation checkpointing as meshplan prices it (selective = "
+            "the module engine's op-level policy).\n\n" + "\n".join(lines)
             + "\n\nReproduce: `python benchmarks/torchtitan_published.py`.\n")
     print("\n" + text)
+    if args.only:
+        return 0  # a partial run does not replace the results
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "torchtitan_published.md"), "w") as f:
         f.write(text)
     with open(os.path.join(OUT, "torchtitan_published.json"), "w") as f:
-        json.dump({"source": "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md",
+        json.dump({"sources": {"h100": "pytorch/torchtitan " + H100,
+                               "a100": "pytorch/torchtitan " + A100},
                    "rows": rows}, f, indent=1)
     return 0
 
