@@ -33,7 +33,7 @@ class ParamGathers:
         self.mesh = mesh
         self.local_param = local_param
         self.hoisted: dict = {}
-        self.bucket_of: dict = {}
+        self.bucket_of: dict = {}  # node -> (mesh axis, bucket's nodes, their shard dims)
         self._gathered: dict = {}
         self._regather = None  # the saved-tensor hooks of the current replay (_Regather)
 
@@ -64,16 +64,20 @@ class ParamGathers:
             for u in users:
                 del steps[u].moves[g]
             specs[g] = dst
-            axis = lowering.bucket_axis(src, dst)
-            if axis is not None:
+            bucket = lowering.bucket_axis(src, dst)
+            if bucket is not None:
                 first = min(users, key=order.get)
                 layer = block_index(first, block_prefix)
                 where = layer if layer >= 0 else ("pre" if order[first] < first_block else "post")
-                groups.setdefault((where, axis, src.placements, dst.placements), []).append(g)
-        for (_, axis, _, _), members in groups.items():
+                # one collective per (block, mesh axis): tensor-parallel weights sharded on
+                # other dims share it (each member is cut back along its own dim)
+                groups.setdefault((where, bucket[0], src.tensor_meta.dtype), []).append(
+                    (g, bucket[1]))
+        for (_, axis, _), members in groups.items():
             if len(members) > 1:
-                for m in members:
-                    self.bucket_of[m] = (axis, members)
+                nodes, dims = [m for m, _ in members], tuple(d for _, d in members)
+                for m in nodes:
+                    self.bucket_of[m] = (axis, nodes, dims)
 
     # -- one call ---------------------------------------------------------------------------
     def hooks(self):
@@ -120,8 +124,8 @@ class ParamGathers:
     def gather(self, a: fx.Node, shards: list) -> dict:
         """ZeRO-3: the full parameter(s) of ``a``'s bucket (one collective per bucket)."""
         if a in self.bucket_of:
-            axis, members = self.bucket_of[a]
-            return dict(zip(members, lowering.gather_bucket(self.mesh, axis, shards)))
+            axis, members, dims = self.bucket_of[a]
+            return dict(zip(members, lowering.gather_bucket(self.mesh, axis, dims, shards)))
         return {a: lowering.move(shards[0], *self.hoisted[a])}
 
 

@@ -618,45 +618,69 @@ def run_recorded(step: Step, value) -> object:
     return build(step.result)
 
 
-def bucket_axis(src: DTensorSpec, dst: DTensorSpec) -> int | None:
-    """The mesh axis of a parameter gather that can share one collective with others
-    (Shard(0) -> Replicate on exactly one axis, evenly divided), else None."""
+def bucket_axis(src: DTensorSpec, dst: DTensorSpec) -> tuple[int, int] | None:
+    """(mesh axis, tensor dim) of a parameter gather that can share one collective with
+    others: Shard(dim) -> Replicate on exactly one mesh axis, the dim evenly divided and
+    sharded by no other axis (other axes may shard other dims: a tensor-parallel weight's
+    ZeRO-3 shard), else None."""
     diff = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
     if len(diff) != 1:
         return None
     a = diff[0]
-    if type(src.placements[a]) is not Shard or src.placements[a].dim != 0 or \
-            not isinstance(dst.placements[a], Replicate) or \
-            any(isinstance(p, Shard) and p.dim == 0 for i, p in enumerate(src.placements)
-                if i != a) or src.tensor_meta.shape[0] % src.mesh.size(a):
+    p = src.placements[a]
+    if type(p) is not Shard or not isinstance(dst.placements[a], Replicate) or \
+            any(isinstance(q, Shard) and q.dim == p.dim for i, q in enumerate(src.placements)
+                if i != a) or src.tensor_meta.shape[p.dim] % src.mesh.size(a):
         return None
-    return a
+    return a, p.dim
+
+
+def _unstack(rows: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
+    """n ranks' flat shards (``rows``: n x numel) as the tensor they cut along ``dim``."""
+    n = rows.shape[0]
+    full = rows.reshape(n, *shape)
+    if dim:
+        full = full.movedim(0, dim)
+    return full.reshape(*shape[:dim], n * shape[dim], *shape[dim + 1:])
+
+
+def _stack(g: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """The adjoint of ``_unstack``: a full gradient as n rows of flat shards."""
+    parts = g.reshape(*g.shape[:dim], n, g.shape[dim] // n, *g.shape[dim + 1:])
+    if dim:
+        parts = parts.movedim(dim, 0)
+    return parts.reshape(n, -1)
 
 
 class _BucketGather(torch.autograd.Function):
-    """All-gather several dim-0 shards in one collective (ZeRO-3 parameters of one block);
-    backward reduce-scatters their gradients in one collective."""
+    """All-gather several shards in one collective (ZeRO-3 parameters of one block, each
+    sharded along its own dim); backward reduce-scatters their gradients in one
+    collective."""
 
     @staticmethod
-    def forward(ctx, mesh, axis, *shards):
-        ctx.mesh, ctx.axis = mesh, axis
+    def forward(ctx, mesh, axis, dims, *shards):
+        ctx.mesh, ctx.axis, ctx.dims = mesh, axis, dims
         ctx.shapes = [s.shape for s in shards]
         n = mesh.size(axis)
         flat = torch.cat([s.reshape(-1) for s in shards])
         full = flat.new_empty(n * flat.numel())
         dist.all_gather_single(full, flat, group=mesh.get_group(axis))
         rows, out, off = full.view(n, -1), [], 0
-        for shape in ctx.shapes:
+        for shape, dim in zip(ctx.shapes, dims):
             size = shape.numel()
-            out.append(rows[:, off:off + size].reshape(n * shape[0], *shape[1:]))
+            out.append(_unstack(rows[:, off:off + size], shape, dim))
             off += size
         return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
         n = ctx.mesh.size(ctx.axis)
-        parts = [(g if g is not None else torch.zeros(n * s[0], *s[1:])).reshape(n, -1)
-                 for g, s in zip(grads, ctx.shapes)]
+        parts = []
+        for g, s, dim in zip(grads, ctx.shapes, ctx.dims):
+            if g is None:
+                parts.append(torch.zeros(n, s.numel()))
+            else:
+                parts.append(_stack(g, n, dim))
         whole = torch.cat(parts, dim=1).reshape(-1)
         mine = whole.new_empty(whole.numel() // n)
         dist.reduce_scatter_single(mine, whole, group=ctx.mesh.get_group(ctx.axis))
@@ -664,11 +688,11 @@ class _BucketGather(torch.autograd.Function):
         for shape in ctx.shapes:
             out.append(mine[off:off + shape.numel()].view(shape))
             off += shape.numel()
-        return (None, None, *out)
+        return (None, None, None, *out)
 
 
-def gather_bucket(mesh, axis: int, shards: list) -> tuple:
-    return _BucketGather.apply(mesh, axis, *shards)
+def gather_bucket(mesh, axis: int, dims: tuple[int, ...], shards: list) -> tuple:
+    return _BucketGather.apply(mesh, axis, tuple(dims), *shards)
 
 
 def check_recorded(step: Step, calls: list) -> bool:

@@ -185,3 +185,18 @@ def test_zero_1_and_2_use_flat_collectives_and_train_like_data_parallelism(resul
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+def test_bucketed_gather_cuts_each_member_along_its_own_dim():
+    """ZeRO-3's one all-gather per block (runtime/gathers.py) lays n ranks' flat shards in
+    rows; each member is the concatenation of its rows' shards along the dim it is sharded
+    on (a tensor-parallel weight's ZeRO shard is dim 1), and the backward's rows are the
+    exact inverse."""
+    from meshplan.runtime.lowering import _stack, _unstack
+
+    full = torch.randn(6, 4, 10)
+    for dim, n in ((0, 2), (1, 4), (2, 5)):
+        chunks = full.chunk(n, dim)
+        rows = torch.stack([c.reshape(-1) for c in chunks])
+        assert torch.equal(_unstack(rows, chunks[0].shape, dim), full), dim
+        assert torch.equal(_stack(full, n, dim), rows), dim

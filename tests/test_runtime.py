@@ -35,7 +35,8 @@ RUNS = {  # world size -> model -> variants
                "manual:tp=4+mb=8", "manual:dp=2+tp=2+sp=1+mb=2"],
         # (Llama's ZeRO-1 is tests/test_lowering.py's, equal to data parallelism there;
         # its manual dp x tp x sp plan is GPT-2's below and Llama's "sp": DECISIONS 67)
-        LLAMA: ["dp", "hybrid", "sp", "2d", "zero3", "hybrid-zero2", "recompute-full"]},
+        LLAMA: ["dp", "hybrid", "sp", "2d", "zero3", "hybrid-zero2", "recompute-full",
+                "manual:dp=2+tp=2+zero=3+mb=2"]},
     # 8 processes: a mesh that differs from 4 (dp x tp = 2 x 4); every variant also runs on 4
     # above, and each 8-process variant costs twice a 4-process one on 2 cores, so one runs
     # (Llama's 2d and hybrid-zero3 here were 4-process variants' code on a larger mesh,
@@ -135,6 +136,13 @@ def test_variants_execute_their_placements(results):
                    for op in sp["ops"].values()), key
     two_d = _stage(res[f"{GPT2}|2d"])
     assert two_d["params"]["transformer.h.0.attn.c_attn.weight"] == ["S(0)", "S(1)"]
+    # dp x tp ZeRO-3: a block's weights share one all-gather over dp, the column-parallel
+    # ones (tp on dim 0) cut along dim 1, the row-parallel ones along dim 0
+    key = f"{LLAMA}|manual:dp=2+tp=2+zero=3+mb=2"
+    assert _stage(res[key])["params"]["model.layers.0.self_attn.q_proj.weight"] == \
+        ["S(1)", "S(0)"]
+    dims = [set(d) for axis, d in res[key]["buckets"] if axis == 0]
+    assert any({0, 1} <= d for d in dims), res[key]["buckets"]
 
 
 def test_lowered_program_runs_operators_on_local_shards(results):

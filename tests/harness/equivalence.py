@@ -115,6 +115,9 @@ def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps:
     return {"losses": losses, "grads": grads, "plan": pm.plan.to_json_text(),
             "redistributions": pm.last_stats.redistributions,
             "deviations": len(pm.last_stats.output_deviations),
+            # ZeRO-3's bucketed gathers: (mesh axis, each member's sharded dim) per bucket
+            "buckets": sorted({(b[0], b[2]) for b in pm._executor.gathers.bucket_of.values()})
+            if pm._executor else [],
             "on_dtensor": [(s.node.name, s.why) for s in pm._executor.steps.values()
                            if s.kind == "dtensor"] if pm._executor else []}
 
