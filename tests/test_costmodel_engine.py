@@ -148,3 +148,41 @@ def test_module_engine_selective_keeps_only_matmul_outputs(wide):
                               dtype_bytes=BF16, seq_len=1024, micro_fraction=1 / 8 / t.microbatches * 8)
     width = 3 * 512 + 512 + 4 * 512 + 512
     assert prof.kept_matmuls[0] == pytest.approx(rows * 1024 * width * BF16, rel=1e-6)
+
+
+def test_activation_bytes_match_what_eager_autograd_saves():
+    """The module engine's activation memory is what eager autograd saves: a Hugging Face
+    Llama in bf16 (4 blocks, microbatch 2 x 256) run on CPU with saved-tensor hooks counting
+    each saved storage once (parameters excluded), against the plan's predicted activations
+    for one GPU of a dp=8 plan at the same microbatch. Measured 49.6 MiB, predicted 52.2
+    (torch 2.13, transformers 5.24); this holds it within 10% either way."""
+    import torch
+
+    from meshplan.tracing import next_token_loss
+
+    batch, seq = 2, 256
+    spec = parse_model_spec("transformers:llama?hidden_size=512&intermediate_size=1376&"
+                            "num_hidden_layers=4&num_attention_heads=8&num_key_value_heads=8&"
+                            f"vocab_size=1024&max_position_embeddings={seq}")
+    torch.manual_seed(0)
+    model = spec.build("cpu").to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    ids = torch.randint(0, 1024, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        next_token_loss(model(ids).logits, ids)
+    measured = sum(saved.values())
+
+    meta = spec.build("meta")
+    graph = trace(meta, (torch.zeros(batch * 8, seq, dtype=torch.long, device="meta"),))
+    plan = meshplan.manual_plan(meta, meshplan.Mesh.preset("dgx-a100-80gb", nodes=1),
+                                graph=graph, dp=8, microbatch_size=batch, dtype="bf16",
+                                engine="modules")
+    predicted = plan.predicted.memory.activations_gib * GIB
+    assert 0.9 < predicted / measured < 1.1, (predicted / 2**20, measured / 2**20)
