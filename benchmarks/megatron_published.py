@@ -86,15 +86,22 @@ def megatron_plan(model, graph, *, gpus: int, tp: int, pp: int, mb: int, v: int 
                   recompute: str = "full", sequence_parallel: bool = False,
                   dtype: str = "fp16", zero: int = 0, preset: str = "dgx-a100-80gb",
                   gpus_per_node: int = 8):
-    """One Megatron-LM configuration written by hand with ``meshplan.manual_plan`` on
+    """One Megatron-LM configuration written by hand as ``meshplan.manual_plan`` builds it, on
     ``gpus / gpus_per_node`` nodes of ``preset``: dp = gpus / (tp pp), 1F1B, interleaved 1F1B
     with ``v`` virtual stages where v > 1. Priced as the planner prices plans."""
+    from meshplan.api import _priced_for_engine, choose_engine
+    from meshplan.planner.manual import build_manual_plan
+
     mesh = meshplan.Mesh.preset(preset, nodes=gpus // gpus_per_node)
-    return meshplan.manual_plan(model, mesh, graph=graph, dp=gpus // (tp * pp), tp=tp, pp=pp,
-                                microbatch_size=mb,
-                                schedule="interleaved-1f1b" if v > 1 else "1f1b",
-                                virtual_stages=v, recompute=recompute,
-                                sequence_parallel=sequence_parallel, dtype=dtype, zero=zero)
+    # manual_plan's own steps, without its runtime check: Megatron ran fp16 pipelines with
+    # loss scaling, which meshplan's pipeline runtime refuses (support.dtype_rule); the
+    # published configuration is priced as it ran, not run here
+    plan = build_manual_plan(graph, mesh, dp=gpus // (tp * pp), tp=tp, pp=pp,
+                             microbatch_size=mb,
+                             schedule="interleaved-1f1b" if v > 1 else "1f1b",
+                             virtual_stages=v, recompute=recompute,
+                             sequence_parallel=sequence_parallel, dtype=dtype, zero=zero)
+    return _priced_for_engine(choose_engine(plan, model), graph, "auto")
 
 
 def predict(key: str) -> dict:

@@ -110,6 +110,12 @@ class RuntimeModel:
       ``is_causal=True`` (``memory.causal_masks``): the masks the export made are not
       allocated (the module engine); False: the exported graph builds them (the graph
       engine).
+    causal_attention: an attention whose mask is the causal pattern the trace built runs
+      with ``is_causal=True``, so flash attention skips the blocks above the diagonal
+      (``compute.op_time`` ``causal``): the module engine (the eager model builds no mask)
+      and the graph engine (its replay finds the folded causal mask and drops it,
+      runtime/spmd.py ``_causal_mask``, DECISIONS 67). Compute only; the masks' memory is
+      ``causal_mask_skipped``.
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -125,6 +131,7 @@ class RuntimeModel:
     selective_keeps_matmuls: bool = False
     attention: str = "flash"
     causal_mask_skipped: bool = False
+    causal_attention: bool = False
     engine: str = "graph"
     backend: str = "nccl"
 
@@ -150,7 +157,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
     over the microbatches, ZeRO-3 gathers each block's weights when first used with nothing
     prefetching them, so no overlap; gradients (and ZeRO-1/2 shards) are synced after the
     backward in one flat buffer per group (``lowering.reduce_partial_grads``,
-    runtime/zero.py): one latency, not one per 25 MiB bucket.
+    runtime/zero.py): one latency, not one per 25 MiB bucket. Both engines run an
+    attention whose traced mask is the causal pattern with ``is_causal=True``.
 
     "modules" (runtime/modules.py, torchtitan's composition): ``fully_shard`` per block
     prefetches the next block's all-gather during the current block's compute (FSDP2's
@@ -177,16 +185,19 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=True, sync_overlaps_backward=False,
                             reduce_scatter_per_microbatch=False, selective_keeps_matmuls=True,
-                            causal_mask_skipped=True, engine=engine, backend=backend)
+                            causal_mask_skipped=True, causal_attention=True,
+                            engine=engine, backend=backend)
     if engine == "modules":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=False, sync_overlaps_backward=True,
                             reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
-                            causal_mask_skipped=True, engine=engine, backend=backend)
+                            causal_mask_skipped=True, causal_attention=True,
+                            engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
-                        full_grad_accumulation=True, engine=engine, backend=backend)
+                        full_grad_accumulation=True, causal_attention=True, engine=engine,
+                        backend=backend)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -271,7 +282,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     coll = CollectivePrices(stage, hw, backend=runtime.backend, cache=cache)
     ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll,
                                 runtime.backend, runtime.attention,
-                                causal=runtime.causal_mask_skipped)
+                                causal=runtime.causal_attention)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
@@ -701,7 +712,7 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
                           causal: bool = False) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets). ``causal``: attention
-    that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_mask_skipped``)."""
+    that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
            contention, id(hw), backend, attention, causal)
     hit = cache.get(key) if cache is not None else None
@@ -718,7 +729,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                    contention: float, coll, attention: str = "flash", *,
                    causal: bool = False) -> _OperatorPass:
     names = list(stage.ops)
-    masks = causal_masks(graph) if causal else set()
+    # the graph engine drops a causal mask only where queries and keys are the same length:
+    # not under context parallelism, where each rank's queries are a chunk of the sequence
+    masks = causal_masks(graph) if causal and "cp" not in stage.axis_names else set()
     in_stage = set(names)
     shape = stage.mesh_shape
     placement = _placements(stage)

@@ -675,12 +675,8 @@ class _BucketGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         n = ctx.mesh.size(ctx.axis)
-        parts = []
-        for g, s, dim in zip(grads, ctx.shapes, ctx.dims):
-            if g is None:
-                parts.append(torch.zeros(n, s.numel()))
-            else:
-                parts.append(_stack(g, n, dim))
+        # (autograd materializes an unused output's gradient as zeros of its dtype)
+        parts = [_stack(g, n, dim) for g, dim in zip(grads, ctx.dims)]
         whole = torch.cat(parts, dim=1).reshape(-1)
         mine = whole.new_empty(whole.numel() // n)
         dist.reduce_scatter_single(mine, whole, group=ctx.mesh.get_group(ctx.axis))

@@ -85,16 +85,26 @@ def test_the_module_engine_holds_no_causal_mask(llama):
     assert diff == pytest.approx(2 * 2 * SEQ * SEQ)
 
 
-def test_the_module_engine_runs_attention_causal(llama):
+def test_both_engines_run_attention_causal(llama):
+    """The module engine's eager model builds no mask; the graph engine's replay finds the
+    folded causal mask and drops it (DECISIONS 67): both price the attention at half its
+    FLOPs, and pricing them as masked costs exactly that half again."""
+    from dataclasses import replace
+
+    from meshplan.costmodel.estimate import default_runtime, estimate_plan
+
     model, ids, graph = llama
     mesh = meshplan.Mesh.preset("dgx-h100")
-    plans = {e: meshplan.manual_plan(model, mesh, (ids,), graph=graph, dp=8, microbatch_size=1,
-                                     dtype="bf16", engine=e) for e in ("graph", "modules")}
     hw = mesh.hardware
     attn = [n for n in graph.nodes if n.kind == OpKind.ATTENTION]
     assert len(attn) == 2
     saved = sum(op_time(n, hw, "bf16", 8).forward_s - op_time(n, hw, "bf16", 8, causal=True).forward_s
                 for n in attn)
     assert saved > 0
-    fwd = {e: p.predicted.breakdown["forward"] for e, p in plans.items()}
-    assert fwd["graph"] - fwd["modules"] == pytest.approx(saved, rel=1e-6)
+    for engine in ("graph", "modules"):
+        plan = meshplan.manual_plan(model, mesh, (ids,), graph=graph, dp=8, microbatch_size=1,
+                                    dtype="bf16", engine=engine)
+        masked = replace(default_runtime(hw, engine=engine),
+                         causal_attention=False)
+        fwd = estimate_plan(plan, graph, runtime=masked).breakdown["forward"]
+        assert fwd - plan.predicted.breakdown["forward"] == pytest.approx(saved, rel=1e-6), engine

@@ -183,10 +183,6 @@ def test_zero_1_and_2_use_flat_collectives_and_train_like_data_parallelism(resul
                                        msg=lambda m: f"ZeRO-{level} {name}: {m}")
 
 
-if __name__ == "__main__":
-    worker(sys.argv[1])
-
-
 def test_bucketed_gather_cuts_each_member_along_its_own_dim():
     """ZeRO-3's one all-gather per block (runtime/gathers.py) lays n ranks' flat shards in
     rows; each member is the concatenation of its rows' shards along the dim it is sharded
@@ -200,3 +196,15 @@ def test_bucketed_gather_cuts_each_member_along_its_own_dim():
         rows = torch.stack([c.reshape(-1) for c in chunks])
         assert torch.equal(_unstack(rows, chunks[0].shape, dim), full), dim
         assert torch.equal(_stack(full, n, dim), rows), dim
+    # two members in one buffer, as the all-gather returns them: each rank's row holds its
+    # shard of a (cut on dim 1) then of b (cut on dim 0); each is a column slice of the rows
+    a, b, n = torch.randn(3, 8), torch.randn(4, 5), 2
+    rows = torch.stack([torch.cat([ca.reshape(-1), cb.reshape(-1)])
+                        for ca, cb in zip(a.chunk(n, 1), b.chunk(n, 0))])
+    assert torch.equal(_unstack(rows[:, :12], torch.Size((3, 4)), 1), a)
+    assert torch.equal(_unstack(rows[:, 12:], torch.Size((2, 5)), 0), b)
+    assert torch.equal(torch.cat([_stack(a, n, 1), _stack(b, n, 0)], dim=1), rows)
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
