@@ -105,6 +105,13 @@ class Mesh:
 
 
 def calibration_cache_path() -> Path:
+    """Where ``meshplan calibrate`` leaves this machine's profile for ``Mesh.local``:
+    ``$MESHPLAN_CACHE_DIR/calibration.json`` where that is set (the test suite points it at
+    an empty directory, so no developer's calibration changes its plans), else
+    ``$XDG_CACHE_HOME/meshplan`` or ``~/.cache/meshplan``."""
+    own = os.environ.get("MESHPLAN_CACHE_DIR")
+    if own:
+        return Path(own) / "calibration.json"
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "meshplan" / "calibration.json"
 

@@ -1,7 +1,14 @@
+import atexit
 import os
+import shutil
+import tempfile
 import warnings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Mesh.local reads the calibration `meshplan calibrate` caches; a developer's own would change
+# the plans tests expect, so the suite (and every process it starts) sees an empty cache
+os.environ["MESHPLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshplan-test-cache-")
+atexit.register(shutil.rmtree, os.environ["MESHPLAN_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore", module="transformers")
 
