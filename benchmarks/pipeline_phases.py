@@ -5,10 +5,15 @@ trace -> cost -> solve -> plan -> **run**. The dp2 x pp2 row of benchmarks/runti
 on 4 local gloo processes, with wall-clock timers around the phases of a step: the
 schedule (``PipelineScheduleSingle.step``), each stage's forward and backward of a
 microbatch (``forward_one_chunk``, ``backward_one_chunk``), meshplan's gradient sync
-(``PipelineModel._finish_grads``) and the optimizer steps. The step-level ratio is noisy
+(``PipelineModel._finish_grads``), the parameter leaves' post-accumulate hooks
+(``leaf_hooks``: moving each local gradient into its DTensor parameter's ``.grad``,
+runtime/lowering.py ``ParamLeaves``) and the optimizer steps. The step-level ratio is noisy
 on a shared 2-core machine (+-4% run to run); the phases say which part differs.
+``--hand-sends-ids`` adds a third step: the hand-written pipeline whose stage 0 also sends
+the token ids to the last stage, as meshplan's does for the loss in its graph, so the cost
+of that send shows as "hand+ids" against "hand".
 
-    python benchmarks/pipeline_phases.py [--pairs 30]
+    python benchmarks/pipeline_phases.py [--pairs 30] [--hand-sends-ids]
 
 Prints one line per rank: milliseconds per step of each phase (sums over the step).
 """
@@ -41,7 +46,26 @@ def _timed(acc, cls, meth: str, key: str) -> None:
     setattr(cls, meth, wrapper)
 
 
-def worker(pairs: int) -> None:
+def _timed_hooks(acc) -> None:
+    """Time every post-accumulate hook the lowered program's parameter leaves register."""
+    from meshplan.runtime import lowering
+
+    make = lowering._grad_to_param
+
+    def timed_make(ref, spec):
+        hook = make(ref, spec)
+
+        def timed(leaf):
+            start = time.perf_counter()
+            try:
+                return hook(leaf)
+            finally:
+                acc["leaf_hooks"] += time.perf_counter() - start
+        return timed
+    lowering._grad_to_param = timed_make
+
+
+def worker(pairs: int, hand_sends_ids: bool) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import schedules, stage
@@ -57,11 +81,14 @@ def worker(pairs: int) -> None:
                            (optim.LocalShardAdam, "step", "optimizer"),
                            (torch.optim.Adam, "step", "optimizer")):
         _timed(acc, cls, meth, key)
+    _timed_hooks(acc)
     args = argparse.Namespace(hidden=256, heads=4, layers=2, vocab=1024, batch=8, seq=128,
                               steps=pairs + WARMUP, warmup=WARMUP)
     dist.init_process_group("gloo")
     steps = {"meshplan": ro.meshplan_step(args, "pipeline", lowered=True)[0],
              "hand": ro.handwritten_pipeline_step(args)[0]}
+    if hand_sends_ids:
+        steps["hand+ids"] = ro.handwritten_pipeline_step(args, send_ids=True)[0]
     total = {name: collections.defaultdict(float) for name in steps}
 
     def phased(name, step):  # the phases of each step after the warmup, summed
@@ -92,13 +119,16 @@ def worker(pairs: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=30)
+    ap.add_argument("--hand-sends-ids", action="store_true",
+                    help="also time the hand-written pipeline sending the token ids on")
     args = ap.parse_args()
     if "LOCAL_RANK" in os.environ:
-        worker(args.pairs)
+        worker(args.pairs, args.hand_sends_ids)
         return 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--nnodes=1",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "--max_restarts=0",
-           __file__, "--pairs", str(args.pairs)]
+           __file__, "--pairs", str(args.pairs)] + \
+        (["--hand-sends-ids"] if args.hand_sends_ids else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
            "LOGLEVEL": "WARNING"}
     return subprocess.run(cmd, env=env).returncode

@@ -96,11 +96,15 @@ class LlamaStage(nn.Module):
     """Blocks [first, last) of an HF ``LlamaForCausalLM``, as torchtitan cuts one: stage 0
     also embeds the tokens and makes the rotary cos/sin (sent on with the hidden states),
     the last stage also applies the final norm and lm_head. The mask is made as
-    ``LlamaModel.forward`` makes it (None for SDPA without padding: causal attention)."""
+    ``LlamaModel.forward`` makes it (None for SDPA without padding: causal attention).
+    ``send_ids``: stage 0 also sends the token ids on, as meshplan's stages do for the loss
+    in the last stage's graph (the last stage ignores them: its loss reads the schedule's
+    target); for timing that send alone (benchmarks/pipeline_phases.py)."""
 
     def __init__(self, model: nn.Module, first: int, last: int, *, is_first: bool,
-                 is_last: bool):
+                 is_last: bool, send_ids: bool = False):
         super().__init__()
+        self.send_ids = send_ids
         assert not model.config.tie_word_embeddings, "a tied lm_head spans two stages"
         self.config = model.config
         self.embed_tokens = model.model.embed_tokens if is_first else None
@@ -109,9 +113,11 @@ class LlamaStage(nn.Module):
         self.norm = model.model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
 
-    def forward(self, x, cos=None, sin=None):
+    def forward(self, x, cos=None, sin=None, ids=None):
         from transformers.masking_utils import create_causal_mask
 
+        if self.embed_tokens is not None:
+            ids = x
         h = self.embed_tokens(x) if self.embed_tokens is not None else x
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         if self.rotary_emb is not None:
@@ -123,13 +129,14 @@ class LlamaStage(nn.Module):
                       position_ids=positions)
         if self.lm_head is not None:
             return self.lm_head(self.norm(h))
-        return h, cos, sin
+        return (h, cos, sin, ids) if self.send_ids else (h, cos, sin)
 
 
-def handwritten_pipeline_step(args):
+def handwritten_pipeline_step(args, send_ids: bool = False):
     """dp=2 x pp=2 with torch.distributed.pipelining: one ``PipelineStage`` per rank on its
     pp lane, ``Schedule1F1B``, then one flat all-reduce of the stage's gradients over its dp
-    group, then Adam. Returns (step(i), the global-batch mean loss of each step)."""
+    group, then Adam. Returns (step(i), the global-batch mean loss of each step).
+    ``send_ids``: stage 0 also sends the token ids (``LlamaStage``)."""
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
     from torch.distributed.device_mesh import init_device_mesh
@@ -146,12 +153,13 @@ def handwritten_pipeline_step(args):
     stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     first, last = stage_index == 0, stage_index == PP - 1
     module = LlamaStage(model, *layer_ranges(args.layers)[stage_index], is_first=first,
-                        is_last=last)
+                        is_last=last, send_ids=send_ids)
     microbatches = args.batch // (PIPE_DP * PIPE_MB)
     # Static shapes, as meshplan gives them: cos/sin carry no gradient back.
     head_dim = args.hidden // args.heads
     sent = (torch.empty(PIPE_MB, args.seq, args.hidden, requires_grad=True),
-            torch.empty(1, args.seq, head_dim), torch.empty(1, args.seq, head_dim))
+            torch.empty(1, args.seq, head_dim), torch.empty(1, args.seq, head_dim)) + \
+        ((torch.zeros(PIPE_MB, args.seq, dtype=torch.long),) if send_ids else ())
     stage = PipelineStage(
         module, stage_index, PP, torch.device("cpu"),
         input_args=(torch.zeros(PIPE_MB, args.seq, dtype=torch.long),) if first else sent,

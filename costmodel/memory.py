@@ -221,15 +221,12 @@ def _minus(table: dict, sub: dict) -> dict:
     return {k: max(0.0, v - sub.get(k, 0.0)) for k, v in table.items()}
 
 
-def causal_masks(graph: OpGraph) -> frozenset[str]:
+def causal_masks(graph: OpGraph) -> set[str]:
     """Square boolean values that depend on no input and that attention reads as its
     mask (its fourth input): the causal mask a Hugging Face model builds when it is exported. Run eagerly
     with SDPA and no padding mask, transformers 5.x builds none and calls SDPA with
     ``is_causal=True`` (``masking_utils._ignore_causal_mask_sdpa`` returns True unless
     exporting or the padding mask is traced), so the module engine never allocates them."""
-    hit = graph.__dict__.get("_causal_masks")  # per graph: the search prices it many times
-    if hit is not None:
-        return hit
     out = set()
     for node in graph.nodes:
         if node.kind != OpKind.ATTENTION or len(node.inputs) < 4:
@@ -239,8 +236,7 @@ def causal_masks(graph: OpGraph) -> frozenset[str]:
         if out_meta is not None and root not in graph.data_nodes and out_meta.dtype == "bool" \
                 and len(out_meta.shape) >= 2 and out_meta.shape[-1] == out_meta.shape[-2]:
             out.add(root)
-    graph.__dict__["_causal_masks"] = frozenset(out)
-    return graph.__dict__["_causal_masks"]
+    return out
 
 
 def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq_len: int,

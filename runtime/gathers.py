@@ -26,9 +26,8 @@ from meshplan.runtime.recompute import block_index
 class ParamGathers:
     """Which parameters are gathered once per call (``hoisted``: node -> (src, dst) spec)
     and together (``bucket_of``: node -> (mesh axis, the nodes gathered with it, their
-    shard dims)), and the
-    gathered values of the call in flight. ``local_param(node)`` gives a parameter node's
-    local shard as the program reads it."""
+    shard dims)), and the gathered values of the call in flight. ``local_param(node)``
+    gives a parameter node's local shard as the program reads it."""
 
     def __init__(self, mesh: DeviceMesh, local_param):
         self.mesh = mesh

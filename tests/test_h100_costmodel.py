@@ -104,7 +104,6 @@ def test_both_engines_run_attention_causal(llama):
     for engine in ("graph", "modules"):
         plan = meshplan.manual_plan(model, mesh, (ids,), graph=graph, dp=8, microbatch_size=1,
                                     dtype="bf16", engine=engine)
-        masked = replace(default_runtime(hw, engine=engine),
-                         causal_attention=False)
+        masked = replace(default_runtime(hw, engine=engine), causal_attention=False)
         fwd = estimate_plan(plan, graph, runtime=masked).breakdown["forward"]
         assert fwd - plan.predicted.breakdown["forward"] == pytest.approx(saved, rel=1e-6), engine
