@@ -299,6 +299,11 @@ class PipelineModel:
         """Run the schedule on one global batch (a tensor or the tuple of flat graph inputs);
         gradients are left in ``.grad``. Returns the mean loss over the global batch (on
         every rank)."""
+        return self._mean_loss(self._run_schedule(batch))
+
+    def _run_schedule(self, batch) -> torch.Tensor:
+        """The schedule and the gradient sync; returns this rank's weighted share of the
+        global mean loss (zero off the last stage), not yet summed over ranks."""
         inputs = tuple(x.to(self.device) for x in (batch if isinstance(batch, tuple) else (batch,)))
         losses: list = []
         self.schedule.step(*inputs, target=inputs[0], losses=losses, return_outputs=False)
@@ -309,17 +314,23 @@ class PipelineModel:
         if losses:  # the last stage's ranks hold local losses: weigh them into the mean
             total *= next((st.submod.loss_weight for st in self.stages
                            if hasattr(st.submod, "loss_weight")), 1.0)
-        dist.all_reduce(total)
-        return float(total.item())
+        return total
+
+    @staticmethod
+    def _mean_loss(share: torch.Tensor) -> float:
+        dist.all_reduce(share)
+        return float(share.item())
 
     def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
-        loss = self.forward_backward(batch)
+        share = self._run_schedule(batch)
+        # The loss is summed over every rank after the optimizer step: a sum over the whole
+        # world before it would hold each rank's step until the slowest stage is done.
         optimizer.step()
         self.gather_masters()
         optimizer.zero_grad(set_to_none=True)
         for p in self.unique_params():
             p.grad = None
-        return loss
+        return self._mean_loss(share)
 
     def unique_params(self) -> list[nn.Parameter]:
         return list({id(p): p for p in self.params.values()}.values())
