@@ -11,9 +11,11 @@ runtime/lowering.py ``ParamLeaves``) and the optimizer steps. The step-level rat
 on a shared 2-core machine (+-4% run to run); the phases say which part differs.
 ``--hand-sends-ids`` adds a third step: the hand-written pipeline whose stage 0 also sends
 the token ids to the last stage, as meshplan's does for the loss in its graph, so the cost
-of that send shows as "hand+ids" against "hand".
+of that send shows as "hand+ids" against "hand". ``--loss-first`` adds meshplan's step as it
+was before 2026-11-25 ("loss-first"): the loss summed over all ranks before the optimizer
+step instead of after it (``PipelineModel.train_step``), on the same engine and optimizer.
 
-    python benchmarks/pipeline_phases.py [--pairs 30] [--hand-sends-ids]
+    python benchmarks/pipeline_phases.py [--pairs 30] [--hand-sends-ids] [--loss-first]
 
 Prints one line per rank: milliseconds per step of each phase (sums over the step).
 """
@@ -65,7 +67,22 @@ def _timed_hooks(acc) -> None:
     lowering._grad_to_param = timed_make
 
 
-def worker(pairs: int, hand_sends_ids: bool) -> None:
+def _loss_first(step):
+    """meshplan's pipeline step with the loss summed over every rank before the optimizer
+    step (``forward_backward`` then the optimizer), the order before 2026-11-25."""
+    pm, opt, batches = step.engine, step.optimizer, step.batches
+
+    def run(i):
+        pm.forward_backward(batches[i])
+        opt.step()
+        pm.gather_masters()
+        opt.zero_grad(set_to_none=True)
+        for p in pm.unique_params():
+            p.grad = None
+    return run
+
+
+def worker(pairs: int, hand_sends_ids: bool, loss_first: bool) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import schedules, stage
@@ -87,6 +104,8 @@ def worker(pairs: int, hand_sends_ids: bool) -> None:
     dist.init_process_group("gloo")
     steps = {"meshplan": ro.meshplan_step(args, "pipeline", lowered=True)[0],
              "hand": ro.handwritten_pipeline_step(args)[0]}
+    if loss_first:
+        steps["loss-first"] = _loss_first(steps["meshplan"])
     if hand_sends_ids:
         steps["hand+ids"] = ro.handwritten_pipeline_step(args, send_ids=True)[0]
     total = {name: collections.defaultdict(float) for name in steps}
@@ -121,14 +140,17 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=30)
     ap.add_argument("--hand-sends-ids", action="store_true",
                     help="also time the hand-written pipeline sending the token ids on")
+    ap.add_argument("--loss-first", action="store_true",
+                    help="also time meshplan's step with the loss summed before the optimizer")
     args = ap.parse_args()
     if "LOCAL_RANK" in os.environ:
-        worker(args.pairs, args.hand_sends_ids)
+        worker(args.pairs, args.hand_sends_ids, args.loss_first)
         return 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--nnodes=1",
            "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:0", "--max_restarts=0",
            __file__, "--pairs", str(args.pairs)] + \
-        (["--hand-sends-ids"] if args.hand_sends_ids else [])
+        (["--hand-sends-ids"] if args.hand_sends_ids else []) + \
+        (["--loss-first"] if args.loss_first else [])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
            "LOGLEVEL": "WARNING"}
     return subprocess.run(cmd, env=env).returncode

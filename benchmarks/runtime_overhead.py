@@ -83,7 +83,11 @@ def meshplan_step(args, variant: str, lowered: bool):
     pm = parallelize(model, plan, (batches[0],), lowered=lowered)
     opt = make_optimizer(pm.optimizer_params(), pm.plan)
     losses = []
-    return (lambda i: losses.append(pm.train_step(batches[i], opt))), losses
+
+    def step(i):
+        losses.append(pm.train_step(batches[i], opt))
+    step.engine, step.optimizer, step.batches = pm, opt, batches  # for pipeline_phases.py
+    return step, losses
 
 
 def layer_ranges(layers: int) -> list[tuple[int, int]]:
