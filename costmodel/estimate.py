@@ -116,6 +116,24 @@ class RuntimeModel:
       and the graph engine (its replay finds the folded causal mask and drops it,
       runtime/spmd.py ``_causal_mask``, DECISIONS 67). Compute only; the masks' memory is
       ``causal_mask_skipped``.
+    fsdp_keeps_shards: the engine's data parallelism is FSDP2 (``fully_shard``, and
+      ``replicate``, which is FSDP2 with a shard group of one), which keeps each parameter's
+      shard (the whole tensor under ``replicate``) as the optimizer's parameter and
+      all-gathers an unsharded copy for the forward and the backward: a copy ZeRO-3 frees
+      after each block and ZeRO-0/1/2 keep from the forward to the backward. Under bf16
+      the shard is the fp32 master the model-state table counts already; in fp32 it is a
+      second copy of the weights beside the unsharded one (measured on 2 gloo processes,
+      two 4 MiB layers: 8 MiB of weights before the forward, 16 MiB after it, under
+      ``replicate`` and under ``fully_shard(reshard_after_forward=False)`` alike).
+    overlap_efficiency: of the collective time the factors above hide behind compute
+      (``sync_overlaps_backward``, ``param_gather_overlap``), the fraction really hidden.
+      1 on NCCL, where a collective issued with ``async_op=False`` is queued on its stream
+      and the CPU goes on issuing compute. 0 on gloo: FSDP2 issues its gradient
+      reductions and its all-gathers with ``async_op=False`` (torch 2.13,
+      ``_fsdp_collectives.foreach_reduce``, ``FSDPParamGroup.unshard``), and a gloo
+      collective called that way blocks the calling thread until it is done, so nothing
+      runs beside it (a profile of 4 gloo processes, module engine, dp=4: every block's
+      all-reduce waited for inside ``post_backward``).
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -132,6 +150,8 @@ class RuntimeModel:
     attention: str = "flash"
     causal_mask_skipped: bool = False
     causal_attention: bool = False
+    fsdp_keeps_shards: bool = False
+    overlap_efficiency: float = 1.0
     engine: str = "graph"
     backend: str = "nccl"
 
@@ -146,6 +166,9 @@ class RuntimeModel:
             raise PlanningError(f"attention={self.attention!r} is not one of "
                                 f"{', '.join(ATTENTION_KERNELS)}; \"flash\" for fused attention "
                                 "kernels, \"materialized\" where the s x s scores go to memory")
+        if not 0.0 <= self.overlap_efficiency <= 1.0:
+            raise PlanningError(f"overlap_efficiency={self.overlap_efficiency!r} is not a "
+                                "fraction in [0, 1]; 1 hides every overlapped collective")
 
 
 def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
@@ -180,12 +203,14 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
     if backend is None:
         backend = "gloo" if hw.device.host_cores > 0 or hw.device.name == "cpu" else "nccl"
     gloo = backend == "gloo"
+    overlap = 0.0 if gloo else 1.0
     if engine == "modules" and pipeline:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=True, sync_overlaps_backward=False,
                             reduce_scatter_per_microbatch=False, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
+                            fsdp_keeps_shards=True, overlap_efficiency=overlap,
                             engine=engine, backend=backend)
     if engine == "modules":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
@@ -193,11 +218,12 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             full_grad_accumulation=False, sync_overlaps_backward=True,
                             reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
+                            fsdp_keeps_shards=True, overlap_efficiency=overlap,
                             engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
-                        full_grad_accumulation=True, causal_attention=True, engine=engine,
-                        backend=backend)
+                        full_grad_accumulation=True, causal_attention=True,
+                        overlap_efficiency=overlap, engine=engine, backend=backend)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -427,6 +453,8 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
         w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
         if zero == 2 and runtime.full_grad_accumulation:
             g = numel * GRAD_BYTES  # the full gradient, reduce-scattered once per step
+        if runtime.fsdp_keeps_shards and dtype == "fp32" and zero < 3 and dp > 1:
+            w += numel * 4 / (dp if zero >= 1 else 1)  # the shard beside the gathered copy
         weights, grads, opt = weights + w, grads + g, opt + o
         opt_numel += numel / (dp if zero >= 1 else 1)
         tensors += 1
@@ -515,22 +543,29 @@ def _param_traffic_s(params: ParamWalk, stage: Stage, coll: CollectivePrices,
         # per-block collectives behind the backward (and, for the updated shards, the next
         # step's forward, FSDP2's prefetch): the last block's stays exposed
         behind = backward_s + recompute_s
+        e = runtime.overlap_efficiency
         if runtime.reduce_scatter_per_microbatch and stage.zero >= 2:
-            mb_sync += _hidden_s(grad_sync, behind, units)
+            mb_sync += _hidden_s(grad_sync, behind, units, e)
             grad_sync = 0.0
-        step = _hidden_s(grad_sync, behind, units) + _hidden_s(updated_gather, forward_s, units)
+        step = _hidden_s(grad_sync, behind, units, e) + \
+            _hidden_s(updated_gather, forward_s, units, e)
     else:
         # the gather of updated weights follows the optimizer step: nothing to overlap with
         step = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
     compute = forward_s + backward_s + recompute_s
-    exposed = max(0.0, gather - runtime.param_gather_overlap * compute)
+    ideal = max(0.0, gather - runtime.param_gather_overlap * compute)
+    exposed = gather - runtime.overlap_efficiency * (gather - ideal)
     return _TrafficTimes(step_s=step, microbatch_s=mb_sync, gather_exposed_s=exposed)
 
 
-def _hidden_s(t: float, behind: float, units: int) -> float:
+def _hidden_s(t: float, behind: float, units: int, efficiency: float = 1.0) -> float:
     """Exposed part of ``t`` split into ``units`` collectives issued as compute of
-    ``behind`` seconds proceeds: all but the last unit's can hide."""
-    return max(t / units, t - behind) if t > 0 else 0.0
+    ``behind`` seconds proceeds: all but the last unit's can hide, and ``efficiency`` of
+    what can hide does (``RuntimeModel.overlap_efficiency``)."""
+    if t <= 0:
+        return 0.0
+    ideal = max(t / units, t - behind)
+    return t - efficiency * (t - ideal)
 
 
 def _per_use_zero3_s(syncs: list[GradSync], coll: CollectivePrices, runtime: RuntimeModel, *,

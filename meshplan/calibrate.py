@@ -14,13 +14,15 @@ runs (OMP_NUM_THREADS=1):
 4. on CPU, the runtime itself (``parallelize`` + ``train_step``, as ``meshplan run`` executes
    a plan) on small GPT-2 graphs (``RUNTIME_GRAPHS``: other sizes than the accuracy
    benchmark's, so that benchmarks/costmodel_accuracy.py is not the training set), with 1
-   process and with N processes (data parallel). ``fit_runtime`` fits, by least squares on
+   process and with N processes (data parallel, each process with the 1-process batch).
+   ``fit_runtime`` fits, by least squares on
    relative error: the compute scale k and the per-operator framework overhead f (the fx
    Interpreter, DTensor dispatch and autograd of the runtime) from the 1-process steps;
    the effective cores (contention N / cores) from the N-process forward + backward; and
    the latency of one collective as the runtime meets it from the N-process steps (on
    oversubscribed cores a collective ends only when every rank has been scheduled, which
-   costs milliseconds, far above the bare collective timed in 3).
+   costs milliseconds, far above the bare collective timed in 3). These runs are the graph
+   engine's, and are priced as the graph engine (the engine that ran them).
 Sample counts and relative residuals go under ``fitted``. The local profile records
 ``host_cores`` so that estimates slow compute when processes outnumber cores. The whole
 calibration takes about 1.5-2.5 minutes on 2 shared cores with 4 processes.
@@ -224,16 +226,27 @@ RUNTIME_GRAPHS = (
     ("transformers:gpt2?n_layer=2&n_embd=128&n_head=4&vocab_size=2048&n_positions=64", 4, 32),
     ("transformers:gpt2?n_layer=1&n_embd=384&n_head=6&vocab_size=4096&n_positions=64", 4, 64),
 )
-RUNTIME_STEPS = 4  # the first step (optimizer state allocation, warm-up) is not timed
+RUNTIME_STEPS = 6  # the first step (optimizer state allocation, warm-up) is not timed
+
+
+def _runtime_plan(meta, graph, world: int, batch: int, *,
+                  profile: HardwareProfile | None = None):
+    """The data-parallel plan a calibration run executes, for the engine that runs it (the
+    graph engine: ``parallelize`` of runtime/parallelize.py), so that it is priced as that
+    engine (left to ``engine="auto"``, these small data-parallel plans would be priced as
+    the module engine, whose collectives overlap the backward)."""
+    from meshplan.api import manual_plan
+    from meshplan.mesh import Mesh
+
+    return manual_plan(meta, Mesh.local(world, profile=profile or load_preset("cpu-local")),
+                       graph=graph, dtype="fp32", dp=world, microbatch_size=batch // world,
+                       engine="graph")
 
 
 def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
     """Time ``meshplan run``'s path (parallelize + train_step) of each graph as dp=world."""
     import torch.distributed as dist
 
-    from meshplan.api import manual_plan
-    from meshplan.costmodel.hardware import load_preset as _preset
-    from meshplan.mesh import Mesh
     from meshplan.tracing import trace
     from meshplan.runtime.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
@@ -248,8 +261,7 @@ def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
         spec = parse_model_spec(text)
         meta = spec.build("meta")
         graph = trace(meta, example_inputs(meta, batch, seq), model_name=spec.name)
-        plan = manual_plan(meta, Mesh.local(world, profile=_preset("cpu-local")), graph=graph,
-                           dtype="fp32", dp=world, microbatch_size=batch // world)
+        plan = _runtime_plan(meta, graph, world, batch)
         torch.manual_seed(0)
         model = spec.build("cpu")
         pm = parallelize(model, plan, (synthetic_batch(model, batch, seq, seed=0, step=0),))
@@ -276,7 +288,8 @@ def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
 
 
 def measure_runtime(worlds=(1,), graphs=RUNTIME_GRAPHS, progress=None) -> list[tuple]:
-    """(model, batch, seq, processes, median step s) of the runtime on each graph."""
+    """(model, batch, seq, processes, median step s, median forward + backward s) of the
+    graph engine on each graph."""
     rows = []
     for world in worlds:
         rows += _run_group(world, _runtime_worker, (graphs,), timeout_s=600)
@@ -334,10 +347,9 @@ def fit_runtime(profile: HardwareProfile, rows: list[tuple]) -> tuple[HardwarePr
     fixed graph (step = k T0 + f A, where T0 is the estimate without framework overhead and
     A its derivative in f), so the 1-process fit is a 2-parameter linear least squares; the
     contention s (cores = N / s) is the 1-parameter fit of the N-process forward + backward,
-    and the collective latency the 1-parameter fit of the rest of the N-process step."""
-    from meshplan.api import manual_plan
+    and the collective latency the 1-parameter fit of the rest of the N-process step. Each
+    row is priced as the graph engine, the engine that ran it (``_runtime_plan``)."""
     from meshplan.costmodel.estimate import estimate_plan
-    from meshplan.mesh import Mesh
     from meshplan.tracing import trace
     from meshplan.specs import example_inputs, parse_model_spec
 
@@ -346,9 +358,8 @@ def fit_runtime(profile: HardwareProfile, rows: list[tuple]) -> tuple[HardwarePr
         spec = parse_model_spec(text)
         meta = spec.build("meta")
         graph = trace(meta, example_inputs(meta, batch, seq), model_name=spec.name)
-        plan = manual_plan(meta, Mesh.local(world, profile=profile), graph=graph, dtype="fp32",
-                           dp=world, microbatch_size=batch // world)
-        cases.append((plan, graph, world, measured, compute))
+        cases.append((_runtime_plan(meta, graph, world, batch, profile=profile), graph, world,
+                      measured, compute))
 
     def predict(hw, case, part=None):
         est = estimate_plan(case[0], case[1], hw=hw)
@@ -452,7 +463,10 @@ def calibrate(procs: int = 4, *, device: str | None = None, progress=None,
         worlds = (1, procs) if procs > 1 else (1,)
         rows = measure_runtime(worlds=(1,), progress=progress)
         if procs > 1:
-            rows += measure_runtime(worlds=(procs,), progress=progress)
+            # each process takes the 1-process batch (weak scaling): the contention is
+            # then measured on the same per-process work, not on a few tokens per rank
+            rows += measure_runtime(worlds=(procs,), progress=progress,
+                                    graphs=[(t, b * procs, s) for t, b, s in RUNTIME_GRAPHS])
         profile, info = fit_runtime(profile, rows)
         d = profile.to_dict()
         d["fitted"].update(info, runtime_worlds=list(worlds))

@@ -76,7 +76,8 @@ def test_fit_runtime_recovers_a_known_profile():
             meta = spec.build("meta")
             graph = trace(meta, example_inputs(meta, b, seq), model_name=spec.name)
             plan = manual_plan(meta, Mesh.local(world, profile=truth), graph=graph,
-                               dtype="fp32", dp=world, microbatch_size=b // world)
+                               dtype="fp32", dp=world, microbatch_size=b // world,
+                               engine="graph")
             est = estimate_plan(plan, graph, hw=truth)
             rows.append((text, b, seq, world, est.step_time_s,
                          est.breakdown["forward"] + est.breakdown["backward"]))
@@ -86,3 +87,5 @@ def test_fit_runtime_recovers_a_known_profile():
     assert abs(info["effective_cores"] - 1.5) < 0.05
     assert abs(info["collective_latency_s"] - 1e-3) < 5e-5
     assert info["runtime_residual_nproc"] < 0.01
+    # the calibration's runs are the graph engine's, and are priced as it
+    assert cal._runtime_plan(meta, graph, 4, batch, profile=truth).engine == "graph"

@@ -2,6 +2,8 @@
 device name: FSDP2's prefetch and per-block gradient reduction (module engine) against the
 graph engine's exposed gathers and flat post-backward sync, on a small GPT-2 on a DGX A100."""
 
+import dataclasses
+
 import pytest
 
 import meshplan
@@ -82,6 +84,49 @@ def test_module_engine_overlaps_the_gradient_sync(wide):
     assert mods.backward_s > flat  # the backward is long enough to hide all but one block
     assert mods.grad_sync_s == pytest.approx((flat - latency + blocks * latency) / blocks,
                                              rel=1e-6)
+
+
+def test_module_engine_on_gloo_hides_no_collective(wide):
+    """FSDP2 issues its reductions and all-gathers with ``async_op=False``; on gloo that
+    blocks the CPU thread, so the module engine priced for gloo pays every block's gradient
+    sync and every ZeRO-3 gather in full, against NCCL's overlap."""
+    model, graph, mesh = wide
+    hw = mesh.hardware
+    gloo, nccl = (default_runtime(hw, engine="modules", backend=b) for b in ("gloo", "nccl"))
+    assert (gloo.overlap_efficiency, nccl.overlap_efficiency) == (0.0, 1.0)
+    for zero in (0, 3):
+        plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=8,
+                                    dtype="bf16", zero=zero, engine="modules")
+        blocking, overlapped = (_cost(plan, graph, r) for r in (gloo, nccl))
+        # the same collectives, none hidden: more exposed than under NCCL
+        assert blocking.comm_s + blocking.grad_sync_s > \
+            overlapped.comm_s + overlapped.grad_sync_s
+        if zero == 0:
+            flat = _cost(plan, graph, default_runtime(hw, engine="graph")).grad_sync_s
+            latency = collective_time_s(hw, Collective.ALL_REDUCE, 1e-30, 8)
+            assert blocking.grad_sync_s == pytest.approx(flat + 4 * latency, rel=1e-6)
+    half = dataclasses.replace(nccl, overlap_efficiency=0.5)
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=8,
+                                dtype="bf16", engine="modules")
+    costs = [_cost(plan, graph, r).grad_sync_s for r in (gloo, half, nccl)]
+    assert costs[1] == pytest.approx((costs[0] + costs[2]) / 2, rel=1e-9)
+    with pytest.raises(PlanningError, match="overlap_efficiency=1.5"):
+        dataclasses.replace(nccl, overlap_efficiency=1.5)
+
+
+def test_module_engine_in_fp32_keeps_fsdp_shards_beside_the_gathered_weights(wide):
+    """FSDP2 keeps each parameter's shard (the whole tensor under replicate) and gathers an
+    unsharded copy for the forward and backward: in fp32 that is a second copy of the
+    weights (1/dp of one under ZeRO-1/2; ZeRO-3's gathered blocks are buffers); under bf16
+    the shard is the fp32 master the model-state table counts already."""
+    model, graph, mesh = wide
+    for dtype, zero, extra in (("fp32", 0, 1.0), ("fp32", 1, 1 / 8), ("fp32", 2, 1 / 8),
+                               ("fp32", 3, 0.0), ("bf16", 0, 0.0), ("bf16", 1, 0.0)):
+        weights = {e: meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=8,
+                                           dtype=dtype, zero=zero, engine=e)
+                   .stages[0].predicted.memory.params_gib for e in ("modules", "graph")}
+        assert weights["modules"] == pytest.approx(weights["graph"] * (1 + extra), rel=1e-9), \
+            (dtype, zero)
 
 
 def test_module_engine_zero2_shards_gradients_every_microbatch(wide):
