@@ -23,7 +23,9 @@ plan (one microbatch at a time) and composes them with the pipeline schedule:
 - optimizer: the state it reads and writes at memory bandwidth, plus fixed costs per tensor.
 
 Overlap is explicit (``RuntimeModel``): the fraction of the gradient sync hidden behind the
-backward, and of ZeRO-3 all-gathers hidden behind compute.
+backward, and of ZeRO-3 all-gathers hidden behind compute, times the fraction of that the
+backend really hides (``overlap_efficiency``: all on NCCL, none on gloo, where FSDP2's
+collectives block the CPU thread).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NA
                                         materialized_attention_time, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
-from meshplan.costmodel.memory import (GIB, GRAD_BYTES, ActivationProfile, activation_memory,
+from meshplan.costmodel.memory import (GIB, GRAD_BYTES, MASTER_BYTES, ActivationProfile,
+                                       activation_memory,
                                        activation_profile, alias_root, causal_masks,
                                        grad_sync_buffer_bytes, model_state_bytes,
                                        optimizer_traffic_s, zero3_buffer_bytes)
@@ -122,9 +125,11 @@ class RuntimeModel:
       all-gathers an unsharded copy for the forward and the backward: a copy ZeRO-3 frees
       after each block and ZeRO-0/1/2 keep from the forward to the backward. Under bf16
       the shard is the fp32 master the model-state table counts already; in fp32 it is a
-      second copy of the weights beside the unsharded one (measured on 2 gloo processes,
-      two 4 MiB layers: 8 MiB of weights before the forward, 16 MiB after it, under
-      ``replicate`` and under ``fully_shard(reshard_after_forward=False)`` alike).
+      second copy beside the unsharded one (measured on 2 gloo processes, two 4 MiB
+      layers: 8 MiB of weights before the forward, 16 MiB after it, under ``replicate``
+      and under ``fully_shard(reshard_after_forward=False)`` alike). Only ZeRO-0 sets this
+      apart from the graph engine, whose fp32 ZeRO-1/2 keep a master shard beside the
+      full weights too (runtime/parallelize.py); both are counted in ``parameter_walk``.
     overlap_efficiency: of the collective time the factors above hide behind compute
       (``sync_overlaps_backward``, ``param_gather_overlap``), the fraction really hidden.
       1 on NCCL, where a collective issued with ``async_op=False`` is queued on its stream
@@ -133,7 +138,8 @@ class RuntimeModel:
       ``_fsdp_collectives.foreach_reduce``, ``FSDPParamGroup.unshard``), and a gloo
       collective called that way blocks the calling thread until it is done, so nothing
       runs beside it (a profile of 4 gloo processes, module engine, dp=4: every block's
-      all-reduce waited for inside ``post_backward``).
+      all-reduce waited for inside ``post_backward``). ``default_runtime`` sets it from the
+      backend; a RuntimeModel built by hand keeps 1 unless told.
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -187,7 +193,9 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
     prefetches the next block's all-gather during the current block's compute (FSDP2's
     implicit forward/backward prefetch), so ZeRO-3 gathers hide behind compute; gradients
     are reduced per block (FSDP2's ``replicate`` for ZeRO-0, ``fully_shard`` otherwise) as
-    the backward produces them, overlapping it; ZeRO-0/1 sync on the last microbatch only
+    the backward produces them, overlapping it (on NCCL; on gloo nothing overlaps:
+    ``overlap_efficiency``); in fp32 FSDP2 keeps each parameter's shard beside the gathered
+    copy (``fsdp_keeps_shards``); ZeRO-0/1 sync on the last microbatch only
     (``set_requires_gradient_sync``) and accumulate full gradients, ZeRO-2/3
     reduce-scatter every microbatch and keep sharded gradients (DECISIONS 27).
 
@@ -453,8 +461,13 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
         w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
         if zero == 2 and runtime.full_grad_accumulation:
             g = numel * GRAD_BYTES  # the full gradient, reduce-scattered once per step
-        if runtime.fsdp_keeps_shards and dtype == "fp32" and zero < 3 and dp > 1:
-            w += numel * 4 / (dp if zero >= 1 else 1)  # the shard beside the gathered copy
+        if dtype == "fp32" and dp > 1 and zero in (1, 2):
+            # the fp32 shard the optimizer steps, beside the full weights: the graph
+            # engine's ZeRO-1/2 master, FSDP2's shard (under bf16: the master counted in
+            # the optimizer column)
+            w += numel * MASTER_BYTES / dp
+        elif dtype == "fp32" and dp > 1 and zero == 0 and runtime.fsdp_keeps_shards:
+            w += numel * MASTER_BYTES  # replicate's whole-tensor shard beside the gathered copy
         weights, grads, opt = weights + w, grads + g, opt + o
         opt_numel += numel / (dp if zero >= 1 else 1)
         tensors += 1
@@ -551,7 +564,8 @@ def _param_traffic_s(params: ParamWalk, stage: Stage, coll: CollectivePrices,
             _hidden_s(updated_gather, forward_s, units, e)
     else:
         # the gather of updated weights follows the optimizer step: nothing to overlap with
-        step = grad_sync * (1 - runtime.grad_sync_overlap) + updated_gather
+        step = grad_sync * (1 - runtime.overlap_efficiency * runtime.grad_sync_overlap) \
+            + updated_gather
     compute = forward_s + backward_s + recompute_s
     ideal = max(0.0, gather - runtime.param_gather_overlap * compute)
     exposed = gather - runtime.overlap_efficiency * (gather - ideal)

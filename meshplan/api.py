@@ -154,7 +154,8 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
 def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
     """The plan's predictions for the engine that runs it. The search prices the graph
     engine; a plan the module engine runs is re-priced with its runtime (prefetch and
-    backward overlap, per-microbatch reduce-scatter); under "auto" a plan that fits only
+    backward overlap, per-microbatch reduce-scatter, FSDP2's fp32 shards beside the gathered
+    weights); under "auto" a plan that fits only
     as the graph engine runs it stays on the graph engine (DECISIONS 44)."""
     from meshplan.costmodel.estimate import with_stage_predictions
 
@@ -165,7 +166,8 @@ def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
             and not priced.predicted.fits:
         return replace(plan, engine="graph", engine_note=(
             f"the module engine needs {priced.predicted.peak_memory_gib:.1f} GiB per device "
-            f"(prefetched ZeRO-3 gathers), over {priced.predicted.memory_capacity_gib:.1f}"))
+            f"(its FSDP2 buffers and weight copies), over "
+            f"{priced.predicted.memory_capacity_gib:.1f}"))
     return priced
 
 

@@ -226,6 +226,13 @@ RUNTIME_GRAPHS = (
     ("transformers:gpt2?n_layer=2&n_embd=128&n_head=4&vocab_size=2048&n_positions=64", 4, 32),
     ("transformers:gpt2?n_layer=1&n_embd=384&n_head=6&vocab_size=4096&n_positions=64", 4, 64),
 )
+def runtime_graphs(procs: int) -> list[tuple[str, int, int]]:
+    """``RUNTIME_GRAPHS`` as ``procs`` processes run them: each process takes the 1-process
+    batch (weak scaling), so the contention is measured on the same per-process work, not
+    on a few tokens per rank (which made the fit swing between calibrations)."""
+    return [(text, batch * procs, seq) for text, batch, seq in RUNTIME_GRAPHS]
+
+
 RUNTIME_STEPS = 6  # the first step (optimizer state allocation, warm-up) is not timed
 
 
@@ -463,10 +470,8 @@ def calibrate(procs: int = 4, *, device: str | None = None, progress=None,
         worlds = (1, procs) if procs > 1 else (1,)
         rows = measure_runtime(worlds=(1,), progress=progress)
         if procs > 1:
-            # each process takes the 1-process batch (weak scaling): the contention is
-            # then measured on the same per-process work, not on a few tokens per rank
             rows += measure_runtime(worlds=(procs,), progress=progress,
-                                    graphs=[(t, b * procs, s) for t, b, s in RUNTIME_GRAPHS])
+                                    graphs=runtime_graphs(procs))
         profile, info = fit_runtime(profile, rows)
         d = profile.to_dict()
         d["fitted"].update(info, runtime_worlds=list(worlds))

@@ -265,7 +265,8 @@ class Pricer:
                 for ax in sync:
                     div *= mesh[ax]
             copy_b = DTYPE_BYTES[o.dtype]
-            master_b = MASTER_BYTES if o.dtype != "fp32" else 0
+            # under fp32 the graph engine's ZeRO-1/2 master shard is a copy of its own
+            master_b = MASTER_BYTES if o.dtype != "fp32" or div > 1 else 0
             pbytes += n_store * (copy_b + master_b / div)
             if info.trainable:
                 gbytes += n_store * GRAD_BYTES

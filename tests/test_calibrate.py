@@ -70,8 +70,10 @@ def test_fit_runtime_recovers_a_known_profile():
     base = cal._with_device(load_preset("cpu-local"), host_cores=2)
     truth = cal._with_latency(cal._scaled(base, 2.0, 1e-4, 1.5), 1e-3)
     rows = []
+    (_, four, _), = cal.runtime_graphs(4)[:1]
     for text, batch, seq in cal.RUNTIME_GRAPHS[:1]:
-        for world, b in ((1, 1), (1, batch), (4, batch)):
+        assert four == 4 * batch  # each of 4 processes takes the 1-process batch
+        for world, b in ((1, 1), (1, batch), (4, four)):
             spec = parse_model_spec(text)
             meta = spec.build("meta")
             graph = trace(meta, example_inputs(meta, b, seq), model_name=spec.name)

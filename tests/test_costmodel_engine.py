@@ -1,6 +1,7 @@
 """The engine that runs a plan picks the cost model's runtime assumptions (issue 14), not the
-device name: FSDP2's prefetch and per-block gradient reduction (module engine) against the
-graph engine's exposed gathers and flat post-backward sync, on a small GPT-2 on a DGX A100."""
+device name: FSDP2's prefetch and per-block gradient reduction (module engine; on NCCL, while
+on gloo its collectives block and hide nothing) against the graph engine's exposed gathers
+and flat post-backward sync, on a small GPT-2 on a DGX A100."""
 
 import dataclasses
 
@@ -114,19 +115,27 @@ def test_module_engine_on_gloo_hides_no_collective(wide):
         dataclasses.replace(nccl, overlap_efficiency=1.5)
 
 
-def test_module_engine_in_fp32_keeps_fsdp_shards_beside_the_gathered_weights(wide):
-    """FSDP2 keeps each parameter's shard (the whole tensor under replicate) and gathers an
-    unsharded copy for the forward and backward: in fp32 that is a second copy of the
-    weights (1/dp of one under ZeRO-1/2; ZeRO-3's gathered blocks are buffers); under bf16
-    the shard is the fp32 master the model-state table counts already."""
+def test_fp32_keeps_the_optimizers_shard_beside_the_full_weights(wide):
+    """In fp32 the parameter the optimizer steps is a copy of its own beside the weights the
+    forward reads: FSDP2's shard (the whole tensor under replicate, ZeRO-0) beside its
+    gathered copy, and the graph engine's ZeRO-1/2 master shard beside the full weights.
+    ZeRO-3's gathered blocks are buffers; under bf16 the shard is the fp32 master the
+    model-state table counts in the optimizer column."""
     model, graph, mesh = wide
-    for dtype, zero, extra in (("fp32", 0, 1.0), ("fp32", 1, 1 / 8), ("fp32", 2, 1 / 8),
-                               ("fp32", 3, 0.0), ("bf16", 0, 0.0), ("bf16", 1, 0.0)):
-        weights = {e: meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=8,
-                                           dtype=dtype, zero=zero, engine=e)
-                   .stages[0].predicted.memory.params_gib for e in ("modules", "graph")}
-        assert weights["modules"] == pytest.approx(weights["graph"] * (1 + extra), rel=1e-9), \
-            (dtype, zero)
+
+    def weights(dtype, zero, engine):
+        return meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=8,
+                                    dtype=dtype, zero=zero, engine=engine
+                                    ).stages[0].predicted.memory.params_gib
+    full = weights("fp32", 0, "graph")  # the plain replicated weights, once
+    for zero, extra in ((1, 1 / 8), (2, 1 / 8)):
+        for engine in ("graph", "modules"):
+            assert weights("fp32", zero, engine) == pytest.approx(full * (1 + extra), rel=1e-9)
+    assert weights("fp32", 0, "modules") == pytest.approx(2 * full, rel=1e-9)
+    assert weights("fp32", 3, "modules") == pytest.approx(full / 8, rel=1e-9)
+    for zero in (0, 1):
+        assert weights("bf16", zero, "modules") == pytest.approx(
+            weights("bf16", zero, "graph"), rel=1e-9)
 
 
 def test_module_engine_zero2_shards_gradients_every_microbatch(wide):
