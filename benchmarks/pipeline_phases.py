@@ -74,11 +74,7 @@ def _loss_first(step):
 
     def run(i):
         pm.forward_backward(batches[i])
-        opt.step()
-        pm.gather_masters()
-        opt.zero_grad(set_to_none=True)
-        for p in pm.unique_params():
-            p.grad = None
+        pm.optimizer_step(opt)
     return run
 
 

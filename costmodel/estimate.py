@@ -125,9 +125,9 @@ class RuntimeModel:
       all-gathers an unsharded copy for the forward and the backward: a copy ZeRO-3 frees
       after each block and ZeRO-0/1/2 keep from the forward to the backward. Under bf16
       the shard is the fp32 master the model-state table counts already; in fp32 it is a
-      second copy beside the unsharded one (measured on 2 gloo processes, two 4 MiB
-      layers: 8 MiB of weights before the forward, 16 MiB after it, under ``replicate``
-      and under ``fully_shard(reshard_after_forward=False)`` alike). Only ZeRO-0 sets this
+      second copy beside the unsharded one (benchmarks/gloo_costs.py ``fsdp-memory``, 2
+      gloo processes, two 4 MiB layers: live 8 -> 16 MiB over the forward under
+      ``replicate``, 4 -> 12 MiB under ``fully_shard(reshard_after_forward=False)``). Only ZeRO-0 sets this
       apart from the graph engine, whose fp32 ZeRO-1/2 keep a master shard beside the
       full weights too (runtime/parallelize.py); both are counted in ``parameter_walk``.
     overlap_efficiency: of the collective time the factors above hide behind compute

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from meshplan.errors import MeshplanError, SpecError
@@ -73,8 +74,20 @@ def cmd_plan(args) -> int:
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
         plan.to_json(args.output)
-        print(f"wrote {args.output}")
+        print(f"wrote {args.output}; run it with: {self_command()} run "
+              f"{shlex.quote(args.output)}")
     return 0
+
+
+def self_command() -> str:
+    """This meshplan as a command that works from any shell: the absolute path of the
+    console script that is running (inside its virtual environment, which a shell without
+    that environment activated does not find as a bare ``meshplan``: exit 127), or this
+    Python with ``-m meshplan.cli``."""
+    script = sys.argv[0] if sys.argv else ""
+    if os.path.basename(script) == "meshplan" and os.path.isfile(script):
+        return shlex.quote(os.path.abspath(script))
+    return f"{shlex.quote(sys.executable)} -m meshplan.cli"
 
 
 def cmd_run(args) -> int:

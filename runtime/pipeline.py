@@ -325,12 +325,17 @@ class PipelineModel:
         share = self._run_schedule(batch)
         # The loss is summed over every rank after the optimizer step: a sum over the whole
         # world before it would hold each rank's step until the slowest stage is done.
+        self.optimizer_step(optimizer)
+        return self._mean_loss(share)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The update after ``forward_backward``: the optimizer steps, ZeRO-1/2 parameters
+        are gathered from their masters, and every gradient is dropped."""
         optimizer.step()
         self.gather_masters()
         optimizer.zero_grad(set_to_none=True)
         for p in self.unique_params():
             p.grad = None
-        return self._mean_loss(share)
 
     def unique_params(self) -> list[nn.Parameter]:
         return list({id(p): p for p in self.params.values()}.values())

@@ -1,6 +1,9 @@
 """The meshplan command: plan end to end, and one clear line with exit code 2 on bad input."""
 
 import json
+import os
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -35,6 +38,8 @@ def test_plan_writes_a_valid_plan(tmp_path, capsys):
     assert main(PLAN_ARGS + ["--mesh", "local:4", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "predicted step time" in printed and f"wrote {out}" in printed
+    # the command to run it names this Python, so it works outside an activated venv
+    assert f"run it with: {sys.executable} -m meshplan.cli run {out}" in printed
     data = json.loads(out.read_text())
     assert data["schema"] == "meshplan.plan/v1" and data["mesh"]["shape"] == [4]
     assert main(["show", str(out)]) == 0
@@ -65,6 +70,25 @@ def test_untraceable_model_from_a_file_names_its_line(tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert f"{path}:11" in err and "if x.mean() > 0" in err and "Traceback" not in err
+
+
+def test_console_script_prints_a_run_command_that_works_without_the_venv(tmp_path):
+    """A bare ``meshplan`` outside the virtual environment is the shell's "command not
+    found" (exit 127); the command ``meshplan plan`` prints is the script's absolute path."""
+    script = shutil.which("meshplan", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("no meshplan console script beside this Python (not pip-installed)")
+    out = tmp_path / "plan.json"
+    bare = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no venv on PATH
+    done = subprocess.run([script] + PLAN_ARGS + ["--mesh", "local:2", "-o", str(out)],
+                          capture_output=True, text=True, timeout=300, env=bare)
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if "run it with:" in x)
+    command = shlex.split(line.split("run it with:", 1)[1])
+    assert command == [os.path.abspath(script), "run", str(out)]
+    shown = subprocess.run(command[:1] + ["show", str(out)], capture_output=True, text=True,
+                           timeout=300, env=bare, cwd=tmp_path)
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr
 
 
 def test_console_script_prints_no_traceback_on_a_corrupt_plan(tmp_path):
