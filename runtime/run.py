@@ -59,6 +59,14 @@ def plan_call(plan: Plan) -> tuple[CallSignature, list[dict]]:
     return sig, records
 
 
+def collective_device() -> torch.device:
+    """Where a tensor must live for the default process group's collectives: the current
+    GPU under NCCL (which has no CPU tensors), the CPU under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _mesh_coords(index: int, shape: Sequence[int]) -> list[int]:
     coords = []
     for size in reversed(tuple(shape)):
@@ -222,9 +230,10 @@ class ParallelRun:
             if broadcast_from_rank0:
                 meta = [(tuple(full.shape), full.dtype) if dist.get_rank() == 0 else None]
                 dist.broadcast_object_list(meta, src=0)
-                if dist.get_rank() != 0:
-                    full = torch.empty(meta[0][0], dtype=meta[0][1])
-                dist.broadcast(full, src=0)
+                wire = full.to(collective_device()) if dist.get_rank() == 0 else \
+                    torch.empty(meta[0][0], dtype=meta[0][1], device=collective_device())
+                dist.broadcast(wire, src=0)
+                full = wire
             self._set(name, full, tensors)
         self._after_load()
 
@@ -365,9 +374,11 @@ class ParallelRun:
             v = x.detach().reshape(-1).to("cpu", torch.float64)
             w = torch.rand(v.numel(), generator=gen, dtype=torch.float64)
             sums.append(float((v * w).sum()))
-        local = torch.tensor([float(self.dp_rank), *sums], dtype=torch.float64)
+        local = torch.tensor([float(self.dp_rank), *sums], dtype=torch.float64,
+                             device=collective_device())
         gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, local)
+        local, gathered = local.cpu(), [g.cpu() for g in gathered]
         for other in gathered:
             if int(other[0]) == self.dp_rank and not torch.allclose(other[1:], local[1:],
                                                                     rtol=1e-9, atol=0):

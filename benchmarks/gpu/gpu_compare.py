@@ -1,0 +1,115 @@
+"""The CPU machine's side of benchmarks/gpu_check.py: measured GPU points against the preset's
+curves and the one-GPU step against the plan's prediction; writes
+benchmarks/results/gpu_check.{md,json}. Nothing is fitted: the preset is read, not changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+
+from meshplan.costmodel.hardware import load_preset
+from meshplan.plan import Plan
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(os.path.dirname(HERE), "results")
+
+
+def _steps(sec):
+    t = sec["result"]["step_times_s"][2:]  # two warm-up steps (allocator, compile) dropped
+    return statistics.median(t), min(t), max(t)
+
+
+def compare(*dirs: str) -> None:
+    raws = [json.load(open(os.path.join(d, "gpu_check_raw.json"))) for d in dirs]
+    sections = {}
+    for raw in raws:  # later runs add or replace sections (a rerun of the step sections)
+        sections.update({k: v for k, v in raw["sections"].items() if "result" in v})
+    device = raws[-1]["device"]
+    preset = "dgx-h200" if "H200" in device else "dgx-h100"
+    dev = load_preset(preset).device
+    peak = dev.peak_tflops["bfloat16"]
+    plan = Plan.from_json(os.path.join(HERE, f"plan_{preset.split('-')[1]}.json"))
+    lines = [f"# GPU check: {device} (torch {raws[-1]['torch']}), against preset `{preset}`", "",
+             "Measured by `benchmarks/gpu/run_on_device.sh` (benchmarks/gpu_check.py measure) on "
+             "a lent GPU machine of this workplace; CUDA events, median of 5 timed batches of "
+             "calls after 3 warm-ups, [min, max] of the 5 in brackets. The preset's curves are "
+             "the published constants (costmodel/presets), not fitted to these points.", ""]
+    bw = sections["bandwidth"]["result"]
+    lines += [f"HBM copy: {bw['gbps']:.0f} GB/s counting read + write "
+              f"([{bw['gbps_range'][0]:.0f}, {bw['gbps_range'][1]:.0f}]); preset "
+              f"{dev.memory_bandwidth_gbps:.0f} x max efficiency {dev.memory_efficiency.max_eff} "
+              f"= {dev.memory_bandwidth_gbps * dev.memory_efficiency.max_eff:.0f} GB/s.", ""]
+    lines += ["## bf16 GEMM (torch.mm)", "",
+              "| m | k | n | GFLOP | measured TFLOP/s [min, max] | % of peak | preset curve % |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sections["gemm_bf16"]["result"]:
+        lines.append(f"| {r['m']} | {r['k']} | {r['n']} | {r['flops'] / 1e9:.1f} | "
+                     f"{r['tflops']:.0f} [{r['tflops_min']:.0f}, {r['tflops_max']:.0f}] | "
+                     f"{100 * r['tflops'] / peak:.1f} | "
+                     f"{100 * dev.matmul_efficiency(r['flops']):.1f} |")
+    att = dev.attention_efficiency
+    lines += ["", "## Attention (F.scaled_dot_product_attention, bf16, 32 heads x 128, B x S = 16K "
+              "tokens)", "",
+              "TFLOP/s on the FLOPs the kernel does (causal: half of 4BHS²D forward; backward "
+              "2.5x forward). The preset prices fused attention on "
+              f"{att.max_eff if att else 'the GEMM curve'} of peak (FlashAttention-2).", "",
+              "| backend | seq | causal | fwd TFLOP/s | fwd % peak | fwd+bwd TFLOP/s | "
+              "fwd+bwd % peak | preset % |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in sections["attention"]["result"]:
+        if "error" in r:
+            lines.append(f"| {r['backend']} | {r['seq']} | {r['causal']} | error: "
+                         f"{r['error'][:60]} | | | | |")
+            continue
+        pre = 100 * (att(r["fwd_flops"]) if att else dev.matmul_efficiency(r["fwd_flops"]))
+        lines.append(f"| {r['backend']} | {r['seq']} | {r['causal']} | {r['fwd_tflops']:.0f} | "
+                     f"{100 * r['fwd_tflops'] / peak:.1f} | {r['fwd_bwd_tflops']:.0f} | "
+                     f"{100 * r['fwd_bwd_tflops'] / peak:.1f} | {pre:.1f} |")
+    fp8_peak = 2 * peak  # Hopper dense fp8 = 2x bf16 (H100/H200 datasheets: 1,979 TFLOP/s)
+    lines += ["", "## fp8 e4m3 GEMM (torch._scaled_mm, bf16 out)", "",
+              f"% of the dense fp8 peak {fp8_peak:.0f} TFLOP/s (datasheet: 2x bf16). 'with cast "
+              "+ amax': the bf16 inputs' amax, scale and cast to fp8 done unfused in eager "
+              "PyTorch before each product (dynamic tensorwise scaling without a fused cast "
+              "kernel).", "",
+              "| m | k | n | scaling | TFLOP/s [min, max] | % fp8 peak | with cast + amax TFLOP/s |",
+              "|---:|---:|---:|---|---:|---:|---:|"]
+    for r in sections["fp8_gemm"]["result"]:
+        if "error" in r:
+            lines.append(f"| {r['m']} | {r['k']} | {r['n']} | {r['scaling']} | error | | |")
+            continue
+        cast = f"{r['with_cast_amax_tflops']:.0f}" if r.get("with_cast_amax_tflops") else ""
+        lines.append(f"| {r['m']} | {r['k']} | {r['n']} | {r['scaling']} | {r['tflops']:.0f} "
+                     f"[{r['tflops_min']:.0f}, {r['tflops_max']:.0f}] | "
+                     f"{100 * r['tflops'] / fp8_peak:.1f} | {cast} |")
+    p = plan.predicted
+    lines += ["", "## One bf16 training step on one GPU", "",
+              "benchmarks/gpu/model.py `gpu_llama` (0.886B parameters, 16 layers, hidden 2048, "
+              "GQA 16/8 heads, SDPA `is_causal=True`), global batch 4 x 4096 tokens, AdamW. "
+              f"Plan: benchmarks/gpu/plan_{preset.split('-')[1]}.json (manual_plan dp=1, bf16, "
+              f"engine `{plan.engine}`), predicted **{p.step_time_s * 1e3:.1f} ms** and "
+              f"**{p.peak_memory_gib:.1f} GiB** on `{preset}`. Step times: median of steps 3-10 "
+              "[min, max]; peak: torch.cuda.max_memory_allocated.", "",
+              "| run | measured ms [min, max] | predicted / measured | peak GiB | predicted "
+              "GiB / measured |", "|---|---:|---:|---:|---:|"]
+    rows = {}
+    for key, label in (("plain_eager", "plain PyTorch, eager (autocast bf16, fused AdamW)"),
+                       ("meshplan_eager", "meshplan.parallelize, eager"),
+                       ("plain_compiled", "plain PyTorch, torch.compile per block"),
+                       ("meshplan_compiled", "meshplan.parallelize(compile=True)")):
+        if key not in sections:
+            continue
+        med, lo, hi = _steps(sections[key])
+        peak_gib = sections[key]["result"]["peak_gib"]
+        rows[key] = {"median_s": med, "min_s": lo, "max_s": hi, "peak_gib": peak_gib}
+        pred = (f"{p.step_time_s / med:.3f}", f"{p.peak_memory_gib / peak_gib:.3f}") \
+            if key.startswith("meshplan") else ("", "")
+        lines.append(f"| {label} | {med * 1e3:.1f} [{lo * 1e3:.1f}, {hi * 1e3:.1f}] | {pred[0]} | "
+                     f"{peak_gib:.1f} | {pred[1]} |")
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "gpu_check.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(RESULTS, "gpu_check.json"), "w") as f:
+        json.dump({"device": device, "torch": raws[-1]["torch"], "preset": preset,
+                   "predicted_step_s": p.step_time_s, "predicted_peak_gib": p.peak_memory_gib,
+                   "steps": rows, "sections": sections}, f, indent=1)
+    print("\n".join(lines))
