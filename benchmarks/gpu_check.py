@@ -261,12 +261,15 @@ def make_plan():
         with torch.device("meta"):
             net = M.gpu_llama()
         ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
-        plan = meshplan.manual_plan(net, mesh, (ids,), dp=1, dtype="bf16")
-        path = os.path.join(HERE, "gpu", f"plan_{preset.split('-')[1]}.json")
-        plan.to_json(path)
-        p = plan.predicted
-        print(f"{preset}: engine {plan.engine}, predicted {p.step_time_s * 1e3:.1f} ms/step, "
-              f"{p.peak_memory_gib:.1f} GiB, MFU {p.mfu:.3f} -> {path}")
+        for mb, suffix in ((1, ""), (BATCH, "_mb4")):  # 4 microbatches of 1, or 1 of 4
+            plan = meshplan.manual_plan(net, mesh, (ids,), dp=1, dtype="bf16",
+                                        microbatch_size=mb)
+            path = os.path.join(HERE, "gpu", f"plan_{preset.split('-')[1]}{suffix}.json")
+            plan.to_json(path)
+            p = plan.predicted
+            print(f"{preset} mb={mb}: engine {plan.engine}, predicted "
+                  f"{p.step_time_s * 1e3:.1f} ms/step, {p.peak_memory_gib:.1f} GiB, "
+                  f"MFU {p.mfu:.3f} -> {path}")
 
 
 def measure(out: str, budget_s: float, only: tuple[str, ...] = ()):
@@ -281,12 +284,15 @@ def measure(out: str, budget_s: float, only: tuple[str, ...] = ()):
 
     name = torch.cuda.get_device_name(0)
     plan = os.path.join(HERE, "gpu", "plan_h200.json" if "H200" in name else "plan_h100.json")
+    plan4 = plan.replace(".json", "_mb4.json")
     sections = [("bandwidth", bandwidth), ("gemm_bf16", gemm_curve),
                 ("attention", attention_curve), ("fp8_gemm", fp8_gemm_curve),
                 ("plain_eager", lambda: plain_step(False)),
                 ("meshplan_eager", lambda: meshplan_step(plan, False)),
                 ("plain_compiled", lambda: plain_step(True)),
-                ("meshplan_compiled", lambda: meshplan_step(plan, True))]
+                ("meshplan_compiled", lambda: meshplan_step(plan, True)),
+                ("meshplan_eager_mb4", lambda: meshplan_step(plan4, False)),
+                ("meshplan_compiled_mb4", lambda: meshplan_step(plan4, True))]
     for key, fn in sections:
         if only and key not in only:
             continue
