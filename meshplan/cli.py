@@ -31,13 +31,9 @@ def _load_model_and_graph(args):
 
 def check_batch_and_seq(model, batch: int, seq: int) -> None:
     """A sequence the model has positions for, and a step of at most 2^31 - 1 tokens."""
-    config = getattr(model, "config", None)
-    limit = next((getattr(config, k) for k in ("n_positions", "max_position_embeddings",
-                                               "max_seq_len", "n_ctx")
-                  if isinstance(getattr(config, k, None), int)), None)
-    if limit is not None and seq > limit:
-        raise SpecError(f"--seq {seq} is longer than the model's {limit} positions; use "
-                        f"--seq {limit} or less, or a model with more positions")
+    from meshplan.specs import check_positions
+
+    check_positions(model, seq)
     if batch * seq > MAX_TOKENS_PER_STEP:
         raise SpecError(f"--batch {batch} x --seq {seq} = {batch * seq:.3g} tokens per step, over "
                         f"2^31 - 1 (int32 indexing in many kernels); use --batch "
@@ -45,10 +41,22 @@ def check_batch_and_seq(model, batch: int, seq: int) -> None:
 
 
 def _check_writable(path: str) -> None:
+    """``path`` can be written as atomic_write writes it (a temporary file beside it, then a
+    rename), tried now: os.access says yes to root on a read-only file system."""
+    import tempfile
+
     directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise SpecError(f"cannot write {path}: directory {directory} does not exist or is not "
-                        "writable")
+    if os.path.isdir(path):
+        raise SpecError(f"cannot write {path}: it is a directory; name a file, e.g. "
+                        f"{os.path.join(path, 'metrics.json')}")
+    if not os.path.isdir(directory):
+        raise SpecError(f"cannot write {path}: directory {directory} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".meshplan-check-"):
+            pass
+    except OSError as exc:
+        raise SpecError(f"cannot write {path}: directory {directory} is not writable "
+                        f"({exc.strerror})") from None
 
 
 # -- subcommands --------------------------------------------------------------------------------
@@ -69,7 +77,11 @@ def cmd_plan(args) -> int:
         plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
                                      dtype=args.dtype, memory_limit_gib=args.memory_limit_gib,
                                      time_limit_s=args.time_limit_s, engine=args.engine)
-    plan = plan.with_spec(args.model)
+    from meshplan.plan import spec_for_plan_folder
+
+    # a factory path is stored relative to the plan file, which finds it from any folder
+    plan = plan.with_spec(spec_for_plan_folder(args.model, os.path.dirname(
+        os.path.abspath(args.output))) if args.output else args.model)
     print(plan.summary())
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
@@ -101,7 +113,7 @@ def cmd_run(args) -> int:
         _check_writable(args.metrics_out)
     plan = Plan.from_json(args.plan)
     args.model = _model_spec(plan, args.plan, args.model)
-    _check_model_for_run(plan, args.model, data=bool(args.data))
+    loaded = _check_model_for_run(plan, args.model, data=bool(args.data))
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank,
                   nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_id=args.rdzv_id).resolve(plan, need_endpoint=not args.slurm)
@@ -113,10 +125,12 @@ def cmd_run(args) -> int:
     if args.data:
         from meshplan.runtime.data import TokenFile
 
-        TokenFile(args.data, args.data_dtype).check_batch(plan.training.global_batch,
-                                                          plan.training.seq_len)
+        tokens = TokenFile(args.data, args.data_dtype)
+        tokens.check_batch(plan.training.global_batch, plan.training.seq_len)
+        tokens.check_sample(getattr(getattr(loaded.model, "config", None), "vocab_size", None))
         extra += ("--data", os.path.abspath(args.data), "--data-dtype", args.data_dtype)
     if args.checkpoint_dir:
+        _check_checkpoint_dir(args.checkpoint_dir, args.steps)
         extra += ("--checkpoint-dir", os.path.abspath(args.checkpoint_dir),
                   "--checkpoint-every", str(args.checkpoint_every))
     common = dict(model=args.model, steps=args.steps, seed=args.seed,
@@ -134,10 +148,10 @@ def cmd_run(args) -> int:
     return run_plan(args.plan, **common)
 
 
-def _check_model_for_run(plan, spec_text: str, *, data: bool) -> None:
-    """Every parameter placement against the model's shapes, and --data against the model's
-    calling convention, before any process starts (the model is built on the meta device:
-    nothing allocated, nothing traced)."""
+def _check_model_for_run(plan, spec_text: str, *, data: bool):
+    """Before any process starts: the model is the one the plan was made for (its traced
+    fingerprint, on the meta device: nothing allocated), every placement fits the tensor it
+    places, and --data suits the model's calling convention. Returns the loaded model."""
     from meshplan.specs import parse_model_spec
 
     spec = parse_model_spec(spec_text)
@@ -149,6 +163,46 @@ def _check_model_for_run(plan, spec_text: str, *, data: bool) -> None:
             else f"a {loaded.call.head} model"
         raise SpecError(f"--data feeds token ids to causal LMs; {spec_text} is {what}; drop "
                         "--data to train on synthetic batches of its examples' shapes")
+    plan.check_graph(loaded.trace(spec.name))  # the fingerprint, then op placements
+    return loaded
+
+
+def _check_checkpoint_dir(directory: str, steps: int) -> None:
+    """--checkpoint-dir: resuming must leave steps to train, and a directory that does not
+    exist yet must not be a typo of one that holds checkpoints (it would start at step 0)."""
+    import difflib
+
+    from meshplan.runtime.checkpoint import latest_step
+
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise SpecError(f"--checkpoint-dir {directory} is a file; name a directory")
+    if os.path.isdir(directory):
+        done = latest_step(directory)
+        if done is not None and steps <= done:
+            raise SpecError(f"--steps {steps}: the checkpoint in {directory} has trained "
+                            f"{done} steps already; pass --steps {done + 1} or more to train "
+                            "on, or another --checkpoint-dir to start afresh")
+        _check_writable(os.path.join(directory, "step_000000"))
+        if done is None:
+            print(f"no checkpoint in {directory}: training from step 0, saving there")
+        return
+    parent = os.path.dirname(os.path.abspath(directory))
+    if not os.path.isdir(parent):
+        raise SpecError(f"--checkpoint-dir {directory}: its parent {parent} does not exist; "
+                        "fix the path or create the parent first")
+    _check_writable(directory)
+    name = os.path.basename(os.path.abspath(directory))
+    holding = [d for d in os.listdir(parent)
+               if os.path.isdir(os.path.join(parent, d))
+               and latest_step(os.path.join(parent, d)) is not None]
+    near = difflib.get_close_matches(name, holding, n=1, cutoff=0.75)
+    if near:
+        found = os.path.join(os.path.dirname(directory), near[0])
+        raise SpecError(f"--checkpoint-dir {directory} does not exist, but {found} holds "
+                        f"checkpoints (step {latest_step(os.path.join(parent, near[0]))}); "
+                        f"pass --checkpoint-dir {found} to resume, or mkdir {directory} "
+                        "to start a new run there")
+    print(f"no checkpoint in {directory} (new directory): training from step 0, saving there")
 
 
 def _check_run_numbers(args) -> None:
@@ -177,7 +231,20 @@ def _plan_and_graph(path: str, model: str = "", *, recorded: bool = True):
 
     plan = Plan.from_json(path)
     model = model or (plan.model.spec if recorded else "")
-    return plan, (retrace(plan, model) if model else None)
+    graph = retrace(plan, model) if model else None
+    if graph is not None:
+        plan.check_graph(graph)  # a hand-edited placement, refused before it is described
+    elif plan.model.spec:  # the model on meta (nothing traced): placements against its shapes
+        from meshplan.specs import parse_model_spec
+
+        try:  # a plan whose factory is not here can still be shown; run checks again
+            built = parse_model_spec(plan.model.spec).build(device="meta")
+        except SpecError:
+            built = None
+        if built is not None:
+            plan.check_param_ranks({n: p.ndim for n, p in
+                                    built.named_parameters(remove_duplicate=False)})
+    return plan, graph
 
 
 def _model_spec(plan, path: str, given: str) -> str:

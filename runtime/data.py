@@ -52,6 +52,28 @@ class TokenFile:
         self.num_tokens = size // self.dtype.itemsize
         self._tokens = np.memmap(path, dtype=self.dtype, mode="r")
 
+    SAMPLE_TOKENS = 1 << 20  # the file's head checked before launch: 2 MiB of uint16
+
+    def check_sample(self, vocab_size: int | None) -> None:
+        """The first ``SAMPLE_TOKENS`` ids, read before any process starts. Rule 1 (uint16
+        only): a uint32 file of ids below 65,536 read as uint16 shows every second value 0
+        (the high halves, little-endian as numpy writes), so a head of at least 64 values whose
+        odd positions are all 0 and even ones not all 0 is refused. Rule 2: no id in the head
+        is ``vocab_size`` or more (a uint16 file read as uint32 gives ids of 65,536 and up).
+        ``check_vocab`` repeats rule 2 on every batch while training."""
+        head = np.asarray(self._tokens[:self.SAMPLE_TOKENS])
+        if self.dtype == np.uint16 and len(head) >= 64 and not head[1::2].any() \
+                and head[0::2].any():
+            raise SpecError(f"--data {self.path} looks like uint32 token ids read as uint16: "
+                            f"every second 16-bit value of its first {len(head)} is 0; pass "
+                            "--data-dtype uint32")
+        if vocab_size and len(head) and int(head.max()) >= vocab_size:
+            other = "uint32" if self.dtype == np.uint16 else "uint16"
+            raise SpecError(f"--data {self.path} holds token id {int(head.max())} in its first "
+                            f"{len(head)} tokens, but the model's vocabulary has {vocab_size} "
+                            f"ids; tokenize for this model, or check --data-dtype (now "
+                            f"{self.dtype.name}, the other is {other})")
+
     def check_batch(self, batch: int, seq: int) -> None:
         if self.num_tokens < batch * seq:
             raise SpecError(f"--data {self.path} holds {self.num_tokens} tokens, fewer than one "
