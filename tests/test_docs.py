@@ -16,7 +16,10 @@ What counts as a repository path (``doc_paths``):
   Top-level paths are resolved against the repository root (the package folders install
   as ``meshplan.planner`` etc., but the docs name the checkout's folders); bare names must be
   the name of some file of the repository (``spmd.py``), except the few placeholder names
-  in ``PLACEHOLDERS`` that the docs use for a user's own files.
+  in ``PLACEHOLDERS`` that the docs use for a user's own files;
+- in plain text, a token that starts with one of those top-level folders (after a space, a
+  parenthesis or a line start; not inside a URL) and ends in a file extension
+  (``costmodel/calibrate.py``).
 Fenced code blocks are skipped: they hold commands and user files (``plan.json``).
 """
 
@@ -33,10 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 TOP = ("meshplan/", "planner/", "costmodel/", "runtime/", "tests/", "benchmarks/", "docs/",
        "examples/", "tools/", ".ci/")
-PLACEHOLDERS = {"file.py", "train.py", "test_x.py", "module.py"}  # a user's own files
+PLACEHOLDERS = {"file.py", "train.py", "test_x.py", "module.py",  # a user's own files
+                "tests/test_x.py"}
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 CODE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+TEXT = re.compile(r"(?<![\w/.`:-])((?:%s)[\w/.-]*\w\.(?:py|md|json|png|toml|cfg))(?![\w/])"
+                  % "|".join(re.escape(t) for t in TOP))
 
 
 def _strip(token: str) -> str:
@@ -59,14 +65,17 @@ def doc_paths(text: str) -> list[tuple[str, str]]:
         path = _strip(span)
         if path.startswith(TOP) or ("/" not in path and path.endswith((".py", ".md"))):
             out.append(("code", path))
+    out += [("text", path) for path in TEXT.findall(CODE.sub("", text))]
     return out
 
 
 def _exists(kind: str, path: str, doc: Path, names: set[str]) -> bool:
     if kind == "link":
         return (doc.parent / path).exists()
+    if path in PLACEHOLDERS:
+        return True
     if "/" not in path:
-        return path in names or path in PLACEHOLDERS
+        return path in names
     if "*" in path:
         return bool(glob.glob(str(ROOT / path)))
     if (ROOT / path).exists():
@@ -102,10 +111,38 @@ def test_the_rule_finds_paths_and_skips_patterns():
     text = ("See [the map](ARCHITECTURE.md#layers), `runtime/spmd.py`, `spmd.py`, "
             "`examples/factories.py:convnet`, `tests/test_cli.py::test_plan`, "
             "`benchmarks/<name>.py`, `transformers:gpt2?n_layer=2`, `meshplan run plan.json`,"
-            " [site](https://pytorch.org).\n```bash\nmeshplan plan -o nowhere/plan.json\n```\n")
+            " [site](https://pytorch.org), (costmodel/calibrate.py) and"
+            " https://github.com/pytorch/torchtitan/blob/main/docs/performance.md.\n```bash\nmeshplan plan -o nowhere/plan.json\n```\n")
     assert doc_paths(text) == [("link", "ARCHITECTURE.md"), ("code", "runtime/spmd.py"),
                                ("code", "spmd.py"), ("code", "examples/factories.py"),
-                               ("code", "tests/test_cli.py")]
+                               ("code", "tests/test_cli.py"),
+                               ("text", "costmodel/calibrate.py")]
     assert not _exists("code", "planner/graph.py", ROOT / "README.md", set())
     assert _exists("code", "planner/manual.with_cp_axis", ROOT / "README.md", set())
     assert not _exists("code", "planner/manual.no_such_function", ROOT / "README.md", set())
+
+
+CITE = re.compile(r"DECISIONS(?:\.md)?,? (?:entr(?:y|ies) )?(\d+)(?:\s*-\s*(\d+))?")
+
+
+def test_every_cited_decision_exists():
+    """"DECISIONS 61" (or "docs/DECISIONS.md 42", "DECISIONS 72-73") anywhere in the
+    repository names an entry docs/DECISIONS.md has: a heading ``### 61.``."""
+    text = (ROOT / "docs" / "DECISIONS.md").read_text()
+    entries = {int(n) for n in re.findall(r"^### (\d+)\. ", text, re.M)}
+    assert entries >= set(range(1, 74))  # the numbers cited before the regrouping stay
+    cited = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                   and not d.endswith(".egg-info")]
+        for name in files:
+            if name.endswith((".py", ".md", ".cfg", ".toml")) or name == ".importlinter":
+                path = Path(folder) / name
+                for m in CITE.finditer(path.read_text(errors="replace")):
+                    first, last = int(m.group(1)), int(m.group(2) or m.group(1))
+                    cited += [(path.relative_to(ROOT), n) for n in range(first, last + 1)]
+    for first, _ in CITE.findall((ROOT / ".importlinter").read_text()):
+        cited.append((".importlinter", int(first)))
+    assert cited
+    missing = [(str(p), n) for p, n in cited if n not in entries]
+    assert not missing, missing
