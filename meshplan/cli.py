@@ -129,8 +129,9 @@ def cmd_run(args) -> int:
         tokens.check_batch(plan.training.global_batch, plan.training.seq_len)
         tokens.check_sample(getattr(getattr(loaded.model, "config", None), "vocab_size", None))
         extra += ("--data", os.path.abspath(args.data), "--data-dtype", args.data_dtype)
+    note = ""
     if args.checkpoint_dir:
-        _check_checkpoint_dir(args.checkpoint_dir, args.steps)
+        note = _check_checkpoint_dir(args.checkpoint_dir, args.steps)
         extra += ("--checkpoint-dir", os.path.abspath(args.checkpoint_dir),
                   "--checkpoint-every", str(args.checkpoint_every))
     common = dict(model=args.model, steps=args.steps, seed=args.seed,
@@ -145,6 +146,8 @@ def cmd_run(args) -> int:
         atomic_write(args.output, slurm_script(args.plan, plan, **common))
         print(f"wrote {args.output}; submit it with: sbatch {args.output}")
         return 0
+    if note:
+        print(note)
     return run_plan(args.plan, **common)
 
 
@@ -167,9 +170,11 @@ def _check_model_for_run(plan, spec_text: str, *, data: bool):
     return loaded
 
 
-def _check_checkpoint_dir(directory: str, steps: int) -> None:
+def _check_checkpoint_dir(directory: str, steps: int) -> str:
     """--checkpoint-dir: resuming must leave steps to train, and a directory that does not
-    exist yet must not be a typo of one that holds checkpoints (it would start at step 0)."""
+    exist yet must not be a typo of one that holds checkpoints (it would start at step 0).
+    Returns the line ``meshplan run`` prints when the run starts from step 0 ("" when it
+    resumes: the worker says from where)."""
     import difflib
 
     from meshplan.runtime.checkpoint import latest_step
@@ -183,9 +188,8 @@ def _check_checkpoint_dir(directory: str, steps: int) -> None:
                             f"{done} steps already; pass --steps {done + 1} or more to train "
                             "on, or another --checkpoint-dir to start afresh")
         _check_writable(os.path.join(directory, "step_000000"))
-        if done is None:
-            print(f"no checkpoint in {directory}: training from step 0, saving there")
-        return
+        return "" if done is not None else \
+            f"no checkpoint in {directory}: training from step 0, saving there"
     parent = os.path.dirname(os.path.abspath(directory))
     if not os.path.isdir(parent):
         raise SpecError(f"--checkpoint-dir {directory}: its parent {parent} does not exist; "
@@ -202,7 +206,7 @@ def _check_checkpoint_dir(directory: str, steps: int) -> None:
                         f"checkpoints (step {latest_step(os.path.join(parent, near[0]))}); "
                         f"pass --checkpoint-dir {found} to resume, or mkdir {directory} "
                         "to start a new run there")
-    print(f"no checkpoint in {directory} (new directory): training from step 0, saving there")
+    return f"no checkpoint in {directory} (a new directory): training from step 0, saving there"
 
 
 def _check_run_numbers(args) -> None:

@@ -56,17 +56,21 @@ class TokenFile:
 
     def check_sample(self, vocab_size: int | None) -> None:
         """The first ``SAMPLE_TOKENS`` ids, read before any process starts. Rule 1 (uint16
-        only): a uint32 file of ids below 65,536 read as uint16 shows every second value 0
-        (the high halves, little-endian as numpy writes), so a head of at least 64 values whose
-        odd positions are all 0 and even ones not all 0 is refused. Rule 2: no id in the head
-        is ``vocab_size`` or more (a uint16 file read as uint32 gives ids of 65,536 and up).
-        ``check_vocab`` repeats rule 2 on every batch while training."""
+        only): a uint32 file read as uint16 shows its ids' high halves at every odd position
+        (little-endian, as numpy writes on x86 and ARM), and those are at most
+        ``(vocab_size - 1) >> 16`` (0 without a vocabulary size): a head of at least 64
+        values whose odd positions all stay within that bound while some even one exceeds it
+        is refused (real uint16 token streams put ids of every size at odd positions). Rule
+        2: no id in the head is ``vocab_size`` or more (a uint16 file read as uint32 gives
+        ids of 65,536 and up). ``check_vocab`` repeats rule 2 on every batch while training."""
         head = np.asarray(self._tokens[:self.SAMPLE_TOKENS])
-        if self.dtype == np.uint16 and len(head) >= 64 and not head[1::2].any() \
-                and head[0::2].any():
+        high = (vocab_size - 1) >> 16 if vocab_size else 0
+        if self.dtype == np.uint16 and len(head) >= 64 and int(head[1::2].max()) <= high \
+                and int(head[0::2].max()) > high:
             raise SpecError(f"--data {self.path} looks like uint32 token ids read as uint16: "
-                            f"every second 16-bit value of its first {len(head)} is 0; pass "
-                            "--data-dtype uint32")
+                            f"every second 16-bit value of its first {len(head)} is at most "
+                            f"{high}, as the high halves of uint32 ids are; pass --data-dtype "
+                            "uint32")
         if vocab_size and len(head) and int(head.max()) >= vocab_size:
             other = "uint32" if self.dtype == np.uint16 else "uint16"
             raise SpecError(f"--data {self.path} holds token id {int(head.max())} in its first "

@@ -342,3 +342,31 @@ def test_a_float_model_without_loss_or_targets_is_refused():
     with pytest.raises(MeshplanError) as info:
         meshplan.autoparallel(MODEL, meshplan.Mesh.local(2), (X,))
     assert "neither loss_fn nor example_targets" in str(info.value)
+
+
+@pytest.mark.parametrize("vocab", [64, 128_256])  # GPT-2-sized and Llama-3-sized vocabularies
+def test_token_width_rule_on_the_file_alone(vocab, tmp_path):
+    """check_sample's rule 1: uint32 ids read as uint16 (the high halves at odd positions
+    stay within (vocab - 1) >> 16) are refused; the same ids written as uint16 pass."""
+    import numpy as np
+
+    from meshplan.runtime.data import TokenFile
+
+    rng = np.random.default_rng(1)
+    wide, narrow = tmp_path / "wide.bin", tmp_path / "narrow.bin"
+    rng.integers(0, vocab, 4096).astype(np.uint32).tofile(wide)  # ids above 65,535 too
+    rng.integers(0, min(vocab, 65_536), 4096).astype(np.uint16).tofile(narrow)
+    with pytest.raises(MeshplanError, match="looks like uint32 token ids read as uint16"):
+        TokenFile(str(wide), "uint16").check_sample(vocab)
+    TokenFile(str(narrow), "uint16").check_sample(vocab)
+    TokenFile(str(wide), "uint32").check_sample(vocab)
+
+
+def test_print_torchrun_with_a_new_checkpoint_dir_prints_only_the_command(gpt_plan, tmp_path,
+                                                                          capsys):
+    capsys.readouterr()
+    assert main(["run", str(gpt_plan), "--steps", "2", "--checkpoint-dir",
+                 str(tmp_path / "ckpt"), "--print-torchrun"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "torch.distributed.run" in out[0], out
+    assert not (tmp_path / "ckpt").exists()
