@@ -12,6 +12,9 @@ import os
 import shlex
 import sys
 
+from meshplan.checks import (MAX_TOKENS_PER_STEP, check_batch_and_seq, check_checkpoint_dir,
+                             check_model_for_run, check_run_numbers, check_writable,
+                             plan_and_graph, recorded_spec)
 from meshplan.errors import MeshplanError, SpecError
 
 EXIT_USER_ERROR = 2
@@ -29,36 +32,6 @@ def _load_model_and_graph(args):
     return spec, loaded, loaded.trace(spec.name)
 
 
-def check_batch_and_seq(model, batch: int, seq: int) -> None:
-    """A sequence the model has positions for, and a step of at most 2^31 - 1 tokens."""
-    from meshplan.specs import check_positions
-
-    check_positions(model, seq)
-    if batch * seq > MAX_TOKENS_PER_STEP:
-        raise SpecError(f"--batch {batch} x --seq {seq} = {batch * seq:.3g} tokens per step, over "
-                        f"2^31 - 1 (int32 indexing in many kernels); use --batch "
-                        f"{MAX_TOKENS_PER_STEP // seq} or less")
-
-
-def _check_writable(path: str) -> None:
-    """``path`` can be written as atomic_write writes it (a temporary file beside it, then a
-    rename), tried now: os.access says yes to root on a read-only file system."""
-    import tempfile
-
-    directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise SpecError(f"cannot write {path}: it is a directory; name a file, e.g. "
-                        f"{os.path.join(path, 'metrics.json')}")
-    if not os.path.isdir(directory):
-        raise SpecError(f"cannot write {path}: directory {directory} does not exist")
-    try:
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".meshplan-check-"):
-            pass
-    except OSError as exc:
-        raise SpecError(f"cannot write {path}: directory {directory} is not writable "
-                        f"({exc.strerror})") from None
-
-
 # -- subcommands --------------------------------------------------------------------------------
 
 def cmd_plan(args) -> int:
@@ -66,7 +39,7 @@ def cmd_plan(args) -> int:
     from meshplan.specs import parse_manual_spec, parse_mesh_spec
 
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     mesh = parse_mesh_spec(args.mesh)
     spec, loaded, graph = _load_model_and_graph(args)
     if args.manual:
@@ -108,12 +81,12 @@ def cmd_run(args) -> int:
     from meshplan.plan import Plan
     from meshplan.runtime.launch import Nodes, run_plan, slurm_script, torchrun_command
 
-    _check_run_numbers(args)
+    check_run_numbers(args)
     if args.metrics_out:
-        _check_writable(args.metrics_out)
+        check_writable(args.metrics_out)
     plan = Plan.from_json(args.plan)
-    args.model = _model_spec(plan, args.plan, args.model)
-    loaded = _check_model_for_run(plan, args.model, data=bool(args.data))
+    args.model = recorded_spec(plan, args.plan, args.model)
+    loaded = check_model_for_run(plan, args.model, data=bool(args.data))
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank,
                   nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_id=args.rdzv_id).resolve(plan, need_endpoint=not args.slurm)
@@ -131,7 +104,7 @@ def cmd_run(args) -> int:
         extra += ("--data", os.path.abspath(args.data), "--data-dtype", args.data_dtype)
     note = ""
     if args.checkpoint_dir:
-        note = _check_checkpoint_dir(args.checkpoint_dir, args.steps)
+        note = check_checkpoint_dir(args.checkpoint_dir, args.steps)
         extra += ("--checkpoint-dir", os.path.abspath(args.checkpoint_dir),
                   "--checkpoint-every", str(args.checkpoint_every))
     common = dict(model=args.model, steps=args.steps, seed=args.seed,
@@ -140,7 +113,7 @@ def cmd_run(args) -> int:
         print(shlex.join(torchrun_command(args.plan, plan, **common)))
         return 0
     if args.slurm:
-        _check_writable(args.output)
+        check_writable(args.output)
         from meshplan.plan import atomic_write
 
         atomic_write(args.output, slurm_script(args.plan, plan, **common))
@@ -151,119 +124,10 @@ def cmd_run(args) -> int:
     return run_plan(args.plan, **common)
 
 
-def _check_model_for_run(plan, spec_text: str, *, data: bool):
-    """Before any process starts: the model is the one the plan was made for (its traced
-    fingerprint, on the meta device: nothing allocated), every placement fits the tensor it
-    places, and --data suits the model's calling convention. Returns the loaded model."""
-    from meshplan.specs import parse_model_spec
-
-    spec = parse_model_spec(spec_text)
-    loaded = spec.load_for_plan(plan, device="meta")
-    model = loaded.model
-    plan.check_param_ranks({n: p.ndim for n, p in model.named_parameters(remove_duplicate=False)})
-    if data and not loaded.takes_token_ids:
-        what = "a ModelBundle whose example inputs are not token ids alone" if loaded.bundle \
-            else f"a {loaded.call.head} model"
-        raise SpecError(f"--data feeds token ids to causal LMs; {spec_text} is {what}; drop "
-                        "--data to train on synthetic batches of its examples' shapes")
-    plan.check_graph(loaded.trace(spec.name))  # the fingerprint, then op placements
-    return loaded
-
-
-def _check_checkpoint_dir(directory: str, steps: int) -> str:
-    """--checkpoint-dir: resuming must leave steps to train, and a directory that does not
-    exist yet must not be a typo of one that holds checkpoints (it would start at step 0).
-    Returns the line ``meshplan run`` prints when the run starts from step 0 ("" when it
-    resumes: the worker says from where)."""
-    import difflib
-
-    from meshplan.runtime.checkpoint import latest_step
-
-    if os.path.exists(directory) and not os.path.isdir(directory):
-        raise SpecError(f"--checkpoint-dir {directory} is a file; name a directory")
-    if os.path.isdir(directory):
-        done = latest_step(directory)
-        if done is not None and steps <= done:
-            raise SpecError(f"--steps {steps}: the checkpoint in {directory} has trained "
-                            f"{done} steps already; pass --steps {done + 1} or more to train "
-                            "on, or another --checkpoint-dir to start afresh")
-        _check_writable(os.path.join(directory, "step_000000"))
-        return "" if done is not None else \
-            f"no checkpoint in {directory}: training from step 0, saving there"
-    parent = os.path.dirname(os.path.abspath(directory))
-    if not os.path.isdir(parent):
-        raise SpecError(f"--checkpoint-dir {directory}: its parent {parent} does not exist; "
-                        "fix the path or create the parent first")
-    _check_writable(directory)
-    name = os.path.basename(os.path.abspath(directory))
-    holding = [d for d in os.listdir(parent)
-               if os.path.isdir(os.path.join(parent, d))
-               and latest_step(os.path.join(parent, d)) is not None]
-    near = difflib.get_close_matches(name, holding, n=1, cutoff=0.75)
-    if near:
-        found = os.path.join(os.path.dirname(directory), near[0])
-        raise SpecError(f"--checkpoint-dir {directory} does not exist, but {found} holds "
-                        f"checkpoints (step {latest_step(os.path.join(parent, near[0]))}); "
-                        f"pass --checkpoint-dir {found} to resume, or mkdir {directory} "
-                        "to start a new run there")
-    return f"no checkpoint in {directory} (a new directory): training from step 0, saving there"
-
-
-def _check_run_numbers(args) -> None:
-    """One clear line for numbers that cannot work, before anything starts."""
-    rules = [(args.steps >= 1, f"--steps {args.steps}: train at least 1 step"),
-             (args.timeout_s > 0, f"--timeout-s {args.timeout_s}: the collective timeout must "
-              "be positive (seconds), e.g. 30"),
-             (args.lr > 0, f"--lr {args.lr}: the learning rate must be positive, e.g. 3e-4"),
-             (args.warmup >= 0, f"--warmup {args.warmup}: warmup steps must be 0 or more"),
-             (args.clip >= 0, f"--clip {args.clip}: the max gradient norm must be positive "
-              "(0: no clipping)"),
-             (args.checkpoint_every >= 0, f"--checkpoint-every {args.checkpoint_every}: must "
-              "be 0 (only at the end) or a positive step count"),
-             (args.nproc_per_node >= 0, f"--nproc-per-node {args.nproc_per_node}: must be "
-              "positive")]
-    for ok, message in rules:
-        if not ok:
-            raise SpecError(message)
-
-
-def _plan_and_graph(path: str, model: str = "", *, recorded: bool = True):
-    """Load a plan file; with a model spec (given, else with ``recorded`` the one the plan
-    records), re-trace its graph (checks the fingerprint)."""
-    from meshplan.explain import retrace
-    from meshplan.plan import Plan
-
-    plan = Plan.from_json(path)
-    model = model or (plan.model.spec if recorded else "")
-    graph = retrace(plan, model) if model else None
-    if graph is not None:
-        plan.check_graph(graph)  # a hand-edited placement, refused before it is described
-    elif plan.model.spec:  # the model on meta (nothing traced): placements against its shapes
-        from meshplan.specs import parse_model_spec
-
-        try:  # a plan whose factory is not here can still be shown; run checks again
-            built = parse_model_spec(plan.model.spec).build(device="meta")
-        except SpecError:
-            built = None
-        if built is not None:
-            plan.check_param_ranks({n: p.ndim for n, p in
-                                    built.named_parameters(remove_duplicate=False)})
-    return plan, graph
-
-
-def _model_spec(plan, path: str, given: str) -> str:
-    """--model, else the spec the plan records; a plan made from a Python object has none."""
-    spec = given or plan.model.spec
-    if not spec:
-        raise SpecError(f"{path} was made from a Python model ({plan.model.name}) and records "
-                        "no model spec; pass --model SPEC (the spec the plan was made for)")
-    return spec
-
-
 def cmd_show(args) -> int:
     from meshplan.inspect import summary_text
 
-    plan, graph = _plan_and_graph(args.plan, args.model, recorded=False)  # show stays quick
+    plan, graph = plan_and_graph(args.plan, args.model, recorded=False)  # show stays quick
     print(summary_text(plan, graph=graph))
     return 0
 
@@ -278,7 +142,7 @@ def cmd_explain(args) -> int:
         from meshplan.plan import Plan
 
         find_stage(Plan.from_json(args.plan), args.node)  # a bad name fails before tracing
-    plan, graph = _plan_and_graph(args.plan, args.model)
+    plan, graph = plan_and_graph(args.plan, args.model)
     if graph is None:
         raise SpecError("explain re-prices the alternatives with the model's operator graph, "
                         "which a plan file does not hold; pass --model SPEC (the spec the "
@@ -300,8 +164,8 @@ def cmd_diff(args) -> int:
 def cmd_report(args) -> int:
     from meshplan.report import write_report
 
-    _check_writable(args.output)
-    plan, graph = _plan_and_graph(args.plan, args.model)
+    check_writable(args.output)
+    plan, graph = plan_and_graph(args.plan, args.model)
     write_report(plan, args.output, graph=graph)
     print(f"wrote {args.output}")
     return 0
@@ -311,9 +175,9 @@ def cmd_sweep(args) -> int:
     from meshplan.specs import parse_mesh_spec
     from meshplan.sweep import run_sweep
 
-    _check_writable(args.output)
+    check_writable(args.output)
     if args.plot:
-        _check_writable(args.plot)
+        check_writable(args.plot)
     mesh = parse_mesh_spec(args.mesh)
     spec, loaded, graph = _load_model_and_graph(args)
     frame = run_sweep(loaded.model, mesh, graph=graph, model_name=spec.name, dtype=args.dtype,
@@ -353,7 +217,6 @@ def _positive(cast):
 
 
 POSITIVE_INT, POSITIVE_FLOAT = _positive(int), _positive(float)
-MAX_TOKENS_PER_STEP = 2**31 - 1  # int32 indexing limits of many kernels; Llama 3 used 16M
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -470,7 +333,7 @@ def cmd_estimate(args) -> int:
     from meshplan.plan import Plan
 
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     hardware = load_profile(args.hardware) if args.hardware else None
     if args.plan:
         plan = Plan.from_json(args.plan)
@@ -528,7 +391,7 @@ def cmd_calibrate(args) -> int:
     from meshplan.plan import atomic_write
 
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     if args.procs < 1:
         raise SpecError(f"--procs {args.procs}: need at least 1 (2 or more to measure collectives)")
     with Progress() as bar:
