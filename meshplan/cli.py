@@ -12,9 +12,8 @@ import os
 import shlex
 import sys
 
-from meshplan.checks import (MAX_TOKENS_PER_STEP, check_batch_and_seq, check_checkpoint_dir,
-                             check_model_for_run, check_run_numbers, check_writable,
-                             plan_and_graph, recorded_spec)
+from meshplan.checks import (check_batch_and_seq, check_checkpoint_dir, check_model_for_run,
+                             check_run_numbers, check_writable, plan_and_graph, recorded_spec)
 from meshplan.errors import MeshplanError, SpecError
 
 EXIT_USER_ERROR = 2
