@@ -69,9 +69,9 @@ class RuntimeModel:
       0, one collective per parameter tensor (DTensor's per-parameter redistribute).
     zero3_per_use: ZeRO-3 as meshplan's runtime runs it: the dp-sharded weights a block
       first uses are gathered S(0) -> R together, in one all-gather per microbatch
-      (runtime/spmd.py ``_hoist``; under recompute, once per consumer instead), freed
+      (runtime/gathers.py ``ParamGathers``; under recompute, once per consumer instead), freed
       after their last reader and gathered again in the backward when autograd unpacks
-      what it saved (``_Regather``: two all-gathers per microbatch), and the gather's
+      what it saved (gathers.py ``_Regather``: two all-gathers per microbatch), and the gather's
       backward reduce-scatters their gradients P -> S(0) in one collective in every
       microbatch's backward, so the step-level sync finds them already sharded
       (runtime/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward

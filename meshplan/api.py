@@ -58,6 +58,46 @@ def _check_search_options(*, microbatches, max_stages, time_limit_s, memory_limi
                             "for the devices' capacity")
 
 
+def _check_context_parallel(degrees, mesh: Mesh) -> None:
+    """Every context-parallel degree tried must be a positive int dividing the mesh's devices
+    (a degree that divides nothing would otherwise be dropped from the search unsaid)."""
+    try:
+        degrees = tuple(degrees)
+    except TypeError:
+        degrees = (degrees,)
+    n = mesh.num_devices
+    bad = [d for d in degrees if not isinstance(d, int) or isinstance(d, bool) or d < 1 or n % d]
+    if bad or not degrees:
+        ok = tuple(d for d in range(1, n + 1) if n % d == 0)
+        raise PlanningError(f"context_parallel={degrees!r}: {bad[0] if bad else 'no degree'} "
+                            f"does not divide the mesh's {n} devices; choose degrees from {ok}")
+
+
+def check_example_call(model: nn.Module, example_inputs, example_targets, loss_fn) -> None:
+    """Before tracing: a model called with token ids has positions for the sequence, and a
+    model without loss_fn or targets is called with token ids (the default loss is the
+    next-token loss on the first input)."""
+    from meshplan.specs import check_positions
+
+    first = example_inputs
+    if isinstance(first, dict):
+        first = first.get("input_ids", next(iter(first.values()), None))
+    elif isinstance(first, (tuple, list)):
+        first = first[0] if first else None
+    if not isinstance(first, torch.Tensor):
+        return
+    integer = not first.is_floating_point() and not first.is_complex()
+    if integer and first.dim() == 2:
+        check_positions(model, first.shape[1], what="example_inputs")
+    has_targets = example_targets is not None and (
+        isinstance(example_targets, torch.Tensor) or len(example_targets) > 0)
+    if loss_fn is None and not has_targets and not integer:
+        raise PlanningError(
+            f"example_inputs start with a {first.dtype} tensor of shape {tuple(first.shape)}, "
+            "and with neither loss_fn nor example_targets the loss is the next-token loss on "
+            "token ids; pass example_targets=(y,) (cross entropy) and/or loss_fn=")
+
+
 def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
                  loss_fn: Callable | None = None, optimizer: str = "adam",
@@ -81,9 +121,11 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     mesh = as_mesh(mesh)
     _check_search_options(microbatches=microbatches, max_stages=max_stages,
                           time_limit_s=time_limit_s, memory_limit_gib=memory_limit_gib)
+    _check_context_parallel(context_parallel, mesh)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
     if graph is None:
+        check_example_call(model, example_inputs, example_targets, loss_fn)
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
     # the pipeline search (stages, submeshes, microbatches, schedule, recompute, ZeRO) and
@@ -118,6 +160,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
     if graph is None:
+        check_example_call(model, example_inputs, example_targets, loss_fn)
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
     plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,

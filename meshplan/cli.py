@@ -12,6 +12,8 @@ import os
 import shlex
 import sys
 
+from meshplan.checks import (check_batch_and_seq, check_checkpoint_dir, check_model_for_run,
+                             check_run_numbers, check_writable, plan_and_graph, recorded_spec)
 from meshplan.errors import MeshplanError, SpecError
 
 EXIT_USER_ERROR = 2
@@ -29,28 +31,6 @@ def _load_model_and_graph(args):
     return spec, loaded, loaded.trace(spec.name)
 
 
-def check_batch_and_seq(model, batch: int, seq: int) -> None:
-    """A sequence the model has positions for, and a step of at most 2^31 - 1 tokens."""
-    config = getattr(model, "config", None)
-    limit = next((getattr(config, k) for k in ("n_positions", "max_position_embeddings",
-                                               "max_seq_len", "n_ctx")
-                  if isinstance(getattr(config, k, None), int)), None)
-    if limit is not None and seq > limit:
-        raise SpecError(f"--seq {seq} is longer than the model's {limit} positions; use "
-                        f"--seq {limit} or less, or a model with more positions")
-    if batch * seq > MAX_TOKENS_PER_STEP:
-        raise SpecError(f"--batch {batch} x --seq {seq} = {batch * seq:.3g} tokens per step, over "
-                        f"2^31 - 1 (int32 indexing in many kernels); use --batch "
-                        f"{MAX_TOKENS_PER_STEP // seq} or less")
-
-
-def _check_writable(path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-        raise SpecError(f"cannot write {path}: directory {directory} does not exist or is not "
-                        "writable")
-
-
 # -- subcommands --------------------------------------------------------------------------------
 
 def cmd_plan(args) -> int:
@@ -58,7 +38,7 @@ def cmd_plan(args) -> int:
     from meshplan.specs import parse_manual_spec, parse_mesh_spec
 
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     mesh = parse_mesh_spec(args.mesh)
     spec, loaded, graph = _load_model_and_graph(args)
     if args.manual:
@@ -69,7 +49,11 @@ def cmd_plan(args) -> int:
         plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
                                      dtype=args.dtype, memory_limit_gib=args.memory_limit_gib,
                                      time_limit_s=args.time_limit_s, engine=args.engine)
-    plan = plan.with_spec(args.model)
+    from meshplan.plan import spec_for_plan_folder
+
+    # a factory path is stored relative to the plan file, which finds it from any folder
+    plan = plan.with_spec(spec_for_plan_folder(args.model, os.path.dirname(
+        os.path.abspath(args.output))) if args.output else args.model)
     print(plan.summary())
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
@@ -96,12 +80,12 @@ def cmd_run(args) -> int:
     from meshplan.plan import Plan
     from meshplan.runtime.launch import Nodes, run_plan, slurm_script, torchrun_command
 
-    _check_run_numbers(args)
+    check_run_numbers(args)
     if args.metrics_out:
-        _check_writable(args.metrics_out)
+        check_writable(args.metrics_out)
     plan = Plan.from_json(args.plan)
-    args.model = _model_spec(plan, args.plan, args.model)
-    _check_model_for_run(plan, args.model, data=bool(args.data))
+    args.model = recorded_spec(plan, args.plan, args.model)
+    loaded = check_model_for_run(plan, args.model, data=bool(args.data))
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank,
                   nproc_per_node=args.nproc_per_node, rdzv_endpoint=args.rdzv_endpoint,
                   rdzv_id=args.rdzv_id).resolve(plan, need_endpoint=not args.slurm)
@@ -113,10 +97,13 @@ def cmd_run(args) -> int:
     if args.data:
         from meshplan.runtime.data import TokenFile
 
-        TokenFile(args.data, args.data_dtype).check_batch(plan.training.global_batch,
-                                                          plan.training.seq_len)
+        tokens = TokenFile(args.data, args.data_dtype)
+        tokens.check_batch(plan.training.global_batch, plan.training.seq_len)
+        tokens.check_sample(getattr(getattr(loaded.model, "config", None), "vocab_size", None))
         extra += ("--data", os.path.abspath(args.data), "--data-dtype", args.data_dtype)
+    note = ""
     if args.checkpoint_dir:
+        note = check_checkpoint_dir(args.checkpoint_dir, args.steps)
         extra += ("--checkpoint-dir", os.path.abspath(args.checkpoint_dir),
                   "--checkpoint-every", str(args.checkpoint_every))
     common = dict(model=args.model, steps=args.steps, seed=args.seed,
@@ -125,74 +112,21 @@ def cmd_run(args) -> int:
         print(shlex.join(torchrun_command(args.plan, plan, **common)))
         return 0
     if args.slurm:
-        _check_writable(args.output)
+        check_writable(args.output)
         from meshplan.plan import atomic_write
 
         atomic_write(args.output, slurm_script(args.plan, plan, **common))
         print(f"wrote {args.output}; submit it with: sbatch {args.output}")
         return 0
+    if note:
+        print(note)
     return run_plan(args.plan, **common)
-
-
-def _check_model_for_run(plan, spec_text: str, *, data: bool) -> None:
-    """Every parameter placement against the model's shapes, and --data against the model's
-    calling convention, before any process starts (the model is built on the meta device:
-    nothing allocated, nothing traced)."""
-    from meshplan.specs import parse_model_spec
-
-    spec = parse_model_spec(spec_text)
-    loaded = spec.load_for_plan(plan, device="meta")
-    model = loaded.model
-    plan.check_param_ranks({n: p.ndim for n, p in model.named_parameters(remove_duplicate=False)})
-    if data and not loaded.takes_token_ids:
-        what = "a ModelBundle whose example inputs are not token ids alone" if loaded.bundle \
-            else f"a {loaded.call.head} model"
-        raise SpecError(f"--data feeds token ids to causal LMs; {spec_text} is {what}; drop "
-                        "--data to train on synthetic batches of its examples' shapes")
-
-
-def _check_run_numbers(args) -> None:
-    """One clear line for numbers that cannot work, before anything starts."""
-    rules = [(args.steps >= 1, f"--steps {args.steps}: train at least 1 step"),
-             (args.timeout_s > 0, f"--timeout-s {args.timeout_s}: the collective timeout must "
-              "be positive (seconds), e.g. 30"),
-             (args.lr > 0, f"--lr {args.lr}: the learning rate must be positive, e.g. 3e-4"),
-             (args.warmup >= 0, f"--warmup {args.warmup}: warmup steps must be 0 or more"),
-             (args.clip >= 0, f"--clip {args.clip}: the max gradient norm must be positive "
-              "(0: no clipping)"),
-             (args.checkpoint_every >= 0, f"--checkpoint-every {args.checkpoint_every}: must "
-              "be 0 (only at the end) or a positive step count"),
-             (args.nproc_per_node >= 0, f"--nproc-per-node {args.nproc_per_node}: must be "
-              "positive")]
-    for ok, message in rules:
-        if not ok:
-            raise SpecError(message)
-
-
-def _plan_and_graph(path: str, model: str = "", *, recorded: bool = True):
-    """Load a plan file; with a model spec (given, else with ``recorded`` the one the plan
-    records), re-trace its graph (checks the fingerprint)."""
-    from meshplan.explain import retrace
-    from meshplan.plan import Plan
-
-    plan = Plan.from_json(path)
-    model = model or (plan.model.spec if recorded else "")
-    return plan, (retrace(plan, model) if model else None)
-
-
-def _model_spec(plan, path: str, given: str) -> str:
-    """--model, else the spec the plan records; a plan made from a Python object has none."""
-    spec = given or plan.model.spec
-    if not spec:
-        raise SpecError(f"{path} was made from a Python model ({plan.model.name}) and records "
-                        "no model spec; pass --model SPEC (the spec the plan was made for)")
-    return spec
 
 
 def cmd_show(args) -> int:
     from meshplan.inspect import summary_text
 
-    plan, graph = _plan_and_graph(args.plan, args.model, recorded=False)  # show stays quick
+    plan, graph = plan_and_graph(args.plan, args.model, recorded=False)  # show stays quick
     print(summary_text(plan, graph=graph))
     return 0
 
@@ -207,7 +141,7 @@ def cmd_explain(args) -> int:
         from meshplan.plan import Plan
 
         find_stage(Plan.from_json(args.plan), args.node)  # a bad name fails before tracing
-    plan, graph = _plan_and_graph(args.plan, args.model)
+    plan, graph = plan_and_graph(args.plan, args.model)
     if graph is None:
         raise SpecError("explain re-prices the alternatives with the model's operator graph, "
                         "which a plan file does not hold; pass --model SPEC (the spec the "
@@ -229,8 +163,8 @@ def cmd_diff(args) -> int:
 def cmd_report(args) -> int:
     from meshplan.report import write_report
 
-    _check_writable(args.output)
-    plan, graph = _plan_and_graph(args.plan, args.model)
+    check_writable(args.output)
+    plan, graph = plan_and_graph(args.plan, args.model)
     write_report(plan, args.output, graph=graph)
     print(f"wrote {args.output}")
     return 0
@@ -240,9 +174,9 @@ def cmd_sweep(args) -> int:
     from meshplan.specs import parse_mesh_spec
     from meshplan.sweep import run_sweep
 
-    _check_writable(args.output)
+    check_writable(args.output)
     if args.plot:
-        _check_writable(args.plot)
+        check_writable(args.plot)
     mesh = parse_mesh_spec(args.mesh)
     spec, loaded, graph = _load_model_and_graph(args)
     frame = run_sweep(loaded.model, mesh, graph=graph, model_name=spec.name, dtype=args.dtype,
@@ -282,7 +216,6 @@ def _positive(cast):
 
 
 POSITIVE_INT, POSITIVE_FLOAT = _positive(int), _positive(float)
-MAX_TOKENS_PER_STEP = 2**31 - 1  # int32 indexing limits of many kernels; Llama 3 used 16M
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -399,7 +332,7 @@ def cmd_estimate(args) -> int:
     from meshplan.plan import Plan
 
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     hardware = load_profile(args.hardware) if args.hardware else None
     if args.plan:
         plan = Plan.from_json(args.plan)
@@ -457,7 +390,7 @@ def cmd_calibrate(args) -> int:
     from meshplan.plan import atomic_write
 
     if args.output:
-        _check_writable(args.output)
+        check_writable(args.output)
     if args.procs < 1:
         raise SpecError(f"--procs {args.procs}: need at least 1 (2 or more to measure collectives)")
     with Progress() as bar:

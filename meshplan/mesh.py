@@ -41,8 +41,7 @@ class Mesh:
         if name not in GPU_PRESETS + ("cpu-local",):
             raise MeshError(f"unknown mesh preset {name!r}; valid presets: "
                             f"{', '.join(GPU_PRESETS + ('cpu-local',))}")
-        if int(nodes) < 1:
-            raise MeshError(f"nodes={nodes} must be at least 1")
+        nodes = _count(nodes, "nodes", f"Mesh.preset({name!r}, nodes={nodes!r})")
         hw = load_preset(name)
         per_node = hw.devices_per_node if name != "cpu-local" else 1
         if nodes == 1:
@@ -52,8 +51,7 @@ class Mesh:
     @classmethod
     def local(cls, n: int, *, profile: HardwareProfile | None = None) -> "Mesh":
         """``n`` CPU processes on this machine, priced by the latest calibration if any."""
-        if int(n) < 1:
-            raise MeshError(f"Mesh.local(n={n}): n must be at least 1")
+        n = _count(n, "n", f"Mesh.local(n={n!r})")
         hw = profile or cached_calibration() or load_preset("cpu-local")
         return cls((int(n),), hw, ("proc",), name=f"local:{n}")
 
@@ -102,6 +100,15 @@ class Mesh:
 
     def __repr__(self) -> str:
         return f"Mesh({self.name or 'custom'}, shape={self.shape}, hardware={self.hardware.name})"
+
+
+def _count(value, name: str, call: str) -> int:
+    """A positive whole number of nodes or processes (an int, or digits as a spec gives)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise MeshError(f"{call}: {name} must be a positive whole number, e.g. {name}=8")
+    return value
 
 
 def calibration_cache_path() -> Path:

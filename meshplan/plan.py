@@ -234,7 +234,9 @@ class Plan:
             raise PlanFileError(f"plan file {path} does not exist") from None
         except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
             raise PlanFileError(f"cannot read plan file {path}: {exc}") from None
-        return cls.from_json_text(text, origin=str(path))
+        plan = cls.from_json_text(text, origin=str(path))
+        spec = spec_from_plan_folder(plan.model.spec, os.path.dirname(os.path.abspath(path)))
+        return plan.with_spec(spec) if spec != plan.model.spec else plan
 
     @classmethod
     def from_json_text(cls, text: str, *, origin: str = "plan") -> "Plan":
@@ -372,6 +374,37 @@ def _dumps(obj) -> str:
     text = re.sub(r"\[\s*(\[[^\[\]\n]*\](?:,\s*\[[^\[\]\n]*\])*)\s*\]",
                   lambda m: "[" + re.sub(r",\s*", ", ", m.group(1)) + "]", text)
     return text + "\n"
+
+
+def _file_spec(spec: str) -> tuple[str, str] | None:
+    """(path, factory) of a ``path/file.py:factory`` model spec; None for other specs."""
+    path, sep, factory = spec.rpartition(":")
+    return (path, factory) if sep and path.endswith(".py") else None
+
+
+def spec_for_plan_folder(spec: str, folder: str) -> str:
+    """A file spec as a plan file in ``folder`` records it: the factory's path relative to
+    that folder (so the plan runs from any working directory, and moves with its factory);
+    other specs unchanged."""
+    parts = _file_spec(spec)
+    if parts is None:
+        return spec
+    path = os.path.relpath(os.path.abspath(parts[0]), os.path.abspath(folder))
+    return f"{Path(path).as_posix()}:{parts[1]}"
+
+
+def spec_from_plan_folder(spec: str, folder: str) -> str:
+    """The inverse of ``spec_for_plan_folder`` for a plan read from ``folder``: a relative
+    factory path resolved against that folder (absolute), where the file is. A plan written
+    before paths were stored this way holds the path as typed, relative to where it was
+    made: kept when only that exists."""
+    parts = _file_spec(spec)
+    if parts is None or os.path.isabs(parts[0]):
+        return spec
+    beside = os.path.normpath(os.path.join(folder, parts[0]))
+    if os.path.exists(beside) or not os.path.exists(parts[0]):
+        return f"{beside}:{parts[1]}"
+    return spec
 
 
 def atomic_write(path: str | os.PathLike, text: str) -> None:

@@ -40,6 +40,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
@@ -260,6 +261,11 @@ def _call_factory(spec: ModelSpec, device, *, batch: int | None):
         except Exception as exc:  # noqa: BLE001
             raise SpecError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
     else:
+        # the factory's folder on the import path, as `python path/file.py` would put it: a
+        # factory file that imports a module beside it works without PYTHONPATH
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         loader = importlib.util.spec_from_file_location(f"meshplan_user_{abs(hash(path))}", path)
         module = importlib.util.module_from_spec(loader)
         try:
@@ -296,6 +302,25 @@ def _call_factory(spec: ModelSpec, device, *, batch: int | None):
                         "nn.Module (a causal LM on token ids) or meshplan.ModelBundle(model, "
                         "example_inputs, example_targets, loss_fn)")
     return made
+
+
+POSITION_KEYS = ("n_positions", "max_position_embeddings", "max_seq_len", "n_ctx")
+
+
+def check_positions(model: nn.Module, seq: int, *, what: str = "--seq") -> None:
+    """A sequence of ``seq`` tokens fits the model's learned positions (its config's
+    n_positions, max_position_embeddings, max_seq_len or n_ctx, where it has one): a longer
+    one would fail inside the position embedding at the first step."""
+    config = getattr(model, "config", None)
+    limit = next((getattr(config, k) for k in POSITION_KEYS
+                  if isinstance(getattr(config, k, None), int)), None)
+    if limit is None or seq <= limit:
+        return
+    if what == "--seq":
+        raise SpecError(f"--seq {seq} is longer than the model's {limit} positions; use "
+                        f"--seq {limit} or less, or a model with more positions")
+    raise SpecError(f"{what} hold sequences of {seq} tokens, longer than the model's {limit} "
+                    f"positions; use {limit} tokens or fewer, or a model with more positions")
 
 
 def _need_seq(spec: ModelSpec, seq: int | None) -> int:

@@ -96,6 +96,10 @@ def main(argv=None) -> int:
         first = 0
         if checkpoint.latest_step(args.checkpoint_dir) is not None:
             first = checkpoint.load(args.checkpoint_dir, pm, optimizer)
+            if first >= args.steps:  # meshplan run checks before launch; torchrun users here
+                raise SpecError(f"--steps {args.steps}: the checkpoint in "
+                                f"{args.checkpoint_dir} has trained {first} steps already; "
+                                f"pass --steps {first + 1} or more")
             if rank == 0:
                 print(f"resumed from {checkpoint.checkpoint_path(args.checkpoint_dir, first)} "
                       f"after {first} steps", flush=True)
@@ -162,12 +166,31 @@ def main(argv=None) -> int:
             if args.metrics_out:
                 atomic_write(args.metrics_out, json.dumps(metrics, indent=1) + "\n")
     except MeshplanError as exc:
-        print(f"meshplan run (rank {rank}): {exc}", file=sys.stderr, flush=True)
+        report_user_error(exc, rank)
         dist.destroy_process_group()
-        return 2
+        return EXIT_USER_ERROR
     dist.barrier()  # nobody tears gloo down while a peer is still writing its results
     dist.destroy_process_group()
     return 0
+
+
+EXIT_USER_ERROR = 2  # what meshplan/cli.py answers bad input with
+
+
+def report_user_error(exc: MeshplanError, rank: int) -> None:
+    """Under torchrun's agent (``meshplan run``), into the agent's error file
+    (TORCHELASTIC_ERROR_FILE): the launcher prints one line for all ranks and exits 2
+    (runtime/launch.py ``user_error``). Elsewhere, on stderr with the rank."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": str(exc), "timestamp": int(time.time()),
+                           "meshplan": True}, f)
+            return
+        except OSError:
+            pass
+    print(f"meshplan run (rank {rank}): {exc}", file=sys.stderr, flush=True)
 
 
 def warmup_schedule(optimizer, warmup: int, first: int):

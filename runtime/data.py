@@ -52,6 +52,32 @@ class TokenFile:
         self.num_tokens = size // self.dtype.itemsize
         self._tokens = np.memmap(path, dtype=self.dtype, mode="r")
 
+    SAMPLE_TOKENS = 1 << 20  # the file's head checked before launch: 2 MiB of uint16
+
+    def check_sample(self, vocab_size: int | None) -> None:
+        """The first ``SAMPLE_TOKENS`` ids, read before any process starts. Rule 1 (uint16
+        only): a uint32 file read as uint16 shows its ids' high halves at every odd position
+        (little-endian, as numpy writes on x86 and ARM), and those are at most
+        ``(vocab_size - 1) >> 16`` (0 without a vocabulary size): a head of at least 64
+        values whose odd positions all stay within that bound while some even one exceeds it
+        is refused (real uint16 token streams put ids of every size at odd positions). Rule
+        2: no id in the head is ``vocab_size`` or more (a uint16 file read as uint32 gives
+        ids of 65,536 and up). ``check_vocab`` repeats rule 2 on every batch while training."""
+        head = np.asarray(self._tokens[:self.SAMPLE_TOKENS])
+        high = (vocab_size - 1) >> 16 if vocab_size else 0
+        if self.dtype == np.uint16 and len(head) >= 64 and int(head[1::2].max()) <= high \
+                and int(head[0::2].max()) > high:
+            raise SpecError(f"--data {self.path} looks like uint32 token ids read as uint16: "
+                            f"every second 16-bit value of its first {len(head)} is at most "
+                            f"{high}, as the high halves of uint32 ids are; pass --data-dtype "
+                            "uint32")
+        if vocab_size and len(head) and int(head.max()) >= vocab_size:
+            other = "uint32" if self.dtype == np.uint16 else "uint16"
+            raise SpecError(f"--data {self.path} holds token id {int(head.max())} in its first "
+                            f"{len(head)} tokens, but the model's vocabulary has {vocab_size} "
+                            f"ids; tokenize for this model, or check --data-dtype (now "
+                            f"{self.dtype.name}, the other is {other})")
+
     def check_batch(self, batch: int, seq: int) -> None:
         if self.num_tokens < batch * seq:
             raise SpecError(f"--data {self.path} holds {self.num_tokens} tokens, fewer than one "

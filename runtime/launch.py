@@ -33,6 +33,7 @@ from meshplan.plan import Plan
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")  # what `torchrun` runs
 EXIT_RANK_FAILED = 1
+EXIT_USER_ERROR = 2  # a worker's MeshplanError (meshplan/worker.py), as the CLI's own
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 DEFAULT_PORT = 29500  # torchrun's default rendezvous port
 
@@ -91,6 +92,18 @@ def parse_endpoint(text: str) -> tuple[str, int]:
         raise SpecError(f"--rdzv-endpoint {text!r} is not HOST:PORT with PORT in 1..65535; "
                         f"e.g. node0.cluster:{DEFAULT_PORT}")
     return host.strip("[]"), int(port)
+
+
+def check_resolvable(endpoint: str) -> None:
+    """The rendezvous host resolves (else torch's c10d store retries for a minute and more,
+    printing C++ warnings, before it gives up)."""
+    host, port = parse_endpoint(endpoint)
+    try:
+        socket.getaddrinfo(host, port)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise SpecError(f"--rdzv-endpoint {endpoint}: host {host!r} does not resolve ({why}); "
+                        "check the name, or give node rank 0's IP address") from None
 
 
 def worker_args(plan_path: str, *, model: str, steps: int, seed: int, metrics_out: str = "",
@@ -160,6 +173,8 @@ def run_plan(plan_path: str, *, model: str, steps: int = 5, seed: int = 0,
 
     plan = Plan.from_json(plan_path)
     nodes = nodes.resolve(plan)
+    if nodes.rdzv_endpoint:
+        check_resolvable(nodes.rdzv_endpoint)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers inherit the launcher's environment
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if quiet_launcher:  # the agent logs every start and stop; we print one line on failure
@@ -176,6 +191,10 @@ def run_plan(plan_path: str, *, model: str, steps: int = 5, seed: int = 0,
     try:
         elastic_launch(config, entrypoint=sys.executable)(*args)
     except ChildFailedError as exc:
+        user = user_error(exc)
+        if user:  # a check a worker made (one line for all ranks, as the CLI's own checks)
+            print(f"meshplan run: error: {user}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
         print(f"meshplan run: error: {failure_line(exc)}", file=sys.stderr, flush=True)
         return EXIT_RANK_FAILED
     except RendezvousError as exc:
@@ -197,6 +216,15 @@ def _quiet(prefix: str) -> None:
     for name in [prefix, *logging.root.manager.loggerDict]:
         if name.startswith(prefix):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def user_error(exc) -> str:
+    """The message of the earliest worker that exited with EXIT_USER_ERROR after writing it
+    to torchelastic's error file (meshplan/worker.py ``report_user_error``); "" if none."""
+    told = [(f.timestamp, rank, f.message) for rank, f in exc.failures.items()
+            if f.exitcode == EXIT_USER_ERROR and isinstance(f.message, str) and f.message
+            and f.error_file_data.get("meshplan")]
+    return min(told)[2] if told else ""
 
 
 def failure_line(exc) -> str:

@@ -1,7 +1,8 @@
-"""Issue 13's bad-input list: each case is one line naming the value, the rule and the fix;
-the command exits 2 and writes nothing; the API raises a MeshplanError (no traceback from
-deep inside torch, nothing silently accepted). Ctrl-C during `meshplan run` is covered in
-tests/test_launch_multinode.py, `run --steps 0` and `--timeout-s 0` in tests/test_cli.py."""
+"""Issues 13 and 28's bad-input lists: each case is one line naming the value, the rule and
+the fix; the command exits 2 before any process starts and writes nothing; the API raises a
+MeshplanError (no traceback from deep inside torch, nothing silently accepted). Ctrl-C during
+`meshplan run` is covered in tests/test_launch_multinode.py, `run --steps 0` and
+`--timeout-s 0` in tests/test_cli.py."""
 
 from __future__ import annotations
 
@@ -143,3 +144,229 @@ def test_memory_error_shows_significant_digits():
     with pytest.raises(MeshplanError) as info:
         _auto(memory_limit_gib=1e-7)
     assert "at least 0.00 GiB" not in str(info.value)
+
+
+# -- issue 28: checked before launch ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpt_plan(tmp_path_factory):
+    """A dp=2 plan of GPT, made on the command line (it records its model spec)."""
+    path = tmp_path_factory.mktemp("plan28") / "plan.json"
+    assert main(PLAN + ["--model", GPT, "--manual", "dp=2", "-o", str(path)]) == 0
+    return path
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """`meshplan run` must answer before any worker starts: starting one fails the test."""
+    import torch.distributed.launcher.api as launcher
+
+    def refuse(*a, **k):
+        raise AssertionError("a worker was launched")
+    monkeypatch.setattr(launcher, "elastic_launch", refuse)
+
+
+def _run_exit_2(argv, capsys, message):
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def _edited(plan_path, tmp_path, edit):
+    data = json.loads(plan_path.read_text())
+    edit(data)
+    out = tmp_path / "edited.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_a_tampered_fingerprint_is_refused_before_launch(gpt_plan, tmp_path, no_launch, capsys):
+    def tamper(d):
+        d["model"]["fingerprint"] = "sha256:" + "0" * 32
+    bad = _edited(gpt_plan, tmp_path, tamper)
+    metrics = tmp_path / "m.json"
+    _run_exit_2(["run", str(bad), "--steps", "1", "--metrics-out", str(metrics)], capsys,
+                "with fingerprint sha256:000")
+    assert not metrics.exists()
+
+
+def test_a_plan_for_another_model_is_refused_before_launch(gpt_plan, no_launch, capsys):
+    other = GPT.replace("n_layer=2", "n_layer=3")
+    _run_exit_2(["run", str(gpt_plan), "--model", other, "--steps", "1"], capsys,
+                "make a new plan for this model")
+
+
+def test_show_refuses_a_shard_dim_the_weight_does_not_have(gpt_plan, tmp_path, capsys):
+    def s7(d):
+        params = d["stages"][0]["params"]
+        name = next(n for n in params if n.endswith("c_attn.weight"))
+        params[name] = ["S(7)"] + params[name][1:]
+    bad = _edited(gpt_plan, tmp_path, s7)
+    err = _run_exit_2(["show", str(bad)], capsys, "is placed S(7) on mesh axis 0, but it has "
+                      "2 dims")
+    assert "split on dim 7" not in err
+
+
+def _fake_checkpoint(directory, step):
+    """What checkpoint.latest_step reads: a complete checkpoint is a step_NNNNNN folder."""
+    (directory / f"step_{step:06d}").mkdir(parents=True)
+
+
+def test_a_checkpoint_dir_typo_is_refused(gpt_plan, tmp_path, no_launch, capsys):
+    _fake_checkpoint(tmp_path / "ckpt", 4)
+    typo = tmp_path / "ckpy"
+    _run_exit_2(["run", str(gpt_plan), "--steps", "8", "--checkpoint-dir", str(typo)], capsys,
+                f"--checkpoint-dir {typo} does not exist, but {tmp_path / 'ckpt'} holds "
+                "checkpoints (step 4)")
+    assert not typo.exists()
+    missing = tmp_path / "nowhere" / "ckpt"
+    _run_exit_2(["run", str(gpt_plan), "--steps", "8", "--checkpoint-dir", str(missing)],
+                capsys, f"its parent {tmp_path / 'nowhere'} does not exist")
+    assert not missing.parent.exists()
+
+
+@pytest.mark.parametrize("steps", ["3", "4"])
+def test_steps_at_or_below_the_checkpoint_are_refused(steps, gpt_plan, tmp_path, no_launch,
+                                                      capsys):
+    _fake_checkpoint(tmp_path / "ckpt", 4)
+    _run_exit_2(["run", str(gpt_plan), "--steps", steps, "--checkpoint-dir",
+                 str(tmp_path / "ckpt")], capsys,
+                f"--steps {steps}: the checkpoint in {tmp_path / 'ckpt'} has trained 4 steps "
+                "already; pass --steps 5 or more")
+
+
+@pytest.mark.parametrize("written, read, message", [
+    ("uint32", "uint16", "looks like uint32 token ids read as uint16"),
+    ("uint16", "uint32", "but the model's vocabulary has 64 ids"),
+])
+def test_a_token_file_of_the_other_width_is_refused(written, read, message, gpt_plan, tmp_path,
+                                                    no_launch, capsys):
+    import numpy as np
+
+    data = tmp_path / "train.bin"
+    np.random.default_rng(0).integers(1, 64, 4096).astype(written).tofile(data)
+    _run_exit_2(["run", str(gpt_plan), "--steps", "1", "--data", str(data), "--data-dtype",
+                 read], capsys, message)
+
+
+def test_a_metrics_path_that_cannot_be_written_is_refused_before_launch(gpt_plan, tmp_path,
+                                                                       no_launch, capsys):
+    _run_exit_2(["run", str(gpt_plan), "--steps", "1", "--metrics-out", str(tmp_path)], capsys,
+                f"cannot write {tmp_path}: it is a directory")
+
+
+def test_an_unresolvable_rendezvous_host_is_one_line(gpt_plan, no_launch, capsys):
+    _run_exit_2(["run", str(gpt_plan), "--steps", "1", "--rdzv-endpoint",
+                 "no-such-host.invalid:29500"], capsys,
+                "host 'no-such-host.invalid' does not resolve")
+
+
+def test_checks_inside_the_workers_are_one_line_and_exit_2(gpt_plan, capfd):
+    """A check only a worker makes (here: the module engine's parameter names, reached by
+    launching without the command line's checks) ends the run with one line and exit 2."""
+    from meshplan.runtime.launch import run_plan
+
+    other = GPT.replace("n_layer=2", "n_layer=3")
+    assert run_plan(str(gpt_plan), model=other, steps=1) == 2
+    err = capfd.readouterr().err.strip()
+    assert "places no parameter transformer.h.2" in err, err
+    assert len(err.splitlines()) == 1 and err.startswith("meshplan run: error:"), err
+
+
+SIBLING = """
+import torch.nn as nn
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vocab_size = 32
+        self.emb = nn.Embedding(32, 16)
+        self.out = nn.Linear(16, 32)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+"""
+
+
+def test_a_factory_imports_its_sibling_and_a_plan_finds_it_from_another_folder(
+        tmp_path, monkeypatch, no_launch, capsys):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "house28_sibling.py").write_text(SIBLING)
+    (proj / "fac.py").write_text("from house28_sibling import Tiny\n\n\ndef make():\n"
+                                 "    return Tiny()\n")
+    (tmp_path / "plans").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    assert main(["plan", "--model", "proj/fac.py:make", "--mesh", "local:2", "--batch", "4",
+                 "--seq", "8", "--manual", "dp=2", "-o", "plans/plan.json"]) == 0
+    assert json.loads((tmp_path / "plans/plan.json").read_text())["model"]["spec"] == \
+        "../proj/fac.py:make"  # relative to the plan file
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["run", str(tmp_path / "plans/plan.json"), "--steps", "1",
+                 "--print-torchrun"]) == 0  # every pre-launch check, the trace included
+    assert f"{proj / 'fac.py'}:make" in capsys.readouterr().out
+
+
+def test_api_refuses_context_parallel_degrees_the_mesh_cannot_take():
+    with pytest.raises(MeshplanError) as info:
+        _auto(mesh=meshplan.Mesh.local(4), context_parallel=(3,))
+    assert "context_parallel=(3,): 3 does not divide the mesh's 4 devices; choose degrees " \
+        "from (1, 2, 4)" in str(info.value)
+
+
+@pytest.mark.parametrize("nodes", ["abc", 2.5])
+def test_mesh_preset_refuses_a_node_count_that_is_not_one(nodes):
+    with pytest.raises(MeshplanError) as info:
+        meshplan.Mesh.preset("dgx-h100", nodes=nodes)
+    assert "nodes must be a positive whole number" in str(info.value)
+
+
+def test_manual_plan_refuses_a_sequence_longer_than_the_positions():
+    from meshplan.specs import parse_model_spec
+
+    model = parse_model_spec(GPT).build(device="meta")
+    ids = torch.zeros(4, 64, dtype=torch.long, device="meta")
+    with pytest.raises(MeshplanError) as info:
+        meshplan.manual_plan(model, meshplan.Mesh.local(2), (ids,), dp=2)
+    assert "sequences of 64 tokens, longer than the model's 32 positions" in str(info.value)
+
+
+def test_a_float_model_without_loss_or_targets_is_refused():
+    with pytest.raises(MeshplanError) as info:
+        meshplan.autoparallel(MODEL, meshplan.Mesh.local(2), (X,))
+    assert "neither loss_fn nor example_targets" in str(info.value)
+
+
+@pytest.mark.parametrize("vocab", [64, 128_256])  # GPT-2-sized and Llama-3-sized vocabularies
+def test_token_width_rule_on_the_file_alone(vocab, tmp_path):
+    """check_sample's rule 1: uint32 ids read as uint16 (the high halves at odd positions
+    stay within (vocab - 1) >> 16) are refused; the same ids written as uint16 pass."""
+    import numpy as np
+
+    from meshplan.runtime.data import TokenFile
+
+    rng = np.random.default_rng(1)
+    wide, narrow = tmp_path / "wide.bin", tmp_path / "narrow.bin"
+    rng.integers(0, vocab, 4096).astype(np.uint32).tofile(wide)  # ids above 65,535 too
+    rng.integers(0, min(vocab, 65_536), 4096).astype(np.uint16).tofile(narrow)
+    with pytest.raises(MeshplanError, match="looks like uint32 token ids read as uint16"):
+        TokenFile(str(wide), "uint16").check_sample(vocab)
+    TokenFile(str(narrow), "uint16").check_sample(vocab)
+    TokenFile(str(wide), "uint32").check_sample(vocab)
+
+
+def test_print_torchrun_with_a_new_checkpoint_dir_prints_only_the_command(gpt_plan, tmp_path,
+                                                                          capsys):
+    capsys.readouterr()
+    assert main(["run", str(gpt_plan), "--steps", "2", "--checkpoint-dir",
+                 str(tmp_path / "ckpt"), "--print-torchrun"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "torch.distributed.run" in out[0], out
+    assert not (tmp_path / "ckpt").exists()

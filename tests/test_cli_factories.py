@@ -4,6 +4,7 @@ the losses of one process on the same synthetic data; transformers specs are cal
 their heads are trained; bad factories and --data with a float-input model are one line."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import meshplan
 from meshplan.cli import main
+from meshplan.plan import Plan
 from meshplan.specs import parse_model_spec
 
 FACTORIES = Path(__file__).resolve().parents[1] / "examples" / "factories.py"
@@ -79,7 +81,9 @@ def test_factory_plans_and_runs_with_the_losses_of_one_process(factory, extra, e
     assert main(args + extra) == 0
     recorded = json.loads(plan.read_text())
     assert recorded["engine"] == engine, recorded["engine_note"]
-    assert recorded["model"]["spec"] == spec
+    # stored relative to the plan file, read back as the factory's absolute path
+    assert recorded["model"]["spec"] == os.path.relpath(FACTORIES, tmp_path) + f":{factory}"
+    assert Plan.from_json(plan).model.spec == spec
     assert any(r["role"] == "target" for r in recorded["model"]["inputs"])
     metrics = tmp_path / "metrics.json"
     assert main(["run", str(plan), "--steps", "2", "--metrics-out", str(metrics)]) == 0, \
