@@ -196,6 +196,10 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     from meshplan.runtime.module_plan import _meta_inputs, module_engine_refusal
 
     t = plan.training
+    if "cp" in plan.stages[0].axis_names:
+        return ("the plan has a context-parallel axis 'cp' and pipeline stages; torch's "
+                "context_parallel (runtime/cp_modules.py) is not wired into the module "
+                "pipeline: the graph engine runs cp with pp")
     if t.schedule not in SCHEDULES:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
