@@ -132,3 +132,9 @@ def test_refusals_are_one_line_at_plan_time():
     assert "\n" not in str(info.value)
     with pytest.raises(MeshplanError, match=r"graph engine's cp splits an explicit mask only"):
         _plan(gpt, cp=4, engine="graph")
+
+
+@pytest.mark.slow
+def test_cp_with_pipeline_at_one_sequence_is_refused_on_every_rank(results):
+    assert results["cp_pp_mb1"].startswith("graph: cp=2 with pipeline stages at microbatch "
+                                           "size 1"), results["cp_pp_mb1"]
