@@ -210,32 +210,57 @@ def _takes(model: nn.Module, name: str) -> bool:
     return name in inspect.signature(model.forward).parameters
 
 
+def call_kwargs(model: nn.Module, positions: torch.Tensor, rows: int, kwargs: dict) -> dict:
+    """``kwargs`` plus the global positions for a model that takes ``position_ids``; a model
+    that also takes ``attention_mask`` (transformers) and gets none is told "no padding":
+    transformers reads jumps in position_ids without a mask as packed sequences and builds a
+    mask, while with an all-ones mask it passes is_causal=True to SDPA."""
+    if not _takes(model, "position_ids") or "position_ids" in kwargs:
+        return kwargs
+    out = {**kwargs, "position_ids": positions.unsqueeze(0).expand(rows, -1)}
+    if _takes(model, "attention_mask") and "attention_mask" not in kwargs:
+        out["attention_mask"] = torch.ones(rows, positions.numel(), dtype=torch.long,
+                                           device=positions.device)
+    return out
+
+
+@contextlib.contextmanager
+def chunked(cp_mesh, tensors, seq: int, modules, *, device, causal: bool = True):
+    """The cp region of one step: copies of ``tensors`` (sequence on dim 1) are cut into this
+    rank's chunks and this rank's global positions follow (``ChunkPositions`` over the
+    buffers of ``modules``). Yields (the cut copies, the positions)."""
+    cut = [x.clone() for x in tensors]
+    positions = torch.arange(seq, device=device)
+    with cp_region(cp_mesh, cut + [positions], [1] * len(cut) + [0], causal=causal):
+        buffers = [b for m in modules for b in m.buffers()]
+        with ChunkPositions(positions, buffers, seq):
+            yield cut, positions
+
+
 @contextlib.contextmanager
 def chunked_call(model: nn.Module, cp_mesh, args: tuple, kwargs: dict, extra=(), *,
                  causal: bool = True):
-    """The cp region around one call of ``model``: copies of ``args``/``kwargs`` tensors with
-    the sequence on dim 1 and of ``extra`` (labels) are cut into this rank's chunks, the
-    global positions follow. Yields (args, kwargs, extra) to call the model with."""
+    """The cp region around calls of ``model``: ``args``/``kwargs`` tensors with the
+    sequence on dim 1 and ``extra`` (labels) cut into this rank's chunks, the global
+    positions following. Yields (args, kwargs, extra) to call the model with."""
     seq = args[0].shape[1]
+
     def seqlong(x):
         return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq
-    args = tuple(x.clone() if seqlong(x) else x for x in args)
-    kwargs = {k: v.clone() if seqlong(v) else v for k, v in kwargs.items()}
-    extra = tuple(x.clone() for x in extra)
-    positions = torch.arange(seq, device=args[0].device)
-    cut = [x for x in (*args, *kwargs.values()) if seqlong(x)] + list(extra) + [positions]
-    with cp_region(cp_mesh, cut, [1] * (len(cut) - 1) + [0], causal=causal):
-        rows = args[0].shape[0]
-        if _takes(model, "position_ids") and "position_ids" not in kwargs:
-            kwargs = {**kwargs, "position_ids": positions.unsqueeze(0).expand(rows, -1)}
-            if _takes(model, "attention_mask") and "attention_mask" not in kwargs and \
-                    len(args) == 1:
-                # transformers reads jumps in position_ids without an attention_mask as packed
-                # sequences and builds a mask; "no padding" lets it pass is_causal=True
-                kwargs["attention_mask"] = torch.ones(rows, positions.numel(), dtype=torch.long,
-                                                      device=positions.device)
-        with ChunkPositions(positions, list(model.buffers()), seq):
-            yield args, kwargs, extra
+    keys = [("a", i) for i, x in enumerate(args) if seqlong(x)] + \
+        [("k", k) for k, v in kwargs.items() if seqlong(v)]
+    whole = [args[i] if kind == "a" else kwargs[i] for kind, i in keys] + list(extra)
+    with chunked(cp_mesh, whole, seq, [model], device=args[0].device, causal=causal) \
+            as (cut, positions):
+        args, kwargs = list(args), dict(kwargs)
+        for (kind, i), x in zip(keys, cut):
+            if kind == "a":
+                args[i] = x
+            else:
+                kwargs[i] = x
+        kwargs = call_kwargs(model, positions, args[0].shape[0], kwargs) \
+            if len(args) == 1 else kwargs
+        yield tuple(args), kwargs, tuple(cut[len(keys):])
 
 
 def chunk_loss_sum(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
