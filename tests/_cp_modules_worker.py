@@ -166,6 +166,8 @@ CASES = {
     "llama_cp4": (llama, dict(cp=4), False),
     "llama_dp2_cp2_zero1": (llama, dict(dp=2, cp=2, zero=1), False),
     "llama_cp2_tp2_sp": (llama, dict(cp=2, tp=2, sequence_parallel=True), False),
+    "llama_cp2_pp2_mb1": (llama, dict(cp=2, pp=2, microbatch_size=1), False),
+    "llama_cp2_pp2_mb2": (llama, dict(cp=2, pp=2, microbatch_size=2), True),
     # an explicit mask: the module engine refuses it, the graph engine runs it (each rank's
     # own rows: DECISIONS, the graph engine's cp input cut)
     "masked_dp2_cp2_graph": (masked_gpt, dict(dp=2, cp=2), False),

@@ -5,7 +5,8 @@ process; the plan-time refusals; the graph engine's cp with each rank's own rows
 One launch of 4 gloo processes (tests/_cp_modules_worker.py) runs every case: a nanoGPT-style
 tied GPT (``is_causal=True``, positions from ``torch.arange``, labels with -100) and a
 transformers Llama (sdpa, rotary, grouped-query attention) under cp4, dp2 x cp2 (ZeRO-1/3
-over dp x cp) and cp2 x tp2 with sequence parallelism; three AdamW steps with an LR schedule
+over dp x cp), cp2 x tp2 with sequence parallelism and cp2 x pp2 (microbatch size 1 and 2,
+the Llama only); three AdamW steps with an LR schedule
 and clipping that bites; eval outputs in natural order; full_state_dict. Tolerance: 10x the
 fp32 reference's own error against fp64, floors 1e-5 (losses, norms) and 1e-4 (weights,
 outputs).
@@ -22,7 +23,7 @@ from _launch import forked_results
 
 WORKER = str(Path(__file__).with_name("_cp_modules_worker.py"))
 MODULE_CASES = ["gpt_cp4", "gpt_dp2_cp2_zero3", "llama_cp4", "llama_dp2_cp2_zero1",
-                "llama_cp2_tp2_sp"]
+                "llama_cp2_tp2_sp", "llama_cp2_pp2_mb1", "llama_cp2_pp2_mb2"]
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +126,10 @@ def test_refusals_are_one_line_at_plan_time():
     assert "\n" not in str(info.value)
     with torch.device("meta"):
         gpt = TiedGPT()
-    # cp with pipelines runs on the graph engine only, which splits explicit masks only
-    with pytest.raises(MeshplanError, match=r"not wired into the module pipeline.*"
-                                            r"is_causal=True") as info:
+    # a tied head and embedding cannot be cut into module-engine stages, and the graph
+    # engine's cp splits explicit masks only
+    with pytest.raises(MeshplanError, match=r"shared by pipeline stages.*graph engine's cp splits an explicit "
+                                            r"mask only.*is_causal=True") as info:
         _plan(gpt, cp=2, pp=2, microbatch_size=1)
     assert "\n" not in str(info.value)
     with pytest.raises(MeshplanError, match=r"graph engine's cp splits an explicit mask only"):
