@@ -2,7 +2,9 @@
 
 trace -> cost -> solve -> **assemble** -> run. Used by planner/manual.py (placements), the
 planner's stage pricing, meshplan/support.py (what runs), ``meshplan show`` (chunks) and
-the runtime (runtime/context.py, the K/V exchange).
+the runtimes: the module engine runs torch's ``context_parallel`` with the same layout
+(runtime/cp_modules.py; the per-operator placements below are then only what the cost
+model prices), the graph engine realises the placements (runtime/context.py).
 
 The layout (Llama 3 paper Sec. 3.3.2; torchtitan's load balancer): the sequence is cut
 into 2 x cp equal chunks and cp rank r holds chunk r and chunk 2cp-1-r, so under a causal
