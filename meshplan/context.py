@@ -83,8 +83,9 @@ def check_cp_model(graph: OpGraph, cp: int, seq_len: int) -> None:
     if not attention:
         raise PlanningError(f"cp={cp} splits attention's sequence, but model "
                             f"{graph.model_name or '(unnamed)'} has no attention operator "
-                            "(scaled_dot_product_attention; a transformers model: build it with "
-                            "attn_implementation='sdpa'); use cp=1 (split the batch with dp) or SDPA")
+                            "(scaled_dot_product_attention; a transformers model: build it "
+                            "with attn_implementation='sdpa'); use cp=1 (split the batch "
+                            "with dp) or SDPA")
     layout_order(seq_len, cp)
     for n in attention:
         args, kwargs = n.parsed_args()

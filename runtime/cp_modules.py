@@ -40,6 +40,7 @@ import contextlib
 import inspect
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
@@ -268,3 +269,47 @@ def chunk_loss_sum(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     out = out.full_tensor() if isinstance(out, DTensor) else out
     return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# -- pipelines (runtime/module_pipeline.py) -------------------------------------------------
+
+@contextlib.contextmanager
+def pipeline_region(engine, tensors: list[torch.Tensor]):
+    """PipelineModuleEngine's cp region of one schedule run: ``tensors`` cut into this
+    rank's chunks, the stage modules given this rank's global positions."""
+    seq = tensors[0].shape[1]
+    with chunked(engine.cp_mesh, tensors, seq, engine.modules,
+                 device=engine.device) as (cut, positions):
+        for m in engine.modules:
+            m.cp_positions = positions
+        try:
+            yield cut
+        finally:
+            for m in engine.modules:
+                m.cp_positions = None
+
+
+def pipeline_train_step(engine, args: tuple, targets: tuple) -> float:
+    """PipelineModuleEngine.train_step under context parallelism: every microbatch's loss
+    on this rank's chunks, summed over labelled tokens and divided by those of the global
+    batch, times the microbatches (the schedule divides gradients by them) and the dp x cp
+    ranks fully_shard averages over: gradients as one process's."""
+    n = engine.plan.training.microbatches
+    ids = args[0].to(engine.device)
+    labels = (targets[0] if targets else next_token_labels(args[0])).to(engine.device)
+    counted = (labels != IGNORE_INDEX).sum().to(torch.float64)
+    if engine.dp_group is not None:
+        dist.all_reduce(counted, group=engine.dp_group)
+    engine._cp_scale = n * engine.fsdp_mesh.size() / max(counted.item(), 1.0)
+    engine._cp_sums, engine._targets_mode = [], ("cp",)
+    with pipeline_region(engine, [ids, labels]) as (ids, labels):
+        engine.schedule.step(*((ids,) if engine.has_first else ()),
+                             target=labels if engine.has_last else None,
+                             losses=[] if engine.has_last else None)
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    if engine.has_last:
+        # the last n: the first step's shape inference calls the loss on empty tensors
+        total += torch.stack([x.double() for x in engine._cp_sums[-n:]]).sum()
+    dist.all_reduce(total, group=engine.fsdp_mesh.get_group())
+    dist.all_reduce(total, group=engine.pp_group)  # only the last stage's ranks add a loss
+    return float(total.item() / max(counted.item(), 1.0))

@@ -377,7 +377,7 @@ class PipelineModuleEngine:
                                     "one target tensor (loss_fn(outputs, target)); the graph "
                                     "engine runs other calls")
         if self.cp_mesh is not None:
-            return self._cp_train_step(args, targets)
+            return cp_modules.pipeline_train_step(self, args, targets)
         n = self.plan.training.microbatches
         for i, x in enumerate([*args, *targets]):
             if isinstance(x, torch.Tensor) and x.shape[0] % n:
@@ -401,46 +401,6 @@ class PipelineModuleEngine:
         dist.all_reduce(total, group=self.pp_group)  # only the last stage's ranks add a loss
         return float(total.item())
 
-    @contextlib.contextmanager
-    def _cp_step(self, tensors: list[torch.Tensor]):
-        """The cp region of one schedule run: ``tensors`` cut into this rank's chunks, the
-        stage modules given this rank's global positions."""
-        seq = tensors[0].shape[1]
-        with cp_modules.chunked(self.cp_mesh, tensors, seq, self.modules,
-                                device=self.device) as (cut, positions):
-            for m in self.modules:
-                m.cp_positions = positions
-            try:
-                yield cut
-            finally:
-                for m in self.modules:
-                    m.cp_positions = None
-
-    def _cp_train_step(self, args: tuple, targets: tuple) -> float:
-        """Context parallel: every microbatch's loss on this rank's chunks, summed over
-        labelled tokens and divided by those of the global batch, times the microbatches
-        (the schedule divides gradients by them) and the dp x cp ranks fully_shard averages
-        over: gradients as one process's."""
-        n = self.plan.training.microbatches
-        ids = args[0].to(self.device)
-        labels = (targets[0] if targets else cp_modules.next_token_labels(args[0])).to(self.device)
-        counted = (labels != cp_modules.IGNORE_INDEX).sum().to(torch.float64)
-        if self.dp_group is not None:
-            dist.all_reduce(counted, group=self.dp_group)
-        self._cp_scale = n * self.fsdp_mesh.size() / max(counted.item(), 1.0)
-        self._cp_sums, self._targets_mode = [], ("cp",)
-        with self._cp_step([ids, labels]) as (ids, labels):
-            self.schedule.step(*((ids,) if self.has_first else ()),
-                               target=labels if self.has_last else None,
-                               losses=[] if self.has_last else None)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.has_last:
-            # the last n: the first step's shape inference calls the loss on empty tensors
-            total += torch.stack([x.double() for x in self._cp_sums[-n:]]).sum()
-        dist.all_reduce(total, group=self.fsdp_mesh.get_group())
-        dist.all_reduce(total, group=self.pp_group)  # only the last stage's ranks add a loss
-        return float(total.item() / max(counted.item(), 1.0))
-
     def forward(self, args: tuple, kwargs: dict | None = None):
         """Forward only: every microbatch through the stages by the schedule's own
         forward-only pass (``schedule.eval``: no backward, no gradients kept), the outputs of
@@ -461,7 +421,7 @@ class PipelineModuleEngine:
         # the last stage still calls the schedule's loss; ("none",) makes it a constant (the
         # first input only carries the microbatch split to it)
         self._targets_mode = ("none",)
-        region = self._cp_step([args[0]]) if self.cp_mesh is not None else \
+        region = cp_modules.pipeline_region(self, [args[0]]) if self.cp_mesh is not None else \
             contextlib.nullcontext([args[0]])
         with torch.no_grad(), region as (first,):
             out = self.schedule.eval(*((first, *args[1:]) if self.has_first else ()),

@@ -166,6 +166,8 @@ CASES = {
     "llama_cp4": (llama, dict(cp=4), False),
     "llama_dp2_cp2_zero1": (llama, dict(dp=2, cp=2, zero=1), False),
     "llama_cp2_tp2_sp": (llama, dict(cp=2, tp=2, sequence_parallel=True), False),
+    # recompute replays each block's ring attention inside the backward's cp region
+    "gpt_dp2_cp2_full_zero2": (gpt, dict(dp=2, cp=2, recompute="full", zero=2), True),
     "llama_cp2_pp2_mb1": (llama, dict(cp=2, pp=2, microbatch_size=1), False),
     "llama_cp2_pp2_mb2": (llama, dict(cp=2, pp=2, microbatch_size=2), True),
     # an explicit mask: the module engine refuses it, the graph engine runs it (each rank's

@@ -23,7 +23,8 @@ from _launch import forked_results
 
 WORKER = str(Path(__file__).with_name("_cp_modules_worker.py"))
 MODULE_CASES = ["gpt_cp4", "gpt_dp2_cp2_zero3", "llama_cp4", "llama_dp2_cp2_zero1",
-                "llama_cp2_tp2_sp", "llama_cp2_pp2_mb1", "llama_cp2_pp2_mb2"]
+                "llama_cp2_tp2_sp", "gpt_dp2_cp2_full_zero2", "llama_cp2_pp2_mb1",
+                "llama_cp2_pp2_mb2"]
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +129,9 @@ def test_refusals_are_one_line_at_plan_time():
         gpt = TiedGPT()
     # a tied head and embedding cannot be cut into module-engine stages, and the graph
     # engine's cp splits explicit masks only
-    with pytest.raises(MeshplanError, match=r"shared by pipeline stages.*graph engine's cp splits an explicit "
-                                            r"mask only.*is_causal=True") as info:
+    with pytest.raises(MeshplanError, match=r"shared by pipeline stages.*graph engine's cp "
+                                            r"splits an explicit mask only.*is_causal=True") \
+            as info:
         _plan(gpt, cp=2, pp=2, microbatch_size=1)
     assert "\n" not in str(info.value)
     with pytest.raises(MeshplanError, match=r"graph engine's cp splits an explicit mask only"):
