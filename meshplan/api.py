@@ -18,7 +18,8 @@ from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.graph import OpGraph
-from meshplan.support import check_plan
+from meshplan.context import graph_engine_cp_refusal
+from meshplan.support import check_plan, cp_degree, plan_problems
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 
@@ -185,12 +186,24 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
     if engine == "graph" or model is None:
         note = "chosen by the caller (engine='graph')" if engine == "graph" else \
             "planned from a graph without its model"
+        why = graph_engine_cp_refusal(plan.graph, plan.training.sequence_parallel) \
+            if cp_degree(plan.stages[0]) > 1 else None
+        if why:
+            raise NotSupportedError(f"cp on the graph engine ({note}): {why}; the module "
+                                    "engine runs it: pass the model and engine='auto'")
         return replace(plan, engine="graph", engine_note=note)
     from meshplan.runtime.module_plan import module_engine_refusal
 
     reason = module_engine_refusal(plan, model)
     if reason and engine == "modules":
         raise NotSupportedError(f"engine='modules': {reason}")
+    if reason and cp_degree(plan.stages[0]) > 1:
+        # context parallelism the graph engine cannot run either (meshplan/support.py)
+        graph_why = graph_engine_cp_refusal(plan.graph, plan.training.sequence_parallel) or \
+            next(iter(plan_problems(
+            replace(plan, engine="graph"))), None)
+        if graph_why:
+            raise NotSupportedError(f"{reason} ({graph_why})")
     return replace(plan, engine="graph" if reason else "modules", engine_note=reason or "")
 
 

@@ -2,7 +2,9 @@
 
 trace -> cost -> solve -> **assemble** -> run. Used by planner/manual.py (placements), the
 planner's stage pricing, meshplan/support.py (what runs), ``meshplan show`` (chunks) and
-the runtime (runtime/context.py, the K/V exchange).
+the runtimes: the module engine runs torch's ``context_parallel`` with the same layout
+(runtime/cp_modules.py; the per-operator placements below are then only what the cost
+model prices), the graph engine realises the placements (runtime/context.py).
 
 The layout (Llama 3 paper Sec. 3.3.2; torchtitan's load balancer): the sequence is cut
 into 2 x cp equal chunks and cp rank r holds chunk r and chunk 2cp-1-r, so under a causal
@@ -80,8 +82,10 @@ def check_cp_model(graph: OpGraph, cp: int, seq_len: int) -> None:
     attention = [n for n in graph.nodes if n.kind == OpKind.ATTENTION]
     if not attention:
         raise PlanningError(f"cp={cp} splits attention's sequence, but model "
-                            f"{graph.model_name or '(unnamed)'} has no attention operator; use cp=1 "
-                            "(split the batch with dp instead)")
+                            f"{graph.model_name or '(unnamed)'} has no attention operator "
+                            "(scaled_dot_product_attention; a transformers model: build it "
+                            "with attn_implementation='sdpa'); use cp=1 (split the batch "
+                            "with dp) or SDPA")
     layout_order(seq_len, cp)
     for n in attention:
         args, kwargs = n.parsed_args()
@@ -92,10 +96,6 @@ def check_cp_model(graph: OpGraph, cp: int, seq_len: int) -> None:
             raise NotSupportedError(f"cp={cp}: {where} is an attention variant the K/V "
                                     "exchange does not split; use cp=1 or "
                                     "scaled_dot_product_attention")
-        if causal is True:
-            raise NotSupportedError(f"cp={cp}: {where} uses is_causal=True, whose implicit "
-                                    "mask follows local positions, not the load-balanced "
-                                    "layout; pass an explicit mask (attn_mask) or use cp=1")
         if dropout not in (0, 0.0):
             raise NotSupportedError(f"cp={cp}: {where} has attention dropout {dropout}; "
                                     "set it to 0 or use cp=1")
@@ -107,6 +107,24 @@ def check_cp_model(graph: OpGraph, cp: int, seq_len: int) -> None:
                 raise NotSupportedError(f"cp={cp}: {where} has a mask of shape {list(m)} that "
                                         "is not (..., queries, keys); the exchange splits the "
                                         "query dim only; use cp=1")
+
+
+def graph_engine_cp_refusal(graph: OpGraph | None, sequence_parallel: bool = False) -> str | None:
+    """What the graph engine's K/V exchange (runtime/context.py) cannot split that the module
+    engine's (torch's context_parallel, runtime/cp_modules.py) can: ``is_causal=True``, whose
+    implicit mask would follow the local positions, and Megatron sequence parallelism inside
+    tensor parallelism (which would split the sequence on both axes)."""
+    if sequence_parallel:
+        return ("the graph engine's cp does not compose with sequence_parallel (it would split "
+                "the sequence on both the tp and the cp axis)")
+    for n in (graph.nodes if graph is not None else ()):
+        if n.kind != OpKind.ATTENTION:
+            continue
+        args, kwargs = n.parsed_args()
+        if kwargs.get("is_causal", args[5] if len(args) > 5 else False) is True:
+            return (f"the graph engine's cp splits an explicit mask only, and operator {n.name} "
+                    f"at {n.source or 'unknown source'} uses is_causal=True")
+    return None
 
 
 def value_shape(graph: OpGraph, name: str) -> tuple[int, ...]:

@@ -190,17 +190,24 @@ def cp_degree(stage) -> int:
 
 
 def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
-    """A cp axis runs on the graph engine (runtime/context.py), on every stage alike."""
+    """A cp axis runs, on every stage alike:
+    - on the module engine, one stage or a pipeline (runtime/cp_modules.py: torch's
+      ``context_parallel``; SDPA with ``is_causal=True`` or unmasked, head-tail chunks, K/V
+      all-gathered per attention call; TP with or without sequence parallelism inside; FSDP /
+      ZeRO over dp x cp; pipeline stages pass each rank's chunks);
+    - on the graph engine (runtime/context.py) for plans the module engine refuses or that
+      ask for it (engine='graph'): SDPA with an explicit mask, without sequence parallelism
+      (meshplan/api.choose_engine refuses the rest when the plan is made, from the traced
+      graph), pipelines at two or more sequences per microbatch (runtime/parallelize.py
+      refuses one on every rank before any collective)."""
     cps = {cp_degree(st) for st in plan.stages}
+    cp = max(cps)
     if len(cps) > 1:
         return (f"stages have different cp degrees {sorted(cps)}; every stage needs the same",)
-    if max(cps) > 1 and any(st.recompute == "selective" for st in plan.stages):
-        return (f"recompute 'selective' with cp={max(cps)}: the selective checkpoint's replay "
+    if cp > 1 and any(st.recompute == "selective" for st in plan.stages):
+        return (f"recompute 'selective' with cp={cp}: the selective checkpoint's replay "
                 "diverges from the forward around the cp exchange (tests/"
                 "test_context_parallel.py); use recompute 'full' or 'none' with cp",)
-    if max(cps) > 1 and plan.engine != "graph":
-        return (f"engine {plan.engine!r} with cp={max(cps)}; context parallelism runs on the "
-                "graph engine: set engine 'graph'",)
     return ()
 
 

@@ -60,10 +60,6 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     if cp > 1 and recompute == "selective":
         raise NotSupportedError("recompute='selective' with cp > 1 is not supported (its "
                                 "replay diverges around the cp exchange); use 'full' or 'none'")
-    if cp > 1 and sequence_parallel and tp > 1:
-        raise NotSupportedError("sequence_parallel=True with cp > 1 would split the sequence on "
-                                "both the tp and the cp axis; cp already splits every "
-                                "activation's sequence: set sequence_parallel=False")
     training = training_config(graph, dtype=dtype, optimizer=optimizer, schedule=schedule,
                                virtual_stages=virtual_stages if schedule == "interleaved-1f1b" else 1,
                                sequence_parallel=bool(sequence_parallel and tp > 1),

@@ -15,6 +15,7 @@ refuses a model whose forward does not run with its blocks removed (DECISIONS 49
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 
@@ -32,7 +33,9 @@ from torch.distributed.tensor import DTensor, Shard
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
-from meshplan.runtime.modules import (apply_ac, apply_fsdp, apply_tp, clean_fqn, compile_blocks,
+from meshplan.runtime import cp_modules
+from meshplan.runtime.modules import (_dp_cp_mesh, apply_ac, apply_fsdp, apply_tp, clean_fqn,
+                                      compile_blocks,
                                       grad_norm, to_empty_keeping_ties)
 from meshplan.tracing import find_block_paths, next_token_loss
 
@@ -176,6 +179,9 @@ class StageModule(nn.Module):
         # sequence parallelism: the residual stream is a DTensor split by sequence over
         # ``sequence_mesh`` (the tp submesh); it crosses stages as this rank's rows
         self.sequence_mesh, self.first = sequence_mesh, first
+        # context parallelism: this rank's global positions while a cp step runs (set by
+        # PipelineModuleEngine), given to models that take position_ids
+        self.cp_positions: torch.Tensor | None = None
 
     def forward(self, *args):
         from meshplan.runtime.module_plan import _call
@@ -183,11 +189,13 @@ class StageModule(nn.Module):
             args = tuple(DTensor.from_local(a, self.sequence_mesh, [Shard(1)], run_check=False)
                          if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                          for a in args)
+        kwargs = {} if self.cp_positions is None or len(args) != 1 else \
+            cp_modules.call_kwargs(self.module, self.cp_positions, args[0].shape[0], {})
         if self.autocast is None:
-            out = _call(self.module, args, {})
+            out = _call(self.module, args, kwargs)
         else:
             with torch.autocast(args[0].device.type, dtype=self.autocast):
-                out = _call(self.module, args, {})
+                out = _call(self.module, args, kwargs)
         return out.to_local() if isinstance(out, DTensor) else out
 
 
@@ -289,6 +297,16 @@ class PipelineModuleEngine:
         self.dp_rank = world[self.dp_axis].get_local_rank() if self.dp_axis else 0
         self.dp_group = world[self.dp_axis].get_group() if self.dp_size > 1 else None
         styles, _ = tp_styles(view, model)
+        # context parallelism inside each stage (runtime/cp_modules.py): weights sharded and
+        # gradients reduced over dp x cp; activations cross stages as this rank's chunks
+        self.cp_mesh = world["cp"] if support.cp_degree(st) > 1 else None
+        if self.cp_mesh is not None and loss_fn is not None:
+            raise NotSupportedError("loss_fn with cp > 1: the loss runs on each rank's sequence "
+                                    "chunk as token cross entropy over labels (-100 ignored); "
+                                    "pass token targets without loss_fn, or use cp=1")
+        fsdp_mesh = _dp_cp_mesh(world, self.dp_axis) if self.cp_mesh is not None else \
+            (world[self.dp_axis] if self.dp_size > 1 else None)
+        self.fsdp_mesh = fsdp_mesh
         container, cuts = stage_cuts(plan, model)
         on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self._unset_buffers = {n for n, b in model.named_buffers() if b.is_meta}
@@ -312,11 +330,11 @@ class PipelineModuleEngine:
             # their gradients cross the stages in the dtype the stage computes them in
             compute = COMPUTE_DTYPES[plan.training.dtype]
             sp = tp is not None and bool(styles) and plan.training.sequence_parallel
-            wrapped = StageModule(part, autocast=compute if self.dp_size == 1 else None,
+            wrapped = StageModule(part, autocast=compute if fsdp_mesh is None else None,
                                   sequence_mesh=world[st.axis_names[tp]] if sp else None,
                                   first=cut.first)
-            if self.dp_size > 1:
-                apply_fsdp(wrapped, world[self.dp_axis], zero=record.zero,
+            if fsdp_mesh is not None:
+                apply_fsdp(wrapped, fsdp_mesh, zero=record.zero,
                            param_dtype=compute, blocks=_ROOT + container)
             if on_meta:
                 to_empty_keeping_ties(wrapped, self.device)
@@ -338,6 +356,10 @@ class PipelineModuleEngine:
         mode, = self._targets_mode
         if mode == "none":  # forward only: no loss is wanted
             return torch.zeros((), device=out.device)
+        if mode == "cp":  # this chunk's summed loss, weighted (see _cp_train_step)
+            summed = cp_modules.chunk_loss_sum(out, target)
+            self._cp_sums.append(summed.detach())
+            return summed * self._cp_scale
         if mode == "fn":
             return self.loss_fn(out, target)
         if mode == "fn0":  # loss_fn(outputs) without targets; the target was only a carrier
@@ -354,6 +376,8 @@ class PipelineModuleEngine:
             raise NotSupportedError("module-engine pipelines take positional inputs and at most "
                                     "one target tensor (loss_fn(outputs, target)); the graph "
                                     "engine runs other calls")
+        if self.cp_mesh is not None:
+            return cp_modules.pipeline_train_step(self, args, targets)
         n = self.plan.training.microbatches
         for i, x in enumerate([*args, *targets]):
             if isinstance(x, torch.Tensor) and x.shape[0] % n:
@@ -397,12 +421,16 @@ class PipelineModuleEngine:
         # the last stage still calls the schedule's loss; ("none",) makes it a constant (the
         # first input only carries the microbatch split to it)
         self._targets_mode = ("none",)
-        with torch.no_grad():
-            out = self.schedule.eval(*(args if self.has_first else ()),
-                                     target=args[0] if self.has_last else None)
+        region = cp_modules.pipeline_region(self, [args[0]]) if self.cp_mesh is not None else \
+            contextlib.nullcontext([args[0]])
+        with torch.no_grad(), region as (first,):
+            out = self.schedule.eval(*((first, *args[1:]) if self.has_first else ()),
+                                     target=first if self.has_last else None)
         if self.has_last:
             out = out.full_tensor() if isinstance(out, DTensor) else out
             out = out.contiguous()
+            if self.cp_mesh is not None:  # the chunks gathered into natural order
+                out = cp_modules.unshard(self.cp_mesh, out, causal=True)
         return broadcast_from_last(out if self.has_last else None, self.pp_group, self.device)
 
     __call__ = forward

@@ -17,7 +17,8 @@ import shutil
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, RowwiseParallel,
+from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput,
+                                               RowwiseParallel,
                                                SequenceParallel)
 
 from meshplan import support
@@ -35,7 +36,8 @@ COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 def _axes(stage: Stage) -> tuple[int | None, int | None, str | None]:
     """(data-parallel axis, tensor-parallel axis, refusal): at most one of each of size > 1."""
     dp = [a for a in data_parallel_axes(stage) if stage.mesh_shape[a] > 1]
-    tp = [a for a, n in enumerate(stage.mesh_shape) if n > 1 and a not in data_parallel_axes(stage)]
+    tp = [a for a, n in enumerate(stage.mesh_shape) if n > 1 and a not in data_parallel_axes(stage)
+          and stage.axis_names[a] != "cp"]  # the context-parallel axis: runtime/cp_modules.py
     if len(dp) > 1 or len(tp) > 1:
         return None, None, (f"mesh {stage.mesh_shape} {stage.axis_names} has more than one "
                             "data-parallel or tensor-parallel axis of size > 1; the module engine "
@@ -127,6 +129,7 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
     if heads:
         return {}, heads
     if sp:
+        styles.update(_replicated_embeddings(model, styles, blocks))
         styles.update(_sequence_parallel_norms(model, styles))
         gathered = _sequence_gathers(styles, blocks)
         for name in [n for n, st in styles.items() if isinstance(st, ColwiseParallel)
@@ -180,6 +183,18 @@ def _heads_refusal(model: nn.Module, tp: int) -> str | None:
     ints = [n if isinstance(n, int) else None for n in (heads, kv)]
     why = support.module_engine_heads_rule(tp, *ints)
     return why[0] if why else None
+
+
+def _replicated_embeddings(model: nn.Module, styles: dict, blocks: str) -> dict:
+    """With sequence parallelism, an embedding kept whole on tp (the token embedding of a
+    context-parallel plan, a vocabulary tp does not divide) hands the residual stream on
+    split by sequence like a vocab-parallel one does: its output, the same on every tp
+    rank, is cut to Shard(1) locally (no communication; the backward all-gathers)."""
+    return {name: PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1),
+                                      use_local_output=False)
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Embedding) and name not in styles
+            and not (blocks and name.startswith(blocks + "."))}
 
 
 def _sequence_parallel_norms(model: nn.Module, styles: dict) -> dict:
@@ -276,7 +291,7 @@ class _Forward(nn.Module):
 
 
 def _sharded_dim(mod: nn.Module, pname: str, style) -> int | None:
-    if isinstance(style, (SequenceParallel, GatherSequence)):
+    if isinstance(style, (SequenceParallel, GatherSequence, PrepareModuleOutput)):
         return None
     if isinstance(mod, nn.Embedding):
         return 0 if isinstance(style, RowwiseParallel) else 1
@@ -340,9 +355,10 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
         from meshplan.runtime.module_pipeline import pipeline_refusal
         return pipeline_refusal(plan, model)
     t, stage = plan.training, plan.stages[0]
-    if "cp" in stage.axis_names:
-        return ("the plan has a context-parallel axis 'cp'; its K/V exchange and load-balanced "
-                "layout run on the graph engine (meshplan/context.py)")
+    if support.cp_degree(stage) > 1:
+        why = cp_refusal(plan, model)
+        if why:
+            return why
     drop = _dropout(model)
     if drop and plan.num_devices > 1:
         return (f"{drop}: eager modules draw DTensor's dropout masks (per-shard on CPU, "
@@ -380,6 +396,58 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     if why:
         return why
     return _forward_on_local_shards(plan, model, styles)
+
+
+def cp_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """Why torch's context parallelism (runtime/cp_modules.py) cannot run ``model``: it
+    intercepts ``F.scaled_dot_product_attention``, unmasked (causal by ``is_causal=True``, or
+    full); the model's forward is run on meta to see its attention calls."""
+    cp = support.cp_degree(plan.stages[0])
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if isinstance(impl, str) and impl != "sdpa":
+        return (f"cp={cp}: the model's attention is attn_implementation={impl!r}, which torch's "
+                "context parallelism cannot intercept; build it with attn_implementation='sdpa'")
+    dp, _, _ = _axes(plan.stages[0])
+    call = _meta_call(plan, plan.stages[0].mesh_shape[dp] if dp is not None else 1)
+    if call is None:
+        return None
+    seen = _AttentionCalls()
+    try:
+        with seen:
+            _Forward(meta_copy(model))(*call[0], **call[1])
+    except Exception:  # noqa: BLE001 - a forward meta cannot run: the runtime checks each call
+        return None
+    if not seen.calls:
+        return (f"cp={cp} splits attention's sequence, but the model calls no "
+                "torch.nn.functional.scaled_dot_product_attention (for transformers models: "
+                "attn_implementation='sdpa'); use cp=1 or SDPA")
+    if any(mask for mask, _, _ in seen.calls):
+        return (f"cp={cp}: the model passes an explicit attn_mask to scaled_dot_product_attention;"
+                " torch's context parallelism splits is_causal=True or unmasked attention only; "
+                "use is_causal=True (or engine='graph', which splits an explicit mask)")
+    if len({causal for _, causal, _ in seen.calls}) > 1:
+        return (f"cp={cp}: the model mixes causal and full attention, which torch's context "
+                "parallelism lays out differently (head-tail vs contiguous chunks); use cp=1")
+    if any(drop for _, _, drop in seen.calls):
+        return f"cp={cp}: attention dropout > 0 is not split by context parallelism; set it to 0"
+    return None
+
+
+class _AttentionCalls(torch.overrides.TorchFunctionMode):
+    """Records (has mask, is_causal, dropout_p > 0) of every SDPA call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[bool, bool, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+            a = {**dict(zip(names, args)), **kwargs}
+            self.calls.append((a.get("attn_mask") is not None, bool(a.get("is_causal", False)),
+                               float(a.get("dropout_p", 0.0)) > 0))
+        return func(*args, **kwargs)
 
 
 def compiler_refusal() -> str | None:

@@ -36,7 +36,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
+from meshplan.runtime import cp_modules
 from meshplan.plan import Plan
 from meshplan.tracing import find_repeated_blocks, next_token_loss
 from meshplan.runtime.module_plan import (COMPUTE_DTYPES, _axes, _call, check_model,  # noqa: F401
@@ -53,8 +55,9 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
 
 def parallelize_model(model: nn.Module, *, mesh, dp_axis: str | None, tp_axis: str | None,
                       styles: dict, recompute: str, zero: int, dtype: str,
-                      compile: bool = False) -> bool:
-    """Tensor parallel, then recompute, then compile, then FSDP (torchtitan's order).
+                      compile: bool = False, fsdp_mesh=None) -> bool:
+    """Tensor parallel, then recompute, then compile, then FSDP (torchtitan's order) over
+    ``fsdp_mesh`` (dp x cp flattened under context parallelism) or the dp axis.
     Returns whether FSDP wraps the model."""
     if tp_axis is not None and styles:
         apply_tp(model, mesh[tp_axis], styles)
@@ -62,8 +65,10 @@ def parallelize_model(model: nn.Module, *, mesh, dp_axis: str | None, tp_axis: s
         apply_ac(model, recompute)
     if compile:
         compile_blocks(model)
-    if dp_axis is not None and mesh[dp_axis].size() > 1:
-        apply_fsdp(model, mesh[dp_axis], zero=zero, param_dtype=COMPUTE_DTYPES[dtype])
+    if fsdp_mesh is None and dp_axis is not None:
+        fsdp_mesh = mesh[dp_axis]
+    if fsdp_mesh is not None and fsdp_mesh.size() > 1:
+        apply_fsdp(model, fsdp_mesh, zero=zero, param_dtype=COMPUTE_DTYPES[dtype])
         return True
     return False
 
@@ -126,6 +131,14 @@ def compile_blocks(model: nn.Module, container: str | None = None) -> None:
 
 
 # -- the engine ------------------------------------------------------------------------------
+
+def _dp_cp_mesh(mesh, dp_axis: str | None):
+    """The mesh fully_shard shards weights and reduces gradients over with context
+    parallelism: dp x cp flattened (torchtitan's ``dp_shard_cp``), or cp alone."""
+    if dp_axis is None or mesh[dp_axis].size() == 1:
+        return mesh["cp"]
+    return mesh[dp_axis, "cp"]._flatten(f"{dp_axis}_cp")
+
 
 def clean_fqn(fqn: str) -> str:
     for part in _WRAPPER_PARTS:
@@ -206,11 +219,20 @@ class ModuleEngine:
         if not on_meta:
             model.to(self.device)
         styles, _ = tp_styles(plan, model)
+        # context parallelism (runtime/cp_modules.py): weights replicated over cp, sharded
+        # and their gradients reduced over dp x cp (torchtitan's dp_shard_cp mesh)
+        self.cp_mesh = self.mesh["cp"] if support.cp_degree(stage) > 1 else None
+        if self.cp_mesh is not None and loss_fn is not None:
+            raise NotSupportedError("loss_fn with cp > 1: the loss runs on each rank's sequence "
+                                    "chunk as token cross entropy over labels (-100 ignored); "
+                                    "pass token targets without loss_fn, or use cp=1")
+        self.fsdp_mesh = _dp_cp_mesh(self.mesh, self.dp_axis) if self.cp_mesh is not None \
+            else None
         self.fsdp = parallelize_model(
             model, mesh=self.mesh, dp_axis=self.dp_axis,
             tp_axis=stage.axis_names[tp] if tp is not None else None, styles=styles,
             recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype,
-            compile=compile)
+            compile=compile, fsdp_mesh=self.fsdp_mesh)
         if on_meta:  # only the local shards get memory; weights come from load/init_weights
             to_empty_keeping_ties(model, self.device)
         compute = COMPUTE_DTYPES[plan.training.dtype]
@@ -235,6 +257,8 @@ class ModuleEngine:
         """Forward and backward of every microbatch of this rank's shard; gradients synced;
         the global mean loss (the same on every rank)."""
         self._check_buffers()
+        if self.cp_mesh is not None:
+            return self._cp_train_step(args, kwargs or {}, targets)
         n = self.plan.training.microbatches
         kwargs = kwargs or {}
         a = list(zip(*[_split(x, n, f"argument {i}") for i, x in enumerate(args)])) or [()] * n
@@ -254,8 +278,43 @@ class ModuleEngine:
             dist.all_reduce(total, group=self.mesh[self.dp_axis].get_group())
         return float(total.item())
 
+    def _cp_train_step(self, args: tuple, kwargs: dict, targets: tuple) -> float:
+        """Context parallel: each microbatch's loss on this rank's chunks, summed over
+        labelled tokens and divided by those of the global batch; fully_shard averages the
+        gradients over dp x cp, so the loss is scaled by that size (gradients as one
+        process's)."""
+        n = self.plan.training.microbatches
+        labels = targets[0] if targets else cp_modules.next_token_labels(args[0])
+        counted = (labels != cp_modules.IGNORE_INDEX).sum().to(torch.float64)
+        if self.dp_size > 1:
+            dist.all_reduce(counted, group=self.mesh[self.dp_axis].get_group())
+        a = list(zip(*[_split(x, n, f"argument {i}") for i, x in enumerate(args)]))
+        kw = [dict(zip(kwargs, vals)) for vals in
+              zip(*[_split(v, n, f"keyword {k}") for k, v in kwargs.items()])] or [{}] * n
+        lab = _split(labels, n, "labels")
+        scale = self.fsdp_mesh.size() / counted.clamp(min=1).item()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in range(n):
+            if self._defer_sync:
+                self.model.set_requires_gradient_sync(i == n - 1)
+            with cp_modules.chunked_call(self.model, self.cp_mesh, a[i], kw[i], (lab[i],)) \
+                    as (ai, kwi, (li,)):
+                with self._autocast():
+                    loss = cp_modules.chunk_loss_sum(_call(self.model, ai, kwi), li)
+                (loss * scale).backward()
+            total += loss.detach().to(torch.float64)
+        dist.all_reduce(total, group=self.fsdp_mesh.get_group())
+        return float(total.item() / max(counted.item(), 1.0))
+
     def forward(self, args: tuple, kwargs: dict | None = None):
         self._check_buffers()
+        if self.cp_mesh is not None:  # the chunks' outputs, gathered into natural order
+            with torch.no_grad(), cp_modules.chunked_call(
+                    self.model, self.cp_mesh, tuple(args), dict(kwargs or {})) as (a, kw, _):
+                with self._autocast():
+                    out = _call(self.model, a, kw)
+            out = out.full_tensor() if isinstance(out, DTensor) else out
+            return cp_modules.unshard(self.cp_mesh, out, causal=True)
         with torch.no_grad(), self._autocast():
             out = _call(self.model, tuple(args), dict(kwargs or {}))
         return out.full_tensor() if isinstance(out, DTensor) else out

@@ -413,6 +413,16 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs inside a torchrun worker: init_process_group first")
     support.check_plan(plan)  # what the runtime executes (meshplan/support.py)
+    cp = support.cp_degree(plan.stages[0])
+    if cp > 1 and plan.num_stages > 1 and plan.training.microbatch_size == 1:
+        # refused here, on every rank before any collective (it failed on stage 0 inside the
+        # schedule while the other stage waited for the gloo timeout); not in the plan rules,
+        # so that the cost model still prices Llama 3's layout (CP16 x PP16, one sequence per
+        # microbatch), which needs cp inside the module engine's pipelines to run
+        raise NotSupportedError(f"cp={cp} with pipeline stages at microbatch size 1: the graph "
+                                "engine's load-balanced layout pass cannot split the "
+                                "broadcast operands of a one-sequence microbatch; use "
+                                "microbatch_size >= 2, or pp=1 with cp")
     if plan.num_stages > 1:
         from meshplan.runtime.pipeline import parallelize_pipeline
 

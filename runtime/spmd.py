@@ -404,9 +404,12 @@ class SPMDExecutor(fx.Interpreter):
         placements = self.input_placements[i] if i < len(self.input_placements) else \
             [Replicate()] * self.mesh.ndim
         from torch.distributed.tensor import distribute_tensor
-        # every rank holds the whole batch: the lowered program cuts its shard locally
+        # every rank holds a global-shaped batch with its own rows in place (runtime/run.py
+        # ``_global``): each cuts its shard locally. distribute_tensor's default
+        # (src_data_rank=0) would scatter rank 0's tensor, so other data-parallel ranks
+        # trained on rank 0's zeros where their rows belong (cp plans, which run unlowered)
         return distribute_tensor(x.to(self.mesh.device_type), self.mesh, placements,
-                                 **({} if comm else {"src_data_rank": None}))
+                                 src_data_rank=None)
 
 
 def stage_executor(gm: fx.GraphModule, mesh: DeviceMesh, stage, *, dtype: str = "fp32",

@@ -175,11 +175,13 @@ def test_bad_input_gets_one_line_each():
         _plan(_NoAttention, 16, cp=4)
     with pytest.raises(NotSupportedError, match=r"recompute='selective' with cp > 1"):
         _plan(LLAMA, 16, cp=4, recompute="selective")
-    with pytest.raises(NotSupportedError, match=r"sequence_parallel=True with cp > 1"):
-        _plan(LLAMA, 16, cp=2, tp=2, sequence_parallel=True)
-    with pytest.raises(NotSupportedError, match=r"operator scaled_dot_product_attention .*"
+    # sequence parallelism inside tp and is_causal=True run on the module engine (torch's
+    # context_parallel, tests/test_cp_modules.py); the graph engine refuses them
+    assert _plan(LLAMA, 16, cp=2, tp=2, sequence_parallel=True).engine == "modules"
+    assert _plan(_CausalFlag, 16, cp=4).engine == "modules"
+    with pytest.raises(NotSupportedError, match=r"operator scaled_dot_product_attention at .*"
                        r"test_context_parallel.py:\d+ uses is_causal=True"):
-        _plan(_CausalFlag, 16, cp=4)
+        _plan(_CausalFlag, 16, cp=4, engine="graph")
     for exc in (PlanningError, NotSupportedError):
         assert issubclass(exc, MeshplanError)
 
@@ -189,7 +191,7 @@ def test_plan_records_the_cp_axis_and_round_trips():
 
     plan = _plan(LLAMA, 16, cp=2, dp=2)
     st = plan.stages[0]
-    assert st.axis_names == ("dp", "cp") and st.mesh_shape == (2, 2) and plan.engine == "graph"
+    assert st.axis_names == ("dp", "cp") and st.mesh_shape == (2, 2) and plan.engine == "modules"
     attn = st.ops["scaled_dot_product_attention"]
     assert attn.inputs[0] == ("S(0)", "S(2)") and attn.inputs[1][1] == "R"  # Q split, K gathered
     assert attn.inputs[3][1] == "S(2)"  # the mask's query rows follow the layout
@@ -212,8 +214,9 @@ def test_support_rules_refuse_a_cp_plan_they_cannot_run():
     assert not candidate_problems(Candidate(cp=4, seq_len=32, global_batch=1))
     plan = _plan(LLAMA, 16, cp=4)
     assert not plan_problems(plan)
-    assert "context parallelism runs on the graph engine" in plan_problems(
-        replace(plan, engine="modules"))[0]
+    assert not plan_problems(replace(plan, engine="modules"))  # single stage: either engine
+    piped = _plan(LLAMA, 16, cp=2, pp=2, microbatch_size=1)
+    assert piped.engine == "modules" and not plan_problems(piped)
 
 
 def test_cost_of_the_exchange_and_the_split_work_closed_form():
@@ -320,7 +323,8 @@ def results(tmp_path_factory):
 def test_cp_matches_single_process(results, case):
     got = results[case]
     assert "error" not in got, got.get("traceback")
-    assert got["engine"] == "graph" and got["axes"]["cp"] == CASES[case][1]["cp"]
+    # run on the graph engine (runtime.parallelize.parallelize), whichever engine the plan names
+    assert got["axes"]["cp"] == CASES[case][1]["cp"]
     ref = reference(case)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
                                rtol=1e-5, atol=1e-6)

@@ -1,0 +1,315 @@
+"""Context parallelism (cp) on the module engine, with PyTorch's own mechanism.
+
+trace -> cost -> solve -> plan -> **run**. The way torchtitan runs it: inside
+``torch.distributed.tensor.experimental.context_parallel`` the model's inputs are cut into
+2 x cp chunks, cp rank r keeping chunks r and 2cp-1-r (its ``_HeadTailLoadBalancer``, the
+layout of meshplan/context.py); ``F.scaled_dot_product_attention`` is patched so that each
+call becomes ring attention over the cp group: K and V all-gathered once per call
+(``set_rotate_method("allgather")``, as Llama 3 does; gloo has no all-to-all for the
+forward rotation), causal blocks above the diagonal skipped, no mask materialised; the
+backward sends dK/dV back with torch's all-to-all rotater. Everything else (projections,
+norms, MLP, head, loss) runs on the rank's s / cp positions.
+
+What meshplan adds around it:
+
+- **the CPU attention op** (``CpuFlashAdapter`` below). Upstream maps only the CUDA SDPA
+  ops (flash, efficient, cuDNN) to ring attention; on CPU, SDPA dispatches to
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` (output, logsumexp of shape
+  (B, H, L), the same convention as CUDA flash) and its ``_backward``, which upstream does
+  not handle. The adapter hands that op pair to the same templated ring functions
+  (``_templated_ring_attention`` and ``_backward`` take the attention op as an argument);
+  on CUDA the stock handlers run unchanged. Checked against one process in fp64 on 2 and 4
+  gloo ranks, causal and not, forward and backward (tests/test_cp_modules.py).
+- **positions follow the chunks** (``ChunkPositions``): torchtitan shards its rotary
+  table as a cp buffer; models compute positions as ``torch.arange(s)`` (nanoGPT, HF's
+  ``cache_position``) or slice a table ``table[:s]`` with the local ``s``. Inside the cp
+  region both are answered with this rank's global positions (the load-balanced index), and
+  HF models get ``position_ids`` too.
+- **the loss on each rank's chunk**, summed and divided by the labelled tokens (labels
+  != -100) of the GLOBAL batch, times the size of the mesh fully_shard averages gradients
+  over (dp x cp), so gradients equal one process; eval outputs are un-sharded into natural
+  order (``context_parallel_unshard``).
+
+The module-level switches of torch's prototype (load balancing, rotate method, SDPA
+handlers) are set on entering the region and restored on leaving it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import (context_parallel_unshard,
+                                                              set_rotate_method)
+from torch.distributed.tensor.experimental._context_parallel import _attention as _cp
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.overrides import TorchFunctionMode
+
+from meshplan.errors import NotSupportedError
+
+aten = torch.ops.aten
+IGNORE_INDEX = -100  # F.cross_entropy's default: labels that do not count
+_SEQ = 2  # SDPA's (batch, heads, sequence, head_dim): the dim the chunks cut
+# the kernels torch's ring attention computes blocks with; the math kernel would run on
+# sequence-sharded DTensors with a mask from global shapes, wrong under the layout
+_KERNELS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.CUDNN_ATTENTION]
+
+
+# -- the CPU flash-attention op on torch's ring attention ---------------------------------------
+
+def _spec(local: torch.Tensor, mesh) -> DTensorSpec:
+    """A Shard(2) spec over ``mesh`` whose global tensor has ``local``'s stride order."""
+    shape = list(local.shape)
+    shape[_SEQ] *= mesh.size()
+    stride, step = [0] * local.dim(), 1
+    for d in sorted(range(local.dim()), key=lambda d: local.stride(d)):
+        stride[d], step = step, step * shape[d]
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensorSpec(mesh, (Shard(_SEQ),), tensor_meta=meta)
+
+
+def _local(x):
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _refuse_mask(mask) -> None:
+    if mask is not None:
+        raise NotSupportedError("cp: an attention call passed an explicit attn_mask; torch's "
+                                "context parallelism splits is_causal=True or unmasked "
+                                "attention only; drop the mask (use is_causal=True)")
+
+
+def _cpu_flash(op_call, args, kwargs):
+    """``_scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, *,
+    attn_mask, scale)`` on Shard(2) DTensors -> ring attention -> (out, logsumexp)."""
+    names = ("query", "key", "value", "dropout_p", "is_causal")
+    a = {**dict(zip(names, args)), **kwargs}
+    _refuse_mask(a.get("attn_mask"))
+    mesh = a["query"].device_mesh
+    out, lse = _cp._templated_ring_attention(
+        mesh.get_group(), _SEQ, aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _local(a["query"]), _local(a["key"]), _local(a["value"]),
+        is_causal=bool(a.get("is_causal", False)), dropout_p=a.get("dropout_p", 0.0),
+        scale=a.get("scale"))
+    return DTensor._op_dispatcher.wrap((out, lse), (_spec(out, mesh), _spec(lse, mesh)))
+
+
+def _cpu_flash_backward(op_call, args, kwargs):
+    names = ("grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal")
+    a = {k: _local(v) for k, v in {**dict(zip(names, args)), **kwargs}.items()}
+    _refuse_mask(a.get("attn_mask"))
+    mesh = (args[1] if len(args) > 1 else kwargs["query"]).device_mesh
+    grads = _cp._templated_ring_attention_backward(
+        mesh.get_group(), _SEQ, aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        grad_out=a["grad_out"], grad_out_name="grad_out", query=a["query"], key=a["key"],
+        value=a["value"], out=a["out"], logsumexp=a["logsumexp"],
+        is_causal=bool(a["is_causal"]), dropout_p=a["dropout_p"], scale=a.get("scale"))
+    return DTensor._op_dispatcher.wrap(tuple(grads), tuple(_spec(g, mesh) for g in grads))
+
+
+CPU_HANDLERS = {aten._scaled_dot_product_flash_attention_for_cpu.default: _cpu_flash,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+                    _cpu_flash_backward}
+
+
+@contextlib.contextmanager
+def cp_region(cp_mesh, buffers: list[torch.Tensor], seq_dims: list[int], *, causal: bool):
+    """torch's ``context_parallel`` over ``cp_mesh``: ``buffers`` (tensors of this step, not
+    the user's) are cut in place into this rank's chunks, SDPA is ring attention (plus the
+    CPU op); head-tail load balancing for causal attention, contiguous chunks otherwise
+    (torch balances causal attention only)."""
+    set_rotate_method("allgather")
+    before = _cp._cp_options.enable_load_balance
+    _cp._cp_options.enable_load_balance = causal
+    try:
+        with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=seq_dims,
+                              no_restore_buffers=set(buffers)):
+            dispatcher = DTensor._op_dispatcher
+            dispatcher._custom_op_handlers = {**dispatcher._custom_op_handlers, **CPU_HANDLERS}
+            with sdpa_kernel(_KERNELS):
+                yield
+    finally:
+        _cp._cp_options.enable_load_balance = before
+
+
+def unshard(cp_mesh, value: torch.Tensor, *, causal: bool, seq_dim: int = 1) -> torch.Tensor:
+    """This rank's chunks of ``value`` gathered over cp, in natural sequence order."""
+    before = _cp._cp_options.enable_load_balance
+    _cp._cp_options.enable_load_balance = causal
+    try:
+        return context_parallel_unshard(cp_mesh, [value], [seq_dim])[0]
+    finally:
+        _cp._cp_options.enable_load_balance = before
+
+
+# -- positions follow the chunks ---------------------------------------------------------------
+
+class ChunkPositions(TorchFunctionMode):
+    """Inside the model's forward, the two ways code derives positions from the (local)
+    sequence length return this rank's global positions instead:
+    ``torch.arange(s)`` / ``torch.arange(0, s)`` and a slice ``table[:s]`` (or
+    ``table[:, :s]``) of one of the model's buffers at least as long as the global
+    sequence. ``positions``: this rank's global positions (length s = global / cp)."""
+
+    def __init__(self, positions: torch.Tensor, buffers, global_len: int):
+        super().__init__()
+        self.positions, self.global_len = positions, global_len
+        self.buffers = {id(b) for b in buffers}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        n = self.positions.numel()
+        if func is torch.arange and self._is_range(args, kwargs, n):
+            return self.positions.to(dtype=out.dtype, device=out.device)
+        if func is torch.Tensor.__getitem__ and id(args[0]) in self.buffers:
+            dim = self._sliced_dim(args[0], args[1], n)
+            if dim is not None:
+                return args[0].index_select(dim, self.positions.to(args[0].device))
+        return out
+
+    @staticmethod
+    def _is_range(args, kwargs, n: int) -> bool:
+        vals = [int(v) if isinstance(v, (int, torch.Tensor)) and not isinstance(v, bool)
+                and (not isinstance(v, torch.Tensor) or v.numel() == 1) else None for v in args]
+        if kwargs.get("start", 0) != 0 or kwargs.get("step", 1) != 1 or None in vals:
+            return False
+        if len(vals) == 1:
+            return vals[0] == n
+        return vals[0] == 0 and vals[1] == n and (len(vals) == 2 or vals[2] == 1)
+
+    def _sliced_dim(self, table: torch.Tensor, index, n: int) -> int | None:
+        index = index if isinstance(index, tuple) else (index,)
+        for dim, item in enumerate(index):
+            if item == slice(None):
+                continue
+            if isinstance(item, slice) and item.start in (None, 0) and item.step in (None, 1) \
+                    and item.stop == n and table.shape[dim] >= self.global_len \
+                    and all(i in (Ellipsis, slice(None)) for i in index[dim + 1:]):
+                return dim
+            return None
+        return None
+
+
+# -- what a step runs -------------------------------------------------------------------------
+
+def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels of the language-model default: token t+1 for position t, the last ignored."""
+    pad = torch.full_like(ids[:, :1], IGNORE_INDEX)
+    return torch.cat([ids[:, 1:], pad], dim=1)
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    return name in inspect.signature(model.forward).parameters
+
+
+def call_kwargs(model: nn.Module, positions: torch.Tensor, rows: int, kwargs: dict) -> dict:
+    """``kwargs`` plus the global positions for a model that takes ``position_ids``; a model
+    that also takes ``attention_mask`` (transformers) and gets none is told "no padding":
+    transformers reads jumps in position_ids without a mask as packed sequences and builds a
+    mask, while with an all-ones mask it passes is_causal=True to SDPA."""
+    if not _takes(model, "position_ids") or "position_ids" in kwargs:
+        return kwargs
+    out = {**kwargs, "position_ids": positions.unsqueeze(0).expand(rows, -1)}
+    if _takes(model, "attention_mask") and "attention_mask" not in kwargs:
+        out["attention_mask"] = torch.ones(rows, positions.numel(), dtype=torch.long,
+                                           device=positions.device)
+    return out
+
+
+@contextlib.contextmanager
+def chunked(cp_mesh, tensors, seq: int, modules, *, device, causal: bool = True):
+    """The cp region of one step: copies of ``tensors`` (sequence on dim 1) are cut into this
+    rank's chunks and this rank's global positions follow (``ChunkPositions`` over the
+    buffers of ``modules``). Yields (the cut copies, the positions)."""
+    cut = [x.clone() for x in tensors]
+    positions = torch.arange(seq, device=device)
+    with cp_region(cp_mesh, cut + [positions], [1] * len(cut) + [0], causal=causal):
+        buffers = [b for m in modules for b in m.buffers()]
+        with ChunkPositions(positions, buffers, seq):
+            yield cut, positions
+
+
+@contextlib.contextmanager
+def chunked_call(model: nn.Module, cp_mesh, args: tuple, kwargs: dict, extra=(), *,
+                 causal: bool = True):
+    """The cp region around calls of ``model``: ``args``/``kwargs`` tensors with the
+    sequence on dim 1 and ``extra`` (labels) cut into this rank's chunks, the global
+    positions following. Yields (args, kwargs, extra) to call the model with."""
+    seq = args[0].shape[1]
+
+    def seqlong(x):
+        return isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == seq
+    keys = [("a", i) for i, x in enumerate(args) if seqlong(x)] + \
+        [("k", k) for k, v in kwargs.items() if seqlong(v)]
+    whole = [args[i] if kind == "a" else kwargs[i] for kind, i in keys] + list(extra)
+    with chunked(cp_mesh, whole, seq, [model], device=args[0].device, causal=causal) \
+            as (cut, positions):
+        args, kwargs = list(args), dict(kwargs)
+        for (kind, i), x in zip(keys, cut):
+            if kind == "a":
+                args[i] = x
+            else:
+                kwargs[i] = x
+        kwargs = call_kwargs(model, positions, args[0].shape[0], kwargs) \
+            if len(args) == 1 else kwargs
+        yield tuple(args), kwargs, tuple(cut[len(keys):])
+
+
+def chunk_loss_sum(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross entropy summed over this rank's labelled positions (fp32)."""
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    return F.cross_entropy(out.float().reshape(-1, out.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+# -- pipelines (runtime/module_pipeline.py) -------------------------------------------------
+
+@contextlib.contextmanager
+def pipeline_region(engine, tensors: list[torch.Tensor]):
+    """PipelineModuleEngine's cp region of one schedule run: ``tensors`` cut into this
+    rank's chunks, the stage modules given this rank's global positions."""
+    seq = tensors[0].shape[1]
+    with chunked(engine.cp_mesh, tensors, seq, engine.modules,
+                 device=engine.device) as (cut, positions):
+        for m in engine.modules:
+            m.cp_positions = positions
+        try:
+            yield cut
+        finally:
+            for m in engine.modules:
+                m.cp_positions = None
+
+
+def pipeline_train_step(engine, args: tuple, targets: tuple) -> float:
+    """PipelineModuleEngine.train_step under context parallelism: every microbatch's loss
+    on this rank's chunks, summed over labelled tokens and divided by those of the global
+    batch, times the microbatches (the schedule divides gradients by them) and the dp x cp
+    ranks fully_shard averages over: gradients as one process's."""
+    n = engine.plan.training.microbatches
+    ids = args[0].to(engine.device)
+    labels = (targets[0] if targets else next_token_labels(args[0])).to(engine.device)
+    counted = (labels != IGNORE_INDEX).sum().to(torch.float64)
+    if engine.dp_group is not None:
+        dist.all_reduce(counted, group=engine.dp_group)
+    engine._cp_scale = n * engine.fsdp_mesh.size() / max(counted.item(), 1.0)
+    engine._cp_sums, engine._targets_mode = [], ("cp",)
+    with pipeline_region(engine, [ids, labels]) as (ids, labels):
+        engine.schedule.step(*((ids,) if engine.has_first else ()),
+                             target=labels if engine.has_last else None,
+                             losses=[] if engine.has_last else None)
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    if engine.has_last:
+        # the last n: the first step's shape inference calls the loss on empty tensors
+        total += torch.stack([x.double() for x in engine._cp_sums[-n:]]).sum()
+    dist.all_reduce(total, group=engine.fsdp_mesh.get_group())
+    dist.all_reduce(total, group=engine.pp_group)  # only the last stage's ranks add a loss
+    return float(total.item() / max(counted.item(), 1.0))

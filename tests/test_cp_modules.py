@@ -1,0 +1,144 @@
+"""Context parallelism on the module engine (runtime/cp_modules.py: torch's context_parallel,
+head-tail chunks, ring attention with K/V all-gather) through the public API, against one
+process; the plan-time refusals; the graph engine's cp with each rank's own rows.
+
+One launch of 4 gloo processes (tests/_cp_modules_worker.py) runs every case: a nanoGPT-style
+tied GPT (``is_causal=True``, positions from ``torch.arange``, labels with -100) and a
+transformers Llama (sdpa, rotary, grouped-query attention) under cp4, dp2 x cp2 (ZeRO-1/3
+over dp x cp), cp2 x tp2 with sequence parallelism and cp2 x pp2 (microbatch size 1 and 2,
+the Llama only); three AdamW steps with an LR schedule
+and clipping that bites; eval outputs in natural order; full_state_dict. Tolerance: 10x the
+fp32 reference's own error against fp64, floors 1e-5 (losses, norms) and 1e-4 (weights,
+outputs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import forked_results
+
+WORKER = str(Path(__file__).with_name("_cp_modules_worker.py"))
+MODULE_CASES = ["gpt_cp4", "gpt_dp2_cp2_zero3", "llama_cp4", "llama_dp2_cp2_zero1",
+                "llama_cp2_tp2_sp", "gpt_dp2_cp2_full_zero2", "llama_cp2_pp2_mb1",
+                "llama_cp2_pp2_mb2"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return forked_results(WORKER, tmp_path_factory.mktemp("cp") / "out.pt", nproc=4,
+                          timeout=900)
+
+
+def _tol(ref: torch.Tensor, ref64: torch.Tensor, floor: float) -> float:
+    return max(10 * (ref.double() - ref64.double()).abs().max().item(), floor)
+
+
+def _check_equal(r: dict, name: str) -> None:
+    assert "error" not in r, r.get("traceback")
+    ref, ref64 = r["ref"], r["ref64"]
+    for key in ("losses", "norms"):
+        got, want, w64 = (torch.tensor(x, dtype=torch.float64)
+                          for x in (r[key], ref[key], ref64[key]))
+        tol = _tol(want, w64, 1e-5)
+        assert (got - want).abs().max().item() <= tol, f"{name} {key}: {got} vs {want}"
+    assert all(n > 0.3 for n in ref["norms"])  # clipping bites (CLIP = 0.3)
+    assert set(r["final"]) >= set(ref["final"])
+    for key, want in ref["final"].items():
+        tol = _tol(want, ref64["final"][key], 1e-4)
+        torch.testing.assert_close(r["final"][key], want, rtol=0, atol=tol, msg=f"{name} {key}")
+    rank, size = r["eval_rows"]
+    rows = ref["eval"].shape[0] // size
+    want = ref["eval"][rank * rows:(rank + 1) * rows]
+    w64 = ref64["eval"][rank * rows:(rank + 1) * rows]
+    torch.testing.assert_close(r["eval"], want, rtol=0, atol=_tol(want, w64, 1e-4),
+                               msg=f"{name} eval (natural sequence order)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODULE_CASES)
+def test_module_engine_cp_equals_one_process(results, name):
+    r = results[name]
+    _check_equal(r, name)
+    assert r["engine"] == "modules"
+
+
+@pytest.mark.slow
+def test_graph_engine_cp_uses_each_ranks_rows(results):
+    """An explicit mask runs on the graph engine's cp; before the fix its unlowered path
+    scattered rank 0's batch to every rank (distribute_tensor's src_data_rank=0) and eval
+    returned the load-balanced chunk order."""
+    r = results["masked_dp2_cp2_graph"]
+    assert r.get("engine") == "graph", r.get("traceback")
+    _check_equal(r, "masked_dp2_cp2_graph")
+
+
+@pytest.mark.slow
+def test_ring_attention_on_cpu_matches_fp64(results):
+    """The CPU flash-attention adapter on torch's ring attention: outputs and q/k/v
+    gradients of causal (head-tail chunks) and full (contiguous chunks) attention at cp=4."""
+    for causal in (True, False):
+        err, own = results["mechanism"][causal]
+        assert err <= max(10 * own, 1e-5), (causal, err, own)
+
+
+# -- plan time: one line each, never at run time ------------------------------------------------
+
+def _plan(model, *, seq=16, **kw):
+    import meshplan
+
+    ids = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    return meshplan.manual_plan(model, meshplan.Mesh.local(4), (ids,), dtype="fp32", **kw)
+
+
+def _llama(attn):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      attn_implementation=attn)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+def test_cp_plans_choose_the_module_engine():
+    from _cp_modules_worker import TiedGPT
+
+    from meshplan.support import plan_problems
+
+    with torch.device("meta"):
+        gpt = TiedGPT()
+    for model, kw in ((gpt, dict(cp=4)), (_llama("sdpa"), dict(cp=2, tp=2,
+                                                               sequence_parallel=True))):
+        plan = _plan(model, **kw)
+        assert plan.engine == "modules", plan.engine_note
+        assert not plan_problems(plan)
+
+
+def test_refusals_are_one_line_at_plan_time():
+    from _cp_modules_worker import TiedGPT
+
+    from meshplan.errors import MeshplanError
+
+    with pytest.raises(MeshplanError, match=r"attn_implementation='sdpa'") as info:
+        _plan(_llama("eager"), cp=4)
+    assert "\n" not in str(info.value)
+    with torch.device("meta"):
+        gpt = TiedGPT()
+    # a tied head and embedding cannot be cut into module-engine stages, and the graph
+    # engine's cp splits explicit masks only
+    with pytest.raises(MeshplanError, match=r"shared by pipeline stages.*graph engine's cp "
+                                            r"splits an explicit mask only.*is_causal=True") \
+            as info:
+        _plan(gpt, cp=2, pp=2, microbatch_size=1)
+    assert "\n" not in str(info.value)
+    with pytest.raises(MeshplanError, match=r"graph engine's cp splits an explicit mask only"):
+        _plan(gpt, cp=4, engine="graph")
+
+
+@pytest.mark.slow
+def test_cp_with_pipeline_at_one_sequence_is_refused_on_every_rank(results):
+    assert results["cp_pp_mb1"].startswith("graph: cp=2 with pipeline stages at microbatch "
+                                           "size 1"), results["cp_pp_mb1"]
