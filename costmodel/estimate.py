@@ -130,6 +130,13 @@ class RuntimeModel:
       ``replicate``, 4 -> 12 MiB under ``fully_shard(reshard_after_forward=False)``). Only ZeRO-0 sets this
       apart from the graph engine, whose fp32 ZeRO-1/2 keep a master shard beside the
       full weights too (runtime/parallelize.py); both are counted in ``parameter_walk``.
+    zero_over_cp: the ZeRO/FSDP group is dp x cp, not dp: optimizer state (ZeRO >= 1),
+      gradients (>= 2) and weights (3) are divided by dp x cp, as Megatron-LM's
+      distributed optimizer (its data-parallel group with context parallelism,
+      ``get_data_parallel_group(with_context_parallel=True)``) and torchtitan's FSDP over
+      the flattened dp_shard x cp mesh shard them (DESIGN.md, "ZeRO 1/2/3"); the module
+      engine's fully_shard over the flattened dp x cp mesh. False: the graph engine, whose
+      ZeRO shards over dp only.
     overlap_efficiency: of the collective time the factors above hide behind compute
       (``sync_overlaps_backward``, ``param_gather_overlap``), the fraction really hidden.
       1 on NCCL, where a collective issued with ``async_op=False`` is queued on its stream
@@ -157,6 +164,7 @@ class RuntimeModel:
     causal_mask_skipped: bool = False
     causal_attention: bool = False
     fsdp_keeps_shards: bool = False
+    zero_over_cp: bool = False
     overlap_efficiency: float = 1.0
     engine: str = "graph"
     backend: str = "nccl"
@@ -218,7 +226,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             full_grad_accumulation=True, sync_overlaps_backward=False,
                             reduce_scatter_per_microbatch=False, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
-                            fsdp_keeps_shards=True, overlap_efficiency=overlap,
+                            fsdp_keeps_shards=True, zero_over_cp=True,
+                            overlap_efficiency=overlap,
                             engine=engine, backend=backend)
     if engine == "modules":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
@@ -226,7 +235,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             full_grad_accumulation=False, sync_overlaps_backward=True,
                             reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
-                            fsdp_keeps_shards=True, overlap_efficiency=overlap,
+                            fsdp_keeps_shards=True, zero_over_cp=True,
+                            overlap_efficiency=overlap,
                             engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
@@ -433,11 +443,10 @@ class ParamWalk:
     unit_numel: dict  # block -> local parameters (-1: outside the blocks): ZeRO-3/FSDP units
     syncs: tuple[GradSync, ...]
     dp_axis: int | None
-
-    @property
-    def synced_bytes(self) -> float:
-        """Gradient bytes synced once per step after the backward (the flat buffer)."""
-        return sum(s.grad_bytes for s in self.syncs if not s.per_use)
+    # gradient bytes synced once per step after the backward: each parameter's gradient
+    # once, however many mesh axes reduce it (the graph engine's one flat buffer,
+    # ``lowering.reduce_partial_grads``, is reduced over every axis in turn)
+    synced_bytes: float = 0.0
 
 
 def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: str,
@@ -447,9 +456,11 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
     parameter to the (output, read-as) placements of the operators reading it."""
     shape = stage.mesh_shape
     dpa = dp_axis(stage)
-    dp = shape[dpa] if dpa is not None else 1
+    cpa = _zero_cp_axis(stage, runtime)
+    # the ZeRO/FSDP group: dp, or dp x cp where the engine shards over both
+    dp = (shape[dpa] if dpa is not None else 1) * (shape[cpa] if cpa is not None else 1)
     zero = stage.zero
-    weights = grads = opt = opt_numel = 0.0
+    weights = grads = opt = opt_numel = synced = 0.0
     tensors = 0
     unit_numel: dict[int, float] = {}
     syncs: list[GradSync] = []
@@ -459,8 +470,11 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
             continue
         numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
         w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
-        if zero == 2 and runtime.full_grad_accumulation:
-            g = numel * GRAD_BYTES  # the full gradient, reduce-scattered once per step
+        if runtime.full_grad_accumulation and (
+                zero == 2 or (zero >= 3 and not runtime.zero3_per_use)):
+            # the full gradient, reduce-scattered once per step (the graph engine's ZeRO-2;
+            # a module-engine pipeline stage at ZeRO-2 or 3, DECISIONS 61)
+            g = numel * GRAD_BYTES
         if dtype == "fp32" and dp > 1 and zero in (1, 2):
             # the fp32 shard the optimizer steps, beside the full weights: the graph
             # engine's ZeRO-1/2 master, FSDP2's shard (under bf16: the master counted in
@@ -475,34 +489,56 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
         unit_numel[layer] = unit_numel.get(layer, 0.0) + numel
         if info.trainable:
             outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
-            syncs += _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
-                                 runtime=runtime)
+            mine = _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
+                               runtime=runtime, cpa=cpa)
+            syncs += mine
+            synced += max((s.grad_bytes for s in mine if not s.per_use), default=0.0)
     return ParamWalk(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt,
                      optimizer_numel=opt_numel, tensors=tensors, unit_numel=unit_numel,
-                     syncs=tuple(syncs), dp_axis=dpa)
+                     syncs=tuple(syncs), dp_axis=dpa, synced_bytes=synced)
+
+
+def _zero_cp_axis(stage: Stage, runtime: RuntimeModel) -> int | None:
+    """The cp axis when the engine's ZeRO/FSDP group spans dp x cp
+    (``RuntimeModel.zero_over_cp``) and the stage shards state (ZeRO >= 1); else None."""
+    if not runtime.zero_over_cp or stage.zero < 1 or "cp" not in stage.axis_names:
+        return None
+    a = stage.axis_names.index("cp")
+    return a if stage.mesh_shape[a] > 1 else None
 
 
 def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
                 shape: tuple[int, ...], dpa: int | None, *, zero: int, dtype: str,
-                runtime: RuntimeModel) -> list[GradSync]:
+                runtime: RuntimeModel, cpa: int | None = None) -> list[GradSync]:
     """The gradient is partial on an axis where an operator split on it reads the weight
     whole (R); a weight read as P (a row-parallel bias) has the same gradient everywhere.
     It is reduced where the weight is replicated, and always over dp (ZeRO shards keep
-    their slice of the reduced gradient)."""
+    their slice of the reduced gradient).
+
+    ``cpa``: the cp axis belongs to the ZeRO group (dp x cp, as Megatron's distributed
+    optimizer and torchtitan's FSDP over dp_shard x cp shard): the flattened group's
+    reduce-scatter is priced as its hierarchical form, a reduce-scatter over cp of the
+    whole gradient, then the dp axis's collective on the 1/cp piece each cp rank keeps;
+    the updated (or ZeRO-3 gathered) weights come back the mirror way."""
     out = []
+    cp = shape[cpa] if cpa is not None else 1
+    synced_on_cp = cpa is not None and any(o[cpa] != "R" and used[cpa] != "P"
+                                            for o, used in outs)
     for axis, size in enumerate(shape):
         if size == 1 or not any(o[axis] != "R" and used[axis] != "P" for o, used in outs):
             continue
         if placement[axis] != "R" and axis != dpa:
             continue
-        on_dp = axis == dpa
-        kind = Collective.REDUCE_SCATTER if (on_dp and zero >= 2) else Collective.ALL_REDUCE
+        on_dp = axis == dpa or axis == cpa
+        kind = Collective.REDUCE_SCATTER if (axis == cpa or (on_dp and zero >= 2)) \
+            else Collective.ALL_REDUCE
         if kind == Collective.REDUCE_SCATTER and runtime.reduce_scatter_as_all_reduce:
             kind = Collective.ALL_REDUCE
-        out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * GRAD_BYTES,
-                            weight_bytes=numel * (4 if dtype == "fp32" else 2), layer=layer,
-                            uses=max(1, len(outs)), on_dp=on_dp,
-                            per_use=on_dp and zero >= 3 and runtime.zero3_per_use))
+        piece = cp if axis == dpa and synced_on_cp else 1
+        out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * GRAD_BYTES / piece,
+                            weight_bytes=numel * (4 if dtype == "fp32" else 2) / piece,
+                            layer=layer, uses=max(1, len(outs)), on_dp=on_dp,
+                            per_use=axis == dpa and zero >= 3 and runtime.zero3_per_use))
     return out
 
 

@@ -1,0 +1,88 @@
+"""Mechanisms that price today's H100 stacks (issue 26): each a closed-form small case on a
+tiny Llama traced on the meta device, priced on the DGX H100 preset."""
+
+import pytest
+
+import meshplan
+from meshplan.costmodel.estimate import default_runtime, stage_cost
+from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.memory import GIB, GRAD_BYTES
+from meshplan.tracing import trace
+from meshplan.specs import example_inputs, parse_model_spec
+
+LLAMA = ("transformers:llama?hidden_size=256&intermediate_size=512&num_hidden_layers=2"
+         "&num_attention_heads=4&num_key_value_heads=2&vocab_size=32000"
+         "&max_position_embeddings=256")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = parse_model_spec(LLAMA).build("meta")
+    graph = trace(model, example_inputs(model, 8, 256))
+    return model, graph, meshplan.Mesh.preset("dgx-h100", nodes=1)
+
+
+def _trainable_numel(graph) -> float:
+    return sum(i.numel for i in graph.param_map.values() if i.trainable and i.tied_to is None)
+
+
+def _cost(plan, graph, runtime, stage=0):
+    t = plan.training
+    return stage_cost(plan.stages[stage], graph, HardwareProfile.from_dict(plan.mesh.hardware),
+                      dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
+                      num_stages=plan.num_stages, schedule=t.schedule, seq_len=t.seq_len,
+                      runtime=runtime)
+
+
+def test_flat_gradient_buffer_counted_once_per_parameter(tiny):
+    """The graph engine reduces one flat gradient buffer over every axis in turn: at dp4 x
+    cp2 (the gradient partial on both axes) the buffer is the gradients once, not twice, so
+    it raises the peak by what it exceeds the activations."""
+    model, graph, mesh = tiny
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, cp=2, dtype="bf16", zero=1,
+                                engine="graph")
+    mem = plan.predicted.memory
+    grads = _trainable_numel(graph) * GRAD_BYTES / GIB
+    assert mem.grads_gib == pytest.approx(grads)
+    assert mem.buffers_gib == pytest.approx(max(0.0, grads - mem.activations_gib))
+
+
+def test_module_pipeline_zero3_keeps_full_fp32_gradients(tiny):
+    """DECISIONS 61: a module-engine pipeline stage accumulates the unsharded fp32 gradient
+    over the microbatches and reduce-scatters it once after the last: ZeRO-3 holds the
+    same gradients as ZeRO-2, the whole stage's, not 1/dp of them."""
+    model, graph, mesh = tiny
+    grads = {}
+    for zero in (2, 3):
+        plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, pp=2, microbatch_size=1,
+                                    dtype="bf16", zero=zero, engine="modules")
+        grads[zero] = [c.memory.grads_gib for c in
+                       (_cost(plan, graph, default_runtime(plan_hw(plan), engine="modules",
+                                                           pipeline=True), s)
+                        for s in range(2))]
+    assert grads[3] == pytest.approx(grads[2])
+    stage_numel = _trainable_numel(graph)  # both stages' state adds up to the model's
+    assert sum(grads[3]) * GIB == pytest.approx(stage_numel * GRAD_BYTES, rel=1e-6)
+
+
+def plan_hw(plan):
+    return HardwareProfile.from_dict(plan.mesh.hardware)
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_shards_over_dp_times_cp_on_the_module_engine(tiny, zero):
+    """Megatron's distributed optimizer and torchtitan's FSDP shard over dp x cp: at dp4 x
+    cp2 the module engine holds the model state of dp8; the graph engine shards over dp."""
+    model, graph, mesh = tiny
+    cp_plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, cp=2, dtype="bf16",
+                                   zero=zero, engine="graph")
+    dp_plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, dtype="bf16", zero=zero,
+                                   engine="graph")
+    hw = plan_hw(cp_plan)
+    mods, graph_rt = default_runtime(hw, engine="modules"), default_runtime(hw, engine="graph")
+    on_cp, on_dp = _cost(cp_plan, graph, mods).memory, _cost(dp_plan, graph, mods).memory
+    assert on_cp.optimizer_gib == pytest.approx(on_dp.optimizer_gib)
+    assert on_cp.grads_gib == pytest.approx(on_dp.grads_gib)
+    assert on_cp.params_gib == pytest.approx(on_dp.params_gib)
+    graph_cp = _cost(cp_plan, graph, graph_rt).memory
+    assert graph_cp.optimizer_gib == pytest.approx(2 * on_dp.optimizer_gib)
