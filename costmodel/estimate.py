@@ -137,6 +137,16 @@ class RuntimeModel:
       the flattened dp_shard x cp mesh shard them (DESIGN.md, "ZeRO 1/2/3"); the module
       engine's fully_shard over the flattened dp x cp mesh. False: the graph engine, whose
       ZeRO shards over dp only.
+    cp_composable: context parallelism as PyTorch's ``context_parallel`` runs SDPA
+      (torchtitan; Llama 3, arXiv 2407.21783 sec. 3.3.2: K/V all-gathered, sequence in
+      2 x cp chunks paired head and tail): causal attention skips the blocks above the
+      diagonal on every rank, balanced by the head-tail pairing, with no mask in memory;
+      K and V are all-gathered over cp in each layer's forward and their gradients
+      reduce-scattered in its backward (the all-gather's adjoint; not all-reduced); the
+      loss runs on each rank's chunk (the head after the last block, its logits and the
+      cross entropy at 1/cp, no logits gathered). False: the graph engine's DTensor
+      context parallelism (runtime/context.py): attention under an explicit mask, the
+      K/V gradients all-reduced, the logits gathered before the shifted loss.
     overlap_efficiency: of the collective time the factors above hide behind compute
       (``sync_overlaps_backward``, ``param_gather_overlap``), the fraction really hidden.
       1 on NCCL, where a collective issued with ``async_op=False`` is queued on its stream
@@ -165,6 +175,7 @@ class RuntimeModel:
     causal_attention: bool = False
     fsdp_keeps_shards: bool = False
     zero_over_cp: bool = False
+    cp_composable: bool = False
     overlap_efficiency: float = 1.0
     engine: str = "graph"
     backend: str = "nccl"
@@ -226,7 +237,7 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             full_grad_accumulation=True, sync_overlaps_backward=False,
                             reduce_scatter_per_microbatch=False, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
-                            fsdp_keeps_shards=True, zero_over_cp=True,
+                            fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
                             overlap_efficiency=overlap,
                             engine=engine, backend=backend)
     if engine == "modules":
@@ -235,7 +246,7 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             full_grad_accumulation=False, sync_overlaps_backward=True,
                             reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
-                            fsdp_keeps_shards=True, zero_over_cp=True,
+                            fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
                             overlap_efficiency=overlap,
                             engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
@@ -324,9 +335,12 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     all_procs = contention_factor(hw, processes_on_host)
     contention = all_procs if compute_contention is None else compute_contention
     coll = CollectivePrices(stage, hw, backend=runtime.backend, cache=cache)
+    if runtime.cp_composable:
+        stage = chunked_loss_stage(stage, graph, cache)
     ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll,
                                 runtime.backend, runtime.attention,
-                                causal=runtime.causal_attention)
+                                causal=runtime.causal_attention,
+                                cp_composable=runtime.cp_composable)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
@@ -794,17 +808,17 @@ class _OperatorPass:
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
                           dtype: str, m: int, contention: float, coll,
                           backend: str = "nccl", attention: str = "flash", *,
-                          causal: bool = False) -> _OperatorPass:
+                          causal: bool = False, cp_composable: bool = False) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets). ``causal``: attention
     that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend, attention, causal)
+           contention, id(hw), backend, attention, causal, cp_composable)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
     result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
-                            causal=causal)
+                            causal=causal, cp_composable=cp_composable)
     if cache is not None:
         cache[key] = result
     return result
@@ -812,11 +826,13 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
 
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
                    contention: float, coll, attention: str = "flash", *,
-                   causal: bool = False) -> _OperatorPass:
+                   causal: bool = False, cp_composable: bool = False) -> _OperatorPass:
     names = list(stage.ops)
     # the graph engine drops a causal mask only where queries and keys are the same length:
-    # not under context parallelism, where each rank's queries are a chunk of the sequence
-    masks = causal_masks(graph) if causal and "cp" not in stage.axis_names else set()
+    # not under its context parallelism, where each rank's queries are a chunk of the
+    # sequence; PyTorch's context_parallel runs causal SDPA on the balanced chunks
+    masks = causal_masks(graph) if causal and (cp_composable or "cp" not in stage.axis_names) \
+        else set()
     in_stage = set(names)
     shape = stage.mesh_shape
     placement = _placements(stage)
@@ -879,8 +895,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                 buf = nbytes / split_factor(src, shape, skip_axis=axis)
                 f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
                 if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == "R":
-                    b = Collective.ALL_REDUCE if name in feeds_split or (
-                        op.output and op.output[axis] != "R") else None
+                    gathered_kv = name in feeds_split or (op.output and op.output[axis] != "R")
+                    b = None if not gathered_kv else \
+                        Collective.REDUCE_SCATTER if cp_composable else Collective.ALL_REDUCE
                 if f:
                     tf = coll(f, buf, axis)
                     comm_fwd += tf
@@ -894,6 +911,47 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                          rec_nonmatmul=rec_nonmatmul,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
                          p2p_bytes=p2p_bytes, consumer_out=consumer_out)
+
+
+def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) -> Stage:
+    """``stage`` with the operators after its last block (final norm, head, the loss)
+    computed on each rank's cp chunk: every one of them that reads an activation or a graph
+    input (the labels, sliced to the rank's chunk) is split on the cp axis, reading its
+    inputs as they are produced (no gather). The stage as PyTorch's context_parallel runs
+    it (``RuntimeModel.cp_composable``); unchanged without a cp axis or a tail."""
+    if "cp" not in stage.axis_names:
+        return stage
+    key = ("chunked-loss", id(stage.ops))
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is stage.ops:
+        return hit[1]
+    ax = stage.axis_names.index("cp")
+    names = list(stage.ops)
+    last_block = max((i for i, n in enumerate(names) if graph.node(n).layer >= 0), default=-1)
+    placement = _placements(stage)
+    ops = dict(stage.ops)
+    for name in names[last_block + 1:]:
+        node, op = graph.node(name), stage.ops[name]
+        reads = [k for k, i in enumerate(node.inputs)
+                 if i not in graph.param_map and k < len(op.inputs) and op.inputs[k]]
+        if not reads or not op.output or graph.node(name).kind == OpKind.CREATION:
+            continue
+        inputs = list(op.inputs)
+        for k in reads:
+            src = placement.get(node.inputs[k])
+            if src:
+                inputs[k] = _set_axis(inputs[k], ax, src[ax])
+        out = op.output if op.output[ax] != "R" else _set_axis(op.output, ax, "S(0)")
+        ops[name] = replace(op, inputs=tuple(inputs), output=out)
+        placement[name] = out
+    chunked = replace(stage, ops=ops)
+    if cache is not None:
+        cache[key] = (stage.ops, chunked)
+    return chunked
+
+
+def _set_axis(placements: tuple[str, ...], axis: int, value: str) -> tuple[str, ...]:
+    return tuple(value if a == axis else p for a, p in enumerate(placements))
 
 
 def _feeds_split(stage: Stage, graph: OpGraph, axis: int) -> set[str]:

@@ -1,6 +1,8 @@
 """Mechanisms that price today's H100 stacks (issue 26): each a closed-form small case on a
 tiny Llama traced on the meta device, priced on the DGX H100 preset."""
 
+import dataclasses
+
 import pytest
 
 import meshplan
@@ -86,3 +88,26 @@ def test_zero_shards_over_dp_times_cp_on_the_module_engine(tiny, zero):
     assert on_cp.params_gib == pytest.approx(on_dp.params_gib)
     graph_cp = _cost(cp_plan, graph, graph_rt).memory
     assert graph_cp.optimizer_gib == pytest.approx(2 * on_dp.optimizer_gib)
+
+
+def test_context_parallel_priced_as_torch_context_parallel_runs_it(tiny):
+    """PyTorch's context_parallel (torchtitan, Llama 3): causal attention skips the upper
+    triangle on head-tail balanced chunks, no mask is held, the loss runs on each rank's
+    chunk. So dp4 x cp2 computes and keeps per device what dp8 does (the same tokens per
+    device); only the K/V exchange is added. The graph engine's cp (explicit mask, gathered
+    logits) computes more."""
+    model, graph, mesh = tiny
+    cp_plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, cp=2, dtype="bf16",
+                                   zero=1, microbatch_size=2, engine="graph")
+    dp_plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, dtype="bf16", zero=1,
+                                   engine="graph")
+    mods = default_runtime(plan_hw(cp_plan), engine="modules")
+    on_cp, on_dp = _cost(cp_plan, graph, mods), _cost(dp_plan, graph, mods)
+    # within 2%: the position and mask operators differ (split on cp, whole under dp)
+    assert on_cp.forward_s == pytest.approx(on_dp.forward_s, rel=0.02)
+    assert on_cp.backward_s == pytest.approx(on_dp.backward_s, rel=0.02)
+    assert on_cp.memory.activations_gib == pytest.approx(on_dp.memory.activations_gib, rel=0.02)
+    assert on_cp.comm_s > on_dp.comm_s  # the K/V all-gathers and reduce-scatters
+    as_graph = _cost(cp_plan, graph, dataclasses.replace(mods, cp_composable=False))
+    assert as_graph.forward_s > on_cp.forward_s
+    assert as_graph.comm_s > on_cp.comm_s  # gathered logits, K/V gradients all-reduced
