@@ -50,7 +50,12 @@ from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 from meshplan.support import lists_rank_groups
 
-ENGINES = ("graph", "modules")  # Plan.engine
+ENGINES = ("graph", "modules")  # Plan.engine: meshplan's own runtimes
+# other stacks a plan can be priced for (``default_runtime``): what-if estimates of
+# configurations those stacks run, whether or not meshplan's runtimes do
+STACKS = {"megatron": "Megatron-LM / NeMo (Megatron-Core with Transformer Engine)",
+          "torchtitan": "torchtitan (FSDP2, eager)"}
+PROFILES = ENGINES + tuple(STACKS)
 BACKENDS = ("gloo", "nccl")
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP bucket_cap_mb default (25 MiB)
 OPTIMIZER_OPS_PER_TENSOR = {"adam": 10, "sgd": 3}  # torch.optim _single_tensor_adam / sgd
@@ -181,9 +186,10 @@ class RuntimeModel:
     backend: str = "nccl"
 
     def __post_init__(self):
-        if self.engine not in ENGINES:
-            raise PlanningError(f"engine={self.engine!r} is not one of {', '.join(ENGINES)}; "
-                                 "pass the engine the plan names (Plan.engine)")
+        if self.engine not in PROFILES:
+            raise PlanningError(f"engine={self.engine!r} is not one of {', '.join(PROFILES)}; "
+                                 "pass the engine the plan names (Plan.engine) or a stack "
+                                 "to price it for")
         if self.backend not in BACKENDS:
             raise PlanningError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}; "
                                  "gloo runs CPU processes, nccl GPUs")
@@ -231,6 +237,11 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
         backend = "gloo" if hw.device.host_cores > 0 or hw.device.name == "cpu" else "nccl"
     gloo = backend == "gloo"
     overlap = 0.0 if gloo else 1.0
+    if engine == "megatron":
+        return megatron_runtime(backend=backend, overlap=overlap)
+    if engine == "torchtitan":
+        return replace(default_runtime(hw, engine="modules", backend=backend,
+                                       pipeline=pipeline), engine="torchtitan")
     if engine == "modules" and pipeline:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
@@ -253,6 +264,33 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
                         full_grad_accumulation=True, causal_attention=True,
                         overlap_efficiency=overlap, engine=engine, backend=backend)
+
+
+def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeModel:
+    """Megatron-LM / NeMo as Megatron-Core runs a GPT with Transformer Engine:
+
+    - distributed optimizer (``--use-distributed-optimizer``, plan ``zero=1``): the fp32
+      main gradients stay whole in one contiguous buffer, accumulated over the microbatches
+      and reduce-scattered once per step, the fp32 master weights and Adam moments sharded
+      over the data-parallel group with context parallelism (dp x cp); the updated bf16
+      weights all-gathered back (Megatron-LM docs/source/api-guide/dist_optimizer.md:
+      6 + 12/d bytes per parameter);
+    - ``--overlap-grad-reduce`` / ``--overlap-param-gather``: gradient buckets reduced as
+      the backward produces them, updated weights gathered as the next forward needs them;
+    - fused attention (cuDNN through Transformer Engine) with the causal pattern and no
+      mask tensor; selective recompute is Korthikanti et al.'s (the attention core);
+    - context parallelism on causal, head-tail balanced chunks, loss on each chunk (the
+      same terms as ``cp_composable``; Megatron exchanges K/V in a ring of send/recv, the
+      same bytes per rank as the all-gather priced here);
+    - fp16 with loss scaling in pipelines (nothing to price beyond the fp16 GEMMs).
+    """
+    return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
+                        reduce_scatter_as_all_reduce=backend == "gloo", flat_grad_sync=False,
+                        full_grad_accumulation=True, sync_overlaps_backward=True,
+                        reduce_scatter_per_microbatch=False, selective_keeps_matmuls=False,
+                        causal_mask_skipped=True, causal_attention=True,
+                        fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
+                        overlap_efficiency=overlap, engine="megatron", backend=backend)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],

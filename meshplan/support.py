@@ -198,6 +198,10 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
         return (f"recompute 'selective' with cp={max(cps)}: the selective checkpoint's replay "
                 "diverges from the forward around the cp exchange (tests/"
                 "test_context_parallel.py); use recompute 'full' or 'none' with cp",)
+    if max(cps) > 1 and plan.training.sequence_parallel:
+        return (f"sequence_parallel with cp={max(cps)}: meshplan's context parallelism "
+                "splits the sequence on the cp axis only; set sequence_parallel=False (or "
+                "price NeMo's layout with engine='megatron')",)
     if max(cps) > 1 and plan.engine != "graph":
         return (f"engine {plan.engine!r} with cp={max(cps)}; context parallelism runs on the "
                 "graph engine: set engine 'graph'",)

@@ -38,7 +38,7 @@ from dataclasses import replace
 from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.context import check_cp_model, insert_cp
 from meshplan.planner.cp_placements import CpPropagator
-from meshplan.errors import MeshError, NotSupportedError, PlanningError
+from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.planner.strategies import BATCH_NORMS
@@ -57,13 +57,9 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     start = time.perf_counter()
     _check(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
            schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
-    if cp > 1 and recompute == "selective":
-        raise NotSupportedError("recompute='selective' with cp > 1 is not supported (its "
-                                "replay diverges around the cp exchange); use 'full' or 'none'")
-    if cp > 1 and sequence_parallel and tp > 1:
-        raise NotSupportedError("sequence_parallel=True with cp > 1 would split the sequence on "
-                                "both the tp and the cp axis; cp already splits every "
-                                "activation's sequence: set sequence_parallel=False")
+    # selective recompute and sequence parallelism with cp are built (Megatron-LM / NeMo
+    # run them; priced with engine="megatron"); meshplan's runtimes refuse them
+    # (support.context_parallel_plan_rule)
     training = training_config(graph, dtype=dtype, optimizer=optimizer, schedule=schedule,
                                virtual_stages=virtual_stages if schedule == "interleaved-1f1b" else 1,
                                sequence_parallel=bool(sequence_parallel and tp > 1),

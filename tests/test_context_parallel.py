@@ -173,9 +173,9 @@ def test_bad_input_gets_one_line_each():
         _plan(LLAMA, 12, cp=4)
     with pytest.raises(PlanningError, match=r"cp=4 .* has no attention operator"):
         _plan(_NoAttention, 16, cp=4)
-    with pytest.raises(NotSupportedError, match=r"recompute='selective' with cp > 1"):
+    with pytest.raises(PlanningError, match=r"recompute 'selective' with cp=4"):
         _plan(LLAMA, 16, cp=4, recompute="selective")
-    with pytest.raises(NotSupportedError, match=r"sequence_parallel=True with cp > 1"):
+    with pytest.raises(PlanningError, match=r"sequence_parallel with cp=2"):
         _plan(LLAMA, 16, cp=2, tp=2, sequence_parallel=True)
     with pytest.raises(NotSupportedError, match=r"operator scaled_dot_product_attention .*"
                        r"test_context_parallel.py:\d+ uses is_causal=True"):

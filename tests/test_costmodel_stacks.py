@@ -111,3 +111,27 @@ def test_context_parallel_priced_as_torch_context_parallel_runs_it(tiny):
     as_graph = _cost(cp_plan, graph, dataclasses.replace(mods, cp_composable=False))
     assert as_graph.forward_s > on_cp.forward_s
     assert as_graph.comm_s > on_cp.comm_s  # gathered logits, K/V gradients all-reduced
+
+
+def test_megatron_fp16_pipeline_is_priced_and_names_the_runtimes(tiny):
+    """A what-if estimate prices what Megatron-LM runs (fp16 pipelines with loss scaling)
+    instead of refusing it because meshplan's pipeline runtime does not scale losses."""
+    model, graph, mesh = tiny
+    with pytest.raises(meshplan.PlanningError, match="fp16' with pp > 1"):
+        meshplan.manual_plan(model, mesh, graph=graph, dp=4, pp=2, dtype="fp16")
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, pp=2, dtype="fp16",
+                                engine="megatron")
+    assert plan.predicted.step_time_s > 0 and plan.predicted.fits
+    assert "Megatron-LM" in plan.engine_note and "cannot run it" in plan.engine_note
+    assert meshplan.estimate(plan, engine="megatron") == plan.predicted
+
+
+def test_nemo_layout_sequence_parallel_inside_tp_with_cp(tiny):
+    """NeMo's layout (TP with sequence parallelism, CP across) is priced for Megatron: SP
+    splits the norms' activations over tp on top of cp's split, so it keeps less."""
+    model, graph, mesh = tiny
+    kw = dict(graph=graph, dp=2, cp=2, tp=2, dtype="bf16", zero=1, engine="megatron")
+    with_sp = meshplan.manual_plan(model, mesh, sequence_parallel=True, **kw)
+    without = meshplan.manual_plan(model, mesh, sequence_parallel=False, **kw)
+    assert with_sp.predicted.memory.activations_gib < without.predicted.memory.activations_gib
+    assert "sequence_parallel with cp=2" in with_sp.engine_note
