@@ -152,6 +152,9 @@ class RuntimeModel:
       cross entropy at 1/cp, no logits gathered). False: the graph engine's DTensor
       context parallelism (runtime/context.py): attention under an explicit mask, the
       K/V gradients all-reduced, the logits gathered before the shifted loss.
+    attention_kernel: the fused attention kernel the stack runs ("fa2", "fa3", "cudnn"),
+      priced on the device's curve for it (``DeviceSpec.attention_kernels``); "": the
+      device's ``attention_efficiency`` (PyTorch SDPA's flash backend, FlashAttention-2).
     overlap_efficiency: of the collective time the factors above hide behind compute
       (``sync_overlaps_backward``, ``param_gather_overlap``), the fraction really hidden.
       1 on NCCL, where a collective issued with ``async_op=False`` is queued on its stream
@@ -181,6 +184,7 @@ class RuntimeModel:
     fsdp_keeps_shards: bool = False
     zero_over_cp: bool = False
     cp_composable: bool = False
+    attention_kernel: str = ""
     overlap_efficiency: float = 1.0
     engine: str = "graph"
     backend: str = "nccl"
@@ -277,7 +281,8 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
       6 + 12/d bytes per parameter);
     - ``--overlap-grad-reduce`` / ``--overlap-param-gather``: gradient buckets reduced as
       the backward produces them, updated weights gathered as the next forward needs them;
-    - fused attention (cuDNN through Transformer Engine) with the causal pattern and no
+    - fused attention (cuDNN, Transformer Engine's FusedAttention backend on Hopper) with
+      the causal pattern and no
       mask tensor; selective recompute is Korthikanti et al.'s (the attention core);
     - context parallelism on causal, head-tail balanced chunks, loss on each chunk (the
       same terms as ``cp_composable``; Megatron exchanges K/V in a ring of send/recv, the
@@ -290,7 +295,8 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
                         reduce_scatter_per_microbatch=False, selective_keeps_matmuls=False,
                         causal_mask_skipped=True, causal_attention=True,
                         fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
-                        overlap_efficiency=overlap, engine="megatron", backend=backend)
+                        attention_kernel="cudnn", overlap_efficiency=overlap,
+                        engine="megatron", backend=backend)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -1127,6 +1133,24 @@ def _chunked_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, groups, kw: 
     return costs
 
 
+def runtime_hardware(hw: HardwareProfile, runtime: RuntimeModel,
+                     cache: dict | None = None) -> HardwareProfile:
+    """``hw`` with fused attention priced on the runtime's kernel
+    (``RuntimeModel.attention_kernel``); kept in ``cache`` so that the prices cached by
+    ``id(hw)`` stay tied to one live object."""
+    device = hw.device.with_attention_kernel(runtime.attention_kernel)
+    if device is hw.device:
+        return hw
+    key = ("hardware", id(hw), runtime.attention_kernel)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is hw:
+        return hit[1]
+    out = replace(hw, device=device)
+    if cache is not None:
+        cache[key] = (hw, out)
+    return out
+
+
 CONTENTION_ITERATIONS = 4  # fixed-point passes; converged to < 1% on the accuracy plans
 
 
@@ -1147,6 +1171,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     m = max(1, t.microbatches)
     runtime = runtime or default_runtime(hw, engine=plan.engine,
                                          pipeline=plan.num_stages > 1)
+    hw = runtime_hardware(hw, runtime, cache)
     on_host = min(plan.num_devices, hw.devices_per_node)
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,

@@ -135,3 +135,27 @@ def test_nemo_layout_sequence_parallel_inside_tp_with_cp(tiny):
     without = meshplan.manual_plan(model, mesh, sequence_parallel=False, **kw)
     assert with_sp.predicted.memory.activations_gib < without.predicted.memory.activations_gib
     assert "sequence_parallel with cp=2" in with_sp.engine_note
+
+
+def test_attention_priced_on_the_stacks_kernel(tiny):
+    """Megatron-LM / NeMo run cuDNN fused attention (Transformer Engine), PyTorch's SDPA its
+    flash backend (FlashAttention-2): a compute-bound attention kernel's time is in the
+    ratio of the preset's two curves; hardware without a curve for the kernel keeps its
+    attention_efficiency."""
+    from meshplan.costmodel.compute import roofline_s
+    from meshplan.costmodel.estimate import runtime_hardware
+    from meshplan.graph import OpKind
+
+    _, _, mesh = tiny
+    hw = HardwareProfile.from_dict(mesh.hardware.to_dict())
+    mega = runtime_hardware(hw, default_runtime(hw, engine="megatron"))
+    assert runtime_hardware(hw, default_runtime(hw, engine="modules")) is hw
+    dev = hw.device
+    work = 1e13
+    t_fa2 = roofline_s(hw, work, 0.0, "bf16", OpKind.ATTENTION)
+    t_cudnn = roofline_s(mega, work, 0.0, "bf16", OpKind.ATTENTION)
+    assert t_cudnn / t_fa2 == pytest.approx(dev.attention_kernels["fa2"].max_eff
+                                            / dev.attention_kernels["cudnn"].max_eff)
+    a100 = HardwareProfile.from_dict(meshplan.Mesh.preset("dgx-a100-80gb", nodes=1)
+                                     .hardware.to_dict())
+    assert runtime_hardware(a100, default_runtime(a100, engine="megatron")) is a100
