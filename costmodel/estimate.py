@@ -155,6 +155,10 @@ class RuntimeModel:
     attention_kernel: the fused attention kernel the stack runs ("fa2", "fa3", "cudnn"),
       priced on the device's curve for it (``DeviceSpec.attention_kernels``); "": the
       device's ``attention_efficiency`` (PyTorch SDPA's flash backend, FlashAttention-2).
+    tp_comm_overlap: tensor-parallel all-gathers and reduce-scatters overlapped with the
+      matmuls next to them, decomposed into tp chunks (``_tp_overlap_hidden_s``):
+      Megatron-Core's ``--tp-comm-overlap`` (NeMo's recipes turn it on with TP), torchtitan's
+      async TP (needs torch.compile). False: exposed in full (meshplan's runtimes).
     overlap_efficiency: of the collective time the factors above hide behind compute
       (``sync_overlaps_backward``, ``param_gather_overlap``), the fraction really hidden.
       1 on NCCL, where a collective issued with ``async_op=False`` is queued on its stream
@@ -185,6 +189,7 @@ class RuntimeModel:
     zero_over_cp: bool = False
     cp_composable: bool = False
     attention_kernel: str = ""
+    tp_comm_overlap: bool = False
     overlap_efficiency: float = 1.0
     engine: str = "graph"
     backend: str = "nccl"
@@ -287,6 +292,7 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
     - context parallelism on causal, head-tail balanced chunks, loss on each chunk (the
       same terms as ``cp_composable``; Megatron exchanges K/V in a ring of send/recv, the
       same bytes per rank as the all-gather priced here);
+    - ``--tp-comm-overlap``: tensor-parallel collectives overlapped with the GEMMs;
     - fp16 with loss scaling in pipelines (nothing to price beyond the fp16 GEMMs).
     """
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
@@ -295,7 +301,8 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
                         reduce_scatter_per_microbatch=False, selective_keeps_matmuls=False,
                         causal_mask_skipped=True, causal_attention=True,
                         fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
-                        attention_kernel="cudnn", overlap_efficiency=overlap,
+                        attention_kernel="cudnn", tp_comm_overlap=True,
+                        overlap_efficiency=overlap,
                         engine="megatron", backend=backend)
 
 
@@ -386,14 +393,15 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                 causal=runtime.causal_attention,
                                 cp_composable=runtime.cp_composable)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
+    tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
     params = parameter_walk(stage, graph, ops.consumer_out, dtype=dtype, optimizer=optimizer,
                             runtime=runtime)
     traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd,
                                backward_s=ops.bwd, recompute_s=recompute)
-    comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec + p2p + traffic.gather_exposed_s
-               + traffic.microbatch_s)
+    comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p
+               + traffic.gather_exposed_s + traffic.microbatch_s)
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs)
 
@@ -454,6 +462,27 @@ def _recompute_s(ops: _OperatorPass, recompute: str,
     if recompute == "selective":
         return (ops.rec_nonmatmul if runtime.selective_keeps_matmuls else ops.rec_sel), 0.0
     return 0.0, 0.0
+
+
+def _tp_overlap_hidden_s(ops: _OperatorPass, recompute: str) -> float:
+    """Tensor-parallel communication hidden behind the parameter matmuls that consume or
+    produce it, per microbatch (``RuntimeModel.tp_comm_overlap``). The overlap decomposes
+    each all-gather + GEMM (and GEMM + reduce-scatter) into tp chunks exchanged in a ring
+    while the previous chunk's GEMM runs (Wang et al., ASPLOS'23, "Overlap communication with
+    dependent computation via decomposition"; Megatron-Core ``--tp-comm-overlap`` with
+    Transformer Engine userbuffers; PyTorch's async TP, ``torch.distributed._symmetric_memory``
+    as torchtitan enables it): one chunk of the communication stays exposed, and no more
+    is hidden than the matmuls take. Per pass: hidden = comm - max(comm / tp, comm - matmuls)."""
+    if ops.tp <= 1:
+        return 0.0
+
+    def hidden(comm: float, matmuls: float) -> float:
+        return comm - max(comm / ops.tp, comm - matmuls) if comm > 0 else 0.0
+
+    out = hidden(ops.tp_fwd, ops.mm_fwd) + hidden(ops.tp_bwd, ops.mm_bwd)
+    if recompute == "full":  # the recomputed forward's collectives overlap the same way
+        out += hidden(ops.tp_layers_fwd, ops.mm_fwd)
+    return out
 
 
 def _p2p_s(stage: Stage, hw: HardwareProfile, p2p_bytes: float, *, num_stages: int,
@@ -847,6 +876,14 @@ class _OperatorPass:
     comm_layers_fwd: float
     p2p_bytes: float
     consumer_out: dict
+    # the tensor-parallel ("tp" axis) share of comm_fwd / comm_bwd / comm_layers_fwd, and the
+    # parameter matmuls' compute it can overlap (RuntimeModel.tp_comm_overlap)
+    tp_fwd: float = 0.0
+    tp_bwd: float = 0.0
+    tp_layers_fwd: float = 0.0
+    mm_fwd: float = 0.0
+    mm_bwd: float = 0.0
+    tp: int = 1
 
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
@@ -887,6 +924,8 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
 
     fwd = bwd = rec_full = rec_sel = rec_nonmatmul = 0.0
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
+    tp_ax = stage.axis_names.index("tp") if "tp" in stage.axis_names else None
+    tp_fwd = tp_bwd = tp_layers_fwd = mm_fwd = mm_bwd = 0.0
     # context parallelism (runtime/context.py): a value gathered over cp for split consumers
     # (K, V) gets its partial gradient all-reduced once where it was gathered, not again at
     # each consumer; one gathered for replicated consumers (logits before the shifted loss)
@@ -914,6 +953,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             if not (node.kind == OpKind.MATMUL
                     and any(i in graph.param_map for i in node.inputs)):
                 rec_nonmatmul += t.forward_s
+            else:
+                mm_fwd += t.forward_s
+                mm_bwd += t.backward_s
         for k, p in enumerate(node.inputs):
             if p in graph.param_map and k < len(op.inputs):
                 consumer_out.setdefault(p, []).append((op.output, op.inputs[k]))
@@ -942,19 +984,28 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                     gathered_kv = name in feeds_split or (op.output and op.output[axis] != "R")
                     b = None if not gathered_kv else \
                         Collective.REDUCE_SCATTER if cp_composable else Collective.ALL_REDUCE
+                on_tp = axis == tp_ax and node.layer >= 0
                 if f:
                     tf = coll(f, buf, axis)
                     comm_fwd += tf
                     comm_layers_fwd += tf if node.layer >= 0 else 0.0
+                    tp_fwd += tf if on_tp else 0.0
+                    tp_layers_fwd += tf if on_tp else 0.0
                 if b:
-                    comm_bwd += coll(b, buf, axis)
+                    tb = coll(b, buf, axis)
+                    comm_bwd += tb
+                    tp_bwd += tb if on_tp else 0.0
                 if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
                         and src[axis] == "R" and axis != cp_ax:
-                    comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
+                    tb = coll(Collective.ALL_REDUCE, buf, axis)
+                    comm_bwd += tb
+                    tp_bwd += tb if on_tp else 0.0
     return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
                          rec_nonmatmul=rec_nonmatmul,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
-                         p2p_bytes=p2p_bytes, consumer_out=consumer_out)
+                         p2p_bytes=p2p_bytes, consumer_out=consumer_out, tp_fwd=tp_fwd,
+                         tp_bwd=tp_bwd, tp_layers_fwd=tp_layers_fwd, mm_fwd=mm_fwd,
+                         mm_bwd=mm_bwd, tp=shape[tp_ax] if tp_ax is not None else 1)
 
 
 def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) -> Stage:

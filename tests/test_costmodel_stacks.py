@@ -159,3 +159,27 @@ def test_attention_priced_on_the_stacks_kernel(tiny):
     a100 = HardwareProfile.from_dict(meshplan.Mesh.preset("dgx-a100-80gb", nodes=1)
                                      .hardware.to_dict())
     assert runtime_hardware(a100, default_runtime(a100, engine="megatron")) is a100
+
+
+def test_tp_comm_overlap_hides_at_most_all_but_one_chunk(tiny):
+    """Megatron's --tp-comm-overlap decomposes each collective + GEMM into tp chunks: at most
+    (tp - 1) / tp of the tensor-parallel communication hides, and never more than the
+    matmuls' time; meshplan's runtimes expose it all."""
+    from meshplan.costmodel.estimate import _cached_operator_pass, _tp_overlap_hidden_s
+
+    model, graph, mesh = tiny
+    plan = meshplan.manual_plan(model, mesh, graph=graph, tp=4, dp=2, sequence_parallel=True,
+                                microbatch_size=4, dtype="bf16", engine="megatron")
+    mega = default_runtime(plan_hw(plan), engine="megatron")
+    exposed = _cost(plan, graph, dataclasses.replace(mega, tp_comm_overlap=False))
+    overlapped = _cost(plan, graph, mega)
+    hidden = exposed.comm_s - overlapped.comm_s
+    assert hidden > 0
+    cache = {}
+    stage_cost(plan.stages[0], graph, plan_hw(plan), dtype="bf16", optimizer="adam",
+               runtime=mega, seq_len=plan.training.seq_len, cache=cache)
+    ops = next(v for v in cache.values() if hasattr(v, "tp_fwd"))
+    tp_comm = ops.tp_fwd + ops.tp_bwd
+    assert tp_comm > 0 and ops.tp == 4
+    assert hidden == pytest.approx(_tp_overlap_hidden_s(ops, "none"))
+    assert hidden <= tp_comm * 3 / 4 + 1e-12 and hidden <= ops.mm_fwd + ops.mm_bwd + 1e-12
