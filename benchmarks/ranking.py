@@ -234,7 +234,8 @@ def price(sweep: Sweep, config: Config, model, graph):
     """The configuration as a manual plan, priced by the cost model (the planner's path)."""
     return megatron_plan(model, graph, gpus=config.gpus, tp=config.tp, pp=config.pp,
                          mb=config.mb, v=config.v, recompute=config.recompute,
-                         sequence_parallel=config.sp, dtype=sweep.dtype, zero=sweep.zero)
+                         sequence_parallel=config.sp, dtype=sweep.dtype, zero=sweep.zero,
+                         engine="megatron-2021")
 
 
 def rank_sweep(sweep: Sweep, model, graph) -> dict:

@@ -54,6 +54,8 @@ ENGINES = ("graph", "modules")  # Plan.engine: meshplan's own runtimes
 # other stacks a plan can be priced for (``default_runtime``): what-if estimates of
 # configurations those stacks run, whether or not meshplan's runtimes do
 STACKS = {"megatron": "Megatron-LM / NeMo (Megatron-Core with Transformer Engine)",
+          "megatron-2021": "Megatron-LM as of SC'21 (attention through memory, gradients "
+                           "all-reduced after the pipeline flush)",
           "torchtitan": "torchtitan (FSDP2, eager)"}
 PROFILES = ENGINES + tuple(STACKS)
 BACKENDS = ("gloo", "nccl")
@@ -248,6 +250,13 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
     overlap = 0.0 if gloo else 1.0
     if engine == "megatron":
         return megatron_runtime(backend=backend, overlap=overlap)
+    if engine == "megatron-2021":
+        # Megatron-LM 2021 (Narayanan et al., SC'21; examples/sc21): Q K^T, the fused
+        # scale-mask-softmax and P V through memory (no fused attention yet), gradients in one
+        # contiguous buffer all-reduced after the pipeline flush, nothing overlapped: the
+        # graph engine's terms with materialized attention (DECISIONS 55)
+        return replace(default_runtime(hw, engine="graph", backend=backend),
+                       attention="materialized", engine="megatron-2021")
     if engine == "torchtitan":
         return replace(default_runtime(hw, engine="modules", backend=backend,
                                        pipeline=pipeline), engine="torchtitan")
