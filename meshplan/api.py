@@ -123,7 +123,8 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
-                             zero=zero, dtype=dtype, optimizer=optimizer)
+                             zero=zero, dtype=dtype, optimizer=optimizer,
+                             vocab_parallel_cp=engine in STACKS)
     if engine in STACKS:
         return priced_for_stack(plan, graph, engine)
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is

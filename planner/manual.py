@@ -53,7 +53,11 @@ R = "R"
 def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
                       microbatch_size: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
                       recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
-                      dtype: str = "fp32", optimizer: str = "adam") -> Plan:
+                      dtype: str = "fp32", optimizer: str = "adam",
+                      vocab_parallel_cp: bool = False) -> Plan:
+    """A Megatron-style plan (see the module docstring). ``vocab_parallel_cp``: keep the token
+    embedding vocab-parallel under cp too, as Megatron-LM and torchtitan run it (a plan
+    priced for those stacks); meshplan's graph engine replicates it (``with_cp_axis``)."""
     start = time.perf_counter()
     _check(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
            schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
@@ -77,7 +81,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     prop = Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
                        seq_len=training.seq_len, zero=zero)
     cprop = CpPropagator(graph, training.seq_len) if cp > 1 else None
-    if cprop is not None:
+    if cprop is not None and not vocab_parallel_cp:
         prop.vocab = set()  # see with_cp_axis
     shape, axes = ((dp, tp), ("dp", "tp"))
     stages = []

@@ -183,3 +183,16 @@ def test_tp_comm_overlap_hides_at_most_all_but_one_chunk(tiny):
     assert tp_comm > 0 and ops.tp == 4
     assert hidden == pytest.approx(_tp_overlap_hidden_s(ops, "none"))
     assert hidden <= tp_comm * 3 / 4 + 1e-12 and hidden <= ops.mm_fwd + ops.mm_bwd + 1e-12
+
+
+def test_stack_plans_keep_the_embedding_vocab_parallel_under_cp(tiny):
+    """Megatron-LM's VocabParallelEmbedding splits the token embedding over tp with cp too;
+    only meshplan's graph engine keeps it replicated under cp (planner/manual.with_cp_axis)."""
+    model, graph, mesh = tiny
+    kw = dict(graph=graph, dp=2, cp=2, tp=2, dtype="bf16", zero=1)
+    ours = meshplan.manual_plan(model, mesh, engine="graph", **kw)
+    mega = meshplan.manual_plan(model, mesh, engine="megatron", **kw)
+    emb = graph.param_map["model.embed_tokens.weight"].numel
+    saved = meshplan.estimate(ours, engine="megatron").memory.params_gib \
+        - mega.predicted.memory.params_gib
+    assert saved * GIB == pytest.approx(emb * 2 / 2)  # bf16 weights, half of them per tp rank
