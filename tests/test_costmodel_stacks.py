@@ -196,3 +196,21 @@ def test_stack_plans_keep_the_embedding_vocab_parallel_under_cp(tiny):
     saved = meshplan.estimate(ours, engine="megatron").memory.params_gib \
         - mega.predicted.memory.params_gib
     assert saved * GIB == pytest.approx(emb * 2 / 2)  # bf16 weights, half of them per tp rank
+
+
+def test_a_product_keeps_only_the_factors_autograd_saves(tiny):
+    """MulBackward saves a factor only where the other factor needs a gradient: RoPE's
+    q * cos keeps cos (positions, no gradient), not q; SwiGLU's silu(gate) * up keeps both."""
+    from meshplan.costmodel.memory import saved_inputs
+
+    _, graph, _ = tiny
+    muls = [n for n in graph.nodes if n.target == "aten.mul.Tensor" and len(n.inputs) == 2
+            and not any(i in graph.param_map for i in n.inputs)]
+    rope = [n for n in muls if sum(i in graph.grad_nodes for i in n.inputs) == 1]
+    both = [n for n in muls if all(i in graph.grad_nodes for i in n.inputs)]
+    assert rope and both
+    for n in rope:
+        const = next(i for i in n.inputs if i not in graph.grad_nodes)
+        assert saved_inputs(n, graph) == (const,)
+    for n in both:
+        assert set(saved_inputs(n, graph)) == set(n.inputs)
