@@ -26,13 +26,9 @@ import os
 import sys
 import time
 
-from dataclasses import replace
-
 import torch
 
 import meshplan
-from meshplan.costmodel.estimate import default_runtime, estimate_plan
-from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.tracing import trace
 from meshplan.specs import example_inputs, parse_model_spec
 
@@ -85,23 +81,20 @@ def gpt_graph(layers: int, hidden: int, heads: int, batch: int, *, vocab: int = 
 def megatron_plan(model, graph, *, gpus: int, tp: int, pp: int, mb: int, v: int = 1,
                   recompute: str = "full", sequence_parallel: bool = False,
                   dtype: str = "fp16", zero: int = 0, preset: str = "dgx-a100-80gb",
-                  gpus_per_node: int = 8):
+                  gpus_per_node: int = 8, engine: str = "megatron-2021"):
     """One Megatron-LM configuration written by hand as ``meshplan.manual_plan`` builds it, on
     ``gpus / gpus_per_node`` nodes of ``preset``: dp = gpus / (tp pp), 1F1B, interleaved 1F1B
-    with ``v`` virtual stages where v > 1. Priced as the planner prices plans."""
-    from meshplan.api import _priced_for_engine, choose_engine
-    from meshplan.planner.manual import build_manual_plan
-
+    with ``v`` virtual stages where v > 1. Priced as ``engine`` runs it (a stack of
+    ``meshplan.costmodel.estimate.STACKS``: Megatron ran fp16 pipelines with loss scaling,
+    which meshplan's pipeline runtime does not, so the plan is priced, and its
+    ``engine_note`` says meshplan's runtimes cannot run it)."""
     mesh = meshplan.Mesh.preset(preset, nodes=gpus // gpus_per_node)
-    # manual_plan's own steps, without its runtime check: Megatron ran fp16 pipelines with
-    # loss scaling, which meshplan's pipeline runtime refuses (support.dtype_rule); the
-    # published configuration is priced as it ran, not run here
-    plan = build_manual_plan(graph, mesh, dp=gpus // (tp * pp), tp=tp, pp=pp,
-                             microbatch_size=mb,
-                             schedule="interleaved-1f1b" if v > 1 else "1f1b",
-                             virtual_stages=v, recompute=recompute,
-                             sequence_parallel=sequence_parallel, dtype=dtype, zero=zero)
-    return _priced_for_engine(choose_engine(plan, model), graph, "auto")
+    return meshplan.manual_plan(model, mesh, graph=graph, dp=gpus // (tp * pp), tp=tp, pp=pp,
+                                microbatch_size=mb,
+                                schedule="interleaved-1f1b" if v > 1 else "1f1b",
+                                virtual_stages=v, recompute=recompute,
+                                sequence_parallel=sequence_parallel, dtype=dtype, zero=zero,
+                                engine=engine)
 
 
 def predict(key: str) -> dict:
@@ -111,10 +104,7 @@ def predict(key: str) -> dict:
                                      config=MEGATRON_2021)
     start = time.perf_counter()
     plan = megatron_plan(model, graph, gpus=gpus, tp=tp, pp=pp, mb=mb, v=v)
-    hw = HardwareProfile.from_dict(plan.mesh.hardware)
-    runtime = replace(default_runtime(hw, engine=plan.engine, pipeline=plan.num_stages > 1),
-                      attention="materialized")
-    est = estimate_plan(plan, graph, runtime=runtime, hw=hw)
+    est = plan.predicted
     measured_s = paper_flops(batch, SEQ, layers, hidden, VOCAB) / (gpus * published * 1e12)
     tflops = paper_flops(batch, SEQ, layers, hidden, VOCAB) / (est.step_time_s * gpus) / 1e12
     return {"model": f"{key.upper()}", "tp": tp, "pp": pp, "dp": dp, "gpus": gpus,

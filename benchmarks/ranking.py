@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from megatron_published import gpt_graph, megatron_plan  # noqa: E402
+from megatron_published import MEGATRON_2021, gpt_graph, megatron_plan  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv 2205.05198"
@@ -99,6 +99,9 @@ class Sweep:
     source: str
     configs: tuple[Config, ...]
     note: str = ""
+    # more model settings (megatron_published.MEGATRON_2021: Megatron-LM's fused bias-GeLU
+    # and dropout 0.1, which Korthikanti et al. ran); "": transformers' GPT-2 defaults
+    config: str = ""
 
 
 def _t5(size: str, gpus: int, tp: int, pp: int, mb: int, v: int, full: float, present: float,
@@ -110,7 +113,7 @@ def _t5(size: str, gpus: int, tp: int, pp: int, mb: int, v: int, full: float, pr
                  (Config("full recompute", gpus, tp, pp, mb, full, f"{row}, full recompute",
                          v=v, recompute="full"),
                   Config("SP + selective", gpus, tp, pp, mb, present, f"{row}, present work",
-                         v=v, recompute="selective", sp=True)))
+                         v=v, recompute="selective", sp=True)), config=MEGATRON_2021)
 
 
 def _bloom(dp: int, tp: int, pp: int, mb: int, secs: float, where: str) -> Config:
@@ -133,7 +136,8 @@ SWEEPS: tuple[Sweep, ...] = (
            Config("selective + SP", 8, 8, 1, 4, 20.3, "Table 4, selective + sequence",
                   recompute="selective", sp=True)),
           note="measured is one layer's time; predicted is the whole step (48 layers, "
-               "embedding, loss, optimizer): the order is what is compared"),
+               "embedding, loss, optimizer): the order is what is compared",
+          config=MEGATRON_2021),
     _t5("22B", 8, 8, 1, 4, 1, 1.42, 1.10, 48, 6144, 64, 4),
     _t5("175B", 64, 8, 8, 1, 3, 18.13, 13.75, 96, 12288, 96, 64),
     _t5("530B", 280, 8, 35, 1, 3, 49.05, 37.83, 105, 20480, 128, 280),
@@ -234,7 +238,8 @@ def price(sweep: Sweep, config: Config, model, graph):
     """The configuration as a manual plan, priced by the cost model (the planner's path)."""
     return megatron_plan(model, graph, gpus=config.gpus, tp=config.tp, pp=config.pp,
                          mb=config.mb, v=config.v, recompute=config.recompute,
-                         sequence_parallel=config.sp, dtype=sweep.dtype, zero=sweep.zero)
+                         sequence_parallel=config.sp, dtype=sweep.dtype, zero=sweep.zero,
+                         engine="megatron-2021")
 
 
 def rank_sweep(sweep: Sweep, model, graph) -> dict:
@@ -414,10 +419,12 @@ def main(argv=None) -> int:
     graphs: dict[tuple, tuple] = {}
     results = []
     for sweep in (s for s in SWEEPS if s.name in chosen):
-        key = (sweep.layers, sweep.hidden, sweep.heads, sweep.vocab, sweep.seq, sweep.batch)
+        key = (sweep.layers, sweep.hidden, sweep.heads, sweep.vocab, sweep.seq, sweep.batch,
+               sweep.config)
         if key not in graphs:
             model, graph, _ = gpt_graph(sweep.layers, sweep.hidden, sweep.heads, sweep.batch,
-                                        vocab=sweep.vocab, seq=sweep.seq, name=sweep.name)
+                                        vocab=sweep.vocab, seq=sweep.seq, name=sweep.name,
+                                        config=sweep.config)
             graphs[key] = (model, graph)
         r = rank_sweep(sweep, *graphs[key])
         results.append(r)

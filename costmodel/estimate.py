@@ -50,7 +50,14 @@ from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 from meshplan.support import lists_rank_groups
 
-ENGINES = ("graph", "modules")  # Plan.engine
+ENGINES = ("graph", "modules")  # Plan.engine: meshplan's own runtimes
+# other stacks a plan can be priced for (``default_runtime``): what-if estimates of
+# configurations those stacks run, whether or not meshplan's runtimes do
+STACKS = {"megatron": "Megatron-LM / NeMo (Megatron-Core with Transformer Engine)",
+          "megatron-2021": "Megatron-LM as of SC'21 (attention through memory, gradients "
+                           "all-reduced after the pipeline flush)",
+          "torchtitan": "torchtitan (FSDP2, eager)"}
+PROFILES = ENGINES + tuple(STACKS)
 BACKENDS = ("gloo", "nccl")
 DDP_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP bucket_cap_mb default (25 MiB)
 OPTIMIZER_OPS_PER_TENSOR = {"adam": 10, "sgd": 3}  # torch.optim _single_tensor_adam / sgd
@@ -130,6 +137,30 @@ class RuntimeModel:
       ``replicate``, 4 -> 12 MiB under ``fully_shard(reshard_after_forward=False)``). Only ZeRO-0 sets this
       apart from the graph engine, whose fp32 ZeRO-1/2 keep a master shard beside the
       full weights too (runtime/parallelize.py); both are counted in ``parameter_walk``.
+    zero_over_cp: the ZeRO/FSDP group is dp x cp, not dp: optimizer state (ZeRO >= 1),
+      gradients (>= 2) and weights (3) are divided by dp x cp, as Megatron-LM's
+      distributed optimizer (its data-parallel group with context parallelism,
+      ``get_data_parallel_group(with_context_parallel=True)``) and torchtitan's FSDP over
+      the flattened dp_shard x cp mesh shard them (DESIGN.md, "ZeRO 1/2/3"); the module
+      engine's fully_shard over the flattened dp x cp mesh. False: the graph engine, whose
+      ZeRO shards over dp only.
+    cp_composable: context parallelism as PyTorch's ``context_parallel`` runs SDPA
+      (torchtitan; Llama 3, arXiv 2407.21783 sec. 3.3.2: K/V all-gathered, sequence in
+      2 x cp chunks paired head and tail): causal attention skips the blocks above the
+      diagonal on every rank, balanced by the head-tail pairing, with no mask in memory;
+      K and V are all-gathered over cp in each layer's forward and their gradients
+      reduce-scattered in its backward (the all-gather's adjoint; not all-reduced); the
+      loss runs on each rank's chunk (the head after the last block, its logits and the
+      cross entropy at 1/cp, no logits gathered). False: the graph engine's DTensor
+      context parallelism (runtime/context.py): attention under an explicit mask, the
+      K/V gradients all-reduced, the logits gathered before the shifted loss.
+    attention_kernel: the fused attention kernel the stack runs ("fa2", "fa3", "cudnn"),
+      priced on the device's curve for it (``DeviceSpec.attention_kernels``); "": the
+      device's ``attention_efficiency`` (PyTorch SDPA's flash backend, FlashAttention-2).
+    tp_comm_overlap: tensor-parallel all-gathers and reduce-scatters overlapped with the
+      matmuls next to them, decomposed into tp chunks (``_tp_overlap_hidden_s``):
+      Megatron-Core's ``--tp-comm-overlap`` (NeMo's recipes turn it on with TP), torchtitan's
+      async TP (needs torch.compile). False: exposed in full (meshplan's runtimes).
     overlap_efficiency: of the collective time the factors above hide behind compute
       (``sync_overlaps_backward``, ``param_gather_overlap``), the fraction really hidden.
       1 on NCCL, where a collective issued with ``async_op=False`` is queued on its stream
@@ -157,14 +188,19 @@ class RuntimeModel:
     causal_mask_skipped: bool = False
     causal_attention: bool = False
     fsdp_keeps_shards: bool = False
+    zero_over_cp: bool = False
+    cp_composable: bool = False
+    attention_kernel: str = ""
+    tp_comm_overlap: bool = False
     overlap_efficiency: float = 1.0
     engine: str = "graph"
     backend: str = "nccl"
 
     def __post_init__(self):
-        if self.engine not in ENGINES:
-            raise PlanningError(f"engine={self.engine!r} is not one of {', '.join(ENGINES)}; "
-                                 "pass the engine the plan names (Plan.engine)")
+        if self.engine not in PROFILES:
+            raise PlanningError(f"engine={self.engine!r} is not one of {', '.join(PROFILES)}; "
+                                 "pass the engine the plan names (Plan.engine) or a stack "
+                                 "to price it for")
         if self.backend not in BACKENDS:
             raise PlanningError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}; "
                                  "gloo runs CPU processes, nccl GPUs")
@@ -212,13 +248,26 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
         backend = "gloo" if hw.device.host_cores > 0 or hw.device.name == "cpu" else "nccl"
     gloo = backend == "gloo"
     overlap = 0.0 if gloo else 1.0
+    if engine == "megatron":
+        return megatron_runtime(backend=backend, overlap=overlap)
+    if engine == "megatron-2021":
+        # Megatron-LM 2021 (Narayanan et al., SC'21; examples/sc21): Q K^T, the fused
+        # scale-mask-softmax and P V through memory (no fused attention yet), gradients in one
+        # contiguous buffer all-reduced after the pipeline flush, nothing overlapped: the
+        # graph engine's terms with materialized attention (DECISIONS 55)
+        return replace(default_runtime(hw, engine="graph", backend=backend),
+                       attention="materialized", engine="megatron-2021")
+    if engine == "torchtitan":
+        return replace(default_runtime(hw, engine="modules", backend=backend,
+                                       pipeline=pipeline), engine="torchtitan")
     if engine == "modules" and pipeline:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=True, sync_overlaps_backward=False,
                             reduce_scatter_per_microbatch=False, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
-                            fsdp_keeps_shards=True, overlap_efficiency=overlap,
+                            fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
+                            overlap_efficiency=overlap,
                             engine=engine, backend=backend)
     if engine == "modules":
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
@@ -226,12 +275,44 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             full_grad_accumulation=False, sync_overlaps_backward=True,
                             reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
-                            fsdp_keeps_shards=True, overlap_efficiency=overlap,
+                            fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
+                            overlap_efficiency=overlap,
                             engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
                         full_grad_accumulation=True, causal_attention=True,
                         overlap_efficiency=overlap, engine=engine, backend=backend)
+
+
+def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeModel:
+    """Megatron-LM / NeMo as Megatron-Core runs a GPT with Transformer Engine:
+
+    - distributed optimizer (``--use-distributed-optimizer``, plan ``zero=1``): the fp32
+      main gradients stay whole in one contiguous buffer, accumulated over the microbatches
+      and reduce-scattered once per step, the fp32 master weights and Adam moments sharded
+      over the data-parallel group with context parallelism (dp x cp); the updated bf16
+      weights all-gathered back (Megatron-LM docs/source/api-guide/dist_optimizer.md:
+      6 + 12/d bytes per parameter);
+    - ``--overlap-grad-reduce`` / ``--overlap-param-gather``: gradient buckets reduced as
+      the backward produces them, updated weights gathered as the next forward needs them;
+    - fused attention (cuDNN, Transformer Engine's FusedAttention backend on Hopper) with
+      the causal pattern and no
+      mask tensor; selective recompute is Korthikanti et al.'s (the attention core);
+    - context parallelism on causal, head-tail balanced chunks, loss on each chunk (the
+      same terms as ``cp_composable``; Megatron exchanges K/V in a ring of send/recv, the
+      same bytes per rank as the all-gather priced here);
+    - ``--tp-comm-overlap``: tensor-parallel collectives overlapped with the GEMMs;
+    - fp16 with loss scaling in pipelines (nothing to price beyond the fp16 GEMMs).
+    """
+    return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
+                        reduce_scatter_as_all_reduce=backend == "gloo", flat_grad_sync=False,
+                        full_grad_accumulation=True, sync_overlaps_backward=True,
+                        reduce_scatter_per_microbatch=False, selective_keeps_matmuls=False,
+                        causal_mask_skipped=True, causal_attention=True,
+                        fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
+                        attention_kernel="cudnn", tp_comm_overlap=True,
+                        overlap_efficiency=overlap,
+                        engine="megatron", backend=backend)
 
 
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
@@ -314,18 +395,22 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     all_procs = contention_factor(hw, processes_on_host)
     contention = all_procs if compute_contention is None else compute_contention
     coll = CollectivePrices(stage, hw, backend=runtime.backend, cache=cache)
+    if runtime.cp_composable:
+        stage = chunked_loss_stage(stage, graph, cache)
     ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll,
                                 runtime.backend, runtime.attention,
-                                causal=runtime.causal_attention)
+                                causal=runtime.causal_attention,
+                                cp_composable=runtime.cp_composable)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
+    tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
     params = parameter_walk(stage, graph, ops.consumer_out, dtype=dtype, optimizer=optimizer,
                             runtime=runtime)
     traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd,
                                backward_s=ops.bwd, recompute_s=recompute)
-    comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec + p2p + traffic.gather_exposed_s
-               + traffic.microbatch_s)
+    comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p
+               + traffic.gather_exposed_s + traffic.microbatch_s)
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs)
 
@@ -388,6 +473,27 @@ def _recompute_s(ops: _OperatorPass, recompute: str,
     return 0.0, 0.0
 
 
+def _tp_overlap_hidden_s(ops: _OperatorPass, recompute: str) -> float:
+    """Tensor-parallel communication hidden behind the parameter matmuls that consume or
+    produce it, per microbatch (``RuntimeModel.tp_comm_overlap``). The overlap decomposes
+    each all-gather + GEMM (and GEMM + reduce-scatter) into tp chunks exchanged in a ring
+    while the previous chunk's GEMM runs (Wang et al., ASPLOS'23, "Overlap communication with
+    dependent computation via decomposition"; Megatron-Core ``--tp-comm-overlap`` with
+    Transformer Engine userbuffers; PyTorch's async TP, ``torch.distributed._symmetric_memory``
+    as torchtitan enables it): one chunk of the communication stays exposed, and no more
+    is hidden than the matmuls take. Per pass: hidden = comm - max(comm / tp, comm - matmuls)."""
+    if ops.tp <= 1:
+        return 0.0
+
+    def hidden(comm: float, matmuls: float) -> float:
+        return comm - max(comm / ops.tp, comm - matmuls) if comm > 0 else 0.0
+
+    out = hidden(ops.tp_fwd, ops.mm_fwd) + hidden(ops.tp_bwd, ops.mm_bwd)
+    if recompute == "full":  # the recomputed forward's collectives overlap the same way
+        out += hidden(ops.tp_layers_fwd, ops.mm_fwd)
+    return out
+
+
 def _p2p_s(stage: Stage, hw: HardwareProfile, p2p_bytes: float, *, num_stages: int,
            schedule: str, virtual_stages: int) -> float:
     """Pipeline send/recv of the stage's boundary tensors per microbatch: a receive and a
@@ -433,11 +539,10 @@ class ParamWalk:
     unit_numel: dict  # block -> local parameters (-1: outside the blocks): ZeRO-3/FSDP units
     syncs: tuple[GradSync, ...]
     dp_axis: int | None
-
-    @property
-    def synced_bytes(self) -> float:
-        """Gradient bytes synced once per step after the backward (the flat buffer)."""
-        return sum(s.grad_bytes for s in self.syncs if not s.per_use)
+    # gradient bytes synced once per step after the backward: each parameter's gradient
+    # once, however many mesh axes reduce it (the graph engine's one flat buffer,
+    # ``lowering.reduce_partial_grads``, is reduced over every axis in turn)
+    synced_bytes: float = 0.0
 
 
 def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: str,
@@ -447,9 +552,11 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
     parameter to the (output, read-as) placements of the operators reading it."""
     shape = stage.mesh_shape
     dpa = dp_axis(stage)
-    dp = shape[dpa] if dpa is not None else 1
+    cpa = _zero_cp_axis(stage, runtime)
+    # the ZeRO/FSDP group: dp, or dp x cp where the engine shards over both
+    dp = (shape[dpa] if dpa is not None else 1) * (shape[cpa] if cpa is not None else 1)
     zero = stage.zero
-    weights = grads = opt = opt_numel = 0.0
+    weights = grads = opt = opt_numel = synced = 0.0
     tensors = 0
     unit_numel: dict[int, float] = {}
     syncs: list[GradSync] = []
@@ -459,8 +566,11 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
             continue
         numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
         w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
-        if zero == 2 and runtime.full_grad_accumulation:
-            g = numel * GRAD_BYTES  # the full gradient, reduce-scattered once per step
+        if runtime.full_grad_accumulation and (
+                zero == 2 or (zero >= 3 and not runtime.zero3_per_use)):
+            # the full gradient, reduce-scattered once per step (the graph engine's ZeRO-2;
+            # a module-engine pipeline stage at ZeRO-2 or 3, DECISIONS 61)
+            g = numel * GRAD_BYTES
         if dtype == "fp32" and dp > 1 and zero in (1, 2):
             # the fp32 shard the optimizer steps, beside the full weights: the graph
             # engine's ZeRO-1/2 master, FSDP2's shard (under bf16: the master counted in
@@ -475,34 +585,56 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
         unit_numel[layer] = unit_numel.get(layer, 0.0) + numel
         if info.trainable:
             outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
-            syncs += _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
-                                 runtime=runtime)
+            mine = _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
+                               runtime=runtime, cpa=cpa)
+            syncs += mine
+            synced += max((s.grad_bytes for s in mine if not s.per_use), default=0.0)
     return ParamWalk(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt,
                      optimizer_numel=opt_numel, tensors=tensors, unit_numel=unit_numel,
-                     syncs=tuple(syncs), dp_axis=dpa)
+                     syncs=tuple(syncs), dp_axis=dpa, synced_bytes=synced)
+
+
+def _zero_cp_axis(stage: Stage, runtime: RuntimeModel) -> int | None:
+    """The cp axis when the engine's ZeRO/FSDP group spans dp x cp
+    (``RuntimeModel.zero_over_cp``) and the stage shards state (ZeRO >= 1); else None."""
+    if not runtime.zero_over_cp or stage.zero < 1 or "cp" not in stage.axis_names:
+        return None
+    a = stage.axis_names.index("cp")
+    return a if stage.mesh_shape[a] > 1 else None
 
 
 def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
                 shape: tuple[int, ...], dpa: int | None, *, zero: int, dtype: str,
-                runtime: RuntimeModel) -> list[GradSync]:
+                runtime: RuntimeModel, cpa: int | None = None) -> list[GradSync]:
     """The gradient is partial on an axis where an operator split on it reads the weight
     whole (R); a weight read as P (a row-parallel bias) has the same gradient everywhere.
     It is reduced where the weight is replicated, and always over dp (ZeRO shards keep
-    their slice of the reduced gradient)."""
+    their slice of the reduced gradient).
+
+    ``cpa``: the cp axis belongs to the ZeRO group (dp x cp, as Megatron's distributed
+    optimizer and torchtitan's FSDP over dp_shard x cp shard): the flattened group's
+    reduce-scatter is priced as its hierarchical form, a reduce-scatter over cp of the
+    whole gradient, then the dp axis's collective on the 1/cp piece each cp rank keeps;
+    the updated (or ZeRO-3 gathered) weights come back the mirror way."""
     out = []
+    cp = shape[cpa] if cpa is not None else 1
+    synced_on_cp = cpa is not None and any(o[cpa] != "R" and used[cpa] != "P"
+                                            for o, used in outs)
     for axis, size in enumerate(shape):
         if size == 1 or not any(o[axis] != "R" and used[axis] != "P" for o, used in outs):
             continue
         if placement[axis] != "R" and axis != dpa:
             continue
-        on_dp = axis == dpa
-        kind = Collective.REDUCE_SCATTER if (on_dp and zero >= 2) else Collective.ALL_REDUCE
+        on_dp = axis == dpa or axis == cpa
+        kind = Collective.REDUCE_SCATTER if (axis == cpa or (on_dp and zero >= 2)) \
+            else Collective.ALL_REDUCE
         if kind == Collective.REDUCE_SCATTER and runtime.reduce_scatter_as_all_reduce:
             kind = Collective.ALL_REDUCE
-        out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * GRAD_BYTES,
-                            weight_bytes=numel * (4 if dtype == "fp32" else 2), layer=layer,
-                            uses=max(1, len(outs)), on_dp=on_dp,
-                            per_use=on_dp and zero >= 3 and runtime.zero3_per_use))
+        piece = cp if axis == dpa and synced_on_cp else 1
+        out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * GRAD_BYTES / piece,
+                            weight_bytes=numel * (4 if dtype == "fp32" else 2) / piece,
+                            layer=layer, uses=max(1, len(outs)), on_dp=on_dp,
+                            per_use=axis == dpa and zero >= 3 and runtime.zero3_per_use))
     return out
 
 
@@ -753,22 +885,30 @@ class _OperatorPass:
     comm_layers_fwd: float
     p2p_bytes: float
     consumer_out: dict
+    # the tensor-parallel ("tp" axis) share of comm_fwd / comm_bwd / comm_layers_fwd, and the
+    # parameter matmuls' compute it can overlap (RuntimeModel.tp_comm_overlap)
+    tp_fwd: float = 0.0
+    tp_bwd: float = 0.0
+    tp_layers_fwd: float = 0.0
+    mm_fwd: float = 0.0
+    mm_bwd: float = 0.0
+    tp: int = 1
 
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
                           dtype: str, m: int, contention: float, coll,
                           backend: str = "nccl", attention: str = "flash", *,
-                          causal: bool = False) -> _OperatorPass:
+                          causal: bool = False, cp_composable: bool = False) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets). ``causal``: attention
     that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend, attention, causal)
+           contention, id(hw), backend, attention, causal, cp_composable)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
     result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
-                            causal=causal)
+                            causal=causal, cp_composable=cp_composable)
     if cache is not None:
         cache[key] = result
     return result
@@ -776,11 +916,13 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
 
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
                    contention: float, coll, attention: str = "flash", *,
-                   causal: bool = False) -> _OperatorPass:
+                   causal: bool = False, cp_composable: bool = False) -> _OperatorPass:
     names = list(stage.ops)
     # the graph engine drops a causal mask only where queries and keys are the same length:
-    # not under context parallelism, where each rank's queries are a chunk of the sequence
-    masks = causal_masks(graph) if causal and "cp" not in stage.axis_names else set()
+    # not under its context parallelism, where each rank's queries are a chunk of the
+    # sequence; PyTorch's context_parallel runs causal SDPA on the balanced chunks
+    masks = causal_masks(graph) if causal and (cp_composable or "cp" not in stage.axis_names) \
+        else set()
     in_stage = set(names)
     shape = stage.mesh_shape
     placement = _placements(stage)
@@ -791,6 +933,8 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
 
     fwd = bwd = rec_full = rec_sel = rec_nonmatmul = 0.0
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
+    tp_ax = stage.axis_names.index("tp") if "tp" in stage.axis_names else None
+    tp_fwd = tp_bwd = tp_layers_fwd = mm_fwd = mm_bwd = 0.0
     # context parallelism (runtime/context.py): a value gathered over cp for split consumers
     # (K, V) gets its partial gradient all-reduced once where it was gathered, not again at
     # each consumer; one gathered for replicated consumers (logits before the shifted loss)
@@ -818,6 +962,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             if not (node.kind == OpKind.MATMUL
                     and any(i in graph.param_map for i in node.inputs)):
                 rec_nonmatmul += t.forward_s
+            else:
+                mm_fwd += t.forward_s
+                mm_bwd += t.backward_s
         for k, p in enumerate(node.inputs):
             if p in graph.param_map and k < len(op.inputs):
                 consumer_out.setdefault(p, []).append((op.output, op.inputs[k]))
@@ -843,21 +990,72 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                 buf = nbytes / split_factor(src, shape, skip_axis=axis)
                 f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
                 if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == "R":
-                    b = Collective.ALL_REDUCE if name in feeds_split or (
-                        op.output and op.output[axis] != "R") else None
+                    gathered_kv = name in feeds_split or (op.output and op.output[axis] != "R")
+                    b = None if not gathered_kv else \
+                        Collective.REDUCE_SCATTER if cp_composable else Collective.ALL_REDUCE
+                on_tp = axis == tp_ax and node.layer >= 0
                 if f:
                     tf = coll(f, buf, axis)
                     comm_fwd += tf
                     comm_layers_fwd += tf if node.layer >= 0 else 0.0
+                    tp_fwd += tf if on_tp else 0.0
+                    tp_layers_fwd += tf if on_tp else 0.0
                 if b:
-                    comm_bwd += coll(b, buf, axis)
+                    tb = coll(b, buf, axis)
+                    comm_bwd += tb
+                    tp_bwd += tb if on_tp else 0.0
                 if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
                         and src[axis] == "R" and axis != cp_ax:
-                    comm_bwd += coll(Collective.ALL_REDUCE, buf, axis)
+                    tb = coll(Collective.ALL_REDUCE, buf, axis)
+                    comm_bwd += tb
+                    tp_bwd += tb if on_tp else 0.0
     return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
                          rec_nonmatmul=rec_nonmatmul,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
-                         p2p_bytes=p2p_bytes, consumer_out=consumer_out)
+                         p2p_bytes=p2p_bytes, consumer_out=consumer_out, tp_fwd=tp_fwd,
+                         tp_bwd=tp_bwd, tp_layers_fwd=tp_layers_fwd, mm_fwd=mm_fwd,
+                         mm_bwd=mm_bwd, tp=shape[tp_ax] if tp_ax is not None else 1)
+
+
+def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) -> Stage:
+    """``stage`` with the operators after its last block (final norm, head, the loss)
+    computed on each rank's cp chunk: every one of them that reads an activation or a graph
+    input (the labels, sliced to the rank's chunk) is split on the cp axis, reading its
+    inputs as they are produced (no gather). The stage as PyTorch's context_parallel runs
+    it (``RuntimeModel.cp_composable``); unchanged without a cp axis or a tail."""
+    if "cp" not in stage.axis_names:
+        return stage
+    key = ("chunked-loss", id(stage.ops))
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is stage.ops:
+        return hit[1]
+    ax = stage.axis_names.index("cp")
+    names = list(stage.ops)
+    last_block = max((i for i, n in enumerate(names) if graph.node(n).layer >= 0), default=-1)
+    placement = _placements(stage)
+    ops = dict(stage.ops)
+    for name in names[last_block + 1:]:
+        node, op = graph.node(name), stage.ops[name]
+        reads = [k for k, i in enumerate(node.inputs)
+                 if i not in graph.param_map and k < len(op.inputs) and op.inputs[k]]
+        if not reads or not op.output or graph.node(name).kind == OpKind.CREATION:
+            continue
+        inputs = list(op.inputs)
+        for k in reads:
+            src = placement.get(node.inputs[k])
+            if src:
+                inputs[k] = _set_axis(inputs[k], ax, src[ax])
+        out = op.output if op.output[ax] != "R" else _set_axis(op.output, ax, "S(0)")
+        ops[name] = replace(op, inputs=tuple(inputs), output=out)
+        placement[name] = out
+    chunked = replace(stage, ops=ops)
+    if cache is not None:
+        cache[key] = (stage.ops, chunked)
+    return chunked
+
+
+def _set_axis(placements: tuple[str, ...], axis: int, value: str) -> tuple[str, ...]:
+    return tuple(value if a == axis else p for a, p in enumerate(placements))
 
 
 def _feeds_split(stage: Stage, graph: OpGraph, axis: int) -> set[str]:
@@ -995,6 +1193,24 @@ def _chunked_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, groups, kw: 
     return costs
 
 
+def runtime_hardware(hw: HardwareProfile, runtime: RuntimeModel,
+                     cache: dict | None = None) -> HardwareProfile:
+    """``hw`` with fused attention priced on the runtime's kernel
+    (``RuntimeModel.attention_kernel``); kept in ``cache`` so that the prices cached by
+    ``id(hw)`` stay tied to one live object."""
+    device = hw.device.with_attention_kernel(runtime.attention_kernel)
+    if device is hw.device:
+        return hw
+    key = ("hardware", id(hw), runtime.attention_kernel)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is hw:
+        return hit[1]
+    out = replace(hw, device=device)
+    if cache is not None:
+        cache[key] = (hw, out)
+    return out
+
+
 CONTENTION_ITERATIONS = 4  # fixed-point passes; converged to < 1% on the accuracy plans
 
 
@@ -1015,6 +1231,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     m = max(1, t.microbatches)
     runtime = runtime or default_runtime(hw, engine=plan.engine,
                                          pipeline=plan.num_stages > 1)
+    hw = runtime_hardware(hw, runtime, cache)
     on_host = min(plan.num_devices, hw.devices_per_node)
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages, schedule=t.schedule, virtual_stages=t.virtual_stages,

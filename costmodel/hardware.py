@@ -18,7 +18,7 @@ link's bandwidth and latency), ``measured_ops`` (operator signature -> measured 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
 from meshplan.errors import MeshError
@@ -53,6 +53,14 @@ class DeviceSpec:
     effective_cores: float = 0.0  # fitted cores N processes share (0: host_cores)
     # fused attention (flash attention) kernels reach less of peak than GEMMs; None: as GEMMs
     attention_efficiency: EfficiencyCurve | None = None
+    # fused attention by kernel ("fa2", "fa3", "cudnn"): the curve of the kernel a runtime
+    # names (RuntimeModel.attention_kernel); a kernel not listed runs attention_efficiency
+    attention_kernels: dict = field(default_factory=dict)
+
+    def with_attention_kernel(self, kernel: str) -> "DeviceSpec":
+        """This device pricing fused attention on ``kernel``'s curve, where it lists one."""
+        curve = self.attention_kernels.get(kernel) if kernel else None
+        return replace(self, attention_efficiency=curve) if curve is not None else self
 
     def peak_flops(self, dtype: str) -> float:
         if dtype in self.peak_tflops:
@@ -97,6 +105,8 @@ class HardwareProfile:
         d = asdict(self)
         if d["device"].get("attention_efficiency") is None:  # optional: absent, not null
             d["device"].pop("attention_efficiency", None)
+        if not d["device"].get("attention_kernels"):
+            d["device"].pop("attention_kernels", None)
         return d
 
     @classmethod
@@ -111,6 +121,8 @@ class HardwareProfile:
         dev["memory_efficiency"] = EfficiencyCurve(**dev["memory_efficiency"])
         if dev.get("attention_efficiency") is not None:
             dev["attention_efficiency"] = EfficiencyCurve(**dev["attention_efficiency"])
+        dev["attention_kernels"] = {k: EfficiencyCurve(**v)
+                                    for k, v in dev.get("attention_kernels", {}).items()}
         return cls(
             name=d["name"], device=DeviceSpec(**dev),
             intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),

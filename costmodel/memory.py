@@ -130,7 +130,26 @@ def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
         return ()
     if kind == OpKind.ELEMENTWISE and "dropout" in node.target:
         return (node.name,)  # the mask, counted at the output's size
+    if kind == OpKind.ELEMENTWISE and _PRODUCT.search(node.target) and len(node.inputs) == 2:
+        # autograd's MulBackward saves each factor only where the other factor needs a
+        # gradient (torch/csrc/autograd derivatives.yaml, mul.Tensor: self's gradient reads
+        # other, other's reads self): RoPE's q * cos keeps cos, not q
+        a, b = node.inputs
+        return tuple(x for x, other in ((a, b), (b, a))
+                     if x in acts and _needs_grad(other, graph))
     return acts
+
+
+_PRODUCT = re.compile(r"aten\.mul\.Tensor$")
+
+
+def _needs_grad(name: str, graph: OpGraph) -> bool:
+    """Whether the value ``name`` carries a gradient (a trainable parameter or downstream of
+    one)."""
+    info = graph.param_map.get(name)
+    if info is not None:
+        return info.trainable
+    return name in graph.grad_nodes
 
 
 def alias_root(name: str, graph: OpGraph) -> str:

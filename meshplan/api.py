@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 import torch.nn as nn
 
-from meshplan.costmodel.estimate import estimate_plan
+from meshplan.costmodel.estimate import STACKS, estimate_plan
 from meshplan.errors import NotSupportedError, PlanningError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
@@ -167,14 +167,34 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
-                             zero=zero, dtype=dtype, optimizer=optimizer)
+                             zero=zero, dtype=dtype, optimizer=optimizer,
+                             vocab_parallel_cp=engine in STACKS)
+    if engine in STACKS:
+        return priced_for_stack(plan, graph, engine)
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is
     # refused here, with the same reason (meshplan/support.py)
     check_plan(plan, PlanningError)
     return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 
-ENGINES = ("auto", "modules", "graph")
+ENGINES = ("auto", "modules", "graph") + tuple(STACKS)
+
+
+def priced_for_stack(plan: Plan, graph: OpGraph, stack: str) -> Plan:
+    """``plan`` priced as another stack runs it (``costmodel.estimate.STACKS``: Megatron-LM /
+    NeMo, torchtitan), a what-if estimate: it is priced whether or not meshplan's runtimes
+    run it, and ``engine_note`` says which runtimes can."""
+    from meshplan.costmodel.estimate import default_runtime, with_stage_predictions
+    from meshplan.costmodel.hardware import HardwareProfile
+    from meshplan.support import plan_problems
+
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    runtime = default_runtime(hw, engine=stack, pipeline=plan.num_stages > 1)
+    problems = plan_problems(replace(plan, engine="graph"))
+    ours = "meshplan's graph engine runs it too" if not problems else \
+        f"meshplan's runtimes cannot run it ({problems[0]})"
+    plan = with_stage_predictions(replace(plan, engine="graph"), graph, runtime=runtime)
+    return replace(plan, engine_note=f"priced as {STACKS[stack]} runs it; {ours}")
 
 
 def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> Plan:
@@ -227,13 +247,16 @@ def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
     return priced
 
 
-def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None) -> Estimate:
+def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
+             engine: str | None = None) -> Estimate:
     """Predicted step time and memory of ``plan`` (made by autoparallel or manual_plan).
 
     The graph is ``plan.graph`` or the one passed (a plan read from a file carries none:
     re-trace the model with meshplan.trace and pass it; the fingerprints must agree).
     ``hardware`` (a HardwareProfile) re-prices the plan on other hardware; by default the
-    profile recorded in the plan prices it. Never raises for memory (``fits`` says).
+    profile recorded in the plan prices it. ``engine`` prices it for another runtime than
+    the one it names: "graph", "modules", or a stack ("megatron" for Megatron-LM / NeMo,
+    "torchtitan"). Never raises for memory (``fits`` says).
     """
     graph = graph if graph is not None else plan.graph
     if graph is None:
@@ -241,4 +264,13 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None) -> Esti
                                 "graph=meshplan.trace(model, inputs) (or `meshplan estimate "
                                 "plan.json --model SPEC`)")
     plan.check_model(graph.fingerprint)
-    return estimate_plan(plan, graph, hw=hardware)
+    runtime = None
+    if engine is not None:
+        from meshplan.costmodel.estimate import PROFILES, default_runtime
+        from meshplan.costmodel.hardware import HardwareProfile
+
+        if engine not in PROFILES:
+            raise PlanningError(f"engine={engine!r} is not one of {', '.join(PROFILES)}")
+        hw = hardware or HardwareProfile.from_dict(plan.mesh.hardware)
+        runtime = default_runtime(hw, engine=engine, pipeline=plan.num_stages > 1)
+    return estimate_plan(plan, graph, hw=hardware, runtime=runtime)

@@ -38,7 +38,7 @@ from dataclasses import replace
 from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.context import check_cp_model, insert_cp
 from meshplan.planner.cp_placements import CpPropagator
-from meshplan.errors import MeshError, NotSupportedError, PlanningError
+from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.planner.strategies import BATCH_NORMS
@@ -53,13 +53,17 @@ R = "R"
 def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
                       microbatch_size: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
                       recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
-                      dtype: str = "fp32", optimizer: str = "adam") -> Plan:
+                      dtype: str = "fp32", optimizer: str = "adam",
+                      vocab_parallel_cp: bool = False) -> Plan:
+    """A Megatron-style plan (see the module docstring). ``vocab_parallel_cp``: keep the token
+    embedding vocab-parallel under cp too, as Megatron-LM and torchtitan run it (a plan
+    priced for those stacks); meshplan's graph engine replicates it (``with_cp_axis``)."""
     start = time.perf_counter()
     _check(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
            schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
-    if cp > 1 and recompute == "selective":
-        raise NotSupportedError("recompute='selective' with cp > 1 is not supported (its "
-                                "replay diverges around the cp exchange); use 'full' or 'none'")
+    # selective recompute and sequence parallelism with cp are built (Megatron-LM / NeMo
+    # run them; priced with engine="megatron"); meshplan's runtimes refuse them
+    # (support.context_parallel_plan_rule)
     training = training_config(graph, dtype=dtype, optimizer=optimizer, schedule=schedule,
                                virtual_stages=virtual_stages if schedule == "interleaved-1f1b" else 1,
                                sequence_parallel=bool(sequence_parallel and tp > 1),
@@ -77,7 +81,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     prop = Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
                        seq_len=training.seq_len, zero=zero)
     cprop = CpPropagator(graph, training.seq_len) if cp > 1 else None
-    if cprop is not None:
+    if cprop is not None and not vocab_parallel_cp:
         prop.vocab = set()  # see with_cp_axis
     shape, axes = ((dp, tp), ("dp", "tp"))
     stages = []

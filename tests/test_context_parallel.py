@@ -173,7 +173,7 @@ def test_bad_input_gets_one_line_each():
         _plan(LLAMA, 12, cp=4)
     with pytest.raises(PlanningError, match=r"cp=4 .* has no attention operator"):
         _plan(_NoAttention, 16, cp=4)
-    with pytest.raises(NotSupportedError, match=r"recompute='selective' with cp > 1"):
+    with pytest.raises(PlanningError, match=r"recompute 'selective' with cp=4"):
         _plan(LLAMA, 16, cp=4, recompute="selective")
     # sequence parallelism inside tp and is_causal=True run on the module engine (torch's
     # context_parallel, tests/test_cp_modules.py); the graph engine refuses them

@@ -79,9 +79,9 @@ def test_small_sweep_priced_through_the_public_path(ranking):
         plan = meshplan.manual_plan(
             model, mesh, graph=graph, dp=8 // (config.tp * config.pp), tp=config.tp,
             pp=config.pp, microbatch_size=config.mb, recompute=config.recompute,
-            sequence_parallel=config.sp, dtype="bf16", zero=1)
+            sequence_parallel=config.sp, dtype="bf16", zero=1, engine="megatron-2021")
         assert row["predicted_s"] == plan.predicted.step_time_s
-        assert row["predicted_s"] == meshplan.estimate(plan).step_time_s
+        assert row["predicted_s"] == meshplan.estimate(plan, engine="megatron-2021").step_time_s
         assert plan.training.microbatch_size == config.mb
         assert plan.training.sequence_parallel == config.sp
         assert {s.recompute for s in plan.stages} == {config.recompute}
