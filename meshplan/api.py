@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from meshplan.costmodel.estimate import STACKS, estimate_plan
-from meshplan.errors import NotSupportedError, PlanningError
+from meshplan.errors import MeshplanError, NotSupportedError, PlanningError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
@@ -170,7 +170,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                              zero=zero, dtype=dtype, optimizer=optimizer,
                              vocab_parallel_cp=engine in STACKS)
     if engine in STACKS:
-        return priced_for_stack(plan, graph, engine)
+        return priced_for_stack(plan, graph, engine, model)
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is
     # refused here, with the same reason (meshplan/support.py)
     check_plan(plan, PlanningError)
@@ -180,19 +180,25 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
 ENGINES = ("auto", "modules", "graph") + tuple(STACKS)
 
 
-def priced_for_stack(plan: Plan, graph: OpGraph, stack: str) -> Plan:
+def priced_for_stack(plan: Plan, graph: OpGraph, stack: str, model: nn.Module | None = None) -> Plan:
     """``plan`` priced as another stack runs it (``costmodel.estimate.STACKS``: Megatron-LM /
     NeMo, torchtitan), a what-if estimate: it is priced whether or not meshplan's runtimes
-    run it, and ``engine_note`` says which runtimes can."""
+    run it, and ``engine_note`` says which of them can (the engine ``choose_engine`` would
+    give it, or why none does)."""
     from meshplan.costmodel.estimate import default_runtime, with_stage_predictions
     from meshplan.costmodel.hardware import HardwareProfile
-    from meshplan.support import plan_problems
 
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
     runtime = default_runtime(hw, engine=stack, pipeline=plan.num_stages > 1)
-    problems = plan_problems(replace(plan, engine="graph"))
-    ours = "meshplan's graph engine runs it too" if not problems else \
-        f"meshplan's runtimes cannot run it ({problems[0]})"
+    problems = plan_problems(plan)
+    ours = None
+    if not problems:
+        try:
+            ours = choose_engine(plan, model, "auto").engine
+        except MeshplanError as exc:
+            problems = (str(exc),)
+    ours = f"meshplan's {'module' if ours == 'modules' else 'graph'} engine runs it too" \
+        if ours else f"meshplan's runtimes cannot run it ({problems[0]})"
     plan = with_stage_predictions(replace(plan, engine="graph"), graph, runtime=runtime)
     return replace(plan, engine_note=f"priced as {STACKS[stack]} runs it; {ours}")
 

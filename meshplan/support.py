@@ -208,10 +208,6 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
         return (f"recompute 'selective' with cp={cp}: the selective checkpoint's replay "
                 "diverges from the forward around the cp exchange (tests/"
                 "test_context_parallel.py); use recompute 'full' or 'none' with cp",)
-    if cp > 1 and plan.training.sequence_parallel and plan.engine == "graph":
-        return (f"sequence_parallel with cp={cp} on the graph engine: it splits the sequence "
-                "on the cp axis only; the module engine runs sequence parallelism inside TP "
-                "with cp (engine 'modules'), or price NeMo's layout with engine='megatron'",)
     return ()
 
 

@@ -134,7 +134,12 @@ def test_nemo_layout_sequence_parallel_inside_tp_with_cp(tiny):
     with_sp = meshplan.manual_plan(model, mesh, sequence_parallel=True, **kw)
     without = meshplan.manual_plan(model, mesh, sequence_parallel=False, **kw)
     assert with_sp.predicted.memory.activations_gib < without.predicted.memory.activations_gib
-    assert "sequence_parallel with cp=2" in with_sp.engine_note
+    # meshplan's module engine runs NeMo's layout (torch's context_parallel with SP inside
+    # TP); selective recompute with cp it cannot, and the note says so
+    assert "module engine runs it too" in with_sp.engine_note
+    selective = meshplan.manual_plan(model, mesh, sequence_parallel=True, recompute="selective",
+                                     **kw)
+    assert "runtimes cannot run it (recompute 'selective' with cp=2" in selective.engine_note
 
 
 def test_attention_priced_on_the_stacks_kernel(tiny):
