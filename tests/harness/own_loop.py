@@ -144,8 +144,10 @@ def _images(step):
 
 
 def _features(step):
+    """Features and class labels, some rows unlabelled (-100: semi-supervised data)."""
     g = _gen(step)
-    return (torch.randn(BATCH, 16, generator=g),), (torch.randint(0, 10, (BATCH,), generator=g),)
+    x, y = torch.randn(BATCH, 16, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    return (x,), (y.masked_fill(torch.rand(BATCH, generator=g) < 0.3, -100),)
 
 
 def token_loss(logits, labels):
@@ -332,7 +334,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import logging
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     cells = {}
     for layout in args.layouts.split(","):
         try:
