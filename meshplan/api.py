@@ -89,10 +89,13 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # the pipeline search (stages, submeshes, microbatches, schedule, recompute, ZeRO) and
     # the single-stage intra-op ILP compete under one cost model (planner/hybrid); raises
     # MemoryLimitError (with min_memory_gib) when nothing fits
+    if microbatches is None and _batch_norms(model):
+        microbatches = (1,)  # BatchNorm's statistics are the step's batch's (model_rule)
     space = search_space(microbatches=microbatches, schedules=schedules, recompute=recompute,
                          max_stages=max_stages, context_parallel=context_parallel)
     plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
                      memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
+    _check_model_rules(plan, model)
     return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 
@@ -127,7 +130,32 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is
     # refused here, with the same reason (meshplan/support.py)
     check_plan(plan, PlanningError)
+    _check_model_rules(plan, model)
     return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
+
+
+def _batch_norms(model: nn.Module | None) -> list[str]:
+    return [n for n, m in (model.named_modules() if model is not None else ())
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+
+
+def _check_model_rules(plan: Plan, model: nn.Module | None) -> None:
+    """The rules that read the model as well as the plan (meshplan/support.py), checked when
+    the plan is made so that no plan fails at run time on them."""
+    if model is None:
+        return
+    from meshplan import support
+    stage = plan.stages[0]
+    tp = dict(zip(stage.axis_names, stage.mesh_shape)).get("tp", 1)
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    why = support.heads_rule(tp, *(n if isinstance(n, int) else None for n in (heads, kv)))
+    norms = _batch_norms(model)
+    why += support.batch_norm_microbatch_rule(plan.training.microbatches,
+                                              plan.training.global_batch, norms[:1])
+    if why:
+        raise PlanningError(why[0])
 
 
 ENGINES = ("auto", "modules", "graph")

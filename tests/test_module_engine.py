@@ -140,7 +140,7 @@ def test_gpt2_conv1d_fused_qkv_is_refused(metas):
 
 def test_shards_the_forward_cannot_run_are_refused():
     """2 key/value heads over tp=4: each rank would hold half a head. The weights split
-    evenly, so the heads rule (support.module_engine_heads_rule) says it in one line; the
+    evenly, so the heads rule (support.heads_rule) says it in one line; the
     local-shard forward would fail too."""
     from meshplan.runtime.modules import module_engine_refusal, tp_styles
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 BATCH, STEPS, LR, CLIP, SEED = 8, 3, 1e-2, 0.05, 0
 LAYOUTS = {"auto": "auto", "dp4": dict(dp=4), "dp2xtp2": dict(dp=2, tp=2),
            "dp2xpp2": dict(dp=2, pp=2), "tp2xpp2": dict(tp=2, pp=2)}
+EXTRA_LAYOUTS = {"tp4": dict(tp=4)}  # beyond the matrix: tp over more ranks than KV heads
 LOSS_FLOOR, WEIGHT_FLOOR = 1e-5, 1e-4  # the tolerance floors (the house rule)
 
 
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
     cells = {}
     for layout in args.layouts.split(","):
         try:
-            cells[layout] = run_cell(args.model, LAYOUTS[layout])
+            cells[layout] = run_cell(args.model, {**LAYOUTS, **EXTRA_LAYOUTS}[layout])
         except Exception as exc:  # noqa: BLE001 - one failing cell must not hide the others
             cells[layout] = {"error": f"run time: {type(exc).__name__}: "
                                       f"{str(exc).splitlines()[0] if str(exc) else ''}",
