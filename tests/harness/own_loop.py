@@ -32,7 +32,9 @@ import torch.nn.functional as F
 BATCH, STEPS, LR, CLIP, SEED = 8, 3, 1e-2, 0.05, 0
 LAYOUTS = {"auto": "auto", "dp4": dict(dp=4), "dp2xtp2": dict(dp=2, tp=2),
            "dp2xpp2": dict(dp=2, pp=2), "tp2xpp2": dict(tp=2, pp=2)}
-EXTRA_LAYOUTS = {"tp4": dict(tp=4)}  # beyond the matrix: tp over more ranks than KV heads
+EXTRA_LAYOUTS = {"tp4": dict(tp=4),  # beyond the matrix: tp over more ranks than KV heads
+                 "dp2xpp2-zero1": dict(dp=2, pp=2, zero=1),  # autoparallel's tied-GPT pick
+                 "dp4-accumulate": dict(dp=4, microbatch_size=1)}  # BatchNorm: refused
 LOSS_FLOOR, WEIGHT_FLOOR = 1e-5, 1e-4  # the tolerance floors (the house rule)
 
 
@@ -75,16 +77,22 @@ class TiedGPT(nn.Module):
 
 
 class ConvNet(nn.Module):
-    def __init__(self, width=8, classes=10):
+    """ResNet-style: a stem, residual conv + BatchNorm2d blocks, a linear head."""
+
+    def __init__(self, width=8, classes=10, layers=2):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
                                   nn.BatchNorm2d(width), nn.ReLU())
-        self.block = nn.Sequential(nn.Conv2d(width, 2 * width, 3, stride=2, padding=1,
-                                             bias=False), nn.BatchNorm2d(2 * width), nn.ReLU())
-        self.head = nn.Linear(2 * width, classes)
+        self.layers = nn.ModuleList(nn.Sequential(
+            nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+            for _ in range(layers))
+        self.head = nn.Linear(width, classes)
 
     def forward(self, images):
-        return self.head(self.block(self.stem(images)).mean(dim=(2, 3)))
+        h = self.stem(images)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(h.mean(dim=(2, 3)))
 
 
 class MLPClassifier(nn.Module):
@@ -100,6 +108,12 @@ class MLPClassifier(nn.Module):
         for layer in self.layers:
             h = h + layer(h)
         return self.head(h)
+
+
+def sequential_mlp(d_in=16, d=32, classes=10):
+    """The plainest classifier: an nn.Sequential of Linear and ReLU."""
+    return nn.Sequential(nn.Linear(d_in, d), nn.ReLU(), nn.Linear(d, d), nn.ReLU(),
+                         nn.Linear(d, d), nn.ReLU(), nn.Linear(d, classes))
 
 
 def _llama():
@@ -166,7 +180,8 @@ MODELS = {  # name: (build, batch(step), loss_fn given to meshplan or None, refe
     "llama": (_llama, _tokens, None, None),
     "bert": (_bert, _masked, token_loss, token_loss),
     "cnn": (ConvNet, _images, None, token_loss),
-    "mlp": (MLPClassifier, _features, token_loss, token_loss),
+    "mlp": (sequential_mlp, _features, token_loss, token_loss),
+    "resmlp": (MLPClassifier, _features, token_loss, token_loss),
 }
 
 
@@ -282,6 +297,9 @@ def _plan(name: str, layout):
         common = dict(example_inputs=tuple(x.to("meta") for x in inputs),
                       example_targets=tuple(t.to("meta") for t in targets), loss_fn=loss_fn)
         mesh = meshplan.Mesh.local(dist.get_world_size())
+        if name == "cnn" and layout != "auto":  # BatchNorm: one microbatch per step
+            layout = {"microbatch_size": BATCH // layout.get("dp", 1), "schedule": "gpipe",
+                      **layout}
         try:
             plan = meshplan.autoparallel(meta, mesh, **common, time_limit_s=10) \
                 if layout == "auto" else meshplan.manual_plan(meta, mesh, **common, **layout)
