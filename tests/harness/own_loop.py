@@ -221,7 +221,7 @@ def reference(name: str, dtype=torch.float32) -> dict:
         value.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step(), sched.step(), opt.zero_grad()
-        losses.append(float(value))
+        losses.append(float(value.detach()))
     model.eval()
     inputs, _ = batch(STEPS)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
