@@ -124,6 +124,22 @@ def _llama():
         attn_implementation="sdpa"))
 
 
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        attn_implementation="sdpa"))
+
+
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    return GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=32, hidden_dropout=0.0,
+        attention_dropout=0.0, attn_implementation="sdpa"))
+
+
 def _bert():
     from transformers import BertConfig, BertForMaskedLM
     return BertForMaskedLM(BertConfig(
@@ -178,6 +194,8 @@ def lm_loss(logits, ids):
 MODELS = {  # name: (build, batch(step), loss_fn given to meshplan or None, reference loss)
     "gpt": (TiedGPT, _tokens, None, None),
     "llama": (_llama, _tokens, None, None),
+    "qwen2": (_qwen2, _tokens, None, None),
+    "neox": (_neox, _tokens, None, None),
     "bert": (_bert, _masked, token_loss, token_loss),
     "cnn": (ConvNet, _images, None, token_loss),
     "mlp": (sequential_mlp, _features, token_loss, token_loss),
