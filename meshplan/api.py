@@ -89,8 +89,6 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # the pipeline search (stages, submeshes, microbatches, schedule, recompute, ZeRO) and
     # the single-stage intra-op ILP compete under one cost model (planner/hybrid); raises
     # MemoryLimitError (with min_memory_gib) when nothing fits
-    if microbatches is None and _batch_norms(model):
-        microbatches = (1,)  # BatchNorm's statistics are the step's batch's (model_rule)
     space = search_space(microbatches=microbatches, schedules=schedules, recompute=recompute,
                          max_stages=max_stages, context_parallel=context_parallel)
     plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
@@ -134,11 +132,6 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 
-def _batch_norms(model: nn.Module | None) -> list[str]:
-    return [n for n, m in (model.named_modules() if model is not None else ())
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-
-
 def _check_model_rules(plan: Plan, model: nn.Module | None) -> None:
     """The rules that read the model as well as the plan (meshplan/support.py), checked when
     the plan is made so that no plan fails at run time on them."""
@@ -151,9 +144,6 @@ def _check_model_rules(plan: Plan, model: nn.Module | None) -> None:
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
     why = support.heads_rule(tp, *(n if isinstance(n, int) else None for n in (heads, kv)))
-    norms = _batch_norms(model)
-    why += support.batch_norm_microbatch_rule(plan.training.microbatches,
-                                              plan.training.global_batch, norms[:1])
     if why:
         raise PlanningError(why[0])
 

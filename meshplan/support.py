@@ -236,18 +236,6 @@ def heads_rule(tp: int, heads: int | None, kv_heads: int | None) -> tuple[str, .
     return tuple(out[:1])
 
 
-def batch_norm_microbatch_rule(microbatches: int, global_batch: int,
-                               norms: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """BatchNorm normalises over the batch it sees: with microbatches > 1 (gradient
-    accumulation) that is one microbatch, so the loss, the gradients and the running
-    statistics differ from one process training on the step's batch. ``norms``: the
-    model's BatchNorm modules in training mode."""
-    if norms and microbatches > 1:
-        return (f"{norms[0]} is a BatchNorm and the plan cuts the batch of {global_batch} into "
-                f"{microbatches} microbatches: its statistics would be each microbatch's, not "
-                f"the batch's; use one microbatch (microbatch_size = {global_batch} / dp)",)
-    return ()
-
 
 def stage_layout_rule(plan: Plan) -> tuple[str, ...]:
     """The pipeline runtime's device convention (docs/DEVELOPING.md, pipeline layout): stages

@@ -315,7 +315,9 @@ def _plan(name: str, layout):
         common = dict(example_inputs=tuple(x.to("meta") for x in inputs),
                       example_targets=tuple(t.to("meta") for t in targets), loss_fn=loss_fn)
         mesh = meshplan.Mesh.local(dist.get_world_size())
-        if name == "cnn" and layout != "auto":  # BatchNorm: one microbatch per step
+        if name == "cnn" and layout != "auto":
+            # BatchNorm normalises each microbatch it sees (DECISIONS 18): one process on the
+            # whole batch is matched by one microbatch per step
             layout = {"microbatch_size": BATCH // layout.get("dp", 1), "schedule": "gpipe",
                       **layout}
         try:
