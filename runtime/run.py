@@ -136,7 +136,7 @@ class ParallelRun:
         if first is not None:  # each microbatch weighed by its labelled targets
             labels = loss_weights.label_counts(flat[first], self.plan.training.microbatches,
                                                dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                               device=flat[first].device)
+                                               device=_engine_device(self.engine))
             if labels is not None:
                 flat = list(flat)
                 flat[first] = loss_weights.guard_empty(flat[first], labels, self.dp_rank)
@@ -637,6 +637,12 @@ def _post_order(model: nn.Module, prefix: str = ""):
             yield from visit(child, f"{pre}{name}.")
         yield pre, mod
     yield from visit(model, prefix)
+
+
+def _engine_device(engine) -> torch.device:
+    """Where the graph engine's collectives run (NCCL needs CUDA tensors)."""
+    device = getattr(engine, "device", None)
+    return torch.device(device) if device is not None else torch.device(engine.mesh.device_type)
 
 
 def _label(rec: dict) -> str:
