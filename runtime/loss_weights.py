@@ -45,7 +45,8 @@ def label_counts(target: torch.Tensor | None, n: int, *, dp_rank: int, dp_size: 
                  device) -> torch.Tensor | None:
     """``K``: labelled targets per data-parallel rank (rows) and microbatch (columns) of
     the global batch, on every rank; ``target`` is this rank's shard (microbatch j: its
-    j-th chunk). None where the microbatches weigh alike (no integer target). A collective
+    j-th chunk). None where the microbatches weigh alike (no integer target, or the same
+    count in every piece: the engines' plain means are then exact). A collective
     over the whole world: ranks that share a data-parallel coordinate hold the same data."""
     if not is_label_tensor(target):
         return None
@@ -54,7 +55,8 @@ def label_counts(target: torch.Tensor | None, n: int, *, dp_rank: int, dp_size: 
     if dist.get_world_size() > 1:
         dist.all_reduce(table)
         table /= dist.get_world_size() // dp_size
-    return table
+    # every piece equally labelled (no -100, or as many everywhere): the plain means are exact
+    return None if bool((table == table.flatten()[0]).all()) else table
 
 
 def guard_empty(target: torch.Tensor, table: torch.Tensor, dp_rank: int) -> torch.Tensor:
