@@ -59,6 +59,31 @@ def label_counts(target: torch.Tensor | None, n: int, *, dp_rank: int, dp_size: 
     return None if bool((table == table.flatten()[0]).all()) else table
 
 
+def global_label_counts(target: torch.Tensor | None, n: int,
+                        dp_size: int) -> torch.Tensor | None:
+    """``label_counts`` from the whole global batch, which every rank holds (the CLI
+    worker's synthetic batches): microbatch j is its j-th chunk, data-parallel rank r holds
+    the r-th chunk of that (the graph engine's batch split). No collective."""
+    if not is_label_tensor(target):
+        return None
+    table = torch.tensor([[count(piece) for piece in mb.chunk(dp_size)]
+                          for mb in target.chunk(n)], dtype=torch.float64).T.contiguous()
+    return None if bool((table == table.flatten()[0]).all()) else table
+
+
+def guard_empty_global(target: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """``guard_empty`` for every rank's pieces of a whole global batch."""
+    dp_size, n = table.shape
+    if bool((table > 0).all()):
+        return target
+    target = target.clone()
+    for j, mb in enumerate(target.chunk(n)):
+        for r, piece in enumerate(mb.chunk(dp_size)):
+            if table[r, j] == 0:
+                piece.reshape(-1)[0] = 0  # a contiguous row range: reshape is a view
+    return target
+
+
 def guard_empty(target: torch.Tensor, table: torch.Tensor, dp_rank: int) -> torch.Tensor:
     """``target`` with one entry labelled (class 0) in each of this rank's microbatches that
     has none: a mean over no targets is 0/0, NaN in the forward and in every gradient. Such

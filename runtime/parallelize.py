@@ -328,10 +328,12 @@ class ParallelModel:
         return float(share.item()), ok
 
     def train_step(self, batch, optimizer: torch.optim.Optimizer, *,
-                   grads_out: dict | None = None) -> float:
+                   grads_out: dict | None = None, labels: torch.Tensor | None = None,
+                   dp_rank: int = 0) -> float:
         """Forward and backward of every microbatch, gradient sync, optimizer step.
-        ``grads_out`` (a dict) receives every gradient as a full tensor, by FQN."""
-        loss, ok = self.forward_backward(batch)
+        ``grads_out`` (a dict) receives every gradient as a full tensor, by FQN; ``labels``
+        as in ``forward_backward``."""
+        loss, ok = self.forward_backward(batch, labels, dp_rank)
         if grads_out is not None:
             for fqn, p in self.optimizer_params().items():
                 if p.grad is not None:

@@ -346,8 +346,9 @@ class PipelineModel:
         dist.all_reduce(share)
         return float(share.item())
 
-    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
-        share = self._run_schedule(batch)
+    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   labels: torch.Tensor | None = None, dp_rank: int = 0) -> float:
+        share = self._run_schedule(batch, labels, dp_rank)
         # The loss is summed over every rank after the optimizer step: a sum over the whole
         # world before it would hold each rank's step until the slowest stage is done.
         self.optimizer_step(optimizer)

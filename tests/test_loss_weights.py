@@ -73,3 +73,21 @@ def test_a_microbatch_without_labels_weighs_zero_and_is_finite():
     assert count(guarded[:2]) == 1 and torch.equal(guarded[2:], labels[2:])
     assert torch.isfinite(_ce(torch.randn(2, 3, 7), guarded[:2]))
     assert count(labels[:2]) == 0  # the caller's tensor is not changed
+
+
+def test_the_whole_batch_table_is_every_ranks_table():
+    """The CLI worker holds the whole global batch: its table (no collective) is the one the
+    ranks' shards give (rank r's rows, microbatch j its j-th chunk, as run.py lays them)."""
+    from meshplan.runtime.loss_weights import global_label_counts, guard_empty_global
+
+    dp, n = 2, 2
+    _, labels = _batch(dp, n, seed=3)
+    table = global_label_counts(labels, n, dp)
+    for r in range(dp):  # the graph engine's microbatch j: chunk j, then rank r's chunk of it
+        for j in range(n):
+            assert table[r, j] == count(labels.chunk(n)[j].chunk(dp)[r])
+    labels.chunk(n)[1].chunk(dp)[0].fill_(IGNORE_INDEX)
+    table = global_label_counts(labels, n, dp)
+    guarded = guard_empty_global(labels, table)
+    assert table[0, 1] == 0 and count(guarded.chunk(n)[1].chunk(dp)[0]) == 1
+    assert count(guarded) == count(labels) + 1
