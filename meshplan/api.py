@@ -136,6 +136,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                          max_stages=max_stages, context_parallel=context_parallel)
     plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
                      memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
+    _check_model_rules(plan, model)
     return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
 
 
@@ -174,7 +175,24 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is
     # refused here, with the same reason (meshplan/support.py)
     check_plan(plan, PlanningError)
+    _check_model_rules(plan, model)
     return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
+
+
+def _check_model_rules(plan: Plan, model: nn.Module | None) -> None:
+    """The rules that read the model as well as the plan (meshplan/support.py), checked when
+    the plan is made so that no plan fails at run time on them."""
+    if model is None:
+        return
+    from meshplan import support
+    stage = plan.stages[0]
+    tp = dict(zip(stage.axis_names, stage.mesh_shape)).get("tp", 1)
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    why = support.heads_rule(tp, *(n if isinstance(n, int) else None for n in (heads, kv)))
+    if why:
+        raise PlanningError(why[0])
 
 
 ENGINES = ("auto", "modules", "graph") + tuple(STACKS)

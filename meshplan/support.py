@@ -227,19 +227,21 @@ def module_engine_dtype_rule(plan: Plan) -> tuple[str, ...]:
     return ()
 
 
-def module_engine_heads_rule(tp: int, heads: int | None, kv_heads: int | None) -> tuple[str, ...]:
-    """The module engine's column-parallel q/k/v projections give each tensor-parallel rank
-    whole heads: ``tp`` must divide the query heads and the key/value heads (grouped-query
-    attention: Llama 3 405B's 8 KV heads run at tp = 1, 2, 4, 8). The graph engine
-    redistributes a split head and runs the rest. None: the model does not say."""
+def heads_rule(tp: int, heads: int | None, kv_heads: int | None) -> tuple[str, ...]:
+    """Each tensor-parallel rank holds whole attention heads: ``tp`` must divide the query
+    heads and the key/value heads (grouped-query attention: Llama 3 405B's 8 KV heads run
+    at tp = 1, 2, 4, 8). The module engine's column-parallel projections cannot compute part
+    of a head, and the graph engine's head reshape of an unevenly split K/V fails at run time
+    (DTensor: "Cannot unflatten unevenly sharded tensor"), so both are refused when the plan
+    is made. None: the model does not say."""
     out = []
     for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
         if tp > 1 and n and n % tp:
             fits = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-            out.append(f"{name}={n} is not divisible by tp={tp}: a rank would hold part of a "
-                       f"head, which the module engine's column-parallel projections cannot "
-                       f"compute; choose tp in {{{fits}}}, or the graph engine runs it")
+            out.append(f"{name}={n} is not divisible by tp={tp}: a tensor-parallel rank would "
+                       f"hold part of a head; choose tp in {{{fits}}}")
     return tuple(out[:1])
+
 
 
 def stage_layout_rule(plan: Plan) -> tuple[str, ...]:

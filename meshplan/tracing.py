@@ -469,8 +469,8 @@ STACK_SHARE = 0.25  # a further stack counts when it holds >= 1/4 of the largest
 def find_block_paths(model: nn.Module) -> tuple[str, ...]:
     """Module paths of the repeated blocks, one per layer index, in registration order.
 
-    A *stack* is an ``nn.ModuleList`` or ``nn.ModuleDict`` of modules that hold parameters,
-    or any other module (``nn.Sequential``) with two or more such children, all named by
+    A *stack* is an ``nn.ModuleList`` or numbered ``nn.ModuleDict`` of modules that hold
+    parameters, or any other module (``nn.Sequential``) with two or more such children, all named by
     numbers and of one class. The stack with the most parameters holds the blocks; further
     stacks outside it and outside each other with at least ``STACK_SHARE`` of its
     parameters count too, so the encoder and the decoder of T5 or BART are both block runs
@@ -479,7 +479,10 @@ def find_block_paths(model: nn.Module) -> tuple[str, ...]:
     for order, (name, mod) in enumerate(model.named_modules()):
         children = [(k, c) for k, c in mod.named_children()
                     if next(c.parameters(), None) is not None]
-        container = isinstance(mod, (nn.ModuleList, nn.ModuleDict))
+        # a ModuleDict of named parts (nanoGPT's ``transformer = ModuleDict(wte=..., h=...)``)
+        # holds the whole model, not blocks: only a numbered one (torchtitan's) is a stack
+        container = isinstance(mod, nn.ModuleList) or isinstance(mod, nn.ModuleDict) and \
+            all(k.isdigit() for k, _ in children)
         if not children or not container and (
                 len(children) < 2 or len({type(c) for _, c in children}) != 1
                 or not all(k.isdigit() for k, _ in children)):

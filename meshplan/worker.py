@@ -125,7 +125,8 @@ def main(argv=None) -> int:
             probe = StepMemoryProbe(training_state_tensors(pm, optimizer)) \
                 if step == min(first + 1, args.steps - 1) else nullcontext()
             with probe:  # peak live tensor bytes of one steady step (runtime/memory_probe.py)
-                loss = pm.train_step(batch, optimizer)
+                loss = pm.train_step(batch, optimizer) if isinstance(pm, ModuleWorkerModel) \
+                    else _weighted_step(pm, plan, signature, batch, optimizer, rank)
             if isinstance(probe, StepMemoryProbe):
                 tensor_peak = probe.peak_bytes / 2**30
             schedule.step()
@@ -200,6 +201,26 @@ def warmup_schedule(optimizer, warmup: int, first: int):
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0,
         last_epoch=first - 1)
+
+
+def _weighted_step(pm, plan: Plan, signature, batch, optimizer, rank: int) -> float:
+    """The graph engine's step on a whole global batch, each microbatch's loss weighed by
+    its labelled targets (runtime/loss_weights.py; the public API's train_step does it for
+    the module engine)."""
+    from meshplan.runtime import loss_weights
+    from meshplan.runtime.run import data_parallel_coordinate
+
+    flat = batch if isinstance(batch, tuple) else (batch,)
+    first = signature.num_args + len(signature.kwarg_names) if signature is not None else None
+    if first is None or signature.num_targets == 0:
+        return pm.train_step(batch, optimizer)
+    dp_rank, dp_size = data_parallel_coordinate(plan, rank)
+    labels = loss_weights.global_label_counts(flat[first], plan.training.microbatches, dp_size)
+    if labels is None:
+        return pm.train_step(batch, optimizer)
+    flat = list(flat)
+    flat[first] = loss_weights.guard_empty_global(flat[first], labels)
+    return pm.train_step(tuple(flat), optimizer, labels=labels, dp_rank=dp_rank)
 
 
 class ModuleWorkerModel:

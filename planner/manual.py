@@ -164,8 +164,11 @@ def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_st
     if virtual_stages > 1 and schedule != "interleaved-1f1b":
         raise PlanningError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b'")
     if pp > max(1, graph.num_layers):
-        raise PlanningError(f"pp={pp} exceeds the {graph.num_layers} blocks of the model; "
-                            f"choose pp <= {graph.num_layers}")
+        raise PlanningError(
+            f"pp={pp} exceeds the {graph.num_layers} blocks of the model; choose pp <= "
+            f"{graph.num_layers}" if graph.num_layers else
+            f"pp={pp}: the model has no repeated blocks (an nn.ModuleList or numbered "
+            "nn.ModuleDict of layers) to cut into pipeline stages; choose pp=1")
     if schedule == "interleaved-1f1b" and graph.num_layers + 2 < pp * virtual_stages:
         raise PlanningError(f"interleaved 1F1B cuts the {graph.num_layers} blocks into "
                             f"pp*virtual_stages = {pp * virtual_stages} chunks, of at least one "

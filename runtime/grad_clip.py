@@ -34,12 +34,15 @@ def _counted_here(grad: DTensor) -> bool:
 
 
 def _tie_duplicates(model) -> set[int]:
-    """ids of tied parameters whose gradient another (lower) rank group already counts."""
+    """ids of tied parameters whose gradient another (lower) rank group already counts, and
+    of their ZeRO-1/2 masters (what ``optimizer_params`` returns in their place)."""
     skip = set()
     rank = dist.get_rank()
+    masters = getattr(model, "masters", None) or {}
     for group, params, *_ in getattr(model, "tie_groups", ()):  # (group, params[, via])
         if rank != min(dist.get_process_group_ranks(group)):
             skip.update(id(p) for p in params)
+            skip.update(id(masters[id(p)]) for p in params if id(p) in masters)
     return skip
 
 

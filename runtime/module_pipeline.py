@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Shard
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
-from meshplan.runtime import cp_modules
+from meshplan.runtime import cp_modules, loss_weights
 from meshplan.runtime.modules import (_dp_cp_mesh, apply_ac, apply_fsdp, apply_tp, clean_fqn,
                                       compile_blocks,
                                       grad_norm, to_empty_keeping_ties)
@@ -348,6 +348,7 @@ class PipelineModuleEngine:
         self.schedule = cls(self.stages if cls is ScheduleInterleaved1F1B else self.stages[0],
                             n_microbatches=n, loss_fn=self._loss)
         self._targets_mode = None
+        self._labels = None  # this step's labelled-target table (train_step)
 
     # -- training ------------------------------------------------------------------------
     def _loss(self, out, target):
@@ -360,6 +361,15 @@ class PipelineModuleEngine:
             summed = cp_modules.chunk_loss_sum(out, target)
             self._cp_sums.append(summed.detach())
             return summed * self._cp_scale
+        if self._labels is not None and mode in ("fn", "ce"):
+            # this microbatch's share of the global labelled mean (runtime/loss_weights.py);
+            # the schedule divides by n and FSDP averages over dp, hence n * dp
+            n, labelled = self.plan.training.microbatches, loss_weights.count(target)
+            if not labelled:  # a zero loss, not the NaN of a mean over no targets
+                return out.sum() * 0.0
+            w = n * self.dp_size * labelled / float(self._labels.sum())
+            return w * (self.loss_fn(out, target) if mode == "fn" else
+                        F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1)))
         if mode == "fn":
             return self.loss_fn(out, target)
         if mode == "fn0":  # loss_fn(outputs) without targets; the target was only a carrier
@@ -368,10 +378,13 @@ class PipelineModuleEngine:
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
         return next_token_loss(out, target)
 
-    def train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = ()) -> float:
+    def train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = (),
+                   labels: torch.Tensor | None = None) -> float:
         """Every microbatch through the schedule; gradients synced (FSDP on the last
-        microbatch); the global mean loss on every rank."""
+        microbatch); the global mean loss on every rank. ``labels``: labelled targets per
+        data-parallel rank and microbatch, which weigh the microbatches' losses."""
         self._check_buffers()
+        self._labels = labels
         if kwargs or len(targets) > 1:
             raise NotSupportedError("module-engine pipelines take positional inputs and at most "
                                     "one target tensor (loss_fn(outputs, target)); the graph "

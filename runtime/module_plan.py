@@ -181,7 +181,7 @@ def _heads_refusal(model: nn.Module, tp: int) -> str | None:
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
     ints = [n if isinstance(n, int) else None for n in (heads, kv)]
-    why = support.module_engine_heads_rule(tp, *ints)
+    why = support.heads_rule(tp, *ints)
     return why[0] if why else None
 
 

@@ -40,6 +40,7 @@ from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.runtime import cp_modules
 from meshplan.plan import Plan
+from meshplan.runtime import loss_weights
 from meshplan.tracing import find_repeated_blocks, next_token_loss
 from meshplan.runtime.module_plan import (COMPUTE_DTYPES, _axes, _call, check_model,  # noqa: F401
                                           module_engine_refusal, tp_styles)  # re-exported
@@ -189,6 +190,12 @@ def grad_norm(params, norm_type: float, device) -> torch.Tensor:
         else torch.zeros((), device=device)
 
 
+def _zero_loss(out) -> torch.Tensor:
+    out = getattr(out, "logits", out)
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    return out.float().sum() * 0.0
+
+
 class ModuleEngine:
     """A single-stage plan applied to ``model`` in place with parallelize_module,
     checkpoint_wrapper and fully_shard; the interface meshplan.parallelize returns."""
@@ -253,9 +260,12 @@ class ModuleEngine:
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets[0].reshape(-1))
         return next_token_loss(out, args[0])
 
-    def train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = ()) -> float:
+    def train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = (),
+                   labels: torch.Tensor | None = None) -> float:
         """Forward and backward of every microbatch of this rank's shard; gradients synced;
-        the global mean loss (the same on every rank)."""
+        the global mean loss (the same on every rank). ``labels``: the labelled targets per
+        data-parallel rank and microbatch (runtime/loss_weights.py), which weigh each
+        microbatch's loss so that the step's is the global batch's labelled mean."""
         self._check_buffers()
         if self.cp_mesh is not None:
             return self._cp_train_step(args, kwargs or {}, targets)
@@ -269,10 +279,14 @@ class ModuleEngine:
         for i in range(n):
             if self._defer_sync:
                 self.model.set_requires_gradient_sync(i == n - 1)
+            w = 1.0 if labels is None else loss_weights.weight(labels, i, dp_rank=self.dp_rank)
             with self._autocast():
-                loss = self._loss(_call(self.model, a[i], kw[i]), a[i], t[i])
-            (loss / n).backward()
-            total += loss.detach().to(torch.float64)
+                out = _call(self.model, a[i], kw[i])
+                # no labelled target here: weight 0, and a zero loss that still runs every
+                # backward hook (FSDP's gradient sync) instead of the NaN of a mean over none
+                loss = self._loss(out, a[i], t[i]) if w else _zero_loss(out)
+            (loss * (w / n)).backward()
+            total += loss.detach().to(torch.float64) * w
         total /= n * self.dp_size
         if self.dp_size > 1:
             dist.all_reduce(total, group=self.mesh[self.dp_axis].get_group())
@@ -364,6 +378,11 @@ class ModuleEngine:
         ``broadcast_from_rank0``); non-persistent buffers in ``sd`` are copied too."""
         persistent = set(get_model_state_dict(self.model).keys())
         extra = {clean_fqn(n) for n, _ in self.model.named_buffers()} - persistent
+        if broadcast_from_rank0:  # torch's loader broadcasts only the state_dict's entries
+            holder = [{k: v for k, v in sd.items() if k in extra} if dist.get_rank() == 0
+                      else None]
+            dist.broadcast_object_list(holder, src=0)
+            sd = {**sd, **holder[0]}
         # strict: a missing weight or an unknown name raises (torch's message names it)
         set_model_state_dict(self.model, {k: v for k, v in sd.items() if k not in extra},
                              options=StateDictOptions(full_state_dict=True,

@@ -36,7 +36,7 @@ from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
-from meshplan.runtime import lowering, zero
+from meshplan.runtime import loss_weights, lowering, zero
 from meshplan.runtime.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
@@ -288,29 +288,52 @@ class ParallelModel:
         self.last_stats = executor.stats
         return out.float()
 
-    def forward_backward(self, batch) -> tuple[float, bool]:
+    def forward_backward(self, batch, labels: torch.Tensor | None = None,
+                         dp_rank: int = 0) -> tuple[float, bool]:
         """Forward and backward of every microbatch of one global batch (a tensor or the
         tuple of flat graph inputs), then the gradient sync: gradients are left on what
-        ``optimizer_params`` returns. Returns (global mean loss, gradients finite)."""
+        ``optimizer_params`` returns. Returns (global mean loss, gradients finite).
+        ``labels``: labelled targets per data-parallel rank and microbatch
+        (runtime/loss_weights.py), weighing each microbatch's loss on this rank
+        (data-parallel rank ``dp_rank``) so that the step's is the global labelled mean."""
         inputs = batch if isinstance(batch, tuple) else (batch,)
         n = self.plan.training.microbatches
         if inputs[0].shape[0] % n:
             raise PlanFileError(f"batch of {inputs[0].shape[0]} sequences does not split into "
                                 f"{n} microbatches; use a batch divisible by {n}")
         scale = FP16_LOSS_SCALE if self.plan.training.dtype == "fp16" else 1.0
-        total = None
-        for chunk in zip(*(x.chunk(n) for x in inputs)):
+        if labels is None:
+            total = None
+            for chunk in zip(*(x.chunk(n) for x in inputs)):
+                loss = self.loss(*chunk)
+                (loss * (scale / n)).backward()
+                total = loss.detach() if total is None else total + loss.detach()
+            ok = self._sync_grads(scale)
+            return float(total.full_tensor().item()) / n, ok
+        # weighted: each rank's own loss value (what its placements say it is a mean over)
+        # times its weight; the reported loss is the sum of every rank's share
+        from meshplan.runtime.pipeline import _reduction_weight
+        share = torch.zeros((), dtype=torch.float64, device=self.mesh.device_type)
+        for j, chunk in enumerate(zip(*(x.chunk(n) for x in inputs))):
             loss = self.loss(*chunk)
-            (loss * (scale / n)).backward()
-            total = loss.detach() if total is None else total + loss.detach()
+            w = loss_weights.weight(labels, j, dp_rank=dp_rank, placements=loss.placements,
+                                    dp_axes=data_parallel_axes(self.stage),
+                                    mesh_shape=self.stage.mesh_shape)
+            local = loss.to_local(grad_placements=[Replicate()] * self.mesh.ndim)
+            (local * (w * scale / n)).backward()
+            share += local.detach().double() * (w / n) * \
+                _reduction_weight(loss.placements, self.mesh)
         ok = self._sync_grads(scale)
-        return float(total.full_tensor().item()) / n, ok
+        dist.all_reduce(share)
+        return float(share.item()), ok
 
     def train_step(self, batch, optimizer: torch.optim.Optimizer, *,
-                   grads_out: dict | None = None) -> float:
+                   grads_out: dict | None = None, labels: torch.Tensor | None = None,
+                   dp_rank: int = 0) -> float:
         """Forward and backward of every microbatch, gradient sync, optimizer step.
-        ``grads_out`` (a dict) receives every gradient as a full tensor, by FQN."""
-        loss, ok = self.forward_backward(batch)
+        ``grads_out`` (a dict) receives every gradient as a full tensor, by FQN; ``labels``
+        as in ``forward_backward``."""
+        loss, ok = self.forward_backward(batch, labels, dp_rank)
         if grads_out is not None:
             for fqn, p in self.optimizer_params().items():
                 if p.grad is not None:

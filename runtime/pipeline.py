@@ -54,9 +54,10 @@ from meshplan.graph import OpGraph
 from meshplan.tracing import WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
 from meshplan.schedules import Schedule
-from meshplan.runtime.parallelize import meta_copy, place_tensor, runnable_graph_module, sharded_over
+from meshplan.runtime.parallelize import (data_parallel_axes, meta_copy, place_tensor,
+                                          runnable_graph_module, sharded_over)
 from meshplan.runtime.pipeline_split import StageGraph, split_stages
-from meshplan.runtime import lowering, zero
+from meshplan.runtime import loss_weights, lowering, zero
 from meshplan.runtime.spmd import placement_texts, stage_executor, to_placements
 
 SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
@@ -195,6 +196,7 @@ class _StageModule(nn.Module):
             # loss's (Replicate), which the executor turns into each rank's share (a partial
             # average's 1/dp). The reported loss is reduced once per step (forward_backward).
             self.loss_weight = _reduction_weight(loss.placements, self._mesh)
+            self.loss_placements = tuple(loss.placements)
             return loss.to_local(grad_placements=[Replicate()] * self._mesh.ndim)
         return tuple(_local(o, self._mesh, pl) for o, (pl, _, _) in zip(outs, self._output_specs))
 
@@ -210,6 +212,7 @@ class _StageModule(nn.Module):
             if spec is None:
                 return loss
             self.loss_weight = _reduction_weight(spec.placements, self._mesh)
+            self.loss_placements = tuple(spec.placements)
             return lowering.to_shard(loss, spec, grad_as=[Replicate()] * self._mesh.ndim)
         sent = []
         for o, spec, (pl, _, _) in zip(outs, specs, self._output_specs):
@@ -271,13 +274,24 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 
 class _MicrobatchMean:
-    """The schedule's loss: the stage's own loss over n (the mean of n equal microbatches)."""
+    """The schedule's loss: the stage's own loss over n (the mean of n equal microbatches),
+    or, with a step's labelled-target table (``labels``, runtime/loss_weights.py), weighed
+    by microbatch j's labelled targets; the target the schedule splits is then the
+    microbatch indices."""
 
     def __init__(self, n: int):
         self.n = n
+        self.labels = None  # set per step by PipelineModel._run_schedule
+        self.dp_rank, self.dp_axes, self.stage_modules = 0, (), []
 
     def __call__(self, output: torch.Tensor, target) -> torch.Tensor:
-        return output / self.n
+        if self.labels is None:
+            return output / self.n
+        last = next(m for m in self.stage_modules if hasattr(m, "loss_placements"))
+        w = loss_weights.weight(self.labels, int(target.reshape(-1)[0]), dp_rank=self.dp_rank,
+                                placements=last.loss_placements, dp_axes=self.dp_axes,
+                                mesh_shape=tuple(last._mesh.shape))
+        return output * (w / self.n)
 
 
 @dataclass
@@ -295,18 +309,29 @@ class PipelineModel:
     masters: dict = field(default_factory=dict)  # ZeRO-1/2: id(param) -> sharded fp32 master
     zero_of: dict = field(default_factory=dict)  # id(param) -> ZeRO stage of its stage
 
-    def forward_backward(self, batch) -> float:
+    def forward_backward(self, batch, labels: torch.Tensor | None = None,
+                         dp_rank: int = 0) -> float:
         """Run the schedule on one global batch (a tensor or the tuple of flat graph inputs);
         gradients are left in ``.grad``. Returns the mean loss over the global batch (on
-        every rank)."""
-        return self._mean_loss(self._run_schedule(batch))
+        every rank). ``labels``: labelled targets per data-parallel rank and microbatch
+        (runtime/loss_weights.py), which weigh the microbatches' losses."""
+        return self._mean_loss(self._run_schedule(batch, labels, dp_rank))
 
-    def _run_schedule(self, batch) -> torch.Tensor:
+    def _run_schedule(self, batch, labels: torch.Tensor | None = None,
+                      dp_rank: int = 0) -> torch.Tensor:
         """The schedule and the gradient sync; returns this rank's weighted share of the
         global mean loss (zero off the last stage), not yet summed over ranks."""
         inputs = tuple(x.to(self.device) for x in (batch if isinstance(batch, tuple) else (batch,)))
         losses: list = []
-        self.schedule.step(*inputs, target=inputs[0], losses=losses, return_outputs=False)
+        loss_fn = self.schedule._loss_fn  # the _MicrobatchMean built with the schedule
+        loss_fn.labels, loss_fn.dp_rank = labels, dp_rank
+        loss_fn.dp_axes = data_parallel_axes(self.plan.stages[0])
+        loss_fn.stage_modules = [st.submod for st in self.stages]
+        # the target the schedule splits into microbatches: only a carrier (the loss is in the
+        # graph), or microbatch j's index where the labelled targets weigh it
+        target = inputs[0] if labels is None else \
+            torch.arange(self.layout.microbatches, device=self.device)
+        self.schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
         self._finish_grads()
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:
@@ -321,8 +346,9 @@ class PipelineModel:
         dist.all_reduce(share)
         return float(share.item())
 
-    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer) -> float:
-        share = self._run_schedule(batch)
+    def train_step(self, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   labels: torch.Tensor | None = None, dp_rank: int = 0) -> float:
+        share = self._run_schedule(batch, labels, dp_rank)
         # The loss is summed over every rank after the optimizer step: a sum over the whole
         # world before it would hold each rank's step until the slowest stage is done.
         self.optimizer_step(optimizer)

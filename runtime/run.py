@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshplan.errors import MeshplanError, NotSupportedError, PlanFileError
 from meshplan.plan import Plan
+from meshplan.runtime import loss_weights
 from meshplan.graph import CallSignature
 from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph, flatten_call,
                                     unflatten_call)
@@ -138,8 +139,18 @@ class ParallelRun:
                                 "optimizer.zero_grad() after optimizer.step() (the plan's "
                                 f"{self.plan.training.microbatches} microbatch(es) are "
                                 "accumulated inside train_step)")
+        labels = None
+        first = next((i for i, r in enumerate(self.records) if r["role"] == "target"), None)
+        if first is not None:  # each microbatch weighed by its labelled targets
+            labels = loss_weights.label_counts(flat[first], self.plan.training.microbatches,
+                                               dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                               device=_engine_device(self.engine))
+            if labels is not None:
+                flat = list(flat)
+                flat[first] = loss_weights.guard_empty(flat[first], labels, self.dp_rank)
         batch = tuple(self._global(x, r) for x, r in zip(flat, self.records))
-        out = self.engine.forward_backward(batch)
+        out = self.engine.forward_backward(batch, labels=labels, dp_rank=self.dp_rank) \
+            if labels is not None else self.engine.forward_backward(batch)
         loss, finite = out if isinstance(out, tuple) else (out, True)
         if not finite:  # fp16 overflow: no parameter has a gradient, so the step is a no-op
             for p in self.parameters():
@@ -476,7 +487,10 @@ class ModuleRun(ParallelRun):
                 raise DataError("gradients of the previous step are still there: call "
                                 "optimizer.zero_grad() after optimizer.step()")
         args, kwargs, targets = unflatten_call(flat, self.signature)
-        return self.engine.train_step(args, kwargs, targets)
+        labels = loss_weights.label_counts(
+            targets[0] if targets else None, self.plan.training.microbatches,
+            dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.engine.device)
+        return self.engine.train_step(args, kwargs, targets, labels=labels)
 
     def __call__(self, inputs):
         if self._training:
@@ -643,6 +657,12 @@ def _post_order(model: nn.Module, prefix: str = ""):
             yield from visit(child, f"{pre}{name}.")
         yield pre, mod
     yield from visit(model, prefix)
+
+
+def _engine_device(engine) -> torch.device:
+    """Where the graph engine's collectives run (NCCL needs CUDA tensors)."""
+    device = getattr(engine, "device", None)
+    return torch.device(device) if device is not None else torch.device(engine.mesh.device_type)
 
 
 def _label(rec: dict) -> str:

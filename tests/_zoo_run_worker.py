@@ -88,9 +88,9 @@ def split(inputs, targets, lo, hi):
 
 
 def reference(family, state, buffers, dp):
-    """One process, the same steps: the loss is the mean over the dp shards of each shard's
-    loss (what the runtime averages; the same as the whole batch but for masked LM, whose
-    shards hold different numbers of masked tokens). BatchNorm sees the whole batch, as the
+    """One process, the same steps on the whole batch: the runtime's loss is the global
+    batch's mean over labelled targets (masked LM's shards hold different numbers of masked
+    tokens; runtime/loss_weights.py weighs them). BatchNorm sees the whole batch, as the
     runtime's replicated batch norm does (DECISIONS 18)."""
     model = build(family, "cpu")
     model.load_state_dict({**state, **buffers}, strict=False)
@@ -100,7 +100,7 @@ def reference(family, state, buffers, dp):
         inputs, targets, loss_fn = call(family, model, "cpu", seed=step)
         flat, sig = flatten_call(inputs, targets)
         module = TrainingModule(model, loss_fn, sig)
-        chunks = 1 if FAMILIES[family] == "convnet" else dp
+        chunks = 1
         per = BATCH // chunks
         total = 0.0
         for c in range(chunks):

@@ -139,14 +139,23 @@ def test_gpt2_conv1d_fused_qkv_is_refused(metas):
 
 
 def test_shards_the_forward_cannot_run_are_refused():
-    """2 key/value heads over tp=4: each rank would hold half a head. The weights split
-    evenly, so the heads rule (support.module_engine_heads_rule) says it in one line; the
-    local-shard forward would fail too."""
+    """2 key/value heads over tp=4: each rank would hold half a head. manual_plan refuses it
+    when the plan is made, on every engine (support.heads_rule: the graph engine crashed at
+    run time on it, "Cannot unflatten unevenly sharded tensor"); a plan built without the
+    model (build_manual_plan) is refused by the module engine in the same line."""
+    from meshplan.errors import PlanningError
+    from meshplan.planner.manual import build_manual_plan
     from meshplan.runtime.modules import module_engine_refusal, tp_styles
+    from meshplan.tracing import trace
 
     model = parse_model_spec(LLAMA.replace("num_key_value_heads=4", "num_key_value_heads=2")
                              ).build(device="meta")
-    plan = plan_for(model, tp=4)
+    for engine in ("auto", "graph"):
+        with pytest.raises(PlanningError, match=r"^num_key_value_heads=2 is not divisible by "
+                           r"tp=4: .*; choose tp in \{1, 2\}$"):
+            plan_for(model, tp=4, engine=engine)
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    plan = build_manual_plan(trace(model, (ids,)), meshplan.Mesh.local(4), tp=4)
     styles, why = tp_styles(plan, model)
     assert styles == {} and why.startswith("num_key_value_heads=2 is not divisible by tp=4")
     assert module_engine_refusal(plan, model) == why
