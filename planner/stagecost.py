@@ -39,6 +39,9 @@ from meshplan.plan import Estimate, Plan, SolverInfo, Stage
 
 NAME = "meshplan-inter"
 RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices differ ~0.5%)
+# ... among those whose affine price is within this factor of the best (2x the affine
+# prices' measured difference, benchmarks/plan_quality.py): shapes further off are pruned
+RERANK_WITHIN = 0.01
 _EMPTY = Estimate(step_time_s=0.0, peak_memory_gib=0.0, memory_capacity_gib=0.0, fits=True,
                   mfu=0.0, tokens_per_s=0.0)
 
@@ -56,7 +59,16 @@ class MegatronStageCost:
         self._placements: dict = {}
         self._walks: dict = {}
         self._probes: dict = {}
+        self._alone: dict = {}
+        self._acts: dict = {}
         self._neighbourhoods: dict = {}
+        self._stage_ops: dict = {}
+        self._storage: dict = {}
+        self._stage_params: dict = {}
+        # the cost model's own memo (operator walks, activation profiles, collective prices):
+        # stages that share placements (every recompute and ZeRO choice of one (dp, tp) range)
+        # walk their operators once
+        self._cost_cache: dict = {}
         self._cp = None  # CpPropagator after its one walk
 
     # -- placements ---------------------------------------------------------------------------
@@ -75,11 +87,15 @@ class MegatronStageCost:
                 walk = self._walks[(tp, sp, cp)] = (
                     {n.name: prop.visit(n) for n in self.graph.nodes}, prop.consumed)
             ops, consumed = walk
-            store = Propagator(self.graph, dp=dp, tp=tp, sp=sp, seq_len=self.seq, zero=zero)
-            store.consumed = consumed
-            if cp:
-                store.vocab = set()
-            params = {p.name: store.storage(p.name) for p in self.graph.params}
+            # storage reads dp only under ZeRO-3 (the dp shard of each weight)
+            skey = (tp, sp, cp, dp if zero >= 3 and dp > 1 else 1)
+            params = self._storage.get(skey)
+            if params is None:
+                store = Propagator(self.graph, dp=skey[3], tp=tp, sp=sp, seq_len=self.seq,
+                                   zero=3 if skey[3] > 1 else 0)
+                store.consumed = consumed
+                params = self._storage[skey] = {p.name: store.storage(p.name)
+                                                for p in self.graph.params}
             self._placements[key] = (ops, params)
         return self._placements[key]
 
@@ -87,13 +103,27 @@ class MegatronStageCost:
         dp, tp = option.mesh_shape
         ops, params = self.placements(dp, tp, option.sequence_parallel, option.zero,
                                       option.cp > 1)
-        params = {p: params[p] for p in stage_params(self.graph, names)}
-        inputs = {name: ("S(0)", "R") for name, _ in self.graph.inputs}
-        ops = {n: ops[n] for n in names}
+        span = (names[0], names[-1], len(names))
+        if span not in self._stage_params:
+            self._stage_params[span] = stage_params(self.graph, names)
+        params = {p: params[p] for p in self._stage_params[span]}
+        # the same operator and input dicts (by identity) for every recompute and ZeRO choice
+        # of one range and mesh: the cost model's memo is keyed on them
+        key = (names[0], names[-1], len(names), dp, tp, option.sequence_parallel and tp > 1,
+               option.cp)
+        hit = self._stage_ops.get(key)
+        if hit is None:
+            inputs = {name: ("S(0)", "R") for name, _ in self.graph.inputs}
+            ops = {n: ops[n] for n in names}
+            if option.cp > 1:  # the cp axis as planner/manual.py writes it
+                _, _, ops, _, inputs = with_cp_axis(
+                    self._cp_records(names), dp, option.cp, tp, ops, {}, inputs)
+            hit = self._stage_ops[key] = (ops, inputs)
+        ops, inputs = hit
         shape, axes, n = (dp, tp), ("dp", "tp"), dp * tp
-        if option.cp > 1:  # the cp axis as planner/manual.py writes it
-            shape, axes, ops, params, inputs = with_cp_axis(
-                self._cp_records(names), dp, option.cp, tp, ops, params, inputs)
+        if option.cp > 1:
+            shape, axes, _, params, _ = with_cp_axis(
+                self._cp_records(names), dp, option.cp, tp, {}, params, {})
             n *= option.cp
         return Stage(index=index, devices=tuple(range(index * n, (index + 1) * n)),
                      mesh_shape=shape, axis_names=axes, layers=layers,
@@ -128,30 +158,40 @@ class MegatronStageCost:
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
                               option.sequence_parallel or option.recompute == "selective"):
             return None  # no attention to split, or the layout's 2 x cp chunks do not divide
-        key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
-               need_memory)
-        if key in self._probes:
-            return self._probes[key]
+        key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs)
+        if (key, True) in self._probes:  # the full probe answers the time-only one too
+            return self._probes[(key, True)]
+        if not need_memory and (key, False) in self._probes:
+            return self._probes[(key, False)]
         names = [n for u in self.units[first:last] for n in u.nodes]
         st = self.stage(names, option)
         m = self.batch // (dp * mbs)
         kw = dict(dtype=self.dtype, optimizer=self.optimizer, microbatches=m,
-                  seq_len=self.seq, processes_on_host=self.on_host)
+                  seq_len=self.seq, processes_on_host=self.on_host, cache=self._cost_cache)
         graph = self.neighbourhood(first, last)
-        alone = stage_cost(st, graph, self.hw, num_stages=1, **kw)
+        alone = self._alone.get(key)
+        if alone is None:
+            alone = self._alone[key] = stage_cost(st, graph, self.hw, num_stages=1, **kw)
         if not need_memory:
-            self._probes[key] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
-            return self._probes[key]
-        two = stage_cost(st, graph, self.hw, num_stages=2, schedule="gpipe", **kw)
+            self._probes[(key, False)] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
+            return self._probes[(key, False)]
+        # kept and working activations and the receive do not depend on the ZeRO stage
+        # (the activation profile and the send/recv read the operators only): one
+        # two-stage probe serves every ZeRO choice
+        acts_key = (key[0], key[1], replace(option, zero=0), mbs)
+        split = self._acts.get(acts_key)
+        if split is None:
+            two = stage_cost(st, graph, self.hw, num_stages=2, schedule="gpipe", **kw)
+            acts1, acts_m = alone.memory.activations_gib, two.memory.activations_gib
+            kept = (acts_m - acts1) / (m - 1) if m > 1 else acts1
+            split = self._acts[acts_key] = (kept, acts1 - kept, two.comm_s - alone.comm_s)
+        kept, working, recv = split
+        recv = recv if first > 0 else 0.0
         mem = alone.memory
-        acts1, acts_m = mem.activations_gib, two.memory.activations_gib
-        kept = (acts_m - acts1) / (m - 1) if m > 1 else acts1
-        working = acts1 - kept
         weights = mem.params_gib + mem.grads_gib + mem.optimizer_gib + mem.buffers_gib
-        recv = two.comm_s - alone.comm_s if first > 0 else 0.0
         out = (alone.microbatch_s, alone.grad_sync_s + alone.optimizer_s, weights, kept,
                working, recv)
-        self._probes[key] = out
+        self._probes[(key, True)] = out
         return out
 
     def neighbourhood(self, first: int, last: int) -> OpGraph:
@@ -231,7 +271,7 @@ def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                       weights_floor_gib=cost.weights_floor_gib, dtype=dtype)
     # the search ranks with affine stage prices; the few best shapes are priced in full
     plans = [assemble_plan(graph, mesh, units, answer, cost, dtype=dtype, optimizer=optimizer)
-             for answer in search_best(problem, space, keep=RERANK)]
+             for answer in search_best(problem, space, keep=RERANK, within=RERANK_WITHIN)]
     plan = min(plans, key=lambda p: (not p.predicted.fits, p.predicted.step_time_s))
     plan = best_schedule(plan, graph, space)
     return replace(plan, wall_time_s=time.perf_counter() - start)
