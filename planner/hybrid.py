@@ -58,8 +58,10 @@ def search_space(*, microbatches: Sequence[int] | None = None,
 
 def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
               memory_limit_gib: float | None = None, space: SearchSpace | None = None,
-              time_limit_s: float = 30.0, single_stage_ilp: bool = True, cost=None) -> Plan:
-    """The fastest plan of either search that fits ``memory_limit_gib`` per device."""
+              time_limit_s: float = 30.0, single_stage_ilp: bool = True, cost=None,
+              engine: str = "graph") -> Plan:
+    """The fastest plan of either search that fits ``memory_limit_gib`` per device, every
+    candidate priced for ``engine`` (the runtime that will run it; the plan records it)."""
     start = time.perf_counter()
     space = space or search_space()
     limit = memory_limit_gib if memory_limit_gib is not None else mesh.hardware.device.memory_gib
@@ -68,7 +70,8 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     ilp_failure: MemoryLimitError | None = None
     try:
         best = _runnable(plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer,
-                                     memory_limit_gib=limit, space=space, cost=cost))
+                                     memory_limit_gib=limit, space=space, cost=cost,
+                                     engine=engine))
     except MemoryLimitError as exc:
         failure = exc
     if single_stage_ilp and (best is None or best.num_stages == 1):
@@ -84,6 +87,10 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
         except PlanningError:
             ilp_plan = None
         ilp_plan = _runnable(ilp_plan)
+        if ilp_plan is not None and ilp_plan.engine != engine:
+            from meshplan.costmodel.estimate import with_stage_predictions
+
+            ilp_plan = with_stage_predictions(replace(ilp_plan, engine=engine), graph)
         if ilp_plan is not None and ilp_plan.predicted.peak_memory_gib <= limit and (
                 best is None or ilp_plan.predicted.step_time_s < best.predicted.step_time_s):
             best = ilp_plan

@@ -119,6 +119,9 @@ class StageOption:
     zero: int
     sequence_parallel: bool = False
     cp: int = 1  # context parallel: the group is dp x cp x tp devices (meshplan/context.py)
+    # the stage is one of several (pp > 1): the module engine runs pipelines differently
+    # (costmodel.estimate.default_runtime), so the price depends on it
+    pipelined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +249,8 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
                     continue  # ZeRO over one replica is plain data parallelism
                 if support.zero_rule(support.Candidate(zero=z)):
                     continue
-                out.append(StageOption((dp, tp), rc, z, sp, cp))
+                out.append(StageOption((dp, tp), rc, z, sp, cp,
+                                       pipelined=size < problem.num_devices))
     return out
 
 

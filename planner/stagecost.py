@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 
 from meshplan import support
-from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
+from meshplan.costmodel.estimate import default_runtime, stage_cost, with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
 from meshplan.planner.cp_placements import CpPropagator
@@ -42,16 +42,26 @@ RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices
 # ... among those whose affine price is within this factor of the best (2x the affine
 # prices' measured difference, benchmarks/plan_quality.py): shapes further off are pruned
 RERANK_WITHIN = 0.01
+# models of this many layer units or fewer are priced range by range, exactly: at most
+# 12 x 13 / 2 = 78 ranges, each one cost-model call (two with memory)
+EXACT_UNITS = 12
 _EMPTY = Estimate(step_time_s=0.0, peak_memory_gib=0.0, memory_capacity_gib=0.0, fits=True,
                   mfu=0.0, tokens_per_s=0.0)
 
 
 class MegatronStageCost:
-    """``unit_cost`` for planner/inter's additive fast path (see the module docstring)."""
+    """``unit_cost`` for planner/inter's additive fast path (see the module docstring), and
+    ``range_cost``, every range priced in full, for models of at most ``exact_units`` units
+    (where the affine terms' error, up to 2% of a step on 4 CPU processes, would decide)."""
+
+    exact_units = EXACT_UNITS
 
     def __init__(self, graph: OpGraph, units: tuple[LayerUnit, ...], hw: HardwareProfile, *,
-                 num_devices: int, dtype: str, optimizer: str):
+                 num_devices: int, dtype: str, optimizer: str, engine: str = "graph"):
         self.graph, self.units, self.hw = graph, units, hw
+        # the engine whose runtime prices every probe (costmodel.estimate.default_runtime):
+        # the one that will run the plan, so the search optimises what runs
+        self.engine = engine
         self.dtype, self.optimizer = dtype, optimizer
         self.batch, self.seq = batch_and_seq(graph)  # a 1-D first input has seq 1
         self.heads = attention_heads(graph)
@@ -158,7 +168,10 @@ class MegatronStageCost:
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
                               option.sequence_parallel or option.recompute == "selective"):
             return None  # no attention to split, or the layout's 2 x cp chunks do not divide
-        key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs)
+        if self.engine == "graph":  # the graph engine's runtime is the same with or without pp
+            option = replace(option, pipelined=False)
+        key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
+               self.engine)
         if (key, True) in self._probes:  # the full probe answers the time-only one too
             return self._probes[(key, True)]
         if not need_memory and (key, False) in self._probes:
@@ -167,7 +180,9 @@ class MegatronStageCost:
         st = self.stage(names, option)
         m = self.batch // (dp * mbs)
         kw = dict(dtype=self.dtype, optimizer=self.optimizer, microbatches=m,
-                  seq_len=self.seq, processes_on_host=self.on_host, cache=self._cost_cache)
+                  seq_len=self.seq, processes_on_host=self.on_host, cache=self._cost_cache,
+                  runtime=default_runtime(self.hw, engine=self.engine,
+                                          pipeline=option.pipelined))
         graph = self.neighbourhood(first, last)
         alone = self._alone.get(key)
         if alone is None:
@@ -178,7 +193,7 @@ class MegatronStageCost:
         # kept and working activations and the receive do not depend on the ZeRO stage
         # (the activation profile and the send/recv read the operators only): one
         # two-stage probe serves every ZeRO choice
-        acts_key = (key[0], key[1], replace(option, zero=0), mbs)
+        acts_key = (key[0], key[1], replace(option, zero=0), mbs, self.engine)
         split = self._acts.get(acts_key)
         if split is None:
             two = stage_cost(st, graph, self.hw, num_stages=2, schedule="gpipe", **kw)
@@ -210,6 +225,13 @@ class MegatronStageCost:
                 inputs=g.inputs, output=g.output, layer_fingerprints=g.layer_fingerprints,
                 block_module=g.block_module, model_name=g.model_name)
         return self._neighbourhoods[key]
+
+    def range_cost(self, first: int, last: int, option: StageOption, mbs: int, *,
+                   need_memory: bool = True) -> StageCost | None:
+        """Units [first, last) priced in full as one stage (no affine sum): stagedp uses it
+        for models of at most ``exact_units`` units."""
+        p = self.probe(first, last, option, mbs, need_memory)
+        return None if p is None else StageCost(*p[:5], recv_s=p[5] if first > 0 else 0.0)
 
     def unit_cost(self, i: int, option: StageOption, mbs: int, *, leading: bool,
                   need_memory: bool = True) -> StageCost | None:
@@ -247,21 +269,25 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
               f"{answer.dp_runs} DP runs)")
     plan = Plan(model=model_info(graph), mesh=mesh_info(mesh), training=training,
                 stages=tuple(stages), predicted=_EMPTY,
-                solver=SolverInfo(name=NAME, status=status, notes=tuple(notes)), graph=graph)
+                solver=SolverInfo(name=NAME, status=status, notes=tuple(notes)), graph=graph,
+                engine=cost.engine)
     plan = with_stage_predictions(plan, graph)
     return replace(plan, solver=replace(plan.solver, objective_s=answer.step_time_s))
 
 
 def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                 memory_limit_gib: float | None = None, space: SearchSpace = SearchSpace(),
-                max_units: int | None = None, cost: MegatronStageCost | None = None) -> Plan:
-    """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan.
-    Pass ``cost`` to share its probes with other searches over the same graph and mesh."""
+                max_units: int | None = None, cost: MegatronStageCost | None = None,
+                engine: str = "graph") -> Plan:
+    """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan,
+    every price the one of ``engine``'s runtime (the plan records it). Pass ``cost`` to
+    share its probes with other searches over the same graph and mesh."""
     start = time.perf_counter()
     hw = mesh.hardware
     units = cost.units if cost is not None else layer_units(graph, max_units=max_units)
     cost = cost or MegatronStageCost(graph, units, hw, num_devices=mesh.num_devices,
                                      dtype=dtype, optimizer=optimizer)
+    cost.engine = engine
     problem = Problem(unit_layers=tuple(u.layers for u in units),
                       unit_keys=tuple(u.key for u in units), num_devices=mesh.num_devices,
                       devices_per_node=mesh.devices_per_node,

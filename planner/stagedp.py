@@ -111,9 +111,13 @@ def build_tables(classes: RangeClasses, problem, options, microbatches: int, hop
     arrays = np.full((5, n_opt, n_cls), INF)  # t, u, w, a, r
     stage_costs: list = [None] * n_opt
     unit_cost = getattr(problem.cost_fn, "unit_cost", None)
+    # a cost function that can price any range in full (``range_cost``) does so for models
+    # of few units: exact tables, at the price of one probe per range class
+    exact = getattr(problem.cost_fn, "range_cost", None) is not None and \
+        classes.num_units <= getattr(problem.cost_fn, "exact_units", 0)
     for o, opt in enumerate(options):
         mbs = problem.global_batch // (microbatches * opt.mesh_shape[0])
-        row = _additive_row if unit_cost is not None else _generic_row
+        row = _range_row if exact else _additive_row if unit_cost is not None else _generic_row
         stage_costs[o], recv = row(arrays[:, o], classes, problem, opt, mbs, cache, need_memory)
         # send/recv between stages (x v chunks under the interleaved schedule)
         factor = np.array([hops * p2p_hops(bool(f), bool(l))
@@ -142,6 +146,23 @@ def _generic_row(row, classes, problem, opt, mbs, cache, need_memory=True):
         row[:, c] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib, sc.transient_gib)
         recv[c] = sc.recv_s
     return costs, recv
+
+
+def _range_row(row, classes, problem, opt, mbs, cache, need_memory=True):
+    """Every class priced in full by ``cost_fn.range_cost(first, last, option, mbs)``."""
+    recv = np.zeros(classes.num_classes)
+    for c in range(classes.num_classes):
+        j, k = int(classes.rep_first[c]), int(classes.rep_last[c])
+        key = ("range", problem.unit_keys[j:k], j == 0, k == classes.num_units, opt, mbs,
+               need_memory)
+        if key not in cache:
+            cache[key] = problem.cost_fn.range_cost(j, k, opt, mbs, need_memory=need_memory)
+        sc = cache[key]
+        if sc is None:
+            continue
+        row[:, c] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib, sc.transient_gib)
+        recv[c] = sc.recv_s
+    return [None] * classes.num_classes, recv
 
 
 def _additive_row(row, classes, problem, opt, mbs, cache, need_memory=True):
