@@ -67,7 +67,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  recompute: Sequence[str] | None = None, max_stages: int | None = None,
                  time_limit_s: float = 30.0, model_name: str = "",
                  graph: OpGraph | None = None, engine: str = "auto",
-                 context_parallel: Sequence[int] = (1,)) -> Plan:
+                 context_parallel: Sequence[int] = (1,), margin: float | None = None) -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
     ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
@@ -77,7 +77,11 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     Pass ``graph`` to reuse a trace. ``engine`` ("auto", "modules", "graph") picks the
     runtime recorded in the plan (``choose_engine``). ``context_parallel`` lists the
     context-parallel degrees the search tries with everything else, e.g. (1, 2, 4, 8, 16)
-    for long sequences (default: none).
+    for long sequences (default: none). Among plans whose predicted step time is within
+    ``margin`` of the fastest (default: the cost model's measured error on this kind of
+    machine, planner/simplest.py; 0 keeps the fastest) the simplest is returned: fewer
+    pipeline stages, less ZeRO, no recompute, no cp; ``plan.solver`` records the margin and
+    the faster plan it beat.
     """
     mesh = as_mesh(mesh)
     _check_search_options(microbatches=microbatches, max_stages=max_stages,
@@ -97,7 +101,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # again priced for the graph engine, which runs every plan
     searched = _engine_to_price(model, mesh, dtype, engine)
     kw = dict(dtype=dtype, optimizer=optimizer, memory_limit_gib=memory_limit_gib, space=space,
-              time_limit_s=time_limit_s)
+              time_limit_s=time_limit_s, margin=margin)
     start = time.perf_counter()
     try:
         plan = choose_engine(plan_auto(graph, mesh, engine=searched, **kw), model, engine)
