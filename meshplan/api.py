@@ -100,8 +100,15 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # caller or the model rules it out; should it refuse the plan found, the search runs
     # again priced for the graph engine, which runs every plan
     searched = _engine_to_price(model, mesh, dtype, engine)
+    from meshplan.planner.clusters import layer_units
+    from meshplan.planner.stagecost import MegatronStageCost
+
+    # one set of placements and cost-model walks for every search below (the engines share
+    # them; the probes' prices are kept per engine)
+    cost = MegatronStageCost(graph, layer_units(graph), mesh.hardware,
+                             num_devices=mesh.num_devices, dtype=dtype, optimizer=optimizer)
     kw = dict(dtype=dtype, optimizer=optimizer, memory_limit_gib=memory_limit_gib, space=space,
-              time_limit_s=time_limit_s, margin=margin)
+              time_limit_s=time_limit_s, margin=margin, cost=cost)
     start = time.perf_counter()
     try:
         plan = choose_engine(plan_auto(graph, mesh, engine=searched, **kw), model, engine)

@@ -318,7 +318,7 @@ def choice_text(plan: Plan) -> str:
              f"within {s.margin:.1%} of the fastest predicted step time (the cost model's "
              f"measured error on this kind of machine)"]
     lines.append(f"runner-up: {s.runner_up}" if s.runner_up else
-                 "runner-up: none (no simpler plan fits)")
+                 "runner-up: none (no simpler plan fits within the margin)")
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from meshplan.errors import MemoryLimitError, PlanningError, gib
 from meshplan.graph import OpGraph
 from meshplan.planner.inter import SearchSpace
 from meshplan.planner.simplest import error_margin, simplest_within
-from meshplan.planner.stagecost import plan_hybrid
+from meshplan.planner.stagecost import RERANK_WITHIN, plan_hybrid
 from meshplan.plan import Plan
 
 # Microbatch sizes (sequences per data-parallel rank) the search tries by default: the
@@ -78,9 +78,9 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
         cost = MegatronStageCost(graph, layer_units(graph), mesh.hardware,
                                  num_devices=mesh.num_devices, dtype=dtype, optimizer=optimizer)
 
-    def pipeline_search(restricted: SearchSpace) -> Plan:
+    def pipeline_search(restricted: SearchSpace, cap_s: float = math.inf) -> Plan:
         return plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer, memory_limit_gib=limit,
-                           space=restricted, cost=cost, engine=engine)
+                           space=restricted, cost=cost, engine=engine, cap_s=cap_s)
 
     try:
         best = _runnable(pipeline_search(space))
@@ -109,8 +109,11 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     if best is not None:
         margin = error_margin(mesh.hardware) if margin is None else margin
         if margin > 0:
-            best = simplest_within(best, space, lambda sp: _runnable(pipeline_search(sp)) or
-                                   _no_plan(), num_devices=mesh.num_devices,
+            # the search prices ranges affinely (planner/stagecost.py): plans up to
+            # RERANK_WITHIN over the margin are priced in full before they are compared
+            cap = best.predicted.step_time_s * (1 + margin) * (1 + RERANK_WITHIN)
+            best = simplest_within(best, space, lambda sp: _runnable(pipeline_search(sp, cap))
+                                   or _no_plan(), num_devices=mesh.num_devices,
                                    devices_per_node=mesh.devices_per_node, margin=margin)
     if best is None:
         # the pipeline search spans microbatching, recompute and ZeRO, so its bound is the

@@ -262,10 +262,11 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
 
 
 def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
-                keep: int = 1, within: float = INF) -> list[PipelinePlan]:
+                keep: int = 1, within: float = INF, cap: float = INF) -> list[PipelinePlan]:
     """The ``keep`` best plans of distinct pipeline shapes, fastest first (a caller that
     prices plans more exactly than the search's tables re-ranks them), among those within
-    a factor ``1 + within`` of the fastest: shapes beyond it are pruned unpriced."""
+    a factor ``1 + within`` of the fastest: shapes beyond it are pruned unpriced. Plans
+    slower than ``cap`` seconds are pruned too (PlanningError when none is faster)."""
     if problem.num_units < 1:
         raise PlanningError("the model has no operators to place")
     classes = RangeClasses(problem.unit_keys)
@@ -277,7 +278,7 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
 
     def threshold() -> float:
         near = top[0].step_time_s * (1 + within) if top else INF
-        return min(near, top[-1].step_time_s if len(top) >= keep else INF)
+        return min(near, cap, top[-1].step_time_s if len(top) >= keep else INF)
     smallest_memory = [INF]
 
     def tables_for(size, b, mesh, v, sp, relaxed=False):
@@ -326,6 +327,8 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
         if found is not None:
             top = sorted(top + [found], key=lambda p: p.step_time_s)[:keep]
             top = [p for p in top if p.step_time_s <= top[0].step_time_s * (1 + within)]
+    if not top and cap < INF:
+        raise PlanningError(f"no pipeline plan that fits is faster than {cap:.4g} s")
     if not top:
         raise MemoryLimitError(
             f"no pipeline plan fits {gib(problem.memory_limit_gib)} GiB per device on "

@@ -42,6 +42,7 @@ RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices
 # ... among those whose affine price is within this factor of the best (2x the affine
 # prices' measured difference, benchmarks/plan_quality.py): shapes further off are pruned
 RERANK_WITHIN = 0.01
+WIDEN = 16  # shapes priced in full when none of the first RERANK fits in full
 # models of this many layer units or fewer are priced range by range, exactly: at most
 # 12 x 13 / 2 = 78 ranges, each one cost-model call (two with memory)
 EXACT_UNITS = 12
@@ -278,10 +279,11 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
 def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                 memory_limit_gib: float | None = None, space: SearchSpace = SearchSpace(),
                 max_units: int | None = None, cost: MegatronStageCost | None = None,
-                engine: str = "graph") -> Plan:
+                engine: str = "graph", cap_s: float = float("inf")) -> Plan:
     """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan,
     every price the one of ``engine``'s runtime (the plan records it). Pass ``cost`` to
-    share its probes with other searches over the same graph and mesh."""
+    share its probes with other searches over the same graph and mesh. ``cap_s``: prune
+    every plan the search prices slower (PlanningError when none is faster)."""
     start = time.perf_counter()
     hw = mesh.hardware
     units = cost.units if cost is not None else layer_units(graph, max_units=max_units)
@@ -297,10 +299,25 @@ def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                       weights_floor_gib=cost.weights_floor_gib, dtype=dtype)
     # the search ranks with affine stage prices; the few best shapes are priced in full
     plans = [assemble_plan(graph, mesh, units, answer, cost, dtype=dtype, optimizer=optimizer)
-             for answer in search_best(problem, space, keep=RERANK, within=RERANK_WITHIN)]
+             for answer in search_best(problem, space, keep=RERANK, within=RERANK_WITHIN,
+                                           cap=cap_s)]
+    if not any(p.predicted.fits for p in plans):
+        # the affine memory of the best shapes was optimistic: widen to more shapes, however
+        # far from the fastest, before giving a plan that does not fit
+        seen = {_shape(p) for p in plans}
+        plans += [p for p in (assemble_plan(graph, mesh, units, answer, cost, dtype=dtype,
+                                            optimizer=optimizer)
+                              for answer in search_best(problem, space, keep=WIDEN, cap=cap_s))
+                  if _shape(p) not in seen]
     plan = min(plans, key=lambda p: (not p.predicted.fits, p.predicted.step_time_s))
     plan = best_schedule(plan, graph, space)
     return replace(plan, wall_time_s=time.perf_counter() - start)
+
+
+def _shape(plan: Plan) -> tuple:
+    t = plan.training
+    return (t.schedule, t.virtual_stages, t.microbatches,
+            tuple((st.layers, st.mesh_shape, st.zero, st.recompute) for st in plan.stages))
 
 
 def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace) -> Plan:
