@@ -75,6 +75,7 @@ class MegatronStageCost:
         self._neighbourhoods: dict = {}
         self._stage_ops: dict = {}
         self._storage: dict = {}
+        self._cp_spans: dict = {}
         self._stage_params: dict = {}
         # the cost model's own memo (operator walks, activation profiles, collective prices):
         # stages that share placements (every recompute and ZeRO choice of one (dp, tp) range)
@@ -132,9 +133,8 @@ class MegatronStageCost:
             hit = self._stage_ops[key] = (ops, inputs)
         ops, inputs = hit
         shape, axes, n = (dp, tp), ("dp", "tp"), dp * tp
-        if option.cp > 1:
-            shape, axes, _, params, _ = with_cp_axis(
-                self._cp_records(names), dp, option.cp, tp, {}, params, {})
+        if option.cp > 1:  # parameters and inputs read no cp records
+            shape, axes, _, params, _ = with_cp_axis({}, dp, option.cp, tp, {}, params, {})
             n *= option.cp
         return Stage(index=index, devices=tuple(range(index * n, (index + 1) * n)),
                      mesh_shape=shape, axis_names=axes, layers=layers,
@@ -149,7 +149,10 @@ class MegatronStageCost:
             for node in self.graph.nodes:
                 prop.visit(node)
             self._cp = prop
-        return self._cp.gather_kv_early(names)
+        span = (names[0], names[-1], len(names))
+        if span not in self._cp_spans:
+            self._cp_spans[span] = self._cp.gather_kv_early(names)
+        return self._cp_spans[span]
 
     def weights_floor_gib(self, stages: int, dp: int, tp: int, zero: int) -> float:
         """Model state of the average stage with every parameter split over tp: no stage of
