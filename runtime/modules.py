@@ -310,11 +310,22 @@ class ModuleEngine:
                              options=StateDictOptions(full_state_dict=True,
                                                       broadcast_from_rank0=broadcast_from_rank0,
                                                       strict=not broadcast_from_rank0))
+        given = {n for n in extra if n in sd}
+        if broadcast_from_rank0 and dist.is_initialized():
+            # only rank 0 holds the state: the non-persistent buffers it passed (rotary
+            # inv_freq) come from it too, as set_model_state_dict broadcasts the rest
+            names = [sorted(given) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(names, src=0)
+            given = set(names[0])
         with torch.no_grad():
             for name, buf in self.model.named_buffers():
-                if clean_fqn(name) in sd and clean_fqn(name) not in persistent:
+                if clean_fqn(name) not in given:
+                    continue
+                if clean_fqn(name) in sd:
                     buf.copy_(sd[clean_fqn(name)])
-        self._unset_buffers -= set(sd) | persistent
+                if broadcast_from_rank0 and dist.is_initialized():
+                    dist.broadcast(buf, src=0)
+        self._unset_buffers -= set(sd) | given | persistent
 
     def init_weights(self, fn) -> None:
         """``fn(model)`` under no_grad: initialise a meta-built model's local shards."""
