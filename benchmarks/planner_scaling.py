@@ -17,6 +17,13 @@ Cases:
 
 Run: python benchmarks/planner_scaling.py [--quick] [--backends cbc,highs,scip,cp-sat]
 Writes benchmarks/results/planner_scaling.{md,json,png}.
+
+``--hybrid``: the whole ``meshplan.autoparallel`` (pipeline search, single-stage ILP,
+simplest plan within the error band, engine choice) on the three targets of issue 27, each
+traced then planned ``--repeat`` times: GPT-3 175B on 1,024 A100s (batch 1536, seq 2048),
+Llama-3-8B on 64 H100s (batch 16, seq 8192: meta's autoparallel example_llama3.py), Llama 3
+405B at 131,072 tokens on 16,384 H100s with cp in {1, 2, 4, 8, 16} (batch 128). Appends one
+row per run to the history table in benchmarks/results/planner_scaling.md (date, commit).
 """
 
 from __future__ import annotations
@@ -145,19 +152,93 @@ def _plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+LLAMA3_8B = ("transformers:llama?hidden_size=4096&intermediate_size=14336&num_hidden_layers=32"
+             "&num_attention_heads=32&num_key_value_heads=8&vocab_size=128256"
+             "&max_position_embeddings=131072")
+LLAMA3_405B = ("transformers:llama?hidden_size=16384&intermediate_size=53248"
+               "&num_hidden_layers=126&num_attention_heads=128&num_key_value_heads=8"
+               "&vocab_size=128256&max_position_embeddings=131072")
+HYBRID = (("gpt3-175b / 1024 A100", "gpt3-175b", "dgx-a100-80gb:nodes=128", 1536, 2048, (1,)),
+          ("llama3-8b / 64 H100", LLAMA3_8B, "dgx-h100:nodes=8", 16, 8192, (1,)),
+          ("llama3-405b 131K / 16384 H100, cp", LLAMA3_405B, "dgx-h100:nodes=2048", 128, 131072,
+           (1, 2, 4, 8, 16)))
+HISTORY = "## History: `meshplan.autoparallel` on the issue 27 targets (`--hybrid`)"
+HISTORY_COLS = ("date", "commit", "case", "trace_s", "plan_s", "layout", "step_s", "mfu")
+
+
+def hybrid(repeat: int) -> list[dict]:
+    import subprocess
+
+    from meshplan.planner.simplest import describe
+    from meshplan.specs import parse_mesh_spec
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=os.path.dirname(OUT)).stdout.strip() or "?"
+    rows = []
+    for case, spec, mesh_spec, batch, seq, cps in HYBRID:
+        mesh = parse_mesh_spec(mesh_spec)
+        for _ in range(repeat):
+            graph, trace_s = _trace(spec, batch, seq)
+            model = parse_model_spec(spec).build("meta")
+            start = time.perf_counter()
+            plan = meshplan.autoparallel(model, mesh, graph=graph, dtype="bf16",
+                                         context_parallel=cps)
+            rows.append(dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                             commit=commit, case=case, trace_s=round(trace_s, 1),
+                             plan_s=round(time.perf_counter() - start, 1),
+                             layout=describe(plan) + f" ({plan.engine})",
+                             step_s=round(plan.predicted.step_time_s, 3),
+                             mfu=f"{plan.predicted.mfu:.1%}"))
+            print("  ".join(str(rows[-1][c]) for c in HISTORY_COLS), flush=True)
+    return rows
+
+
+def append_history(rows: list[dict]) -> None:
+    path = os.path.join(OUT, "planner_scaling.md")
+    text = open(path).read() if os.path.exists(path) else _markdown([])
+    if HISTORY not in text:
+        text += ("\n" + HISTORY + "\n\nWall-clock seconds on this shared 2-core machine; "
+                 "`trace_s` is the export on meta, `plan_s` everything `autoparallel` does "
+                 "after it.\n\n| " + " | ".join(HISTORY_COLS) + " |\n|" + "---|" * len(HISTORY_COLS)
+                 + "\n")
+    text = text.rstrip("\n") + "\n" + "".join(
+        "| " + " | ".join(str(r[c]) for c in HISTORY_COLS) + " |\n" for r in rows)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _history_of(path: str) -> str:
+    """The history section of an existing table, kept when the scaling rows are rewritten."""
+    if not os.path.exists(path):
+        return ""
+    text = open(path).read()
+    return text[text.index(HISTORY):] if HISTORY in text else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer layer counts and meshes")
     ap.add_argument("--backends", default="cbc", help="comma-separated: cbc,highs,scip,cp-sat")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="time autoparallel on the issue 27 targets; append to the history")
+    ap.add_argument("--repeat", type=int, default=2, help="runs per --hybrid target")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
+    if args.hybrid:
+        import torch
+
+        torch.set_num_threads(1)
+        append_history(hybrid(args.repeat))
+        return 0
     print("  ".join(_COLS))
     rows = run(args.quick, args.backends.split(","))
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "planner_scaling.json"), "w") as f:
         json.dump(rows, f, indent=1)
-    with open(os.path.join(OUT, "planner_scaling.md"), "w") as f:
-        f.write(_markdown(rows))
+    path = os.path.join(OUT, "planner_scaling.md")
+    history = _history_of(path)
+    with open(path, "w") as f:
+        f.write(_markdown(rows) + ("\n" + history if history else ""))
     _plot(rows, os.path.join(OUT, "planner_scaling.png"))
     return 0
 

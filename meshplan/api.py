@@ -6,6 +6,7 @@ assemble the plan. The work lives in meshplan.planner and meshplan.costmodel.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from meshplan.costmodel.estimate import STACKS, estimate_plan
-from meshplan.errors import MeshplanError, NotSupportedError, PlanningError
+from meshplan.errors import MemoryLimitError, MeshplanError, NotSupportedError, PlanningError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
@@ -107,7 +108,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  recompute: Sequence[str] | None = None, max_stages: int | None = None,
                  time_limit_s: float = 30.0, model_name: str = "",
                  graph: OpGraph | None = None, engine: str = "auto",
-                 context_parallel: Sequence[int] = (1,)) -> Plan:
+                 context_parallel: Sequence[int] = (1,), margin: float | None = None) -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
     ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
@@ -117,7 +118,11 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     Pass ``graph`` to reuse a trace. ``engine`` ("auto", "modules", "graph") picks the
     runtime recorded in the plan (``choose_engine``). ``context_parallel`` lists the
     context-parallel degrees the search tries with everything else, e.g. (1, 2, 4, 8, 16)
-    for long sequences (default: none).
+    for long sequences (default: none). Among plans whose predicted step time is within
+    ``margin`` of the fastest (default: the cost model's measured error on this kind of
+    machine, planner/simplest.py; 0 keeps the fastest) the simplest is returned: fewer
+    pipeline stages, less ZeRO, no recompute, no cp; ``plan.solver`` records the margin and
+    the faster plan it beat.
     """
     mesh = as_mesh(mesh)
     _check_search_options(microbatches=microbatches, max_stages=max_stages,
@@ -134,10 +139,54 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # MemoryLimitError (with min_memory_gib) when nothing fits
     space = search_space(microbatches=microbatches, schedules=schedules, recompute=recompute,
                          max_stages=max_stages, context_parallel=context_parallel)
-    plan = plan_auto(graph, mesh, dtype=dtype, optimizer=optimizer,
-                     memory_limit_gib=memory_limit_gib, space=space, time_limit_s=time_limit_s)
+    # the search prices the engine that will run its plan: the module engine unless the
+    # caller or the model rules it out; should it refuse the plan found, the search runs
+    # again priced for the graph engine, which runs every plan
+    searched = _engine_to_price(model, mesh, dtype, engine)
+    from meshplan.planner.clusters import layer_units
+    from meshplan.planner.stagecost import MegatronStageCost
+
+    # one set of placements and cost-model walks for every search below (the engines share
+    # them; the probes' prices are kept per engine)
+    cost = MegatronStageCost(graph, layer_units(graph), mesh.hardware,
+                             num_devices=mesh.num_devices, dtype=dtype, optimizer=optimizer)
+    kw = dict(dtype=dtype, optimizer=optimizer, memory_limit_gib=memory_limit_gib, space=space,
+              time_limit_s=time_limit_s, margin=margin, cost=cost)
+    start = time.perf_counter()
+    try:
+        plan = choose_engine(plan_auto(graph, mesh, engine=searched, **kw), model, engine)
+    except MemoryLimitError:
+        if searched == "graph" or engine == "modules":
+            raise
+        # nothing fits as the module engine runs it (FSDP2's copies): the graph engine's
+        # plans, priced as it runs them (DECISIONS 44)
+        plan = choose_engine(plan_auto(graph, mesh, engine="graph", **kw), model, "graph")
+        plan = replace(plan, engine_note="no plan fits memory as the module engine runs it")
+        searched = "graph"
+    if plan.engine != searched:
+        note = plan.engine_note
+        plan = replace(plan_auto(graph, mesh, engine=plan.engine, **kw), engine_note=note)
     _check_model_rules(plan, model)
-    return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
+    return replace(plan, wall_time_s=time.perf_counter() - start)
+
+
+def _engine_to_price(model: nn.Module | None, mesh: Mesh, dtype: str, engine: str) -> str:
+    """The engine the search prices: "graph" when asked for or when the module engine
+    refuses the model whatever the plan (runtime/module_plan.model_refusal)."""
+    if engine == "graph" or model is None:
+        return "graph"
+    if engine not in ENGINES:
+        raise PlanningError(f"engine={engine!r} is not one of {', '.join(ENGINES)}")
+    if engine in STACKS:
+        raise PlanningError(f"engine={engine!r}: autoparallel searches for meshplan's own "
+                            "engines ('auto', 'modules', 'graph'); price a layout as "
+                            f"{engine} runs it with manual_plan(..., engine={engine!r})")
+    from meshplan.runtime.module_plan import model_refusal
+
+    why = model_refusal(model, dtype=dtype, num_devices=mesh.num_devices)
+    if why and engine == "modules":
+        raise NotSupportedError(f"engine='modules': {why}")
+    return "graph" if why else "modules"
 
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,

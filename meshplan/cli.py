@@ -132,7 +132,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from meshplan.explain import explain, explain_text
+    from meshplan.explain import choice_text, explain, explain_text
 
     if (args.node is None) == (args.layer is None):
         raise SpecError("explain needs exactly one of --node NAME or --layer N")
@@ -147,6 +147,8 @@ def cmd_explain(args) -> int:
                         "which a plan file does not hold; pass --model SPEC (the spec the "
                         "plan was made from)")
     expls = explain(plan, graph, node=args.node, layer=args.layer)
+    if choice_text(plan):
+        print(choice_text(plan))
     print(explain_text(expls, plan, limit=0 if args.node else args.limit))
     return 0
 

@@ -308,6 +308,20 @@ def _fmt(s: float) -> str:
     return fmt_time(s)
 
 
+def choice_text(plan: Plan) -> str:
+    """Why this layout: the margin within which the simplest plan was kept and the plan it
+    beat (planner/simplest.py); empty for plans made without one."""
+    s = plan.solver
+    if not s.margin:
+        return ""
+    lines = [f"layout: the simplest plan (fewer stages, less ZeRO, no recompute, no cp) "
+             f"within {s.margin:.1%} of the fastest predicted step time (the cost model's "
+             f"measured error on this kind of machine)"]
+    lines.append(f"runner-up: {s.runner_up}" if s.runner_up else
+                 "runner-up: none (no simpler plan fits within the margin)")
+    return "\n".join(lines)
+
+
 def explain(plan: Plan, graph, *, node: str | None = None, layer: int | None = None
             ) -> list[NodeExplanation]:
     if (node is None) == (layer is None):

@@ -136,6 +136,10 @@ class SolverInfo:
     time_s: float = 0.0  # deterministic solver time (CP-SAT deterministic_time); 0 without search
     objective_s: float = 0.0
     notes: tuple[str, ...] = ()  # e.g. operators that fell back to replication
+    # the simplest plan within this fraction of the fastest was kept (planner/simplest.py):
+    # the cost model's measured error on this kind of machine; 0: the fastest plan, as is
+    margin: float = 0.0
+    runner_up: str = ""  # the faster, more elaborate plan the kept one beat, if any
 
 
 @dataclass(frozen=True)

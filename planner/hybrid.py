@@ -28,7 +28,8 @@ from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError, gib
 from meshplan.graph import OpGraph
 from meshplan.planner.inter import SearchSpace
-from meshplan.planner.stagecost import plan_hybrid
+from meshplan.planner.simplest import error_margin, simplest_within
+from meshplan.planner.stagecost import RERANK_WITHIN, plan_hybrid
 from meshplan.plan import Plan
 
 # Microbatch sizes (sequences per data-parallel rank) the search tries by default: the
@@ -58,17 +59,31 @@ def search_space(*, microbatches: Sequence[int] | None = None,
 
 def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
               memory_limit_gib: float | None = None, space: SearchSpace | None = None,
-              time_limit_s: float = 30.0, single_stage_ilp: bool = True, cost=None) -> Plan:
-    """The fastest plan of either search that fits ``memory_limit_gib`` per device."""
+              time_limit_s: float = 30.0, single_stage_ilp: bool = True, cost=None,
+              engine: str = "graph", margin: float | None = None) -> Plan:
+    """The fastest plan of either search that fits ``memory_limit_gib`` per device, every
+    candidate priced for ``engine`` (the runtime that will run it; the plan records it);
+    then the simplest plan within ``margin`` of it (planner/simplest.py; None: the cost
+    model's measured error on this kind of machine, 0: the fastest as is)."""
     start = time.perf_counter()
     space = space or search_space()
     limit = memory_limit_gib if memory_limit_gib is not None else mesh.hardware.device.memory_gib
     best: Plan | None = None
     failure: MemoryLimitError | None = None
     ilp_failure: MemoryLimitError | None = None
+    if cost is None:  # one set of probes for every pipeline search below
+        from meshplan.planner.clusters import layer_units
+        from meshplan.planner.stagecost import MegatronStageCost
+
+        cost = MegatronStageCost(graph, layer_units(graph), mesh.hardware,
+                                 num_devices=mesh.num_devices, dtype=dtype, optimizer=optimizer)
+
+    def pipeline_search(restricted: SearchSpace, cap_s: float = math.inf) -> Plan:
+        return plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer, memory_limit_gib=limit,
+                           space=restricted, cost=cost, engine=engine, cap_s=cap_s)
+
     try:
-        best = _runnable(plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer,
-                                     memory_limit_gib=limit, space=space, cost=cost))
+        best = _runnable(pipeline_search(space))
     except MemoryLimitError as exc:
         failure = exc
     if single_stage_ilp and (best is None or best.num_stages == 1):
@@ -84,15 +99,32 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
         except PlanningError:
             ilp_plan = None
         ilp_plan = _runnable(ilp_plan)
+        if ilp_plan is not None and ilp_plan.engine != engine:
+            from meshplan.costmodel.estimate import with_stage_predictions
+
+            ilp_plan = with_stage_predictions(replace(ilp_plan, engine=engine), graph)
         if ilp_plan is not None and ilp_plan.predicted.peak_memory_gib <= limit and (
                 best is None or ilp_plan.predicted.step_time_s < best.predicted.step_time_s):
             best = ilp_plan
+    if best is not None:
+        margin = error_margin(mesh.hardware) if margin is None else margin
+        if margin > 0:
+            # the search prices ranges affinely (planner/stagecost.py): plans up to
+            # RERANK_WITHIN over the margin are priced in full before they are compared
+            cap = best.predicted.step_time_s * (1 + margin) * (1 + RERANK_WITHIN)
+            best = simplest_within(best, space, lambda sp: _runnable(pipeline_search(sp, cap))
+                                   or _no_plan(), num_devices=mesh.num_devices,
+                                   devices_per_node=mesh.devices_per_node, margin=margin)
     if best is None:
         # the pipeline search spans microbatching, recompute and ZeRO, so its bound is the
         # one to report; the single-stage ILP's bound covers a smaller space
         raise _tightest(failure) or _tightest(ilp_failure if failure is None else None) or \
             _model_state_floor(graph, mesh, limit, dtype, optimizer)
     return replace(best, wall_time_s=time.perf_counter() - start)
+
+
+def _no_plan() -> Plan:
+    raise PlanningError("the pipeline search's plan cannot run")
 
 
 def _runnable(plan: Plan | None) -> Plan | None:

@@ -37,6 +37,7 @@ plan, which is what keeps a 1,024-device search in seconds.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -48,7 +49,8 @@ from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError, gib
 from meshplan.schedules import Schedule
-from meshplan.planner.stagedp import RangeClasses, bound_candidates, build_tables, cut
+from meshplan.planner.stagedp import (RangeClasses, bottleneck, bound_candidates, build_tables,
+                                      cut)
 
 INF = float("inf")
 
@@ -117,6 +119,9 @@ class StageOption:
     zero: int
     sequence_parallel: bool = False
     cp: int = 1  # context parallel: the group is dp x cp x tp devices (meshplan/context.py)
+    # the stage is one of several (pp > 1): the module engine runs pipelines differently
+    # (costmodel.estimate.default_runtime), so the price depends on it
+    pipelined: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +249,8 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
                     continue  # ZeRO over one replica is plain data parallelism
                 if support.zero_rule(support.Candidate(zero=z)):
                     continue
-                out.append(StageOption((dp, tp), rc, z, sp, cp))
+                out.append(StageOption((dp, tp), rc, z, sp, cp,
+                                       pipelined=size < problem.num_devices))
     return out
 
 
@@ -256,9 +262,11 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
 
 
 def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
-                keep: int = 1) -> list[PipelinePlan]:
+                keep: int = 1, within: float = INF, cap: float = INF) -> list[PipelinePlan]:
     """The ``keep`` best plans of distinct pipeline shapes, fastest first (a caller that
-    prices plans more exactly than the search's tables re-ranks them)."""
+    prices plans more exactly than the search's tables re-ranks them), among those within
+    a factor ``1 + within`` of the fastest: shapes beyond it are pruned unpriced. Plans
+    slower than ``cap`` seconds are pruned too (PlanningError when none is faster)."""
     if problem.num_units < 1:
         raise PlanningError("the model has no operators to place")
     classes = RangeClasses(problem.unit_keys)
@@ -269,7 +277,8 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
     runs = [0]
 
     def threshold() -> float:
-        return top[-1].step_time_s if len(top) >= keep else INF
+        near = top[0].step_time_s * (1 + within) if top else INF
+        return min(near, cap, top[-1].step_time_s if len(top) >= keep else INF)
     smallest_memory = [INF]
 
     def tables_for(size, b, mesh, v, sp, relaxed=False):
@@ -317,6 +326,9 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
         combos += 1
         if found is not None:
             top = sorted(top + [found], key=lambda p: p.step_time_s)[:keep]
+            top = [p for p in top if p.step_time_s <= top[0].step_time_s * (1 + within)]
+    if not top and cap < INF:
+        raise PlanningError(f"no pipeline plan that fits is faster than {cap:.4g} s")
     if not top:
         raise MemoryLimitError(
             f"no pipeline plan fits {gib(problem.memory_limit_gib)} GiB per device on "
@@ -408,11 +420,14 @@ def _search_combo(problem, space, tables, schedule, stages, virtual, b, best_s, 
     best: PipelinePlan | None = None
     u_values = bound_candidates(tables.u, space.eps)
     t_values = bound_candidates(tables.t, space.eps)
-    u_start = _first_feasible(u_values, lambda u: run(INF, u)[1] is not None)
+    # the smallest feasible bounds come from min-max paths (stagedp.bottleneck): a bound
+    # admits a cut exactly when it is at least that value
+    t_floor = bottleneck(positions, "t")  # no cut has a smaller largest stage time
+    u_start = bisect.bisect_left(u_values, bottleneck(positions, "u"))
     for u_max in u_values[u_start:]:
-        if u_max + lower >= best_s:
+        if u_max + s0 / v + (b - 1 / v) * t_floor >= best_s:
             break
-        t_start = _first_feasible(t_values, lambda t: run(t, u_max)[1] is not None)
+        t_start = bisect.bisect_left(t_values, bottleneck(positions, "t", u_max=u_max))
         for t_max in t_values[t_start:]:
             if s0 / v + (b - 1 / v) * t_max + u_max >= best_s:
                 break
@@ -421,18 +436,6 @@ def _search_combo(problem, space, tables, schedule, stages, virtual, b, best_s, 
             if plan.step_time_s < best_s:
                 best, best_s = plan, plan.step_time_s
     return best
-
-
-def _first_feasible(values: list[float], feasible) -> int:
-    """Smallest index whose value is feasible (feasibility grows with the value)."""
-    lo, hi = 0, len(values)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if feasible(values[mid]):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def _assemble(problem, tables, cuts, schedule, stages, virtual, b, positions) -> PipelinePlan:

@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 
 from meshplan import support
-from meshplan.costmodel.estimate import stage_cost, with_stage_predictions
+from meshplan.costmodel.estimate import default_runtime, stage_cost, with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
 from meshplan.planner.cp_placements import CpPropagator
@@ -39,16 +39,30 @@ from meshplan.plan import Estimate, Plan, SolverInfo, Stage
 
 NAME = "meshplan-inter"
 RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices differ ~0.5%)
+# ... among those whose affine price is within this factor of the best (2x the affine
+# prices' measured difference, benchmarks/plan_quality.py): shapes further off are pruned
+RERANK_WITHIN = 0.01
+WIDEN = 16  # shapes priced in full when none of the first RERANK fits in full
+# models of this many layer units or fewer are priced range by range, exactly: at most
+# 12 x 13 / 2 = 78 ranges, each one cost-model call (two with memory)
+EXACT_UNITS = 12
 _EMPTY = Estimate(step_time_s=0.0, peak_memory_gib=0.0, memory_capacity_gib=0.0, fits=True,
                   mfu=0.0, tokens_per_s=0.0)
 
 
 class MegatronStageCost:
-    """``unit_cost`` for planner/inter's additive fast path (see the module docstring)."""
+    """``unit_cost`` for planner/inter's additive fast path (see the module docstring), and
+    ``range_cost``, every range priced in full, for models of at most ``exact_units`` units
+    (where the affine terms' error, up to 2% of a step on 4 CPU processes, would decide)."""
+
+    exact_units = EXACT_UNITS
 
     def __init__(self, graph: OpGraph, units: tuple[LayerUnit, ...], hw: HardwareProfile, *,
-                 num_devices: int, dtype: str, optimizer: str):
+                 num_devices: int, dtype: str, optimizer: str, engine: str = "graph"):
         self.graph, self.units, self.hw = graph, units, hw
+        # the engine whose runtime prices every probe (costmodel.estimate.default_runtime):
+        # the one that will run the plan, so the search optimises what runs
+        self.engine = engine
         self.dtype, self.optimizer = dtype, optimizer
         self.batch, self.seq = batch_and_seq(graph)  # a 1-D first input has seq 1
         self.heads = attention_heads(graph)
@@ -56,7 +70,17 @@ class MegatronStageCost:
         self._placements: dict = {}
         self._walks: dict = {}
         self._probes: dict = {}
+        self._alone: dict = {}
+        self._acts: dict = {}
         self._neighbourhoods: dict = {}
+        self._stage_ops: dict = {}
+        self._storage: dict = {}
+        self._cp_spans: dict = {}
+        self._stage_params: dict = {}
+        # the cost model's own memo (operator walks, activation profiles, collective prices):
+        # stages that share placements (every recompute and ZeRO choice of one (dp, tp) range)
+        # walk their operators once
+        self._cost_cache: dict = {}
         self._cp = None  # CpPropagator after its one walk
 
     # -- placements ---------------------------------------------------------------------------
@@ -75,11 +99,15 @@ class MegatronStageCost:
                 walk = self._walks[(tp, sp, cp)] = (
                     {n.name: prop.visit(n) for n in self.graph.nodes}, prop.consumed)
             ops, consumed = walk
-            store = Propagator(self.graph, dp=dp, tp=tp, sp=sp, seq_len=self.seq, zero=zero)
-            store.consumed = consumed
-            if cp:
-                store.vocab = set()
-            params = {p.name: store.storage(p.name) for p in self.graph.params}
+            # storage reads dp only under ZeRO-3 (the dp shard of each weight)
+            skey = (tp, sp, cp, dp if zero >= 3 and dp > 1 else 1)
+            params = self._storage.get(skey)
+            if params is None:
+                store = Propagator(self.graph, dp=skey[3], tp=tp, sp=sp, seq_len=self.seq,
+                                   zero=3 if skey[3] > 1 else 0)
+                store.consumed = consumed
+                params = self._storage[skey] = {p.name: store.storage(p.name)
+                                                for p in self.graph.params}
             self._placements[key] = (ops, params)
         return self._placements[key]
 
@@ -87,13 +115,26 @@ class MegatronStageCost:
         dp, tp = option.mesh_shape
         ops, params = self.placements(dp, tp, option.sequence_parallel, option.zero,
                                       option.cp > 1)
-        params = {p: params[p] for p in stage_params(self.graph, names)}
-        inputs = {name: ("S(0)", "R") for name, _ in self.graph.inputs}
-        ops = {n: ops[n] for n in names}
+        span = (names[0], names[-1], len(names))
+        if span not in self._stage_params:
+            self._stage_params[span] = stage_params(self.graph, names)
+        params = {p: params[p] for p in self._stage_params[span]}
+        # the same operator and input dicts (by identity) for every recompute and ZeRO choice
+        # of one range and mesh: the cost model's memo is keyed on them
+        key = (names[0], names[-1], len(names), dp, tp, option.sequence_parallel and tp > 1,
+               option.cp)
+        hit = self._stage_ops.get(key)
+        if hit is None:
+            inputs = {name: ("S(0)", "R") for name, _ in self.graph.inputs}
+            ops = {n: ops[n] for n in names}
+            if option.cp > 1:  # the cp axis as planner/manual.py writes it
+                _, _, ops, _, inputs = with_cp_axis(
+                    self._cp_records(names), dp, option.cp, tp, ops, {}, inputs)
+            hit = self._stage_ops[key] = (ops, inputs)
+        ops, inputs = hit
         shape, axes, n = (dp, tp), ("dp", "tp"), dp * tp
-        if option.cp > 1:  # the cp axis as planner/manual.py writes it
-            shape, axes, ops, params, inputs = with_cp_axis(
-                self._cp_records(names), dp, option.cp, tp, ops, params, inputs)
+        if option.cp > 1:  # parameters and inputs read no cp records
+            shape, axes, _, params, _ = with_cp_axis({}, dp, option.cp, tp, {}, params, {})
             n *= option.cp
         return Stage(index=index, devices=tuple(range(index * n, (index + 1) * n)),
                      mesh_shape=shape, axis_names=axes, layers=layers,
@@ -108,7 +149,10 @@ class MegatronStageCost:
             for node in self.graph.nodes:
                 prop.visit(node)
             self._cp = prop
-        return self._cp.gather_kv_early(names)
+        span = (names[0], names[-1], len(names))
+        if span not in self._cp_spans:
+            self._cp_spans[span] = self._cp.gather_kv_early(names)
+        return self._cp_spans[span]
 
     def weights_floor_gib(self, stages: int, dp: int, tp: int, zero: int) -> float:
         """Model state of the average stage with every parameter split over tp: no stage of
@@ -128,30 +172,45 @@ class MegatronStageCost:
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
                               option.sequence_parallel or option.recompute == "selective"):
             return None  # no attention to split, or the layout's 2 x cp chunks do not divide
+        if self.engine == "graph":  # the graph engine's runtime is the same with or without pp
+            option = replace(option, pipelined=False)
         key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
-               need_memory)
-        if key in self._probes:
-            return self._probes[key]
+               self.engine)
+        if (key, True) in self._probes:  # the full probe answers the time-only one too
+            return self._probes[(key, True)]
+        if not need_memory and (key, False) in self._probes:
+            return self._probes[(key, False)]
         names = [n for u in self.units[first:last] for n in u.nodes]
         st = self.stage(names, option)
         m = self.batch // (dp * mbs)
         kw = dict(dtype=self.dtype, optimizer=self.optimizer, microbatches=m,
-                  seq_len=self.seq, processes_on_host=self.on_host)
+                  seq_len=self.seq, processes_on_host=self.on_host, cache=self._cost_cache,
+                  runtime=default_runtime(self.hw, engine=self.engine,
+                                          pipeline=option.pipelined))
         graph = self.neighbourhood(first, last)
-        alone = stage_cost(st, graph, self.hw, num_stages=1, **kw)
+        alone = self._alone.get(key)
+        if alone is None:
+            alone = self._alone[key] = stage_cost(st, graph, self.hw, num_stages=1, **kw)
         if not need_memory:
-            self._probes[key] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
-            return self._probes[key]
-        two = stage_cost(st, graph, self.hw, num_stages=2, schedule="gpipe", **kw)
+            self._probes[(key, False)] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
+            return self._probes[(key, False)]
+        # kept and working activations and the receive do not depend on the ZeRO stage
+        # (the activation profile and the send/recv read the operators only): one
+        # two-stage probe serves every ZeRO choice
+        acts_key = (key[0], key[1], replace(option, zero=0), mbs, self.engine)
+        split = self._acts.get(acts_key)
+        if split is None:
+            two = stage_cost(st, graph, self.hw, num_stages=2, schedule="gpipe", **kw)
+            acts1, acts_m = alone.memory.activations_gib, two.memory.activations_gib
+            kept = (acts_m - acts1) / (m - 1) if m > 1 else acts1
+            split = self._acts[acts_key] = (kept, acts1 - kept, two.comm_s - alone.comm_s)
+        kept, working, recv = split
+        recv = recv if first > 0 else 0.0
         mem = alone.memory
-        acts1, acts_m = mem.activations_gib, two.memory.activations_gib
-        kept = (acts_m - acts1) / (m - 1) if m > 1 else acts1
-        working = acts1 - kept
         weights = mem.params_gib + mem.grads_gib + mem.optimizer_gib + mem.buffers_gib
-        recv = two.comm_s - alone.comm_s if first > 0 else 0.0
         out = (alone.microbatch_s, alone.grad_sync_s + alone.optimizer_s, weights, kept,
                working, recv)
-        self._probes[key] = out
+        self._probes[(key, True)] = out
         return out
 
     def neighbourhood(self, first: int, last: int) -> OpGraph:
@@ -170,6 +229,13 @@ class MegatronStageCost:
                 inputs=g.inputs, output=g.output, layer_fingerprints=g.layer_fingerprints,
                 block_module=g.block_module, model_name=g.model_name)
         return self._neighbourhoods[key]
+
+    def range_cost(self, first: int, last: int, option: StageOption, mbs: int, *,
+                   need_memory: bool = True) -> StageCost | None:
+        """Units [first, last) priced in full as one stage (no affine sum): stagedp uses it
+        for models of at most ``exact_units`` units."""
+        p = self.probe(first, last, option, mbs, need_memory)
+        return None if p is None else StageCost(*p[:5], recv_s=p[5] if first > 0 else 0.0)
 
     def unit_cost(self, i: int, option: StageOption, mbs: int, *, leading: bool,
                   need_memory: bool = True) -> StageCost | None:
@@ -207,21 +273,26 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
               f"{answer.dp_runs} DP runs)")
     plan = Plan(model=model_info(graph), mesh=mesh_info(mesh), training=training,
                 stages=tuple(stages), predicted=_EMPTY,
-                solver=SolverInfo(name=NAME, status=status, notes=tuple(notes)), graph=graph)
+                solver=SolverInfo(name=NAME, status=status, notes=tuple(notes)), graph=graph,
+                engine=cost.engine)
     plan = with_stage_predictions(plan, graph)
     return replace(plan, solver=replace(plan.solver, objective_s=answer.step_time_s))
 
 
 def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                 memory_limit_gib: float | None = None, space: SearchSpace = SearchSpace(),
-                max_units: int | None = None, cost: MegatronStageCost | None = None) -> Plan:
-    """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan.
-    Pass ``cost`` to share its probes with other searches over the same graph and mesh."""
+                max_units: int | None = None, cost: MegatronStageCost | None = None,
+                engine: str = "graph", cap_s: float = float("inf")) -> Plan:
+    """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan,
+    every price the one of ``engine``'s runtime (the plan records it). Pass ``cost`` to
+    share its probes with other searches over the same graph and mesh. ``cap_s``: prune
+    every plan the search prices slower (PlanningError when none is faster)."""
     start = time.perf_counter()
     hw = mesh.hardware
     units = cost.units if cost is not None else layer_units(graph, max_units=max_units)
     cost = cost or MegatronStageCost(graph, units, hw, num_devices=mesh.num_devices,
                                      dtype=dtype, optimizer=optimizer)
+    cost.engine = engine
     problem = Problem(unit_layers=tuple(u.layers for u in units),
                       unit_keys=tuple(u.key for u in units), num_devices=mesh.num_devices,
                       devices_per_node=mesh.devices_per_node,
@@ -231,10 +302,25 @@ def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                       weights_floor_gib=cost.weights_floor_gib, dtype=dtype)
     # the search ranks with affine stage prices; the few best shapes are priced in full
     plans = [assemble_plan(graph, mesh, units, answer, cost, dtype=dtype, optimizer=optimizer)
-             for answer in search_best(problem, space, keep=RERANK)]
+             for answer in search_best(problem, space, keep=RERANK, within=RERANK_WITHIN,
+                                           cap=cap_s)]
+    if not any(p.predicted.fits for p in plans):
+        # the affine memory of the best shapes was optimistic: widen to more shapes, however
+        # far from the fastest, before giving a plan that does not fit
+        seen = {_shape(p) for p in plans}
+        plans += [p for p in (assemble_plan(graph, mesh, units, answer, cost, dtype=dtype,
+                                            optimizer=optimizer)
+                              for answer in search_best(problem, space, keep=WIDEN, cap=cap_s))
+                  if _shape(p) not in seen]
     plan = min(plans, key=lambda p: (not p.predicted.fits, p.predicted.step_time_s))
     plan = best_schedule(plan, graph, space)
     return replace(plan, wall_time_s=time.perf_counter() - start)
+
+
+def _shape(plan: Plan) -> tuple:
+    t = plan.training
+    return (t.schedule, t.virtual_stages, t.microbatches,
+            tuple((st.layers, st.mesh_shape, st.zero, st.recompute) for st in plan.stages))
 
 
 def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace) -> Plan:

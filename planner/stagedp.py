@@ -68,15 +68,28 @@ class Tables:
 
     def best(self, in_flight: float, limit_gib: float, t_max: float, u_max: float):
         """Cheapest option per class within the bounds; (time per class + INF column, option)."""
-        ok = self.fits(in_flight, limit_gib)
-        if t_max < INF:
-            ok = ok & (self.t <= t_max)
-        if u_max < INF:
-            ok = ok & (self.u <= u_max)
-        masked = np.where(ok, self.t, INF)
-        arg = masked.argmin(axis=0)
-        best = masked[arg, np.arange(masked.shape[1])]
-        return np.append(best, INF), arg
+        best, arg = self.best_many(((in_flight, limit_gib),), t_max, u_max)
+        return best[0], arg[0]
+
+    def best_many(self, positions: tuple, t_max: float, u_max: float, field: str = "t"):
+        """``best`` for several (in-flight, limit) positions at once: (positions x classes+1
+        values, positions x classes options). One vectorised pass instead of one per stage:
+        the bounded search runs thousands of cuts. ``field`` "u": the smallest tail instead
+        of the smallest time."""
+        fits = self._fits_stack(positions)
+        t = self.t if field == "t" else self.u
+        if t_max < INF or u_max < INF:
+            t = np.where((self.t <= t_max) & (self.u <= u_max), t, INF)
+        masked = np.where(fits, t[None], INF)
+        arg = masked.argmin(axis=1)
+        best = np.take_along_axis(masked, arg[:, None, :], axis=1)[:, 0, :]
+        return np.concatenate([best, np.full((len(positions), 1), INF)], axis=1), arg
+
+    def _fits_stack(self, positions: tuple) -> np.ndarray:
+        key = ("stack", positions)
+        if key not in self._fit_cache:
+            self._fit_cache[key] = np.stack([self.fits(m, limit) for m, limit in positions])
+        return self._fit_cache[key]
 
 
 def p2p_hops(first: bool, last: bool) -> float:
@@ -98,9 +111,13 @@ def build_tables(classes: RangeClasses, problem, options, microbatches: int, hop
     arrays = np.full((5, n_opt, n_cls), INF)  # t, u, w, a, r
     stage_costs: list = [None] * n_opt
     unit_cost = getattr(problem.cost_fn, "unit_cost", None)
+    # a cost function that can price any range in full (``range_cost``) does so for models
+    # of few units: exact tables, at the price of one probe per range class
+    exact = getattr(problem.cost_fn, "range_cost", None) is not None and \
+        classes.num_units <= getattr(problem.cost_fn, "exact_units", 0)
     for o, opt in enumerate(options):
         mbs = problem.global_batch // (microbatches * opt.mesh_shape[0])
-        row = _additive_row if unit_cost is not None else _generic_row
+        row = _range_row if exact else _additive_row if unit_cost is not None else _generic_row
         stage_costs[o], recv = row(arrays[:, o], classes, problem, opt, mbs, cache, need_memory)
         # send/recv between stages (x v chunks under the interleaved schedule)
         factor = np.array([hops * p2p_hops(bool(f), bool(l))
@@ -129,6 +146,23 @@ def _generic_row(row, classes, problem, opt, mbs, cache, need_memory=True):
         row[:, c] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib, sc.transient_gib)
         recv[c] = sc.recv_s
     return costs, recv
+
+
+def _range_row(row, classes, problem, opt, mbs, cache, need_memory=True):
+    """Every class priced in full by ``cost_fn.range_cost(first, last, option, mbs)``."""
+    recv = np.zeros(classes.num_classes)
+    for c in range(classes.num_classes):
+        j, k = int(classes.rep_first[c]), int(classes.rep_last[c])
+        key = ("range", problem.unit_keys[j:k], j == 0, k == classes.num_units, opt, mbs,
+               need_memory)
+        if key not in cache:
+            cache[key] = problem.cost_fn.range_cost(j, k, opt, mbs, need_memory=need_memory)
+        sc = cache[key]
+        if sc is None:
+            continue
+        row[:, c] = (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib, sc.transient_gib)
+        recv[c] = sc.recv_s
+    return [None] * classes.num_classes, recv
 
 
 def _additive_row(row, classes, problem, opt, mbs, cache, need_memory=True):
@@ -170,19 +204,16 @@ def cut(tables_by_position: Sequence[tuple[Tables, float, float]], t_max: float,
     """
     first = tables_by_position[0][0]
     n = first.classes.num_units
-    index = first.classes.index
+    picked = _picked(tables_by_position, t_max, u_max, "t")
     f = np.full(n + 1, INF)
     f[0] = 0.0
+    cols = np.arange(n + 1)
     trace = []
-    memo: dict = {}
     for tables, m, limit in tables_by_position:
-        key = (id(tables), m, limit)
-        if key not in memo:
-            memo[key] = tables.best(m, limit, t_max, u_max)
-        best, arg = memo[key]
-        cand = f[:, None] + best[index]
+        costs, arg = picked[(id(tables), (m, limit))]
+        cand = f[:, None] + costs
         j = cand.argmin(axis=0)
-        f = cand[j, np.arange(n + 1)]
+        f = cand[j, cols]
         trace.append((j, arg, tables))
     if not np.isfinite(f[n]):
         return INF, None
@@ -192,6 +223,42 @@ def cut(tables_by_position: Sequence[tuple[Tables, float, float]], t_max: float,
         stages.append((jj, k, int(arg[tables.classes.index[jj, k]])))
         k = jj
     return float(f[n]), stages[::-1]
+
+
+def _picked(tables_by_position, t_max: float, u_max: float, field: str) -> dict:
+    """Every position's cheapest option per unit range (``field`` "t" or "u"), one
+    vectorised pass per distinct table: (id(tables), (in-flight, limit)) -> (values indexed
+    [j, k], option per class)."""
+    index = tables_by_position[0][0].classes.index
+    rows: dict = {}
+    for tables, m, limit in tables_by_position:
+        rows.setdefault(id(tables), (tables, {}))[1].setdefault((m, limit), None)
+    picked = {}
+    for tid, (tables, keys) in rows.items():
+        positions = tuple(keys)
+        best, arg = tables.best_many(positions, t_max, u_max, field)
+        by_range = best[:, index]  # positions x (n + 1) x (n + 1)
+        for r, key in enumerate(positions):
+            picked[(tid, key)] = (by_range[r], arg[r])
+    return picked
+
+
+def bottleneck(tables_by_position: Sequence[tuple[Tables, float, float]], field: str,
+               t_max: float = INF, u_max: float = INF) -> float:
+    """The smallest achievable largest stage ``field`` ("t": time, "u": tail) over every
+    cut that fits memory within the bounds (a min-max path: G[s][k] = min_j max(G[s-1][j],
+    c_s(j, k))); INF when no cut fits. A bound ``x`` on that field admits a cut exactly
+    when ``x`` >= this value, which replaces a binary search of ``cut`` calls."""
+    n = tables_by_position[0][0].classes.num_units
+    picked = _picked(tables_by_position, t_max, u_max, field)
+    g = np.full(n + 1, INF)
+    g[0] = -INF
+    cols = np.arange(n + 1)
+    for tables, m, limit in tables_by_position:
+        costs, _ = picked[(id(tables), (m, limit))]
+        cand = np.maximum(g[:, None], costs)
+        g = cand[cand.argmin(axis=0), cols]
+    return float(g[n])
 
 
 def bound_candidates(values: np.ndarray, eps: float) -> list[float]:

@@ -348,6 +348,21 @@ def _dropout(model: nn.Module) -> str | None:
     return None
 
 
+def model_refusal(model: nn.Module, *, dtype: str, num_devices: int) -> str | None:
+    """Why no plan of ``model`` in ``dtype`` on ``num_devices`` devices can run on the module
+    engine, whatever its layout (``module_engine_refusal``'s plan-independent rules); None
+    when some may. The search prices the graph engine for such a model."""
+    drop = _dropout(model)
+    if drop and num_devices > 1:
+        return (f"{drop}: eager modules draw DTensor's dropout masks (per-shard on CPU, "
+                "DTensor's own stream on GPU); the graph engine draws one process's masks, "
+                "the same under every single-stage plan")
+    if dtype not in COMPUTE_DTYPES:
+        return (f"dtype {dtype} needs loss scaling, which the module engine does not do; "
+                "use bf16 or fp32, or the graph engine")
+    return None
+
+
 def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why ``plan`` cannot run on ``model`` with PyTorch's composables; None when it can.
     Pure: needs no process group (the local-shard check runs the model on meta)."""
@@ -359,14 +374,9 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
         why = cp_refusal(plan, model)
         if why:
             return why
-    drop = _dropout(model)
-    if drop and plan.num_devices > 1:
-        return (f"{drop}: eager modules draw DTensor's dropout masks (per-shard on CPU, "
-                "DTensor's own stream on GPU); the graph engine draws one process's masks, "
-                "the same under every single-stage plan")
-    if t.dtype not in COMPUTE_DTYPES:
-        return (f"dtype {t.dtype} needs loss scaling, which the module engine does not do; "
-                "use bf16 or fp32, or the graph engine")
+    why = model_refusal(model, dtype=t.dtype, num_devices=plan.num_devices)
+    if why:
+        return why
     dp, tp, why = _axes(stage)
     if why:
         return why

@@ -388,11 +388,13 @@ class ModuleEngine:
                              options=StateDictOptions(full_state_dict=True,
                                                       broadcast_from_rank0=broadcast_from_rank0,
                                                       strict=not broadcast_from_rank0))
+        given = {n for n in extra if n in sd}
         with torch.no_grad():
             for name, buf in self.model.named_buffers():
-                if clean_fqn(name) in sd and clean_fqn(name) not in persistent:
-                    buf.copy_(sd[clean_fqn(name)])
-        self._unset_buffers -= set(sd) | persistent
+                if clean_fqn(name) not in given:
+                    continue
+                buf.copy_(sd[clean_fqn(name)])
+        self._unset_buffers -= set(sd) | given | persistent
 
     def init_weights(self, fn) -> None:
         """``fn(model)`` under no_grad: initialise a meta-built model's local shards."""

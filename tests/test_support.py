@@ -185,12 +185,15 @@ def test_automatic_plans_always_run(graphs, spec, batch, mesh_name, dtype, limit
 
 def test_the_small_sweep_covers_pipelines_with_zero_and_interleaving(graphs):
     """The cases above are worth having: the planner does pick pp with ZeRO on local:4 and
-    the interleaved schedule for the wide model (if this fails, pick new cases)."""
+    the interleaved schedule for the wide model (if this fails, pick new cases). margin=0:
+    the fastest plans as they are, not the simplest within the cost model's error."""
     model, graph = graphs(GPT2, 8)
-    plan = meshplan.autoparallel(model, Mesh.local(4), graph=graph, dtype="bf16", time_limit_s=5)
+    plan = meshplan.autoparallel(model, Mesh.local(4), graph=graph, dtype="bf16", time_limit_s=5,
+                                 margin=0.0)
     assert plan.num_stages > 1 and max(st.zero for st in plan.stages) > 0
     model, graph = graphs(GPT2_WIDE, 16)
-    plan = meshplan.autoparallel(model, Mesh.local(4), graph=graph, dtype="bf16", time_limit_s=5)
+    plan = meshplan.autoparallel(model, Mesh.local(4), graph=graph, dtype="bf16", time_limit_s=5,
+                                 margin=0.0)
     assert plan.training.schedule == "interleaved-1f1b" and plan.num_stages > 1
 
 

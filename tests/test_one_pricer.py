@@ -1,0 +1,71 @@
+"""One pricer: the search's objective for the plan it returns equals ``meshplan.estimate`` of
+that plan, for the engine that will run it (issue 27).
+
+trace -> cost -> **solve** -> assemble. Models are generated (GPT-2 with dropout, which the
+graph engine runs; Llama without, which the module engine runs), meshes span a DGX A100
+node, two DGX H100 nodes and 4 local CPU processes (contention priced). The pipeline
+search prices ranges of layers affinely (planner/stagecost.py) and the plan in full, so the
+two agree up to the affine terms' error, which must stay under 1%.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+
+import meshplan
+from meshplan.specs import example_inputs, parse_mesh_spec, parse_model_spec
+
+MODELS = {
+    "gpt2": "transformers:gpt2?n_layer={L}&n_embd={H}&n_head=4&vocab_size=1024&n_positions=128",
+    "llama": ("transformers:llama?hidden_size={H}&intermediate_size={F}&num_hidden_layers={L}"
+              "&num_attention_heads=4&num_key_value_heads=2&vocab_size=1024"
+              "&max_position_embeddings=128"),
+}
+MESHES = ("dgx-a100-80gb:nodes=1", "dgx-h100:nodes=2", "local:4")
+CASES = [(f, layers, width, mesh) for f, (layers, width), mesh in itertools.product(
+    MODELS, ((2, 128), (4, 64)), MESHES)]
+TOLERANCE = 0.01
+
+
+def _plan(family: str, layers: int, width: int, mesh_spec: str):
+    spec = MODELS[family].format(L=layers, H=width, F=4 * width)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = parse_model_spec(spec).build("meta")
+        graph = meshplan.trace(model, example_inputs(model, 16, 64), model_name=spec)
+        plan = meshplan.autoparallel(model, parse_mesh_spec(mesh_spec), graph=graph)
+    return plan, graph
+
+
+@pytest.mark.parametrize("family,layers,width,mesh", CASES)
+def test_search_objective_is_the_estimate(family, layers, width, mesh):
+    plan, graph = _plan(family, layers, width, mesh)
+    if not plan.solver.name.startswith("meshplan-inter"):
+        pytest.skip("the single-stage ILP's plan: see test_ilp_objective_is_the_estimate")
+    estimated = meshplan.estimate(plan, graph).step_time_s
+    assert plan.predicted.step_time_s == pytest.approx(estimated, rel=1e-9)
+    assert plan.solver.objective_s == pytest.approx(estimated, rel=TOLERANCE), (
+        f"{plan.engine} engine, pp={plan.num_stages}, {plan.training.schedule}: the search "
+        f"priced {plan.solver.objective_s:.6g} s, estimate says {estimated:.6g} s")
+
+
+def test_module_engine_plans_are_searched_as_the_module_engine():
+    """A Llama (no dropout) runs on the module engine: the search priced that engine, so
+    the plan's objective is the module engine's estimate, not the graph engine's."""
+    plan, graph = _plan("llama", 2, 128, "dgx-a100-80gb:nodes=1")
+    assert plan.engine == "modules"
+    assert plan.solver.objective_s == pytest.approx(meshplan.estimate(plan, graph).step_time_s,
+                                                    rel=TOLERANCE)
+
+
+@pytest.mark.xfail(strict=True, reason="the intra-op ILP (planner/pricing.py) prices ZeRO-3 "
+                   "gathers and gradient syncs per tensor the FSDP way, the graph engine's "
+                   "estimate per use and per flat buffer: 5-7% apart (issue 27, not unified)")
+def test_ilp_objective_is_the_estimate():
+    plan, graph = _plan("llama", 2, 256, "local:4")
+    assert plan.solver.name.startswith("meshplan-intra-ilp")
+    assert plan.solver.objective_s == pytest.approx(meshplan.estimate(plan, graph).step_time_s,
+                                                    rel=TOLERANCE)
