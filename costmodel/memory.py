@@ -48,6 +48,7 @@ GRAD_BYTES = 4  # fp32 gradients / Megatron's fp32 main_grad under mixed precisi
 
 _LINEAR_ELEMENTWISE = re.compile(r"aten\.(add|sub|neg|clone|fill|copy|zeros_like|ones_like|"
                                  r"eq|ne|lt|le|gt|ge|__and__|__or__|logical_\w+|where|masked_fill)\.")
+_MUL = re.compile(r"aten\.mul\.")
 # views whose output aliases their input's storage (a saved view costs nothing extra)
 _ALIASING = re.compile(r"aten\.(view|_unsafe_view|reshape|transpose|t|permute|split|"
                        r"split_with_sizes|chunk|slice|select|expand|unsqueeze|squeeze|flatten|"
@@ -115,11 +116,18 @@ def grad_sync_buffer_bytes(bucket_bytes: float, local_grad_bytes: float) -> floa
 # -- activations ----------------------------------------------------------------------------
 
 def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
-    """Names of the tensors (producers) this operator's backward reads."""
+    """Names of the tensors (producers) this operator's backward reads: none where no input
+    needs a gradient (``OpGraph.grad_nodes``)."""
     acts = tuple(i for i in node.inputs if i not in graph.param_map)
     kind = node.kind
-    if kind in (OpKind.VIEW, OpKind.CREATION):
-        return ()
+    if kind in (OpKind.VIEW, OpKind.CREATION) or node.name not in graph.grad_nodes:
+        return ()  # autograd records nothing where no input needs a gradient
+    if kind == OpKind.ELEMENTWISE and _MUL.match(node.target):
+        # d(a b)/da reads b and d(a b)/db reads a: an input is kept only where another
+        # one needs a gradient (x * cos in rotary embeddings keeps cos alone)
+        needs = [_needs_grad(i, graph) for i in node.inputs]
+        return tuple(i for k, i in enumerate(node.inputs) if i not in graph.param_map
+                     and any(n for j, n in enumerate(needs) if j != k))
     if kind == OpKind.SOFTMAX:
         return (node.name,)
     if kind == OpKind.ATTENTION:
@@ -131,6 +139,11 @@ def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
     if kind == OpKind.ELEMENTWISE and "dropout" in node.target:
         return (node.name,)  # the mask, counted at the output's size
     return acts
+
+
+def _needs_grad(name: str, graph: OpGraph) -> bool:
+    param = graph.param_map.get(name)
+    return param.trainable if param is not None else name in graph.grad_nodes
 
 
 def alias_root(name: str, graph: OpGraph) -> str:

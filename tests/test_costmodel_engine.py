@@ -239,4 +239,62 @@ def test_activation_bytes_match_what_eager_autograd_saves():
                                 graph=graph, dp=8, microbatch_size=batch, dtype="bf16",
                                 engine="modules")
     predicted = plan.predicted.memory.activations_gib * GIB
+    print("bf16", predicted / 2**20, measured / 2**20)
     assert 0.9 < predicted / measured < 1.1, (predicted / 2**20, measured / 2**20)
+
+
+def _saved_activation_bytes(model, ids, loss_fn) -> int:
+    """Bytes eager autograd saves for one forward (each storage once, parameters excluded)."""
+    import torch
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss_fn(model(ids).logits, ids)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("spec,dropout", [
+    ("transformers:llama?hidden_size=128&intermediate_size=256&num_hidden_layers=2&"
+     "num_attention_heads=4&num_key_value_heads=2&vocab_size=512&max_position_embeddings=1024",
+     False),
+    ("transformers:gpt2?n_layer=2&n_embd=128&n_head=4&vocab_size=512&n_positions=1024&"
+     "attn_pdrop=0.1", True),
+])
+def test_cpu_activation_bytes_follow_torch_cpu_attention_kernel(spec, dropout):
+    """On CPU, torch's SDPA runs flash attention for CPU (no s x s tensor kept) unless
+    ``dropout_p`` > 0, where its math path keeps three s x s tensors per layer
+    (``compute.attention_saved_bytes``). A CPU plan's predicted activations (module engine,
+    fp32, batch 1 x 1024) against what eager autograd saves on this CPU: the Llama (no
+    dropout) and GPT-2 (attention dropout 0.1). The cost model used to add every layer's
+    probabilities to every layer on CPU, 4-6x the measured peak of the issue-25 Llama at
+    cp 1/2/4; it also kept both operands of a product where one needs no gradient (the
+    rotary x * cos keeps cos alone). With cp=2 each rank keeps half of the sequence's."""
+    import torch
+
+    from meshplan.tracing import next_token_loss
+
+    seq = 1024
+    parsed = parse_model_spec(spec)
+    torch.manual_seed(0)
+    model = parsed.build("cpu").train()
+    ids = torch.randint(0, 512, (1, seq))
+    measured = _saved_activation_bytes(model, ids, next_token_loss)
+
+    meta = parsed.build("meta")
+    graph = trace(meta, (torch.zeros(1, seq, dtype=torch.long, device="meta"),))
+    attn = [n for n in graph.nodes if n.kind.name == "ATTENTION"]
+    from meshplan.costmodel.compute import attention_dropout
+    assert attn and all(attention_dropout(n) == dropout for n in attn)
+    for cp in (1,) if dropout else (1, 2):  # cp runs no attention dropout
+        plan = meshplan.manual_plan(meta, meshplan.Mesh.local(cp), graph=graph, cp=cp,
+                                    dtype="fp32", engine="modules")
+        predicted = plan.predicted.memory.activations_gib * GIB
+        print(cp, predicted / 2**20, measured / 2**20)
+        assert 0.9 < predicted * cp / measured < 1.1, (cp, predicted / 2**20, measured / 2**20)
