@@ -239,7 +239,6 @@ def test_activation_bytes_match_what_eager_autograd_saves():
                                 graph=graph, dp=8, microbatch_size=batch, dtype="bf16",
                                 engine="modules")
     predicted = plan.predicted.memory.activations_gib * GIB
-    print("bf16", predicted / 2**20, measured / 2**20)
     assert 0.9 < predicted / measured < 1.1, (predicted / 2**20, measured / 2**20)
 
 
@@ -296,5 +295,4 @@ def test_cpu_activation_bytes_follow_torch_cpu_attention_kernel(spec, dropout):
         plan = meshplan.manual_plan(meta, meshplan.Mesh.local(cp), graph=graph, cp=cp,
                                     dtype="fp32", engine="modules")
         predicted = plan.predicted.memory.activations_gib * GIB
-        print(cp, predicted / 2**20, measured / 2**20)
         assert 0.9 < predicted * cp / measured < 1.1, (cp, predicted / 2**20, measured / 2**20)
