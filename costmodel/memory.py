@@ -199,10 +199,13 @@ class ActivationProfile:
     # bytes of causal masks (``causal_masks``) among kept / boundary, by layer
     mask_kept: dict = field(default_factory=dict)
     mask_boundary: dict = field(default_factory=dict)
+    # the backward's first working set, while every kept tensor is alive (``loss_grad_bytes``)
+    loss_working: float = 0.0
 
     def stage_bytes(self, recompute: str, *, keep_matmuls_only: bool = False,
                     without_masks: bool = False) -> tuple[float, float]:
-        """(bytes kept per in-flight microbatch, extra working set of one layer's backward).
+        """(bytes kept per in-flight microbatch, extra working set of the backward: one
+        layer's recompute, or the loss's gradients, ``loss_working``, whichever is larger).
 
         ``keep_matmuls_only``: selective recompute as the module engine runs it (torchtitan's
         op-level policy, runtime/modules.py ``_SAVED_IN_SELECTIVE``): a block keeps its input
@@ -220,14 +223,27 @@ class ActivationProfile:
                 + sum(v for i, v in self.kept_matmuls.items() if i >= 0)
             working = max((v - self.kept_matmuls.get(i, 0.0) for i, v in self.kept.items()
                            if i >= 0), default=0.0)
-            return kept, working
+            return kept, max(working, self.loss_working)
         if recompute == "full":
             # boundary[-1]: values shared by every block (the mask), kept once
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0)
             working = max((v for i, v in self.kept.items() if i >= 0), default=0.0)
-            return kept, working
+            return kept, max(working, self.loss_working)
         table = self.kept_selective if recompute == "selective" else self.kept
-        return sum(table.values()), 0.0
+        return sum(table.values()), self.loss_working
+
+
+def loss_grad_bytes(node: OpNode, graph: OpGraph, dtype_bytes: int, inputs: dict) -> float:
+    """Gradients a loss operator's backward holds at once, the first step of the backward,
+    while every kept activation is still alive: cross entropy (log-softmax then NLL, as
+    eager autograd runs ``aten.cross_entropy_loss``) the gradient of the log-probabilities
+    and the one of the logits it writes from it, two tensors of the logits' size; another
+    loss the gradient of its input. Measured with runtime/memory_probe.py on a Llama in
+    fp32 (tests/test_costmodel_engine.py): the step's peak is at ``_log_softmax_backward_data``."""
+    if node.kind != OpKind.LOSS or not node.inputs:
+        return 0.0
+    copies = 2 if "cross_entropy" in node.target else 1
+    return copies * tensor_bytes(alias_root(node.inputs[0], graph), graph, dtype_bytes, inputs)
 
 
 def _minus(table: dict, sub: dict) -> dict:
@@ -269,9 +285,14 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
     mask_kept: dict[int, float] = {}
     mask_boundary: dict[int, float] = {}
     seen: set[str] = set()
+    loss_working = 0.0
     for name in nodes:
         node = graph.node(name)
         layer = node.layer
+        if node.kind == OpKind.LOSS:
+            src = alias_root(node.inputs[0], graph) if node.inputs else name
+            loss_working = max(loss_working, loss_grad_bytes(node, graph, dtype_bytes, inputs)
+                               * micro_fraction / max(1, split_of(src)))
         for t in saved_inputs(node, graph):
             root = alias_root(t, graph)
             if root in seen:
@@ -309,7 +330,8 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                 boundary[at] = boundary.get(at, 0.0) + b
                 if root in masks:
                     mask_boundary[at] = mask_boundary.get(at, 0.0) + b
-    return ActivationProfile(kept, selective, boundary, matmuls, mask_kept, mask_boundary)
+    return ActivationProfile(kept, selective, boundary, matmuls, mask_kept, mask_boundary,
+                             loss_working)
 
 
 def _is_param_matmul(name: str, graph: OpGraph) -> bool:
