@@ -22,11 +22,14 @@ keeps gathered weights of the layers in flight (``zero3_buffer_bytes``).
 Activations: a tensor is kept for backward when an operator's backward needs it
 (``saved_inputs``): a matmul keeps its activation inputs, a norm its input, a softmax its
 output, an elementwise op its inputs unless it is linear (add, sub, neg), a loss its
-logits; views keep nothing and alias their base, so each base tensor counts once. Under
-recompute "full" a layer keeps only its input (Megatron's checkpointing of each layer's
-input), and the layer being back-propagated holds its full set once; "selective" drops the
-tensors of seq x seq size (Korthikanti et al. 2022, section 5: recompute the attention
-core only).
+logits; views keep nothing and alias their base, so each base tensor counts once; an
+operator none of whose inputs needs a gradient keeps nothing, and a product keeps an
+operand only where the other one needs a gradient (what eager autograd saves). The
+backward starts with the loss's gradients while all of them are kept
+(``loss_grad_bytes``). Under recompute "full" a layer keeps only its input (Megatron's
+checkpointing of each layer's input), and the layer being back-propagated holds its full
+set once; "selective" drops the tensors of seq x seq size (Korthikanti et al. 2022,
+section 5: recompute the attention core only).
 
 Pipeline schedules keep activations of several microbatches at once (``inflight_microbatches``):
 GPipe all m; 1F1B p - stage on stage ``stage`` (Narayanan et al. 2021, section 2.2.1);
