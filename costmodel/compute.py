@@ -176,6 +176,27 @@ def materialized_attention_time(node: OpNode, hw: HardwareProfile, dtype: str = 
     return OpTime(forward * contention, backward * contention)
 
 
+def attention_saved_bytes(node: OpNode, hw: HardwareProfile, attention: str, dtype: str,
+                          shard: int = 1) -> float:
+    """Bytes an attention operator keeps for its backward beyond q, k, v and the output.
+
+    A runtime with materialized attention: ``materialized_attention_saved_bytes``. On CPU,
+    torch's SDPA runs flash attention for CPU (``_scaled_dot_product_flash_attention_for_cpu``:
+    q, k, v, the output and the logsumexp) with or without a mask, in fp32 and bf16, and
+    takes its math path only when ``dropout_p`` > 0; the math path keeps the probabilities,
+    the dropout mask (in the compute dtype) and the dropped probabilities, 3 s x s tensors
+    (torch 2.13, counted with saved-tensor hooks). Flash kernels keep nothing s x s."""
+    if node.kind != OpKind.ATTENTION:
+        return 0.0
+    if attention == "materialized":
+        return materialized_attention_saved_bytes(node, dtype, shard)
+    out = node.out
+    if hw.device.name != "cpu" or not attention_dropout(node) or out is None \
+            or len(out.shape) < 2:
+        return 0.0
+    return 3 * DTYPE_BYTES.get(dtype, 4) * out.numel // out.shape[-1] * out.shape[-2] / shard
+
+
 def materialized_attention_saved_bytes(node: OpNode, dtype: str, shard: int = 1) -> float:
     """Bytes a materialized attention core keeps for its backward beyond q, k, v and the
     output: the softmax output, and with dropout its mask (1 byte) and the dropped

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NAMES,
-                                        contention_factor, materialized_attention_saved_bytes,
+                                        attention_saved_bytes, contention_factor,
                                         materialized_attention_time, op_time)
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
@@ -801,14 +801,9 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
 
     names = list(stage.ops)
     dbytes = DTYPE_BYTES[dtype]
-    extra = 0.0
-    if hw.device.name == "cpu" and seq_len:
-        # math attention keeps the probabilities (b x heads x s x s)
-        extra = _attention_probs_bytes(graph, names, dbytes, split_of) / m
-    elif attention == "materialized":
-        # the softmax output, dropout's mask and dropped probabilities (compute.py)
-        extra = max((materialized_attention_saved_bytes(graph.node(n), dtype, split_of(n) * m)
-                     for n in names if graph.node(n).kind == OpKind.ATTENTION), default=0.0)
+    # s x s tensors an attention core keeps (materialized, or CPU math with dropout), each
+    extra = max((attention_saved_bytes(graph.node(n), hw, attention, dtype, split_of(n) * m)
+                 for n in names), default=0.0)
     prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
                               seq_len=seq_len, micro_fraction=1.0 / m,
                               attention_extra_per_node=extra)
@@ -1297,14 +1292,3 @@ def _bandwidth_s(coll, kind: Collective, nbytes: float, axis: int) -> float:
 def _buckets(total_bytes: float, bucket_bytes: float) -> int:
     """Collectives a bucketed sync of ``total_bytes`` makes (one flat buffer: ``inf``)."""
     return max(1, math.ceil(total_bytes / bucket_bytes)) if total_bytes > 0 else 0
-
-
-def _attention_probs_bytes(graph: OpGraph, names, dbytes: int, split_of) -> float:
-    total = 0.0
-    for name in names:
-        node = graph.node(name)
-        if node.kind == OpKind.ATTENTION and node.out is not None and len(node.out.shape) >= 2:
-            q = node.out.shape
-            k_len = q[-2]
-            total += node.out.numel // q[-1] * k_len * dbytes / max(1, split_of(name))
-    return total

@@ -22,11 +22,14 @@ keeps gathered weights of the layers in flight (``zero3_buffer_bytes``).
 Activations: a tensor is kept for backward when an operator's backward needs it
 (``saved_inputs``): a matmul keeps its activation inputs, a norm its input, a softmax its
 output, an elementwise op its inputs unless it is linear (add, sub, neg), a loss its
-logits; views keep nothing and alias their base, so each base tensor counts once. Under
-recompute "full" a layer keeps only its input (Megatron's checkpointing of each layer's
-input), and the layer being back-propagated holds its full set once; "selective" drops the
-tensors of seq x seq size (Korthikanti et al. 2022, section 5: recompute the attention
-core only).
+logits; views keep nothing and alias their base, so each base tensor counts once; an
+operator none of whose inputs needs a gradient keeps nothing, and a product keeps an
+operand only where the other one needs a gradient (what eager autograd saves). The
+backward starts with the loss's gradients while all of them are kept
+(``loss_grad_bytes``). Under recompute "full" a layer keeps only its input (Megatron's
+checkpointing of each layer's input), and the layer being back-propagated holds its full
+set once; "selective" drops the tensors of seq x seq size (Korthikanti et al. 2022,
+section 5: recompute the attention core only).
 
 Pipeline schedules keep activations of several microbatches at once (``inflight_microbatches``):
 GPipe all m; 1F1B p - stage on stage ``stage`` (Narayanan et al. 2021, section 2.2.1);
@@ -48,6 +51,7 @@ GRAD_BYTES = 4  # fp32 gradients / Megatron's fp32 main_grad under mixed precisi
 
 _LINEAR_ELEMENTWISE = re.compile(r"aten\.(add|sub|neg|clone|fill|copy|zeros_like|ones_like|"
                                  r"eq|ne|lt|le|gt|ge|__and__|__or__|logical_\w+|where|masked_fill)\.")
+_MUL = re.compile(r"aten\.mul\.")
 # views whose output aliases their input's storage (a saved view costs nothing extra)
 _ALIASING = re.compile(r"aten\.(view|_unsafe_view|reshape|transpose|t|permute|split|"
                        r"split_with_sizes|chunk|slice|select|expand|unsqueeze|squeeze|flatten|"
@@ -115,11 +119,18 @@ def grad_sync_buffer_bytes(bucket_bytes: float, local_grad_bytes: float) -> floa
 # -- activations ----------------------------------------------------------------------------
 
 def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
-    """Names of the tensors (producers) this operator's backward reads."""
+    """Names of the tensors (producers) this operator's backward reads: none where no input
+    needs a gradient (``OpGraph.grad_nodes``)."""
     acts = tuple(i for i in node.inputs if i not in graph.param_map)
     kind = node.kind
-    if kind in (OpKind.VIEW, OpKind.CREATION):
-        return ()
+    if kind in (OpKind.VIEW, OpKind.CREATION) or node.name not in graph.grad_nodes:
+        return ()  # autograd records nothing where no input needs a gradient
+    if kind == OpKind.ELEMENTWISE and _MUL.match(node.target):
+        # d(a b)/da reads b and d(a b)/db reads a: an input is kept only where another
+        # one needs a gradient (x * cos in rotary embeddings keeps cos alone)
+        needs = [_needs_grad(i, graph) for i in node.inputs]
+        return tuple(i for k, i in enumerate(node.inputs) if i not in graph.param_map
+                     and any(n for j, n in enumerate(needs) if j != k))
     if kind == OpKind.SOFTMAX:
         return (node.name,)
     if kind == OpKind.ATTENTION:
@@ -130,17 +141,7 @@ def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
         return ()
     if kind == OpKind.ELEMENTWISE and "dropout" in node.target:
         return (node.name,)  # the mask, counted at the output's size
-    if kind == OpKind.ELEMENTWISE and _PRODUCT.search(node.target) and len(node.inputs) == 2:
-        # autograd's MulBackward saves each factor only where the other factor needs a
-        # gradient (torch/csrc/autograd derivatives.yaml, mul.Tensor: self's gradient reads
-        # other, other's reads self): RoPE's q * cos keeps cos, not q
-        a, b = node.inputs
-        return tuple(x for x, other in ((a, b), (b, a))
-                     if x in acts and _needs_grad(other, graph))
     return acts
-
-
-_PRODUCT = re.compile(r"aten\.mul\.Tensor$")
 
 
 def _needs_grad(name: str, graph: OpGraph) -> bool:
@@ -205,10 +206,13 @@ class ActivationProfile:
     # bytes of causal masks (``causal_masks``) among kept / boundary, by layer
     mask_kept: dict = field(default_factory=dict)
     mask_boundary: dict = field(default_factory=dict)
+    # the backward's first working set, while every kept tensor is alive (``loss_grad_bytes``)
+    loss_working: float = 0.0
 
     def stage_bytes(self, recompute: str, *, keep_matmuls_only: bool = False,
                     without_masks: bool = False) -> tuple[float, float]:
-        """(bytes kept per in-flight microbatch, extra working set of one layer's backward).
+        """(bytes kept per in-flight microbatch, extra working set of the backward: one
+        layer's recompute, or the loss's gradients, ``loss_working``, whichever is larger).
 
         ``keep_matmuls_only``: selective recompute as the module engine runs it (torchtitan's
         op-level policy, runtime/modules.py ``_SAVED_IN_SELECTIVE``): a block keeps its input
@@ -226,14 +230,27 @@ class ActivationProfile:
                 + sum(v for i, v in self.kept_matmuls.items() if i >= 0)
             working = max((v - self.kept_matmuls.get(i, 0.0) for i, v in self.kept.items()
                            if i >= 0), default=0.0)
-            return kept, working
+            return kept, max(working, self.loss_working)
         if recompute == "full":
             # boundary[-1]: values shared by every block (the mask), kept once
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0)
             working = max((v for i, v in self.kept.items() if i >= 0), default=0.0)
-            return kept, working
+            return kept, max(working, self.loss_working)
         table = self.kept_selective if recompute == "selective" else self.kept
-        return sum(table.values()), 0.0
+        return sum(table.values()), self.loss_working
+
+
+def loss_grad_bytes(node: OpNode, graph: OpGraph, dtype_bytes: int, inputs: dict) -> float:
+    """Gradients a loss operator's backward holds at once, the first step of the backward,
+    while every kept activation is still alive: cross entropy (log-softmax then NLL, as
+    eager autograd runs ``aten.cross_entropy_loss``) the gradient of the log-probabilities
+    and the one of the logits it writes from it, two tensors of the logits' size; another
+    loss the gradient of its input. Measured with runtime/memory_probe.py on a Llama in
+    fp32 (tests/test_costmodel_engine.py): the step's peak is at ``_log_softmax_backward_data``."""
+    if node.kind != OpKind.LOSS or not node.inputs:
+        return 0.0
+    copies = 2 if "cross_entropy" in node.target else 1
+    return copies * tensor_bytes(alias_root(node.inputs[0], graph), graph, dtype_bytes, inputs)
 
 
 def _minus(table: dict, sub: dict) -> dict:
@@ -275,9 +292,14 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
     mask_kept: dict[int, float] = {}
     mask_boundary: dict[int, float] = {}
     seen: set[str] = set()
+    loss_working = 0.0
     for name in nodes:
         node = graph.node(name)
         layer = node.layer
+        if node.kind == OpKind.LOSS:
+            src = alias_root(node.inputs[0], graph) if node.inputs else name
+            loss_working = max(loss_working, loss_grad_bytes(node, graph, dtype_bytes, inputs)
+                               * micro_fraction / max(1, split_of(src)))
         for t in saved_inputs(node, graph):
             root = alias_root(t, graph)
             if root in seen:
@@ -315,7 +337,8 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                 boundary[at] = boundary.get(at, 0.0) + b
                 if root in masks:
                     mask_boundary[at] = mask_boundary.get(at, 0.0) + b
-    return ActivationProfile(kept, selective, boundary, matmuls, mask_kept, mask_boundary)
+    return ActivationProfile(kept, selective, boundary, matmuls, mask_kept, mask_boundary,
+                             loss_working)
 
 
 def _is_param_matmul(name: str, graph: OpGraph) -> bool:

@@ -182,22 +182,28 @@ def test_flat_zero2_sync_copies_raise_the_peak(gpt2):
                                                   rel=0.01)
 
 
-def test_cached_activation_profile_follows_seq_len(gpt2):
+def test_cached_activation_profile_follows_device_and_seq_len(gpt2):
     """The activation profile kept in a shared cache is keyed by everything it depends on:
-    pricing the same stage with another sequence length (on a CPU host, math attention
-    keeps b x heads x s x s probabilities) does not reuse the first one, and a cache gives
-    the results of no cache."""
+    pricing the same stage on another device (on a CPU host, torch's SDPA with attention
+    dropout takes its math path and keeps three b x heads x s x s tensors; a GPU's fused
+    kernel none) or sequence length does not reuse the first one, and a cache gives the
+    results of no cache."""
     from meshplan.costmodel.hardware import load_preset
 
-    model, graph, mesh = gpt2
-    plan = _pp_plan(model, graph, mesh, recompute="none")
+    model = parse_model_spec(GPT2 + "&attn_pdrop=0.1").build("meta")
+    graph = trace(model, example_inputs(model, BATCH, SEQ))
+    plan = _pp_plan(model, graph, gpt2[2], recompute="none")
     st, t, cpu = plan.stages[0], plan.training, load_preset("cpu-local")
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
               num_stages=plan.num_stages)
     cache: dict = {}
+    gpu = stage_cost(st, graph, plan_hw(plan), seq_len=SEQ, cache=cache, **kw)
     stage_cost(st, graph, cpu, seq_len=0, cache=cache, **kw)
     cached = stage_cost(st, graph, cpu, seq_len=SEQ, cache=cache, **kw)
     fresh = stage_cost(st, graph, cpu, seq_len=SEQ, **kw)
     assert cached == fresh
-    assert stage_cost(st, graph, cpu, seq_len=0, **kw).memory.activations_gib \
-        < fresh.memory.activations_gib
+    # per attention core: batch / dp / microbatches x heads / tp x s x s, 3 tensors in bf16
+    probs = BATCH // DP // (BATCH // DP // MB) * 4 // TP * SEQ * SEQ * 3 * BF16 / GIB
+    layers, inflight = 2, 2  # stage 0 of 2: two of the four blocks, 1F1B's 2 microbatches
+    assert fresh.memory.activations_gib - gpu.memory.activations_gib == \
+        pytest.approx(inflight * layers * probs, rel=1e-6)
