@@ -7,7 +7,7 @@ schedule (``PipelineScheduleSingle.step``), each stage's forward and backward of
 microbatch (``forward_one_chunk``, ``backward_one_chunk``), meshplan's gradient sync
 (``PipelineModel._finish_grads``), the parameter leaves' post-accumulate hooks
 (``leaf_hooks``: moving each local gradient into its DTensor parameter's ``.grad``,
-runtime/lowering.py ``ParamLeaves``) and the optimizer steps. The step-level ratio is noisy
+runtime/graph/lowering.py ``ParamLeaves``) and the optimizer steps. The step-level ratio is noisy
 on a shared 2-core machine (+-4% run to run); the phases say which part differs.
 ``--hand-sends-ids`` adds a third step: the hand-written pipeline whose stage 0 also sends
 the token ids to the last stage, as meshplan's does for the loss in its graph, so the cost
@@ -50,7 +50,7 @@ def _timed(acc, cls, meth: str, key: str) -> None:
 
 def _timed_hooks(acc) -> None:
     """Time every post-accumulate hook the lowered program's parameter leaves register."""
-    from meshplan.runtime import lowering
+    from meshplan.runtime.graph import lowering
 
     make = lowering._grad_to_param
 
@@ -84,7 +84,7 @@ def worker(pairs: int, hand_sends_ids: bool, loss_first: bool) -> None:
     from torch.distributed.pipelining import schedules, stage
 
     import runtime_overhead as ro
-    from meshplan.runtime import optim, pipeline
+    from meshplan.runtime.graph import optim, pipeline
 
     acc: dict = collections.defaultdict(float)
     for cls, meth, key in ((stage._PipelineStageBase, "forward_one_chunk", "forward"),

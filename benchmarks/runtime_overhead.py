@@ -7,8 +7,8 @@ torch.distributed's own APIs as torchtitan writes them (``parallelize_module`` w
 vocab-parallel embedding, ColwiseParallel / RowwiseParallel; ``fully_shard`` per block and
 at the root; ``PipelineStage`` + ``Schedule1F1B`` on stage modules cut from the HF Llama,
 with a flat gradient all-reduce over the dp group). Both engines are measured: the graph
-engine (runtime/spmd.py, its lowered program and the same plan on DTensor; pipelines by
-runtime/pipeline.py) and the module engine (runtime/modules.py, runtime/module_pipeline.py).
+engine (runtime/graph/spmd.py, its lowered program and the same plan on DTensor; pipelines by
+runtime/graph/pipeline.py) and the module engine (runtime/modules.py, runtime/module_pipeline.py).
 The implementations of a row step in turn in one launch, so machine load hits them alike;
 the tables give median step times with quartiles and the per-step ratios (meshplan /
 hand-written).
@@ -64,7 +64,7 @@ def meshplan_step(args, variant: str, lowered: bool):
     from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.tracing import trace
-    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     spec = parse_model_spec(model_spec(args))
@@ -459,8 +459,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--configs", default="tp,zero3,dpxtp,pipeline",
-                    help="graph engine rows (runtime/spmd.py): tp, zero3, dpxtp, pipeline "
-                         "(dp2 x pp2, runtime/pipeline.py)")
+                    help="graph engine rows (runtime/graph/spmd.py): tp, zero3, dpxtp, pipeline "
+                         "(dp2 x pp2, runtime/graph/pipeline.py)")
     ap.add_argument("--module-configs", default="tp,zero3,dpxtp,dpxpp,pp_tp",
                     help="module engine rows (runtime/modules.py): tp, zero3, dpxtp, dpxpp, "
                          "pp_tp (pipelines: runtime/module_pipeline.py)")
@@ -495,7 +495,7 @@ def main() -> int:
 def graph_table(rows: list[dict]) -> list[str]:
     lines = ["# Runtime overhead: the graph engine vs hand-written torch.distributed", "",
              "meshplan runs the plan `meshplan plan --manual ...` writes with the lowered "
-             "program (runtime/lowering.py); the DTensor columns run the same plan with every "
+             "program (runtime/graph/lowering.py); the DTensor columns run the same plan with every "
              "operator on DTensor (the reference executor, `parallelize(..., lowered=False)`). "
              "Hand-written: tp, zero3, dpxtp = torchtitan's composables by hand on the plan's "
              "(dp, tp) mesh (vocab-parallel embedding, Colwise q/k/v/gate/up, Rowwise o/down, "

@@ -76,23 +76,23 @@ class RuntimeModel:
       0, one collective per parameter tensor (DTensor's per-parameter redistribute).
     zero3_per_use: ZeRO-3 as meshplan's runtime runs it: the dp-sharded weights a block
       first uses are gathered S(0) -> R together, in one all-gather per microbatch
-      (runtime/gathers.py ``ParamGathers``; under recompute, once per consumer instead), freed
+      (runtime/graph/gathers.py ``ParamGathers``; under recompute, once per consumer instead), freed
       after their last reader and gathered again in the backward when autograd unpacks
       what it saved (gathers.py ``_Regather``: two all-gathers per microbatch), and the gather's
       backward reduce-scatters their gradients P -> S(0) in one collective in every
       microbatch's backward, so the step-level sync finds them already sharded
-      (runtime/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward
+      (runtime/graph/parallelize.py ``_sync_grads``). False: FSDP's all-gather before the forward
       and again before the backward, one reduce-scatter per step (Rajbhandari et al. 2020,
       section 7.2.2: 3x the data-parallel volume).
     flat_grad_sync: every gradient that needs an all-reduce goes in one flat buffer per step
-      (runtime/lowering.py ``reduce_partial_grads``), and with ZeRO-1/2 the reduce-scatter of
+      (runtime/graph/lowering.py ``reduce_partial_grads``), and with ZeRO-1/2 the reduce-scatter of
       the gradients and the all-gather of the updated shards take one flat buffer each
-      (runtime/zero.py): one latency per collective, and a buffer the size of the
+      (runtime/graph/zero.py): one latency per collective, and a buffer the size of the
       gradients.
     full_grad_accumulation: ZeRO-2 as meshplan's graph engine runs it: every microbatch's
       backward accumulates into the parameter's full-size gradient, reduce-scattered into
-      the master shard once per step after the last microbatch (runtime/parallelize.py
-      ``_sync_grads``, runtime/zero.py ``reduce_scatter_grads``), so the gradients are not
+      the master shard once per step after the last microbatch (runtime/graph/parallelize.py
+      ``_sync_grads``, runtime/graph/zero.py ``reduce_scatter_grads``), so the gradients are not
       divided by dp at the peak; False: a reduce-scatter per microbatch (DeepSpeed's
       partitioned gradients), gradients divided by dp.
     reduce_scatter_as_all_reduce: the backend's reduce-scatter costs a full all-reduce
@@ -110,7 +110,7 @@ class RuntimeModel:
     selective_keeps_matmuls: selective recompute keeps only each block's input and its
       parameter matmuls' outputs and recomputes every other block operator (the module
       engine's op-level policy, as torchtitan's); False: Korthikanti et al.'s selective,
-      which recomputes only the attention core (the graph engine, runtime/spmd.py).
+      which recomputes only the attention core (the graph engine, runtime/graph/spmd.py).
     attention: the attention core's kernels: "flash" (fused, the s x s scores stay on chip:
       FlashAttention, cuDNN SDPA, what PyTorch's SDPA picks on GPUs) or "materialized"
       (scores and probabilities written to memory, as attention ran before fused kernels,
@@ -124,7 +124,7 @@ class RuntimeModel:
       with ``is_causal=True``, so flash attention skips the blocks above the diagonal
       (``compute.op_time`` ``causal``): the module engine (the eager model builds no mask)
       and the graph engine (its replay finds the folded causal mask and drops it,
-      runtime/spmd.py ``_causal_mask``, DECISIONS 67). Compute only; the masks' memory is
+      runtime/graph/spmd.py ``_causal_mask``, DECISIONS 67). Compute only; the masks' memory is
       ``causal_mask_skipped``.
     fsdp_keeps_shards: the engine's data parallelism is FSDP2 (``fully_shard``, and
       ``replicate``, which is FSDP2 with a shard group of one), which keeps each parameter's
@@ -136,7 +136,7 @@ class RuntimeModel:
       gloo processes, two 4 MiB layers: live 8 -> 16 MiB over the forward under
       ``replicate``, 4 -> 12 MiB under ``fully_shard(reshard_after_forward=False)``). Only ZeRO-0 sets this
       apart from the graph engine, whose fp32 ZeRO-1/2 keep a master shard beside the
-      full weights too (runtime/parallelize.py); both are counted in ``parameter_walk``.
+      full weights too (runtime/graph/parallelize.py); both are counted in ``parameter_walk``.
     zero_over_cp: the ZeRO/FSDP group is dp x cp, not dp: optimizer state (ZeRO >= 1),
       gradients (>= 2) and weights (3) are divided by dp x cp, as Megatron-LM's
       distributed optimizer (its data-parallel group with context parallelism,
@@ -152,7 +152,7 @@ class RuntimeModel:
       reduce-scattered in its backward (the all-gather's adjoint; not all-reduced); the
       loss runs on each rank's chunk (the head after the last block, its logits and the
       cross entropy at 1/cp, no logits gathered). False: the graph engine's DTensor
-      context parallelism (runtime/context.py): attention under an explicit mask, the
+      context parallelism (runtime/graph/context.py): attention under an explicit mask, the
       K/V gradients all-reduced, the logits gathered before the shifted loss.
     attention_kernel: the fused attention kernel the stack runs ("fa2", "fa3", "cudnn"),
       priced on the device's curve for it (``DeviceSpec.attention_kernels``); "": the
@@ -218,11 +218,11 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
     """The runtime factors of the engine that executes the plan (``Plan.engine``) on its
     collective backend (default: gloo for CPU processes, NCCL for GPUs).
 
-    "graph" (runtime/parallelize.py, runtime/spmd.py): ZeRO-2 accumulates full gradients
+    "graph" (runtime/graph/parallelize.py, runtime/graph/spmd.py): ZeRO-2 accumulates full gradients
     over the microbatches, ZeRO-3 gathers each block's weights when first used with nothing
     prefetching them, so no overlap; gradients (and ZeRO-1/2 shards) are synced after the
     backward in one flat buffer per group (``lowering.reduce_partial_grads``,
-    runtime/zero.py): one latency, not one per 25 MiB bucket. Both engines run an
+    runtime/graph/zero.py): one latency, not one per 25 MiB bucket. Both engines run an
     attention whose traced mask is the causal pattern with ``is_causal=True``.
 
     "modules" (runtime/modules.py, torchtitan's composition): ``fully_shard`` per block
@@ -839,14 +839,14 @@ def _buffer_bytes(params: ParamWalk, zero: int, runtime: RuntimeModel, *, dtype:
     DDP's buckets live during the backward; the engine's flat sync copies the gradients
     after the backward has freed the activations: once to all-reduce (ZeRO 0/1,
     lowering.reduce_partial_grads), twice to reduce-scatter (ZeRO-2: padded blocks and
-    their concatenation, runtime/zero.py), so it raises the peak by what those copies
+    their concatenation, runtime/graph/zero.py), so it raises the peak by what those copies
     exceed the activations. ZeRO-3 holds the largest gathered unit: a block, or the
     weights outside the blocks (embedding, head, final norm: one unit, -1), which with a
     large vocabulary is the largest (Llama 0.22B of benchmarks/local_shards.py: 0.24 GiB
     against 0.05 a block). ``unit_numel`` counts weights unsplit over dp already: the
     gathered copy of one unit, not dp of them. The engine frees a gathered unit after its
     last reader and gathers it again when the backward unpacks what autograd saved
-    (runtime/gathers.py _Regather), with or without recompute; FSDP2's prefetch holds the
+    (runtime/graph/gathers.py _Regather), with or without recompute; FSDP2's prefetch holds the
     next block's gathered weights beside the current's.
     """
     buffers = grad_sync_buffer_bytes(runtime.grad_bucket_bytes, params.grads_bytes)
@@ -930,7 +930,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
     tp_ax = stage.axis_names.index("tp") if "tp" in stage.axis_names else None
     tp_fwd = tp_bwd = tp_layers_fwd = mm_fwd = mm_bwd = 0.0
-    # context parallelism (runtime/context.py): a value gathered over cp for split consumers
+    # context parallelism (runtime/graph/context.py): a value gathered over cp for split consumers
     # (K, V) gets its partial gradient all-reduced once where it was gathered, not again at
     # each consumer; one gathered for replicated consumers (logits before the shifted loss)
     # gets the same gradient on every rank, and each keeps its chunk

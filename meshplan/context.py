@@ -4,7 +4,7 @@ trace -> cost -> solve -> **assemble** -> run. Used by planner/manual.py (placem
 planner's stage pricing, meshplan/support.py (what runs), ``meshplan show`` (chunks) and
 the runtimes: the module engine runs torch's ``context_parallel`` with the same layout
 (runtime/cp_modules.py; the per-operator placements below are then only what the cost
-model prices), the graph engine realises the placements (runtime/context.py).
+model prices), the graph engine realises the placements (runtime/graph/context.py).
 
 The layout (Llama 3 paper Sec. 3.3.2; torchtitan's load balancer): the sequence is cut
 into 2 x cp equal chunks and cp rank r holds chunk r and chunk 2cp-1-r, so under a causal
@@ -110,7 +110,7 @@ def check_cp_model(graph: OpGraph, cp: int, seq_len: int) -> None:
 
 
 def graph_engine_cp_refusal(graph: OpGraph | None, sequence_parallel: bool = False) -> str | None:
-    """What the graph engine's K/V exchange (runtime/context.py) cannot split that the module
+    """What the graph engine's K/V exchange (runtime/graph/context.py) cannot split that the module
     engine's (torch's context_parallel, runtime/cp_modules.py) can: ``is_causal=True``, whose
     implicit mask would follow the local positions, and Megatron sequence parallelism inside
     tensor parallelism (which would split the sequence on both axes)."""

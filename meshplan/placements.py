@@ -5,7 +5,7 @@ trace -> cost -> **solve** -> plan -> run. The plan file writes one string per m
 ``"R"``, ``"P"`` or ``"S(d)"``; the planner's strategies compute with integers, ``R = -1``,
 ``P = -2`` and ``d >= 0`` for Shard(d), so that a placement is a hashable tuple and shard
 arithmetic stays cheap. This module holds both forms and the conversions between them. The
-DTensor objects themselves are made and read only by the runtime (``runtime/placing.py``:
+DTensor objects themselves are made and read only by the runtime (``runtime/graph/placing.py``:
 ``to_placements``, ``placement_texts``), because the core imports nothing from
 ``torch.distributed``.
 """

@@ -153,7 +153,7 @@ class Plan:
     schema: str = SCHEMA_VERSION
     # which runtime executes it: "modules" (PyTorch's composables: parallelize_module,
     # fully_shard, checkpoint wrappers; runtime/modules.py) where the plan is expressible
-    # in them, else "graph" (the exported graph on DTensor; runtime/parallelize.py)
+    # in them, else "graph" (the exported graph on DTensor; runtime/graph/parallelize.py)
     engine: str = "graph"
     engine_note: str = ""  # why the graph engine runs it, when the module engine cannot
     # Not written to the file: the traced graph the plan was made from (for estimate/explain)

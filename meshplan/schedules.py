@@ -6,7 +6,7 @@ backward (Huang et al. 2019); ``1f1b`` alternates them once the pipeline is full
 keeps at most ``pp`` microbatches in flight (Narayanan et al. 2021, PipeDream-Flush);
 ``interleaved-1f1b`` gives each rank ``virtual_stages`` chunks of layers (Narayanan et al.
 2021, section 2.2). The runtime maps each name to a ``torch.distributed.pipelining``
-schedule class (``runtime/pipeline.py``).
+schedule class (``runtime/graph/pipeline.py``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 trace -> cost -> solve -> plan -> run, read by three of them. The search skips candidates
 these rules refuse (planner/inter, planner/stagedp, planner/hybrid, meshplan/sweep),
 ``Plan.from_json`` refuses a plan that breaks one when it is loaded, and the runtime
-(runtime/parallelize.py, runtime/pipeline.py) refuses with the same words before it builds
+(runtime/graph/parallelize.py, runtime/graph/pipeline.py) refuses with the same words before it builds
 anything. Every rule is a pure function returning the reasons (one line each: the value,
 the rule, the fix) that a configuration cannot run; an empty tuple means it runs.
 
@@ -19,7 +19,7 @@ from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
-ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/pipeline.py)
+ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
 DTYPES = ("fp32", "bf16", "fp16")
 
 
@@ -55,7 +55,7 @@ def schedule_rule(c: Candidate) -> tuple[str, ...]:
 
 def virtual_stage_rule(c: Candidate) -> tuple[str, ...]:
     """Interleaving needs the interleaved schedule, two or more rank groups, and blocks that
-    cut into pp x v equal chunks (runtime/pipeline.expand_interleaved)."""
+    cut into pp x v equal chunks (runtime/graph/pipeline.expand_interleaved)."""
     v = c.virtual_stages
     if v < 1:
         return (f"virtual_stages={v} must be at least 1",)
@@ -195,10 +195,10 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
       ``context_parallel``; SDPA with ``is_causal=True`` or unmasked, head-tail chunks, K/V
       all-gathered per attention call; TP with or without sequence parallelism inside; FSDP /
       ZeRO over dp x cp; pipeline stages pass each rank's chunks);
-    - on the graph engine (runtime/context.py) for plans the module engine refuses or that
+    - on the graph engine (runtime/graph/context.py) for plans the module engine refuses or that
       ask for it (engine='graph'): SDPA with an explicit mask, without sequence parallelism
       (meshplan/api.choose_engine refuses the rest when the plan is made, from the traced
-      graph), pipelines at two or more sequences per microbatch (runtime/parallelize.py
+      graph), pipelines at two or more sequences per microbatch (runtime/graph/parallelize.py
       refuses one on every rank before any collective)."""
     cps = {cp_degree(st) for st in plan.stages}
     cp = max(cps)
@@ -214,6 +214,39 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
 # what the module engine (runtime/modules.py, runtime/module_pipeline.py) computes in, one
 # stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
 # MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling
+# -- which engine runs what ----------------------------------------------------------------
+# The module engine (runtime/modules.py, runtime/module_pipeline.py, runtime/cp_modules.py:
+# parallelize_module, fully_shard, checkpoint wrappers, torch.distributed.pipelining,
+# context_parallel) runs every plan it can express; the graph engine (runtime/graph/) runs the
+# plans below, which PyTorch's composables cannot express today, each with the reason.
+# runtime/module_plan.module_engine_refusal and module_pipeline.pipeline_refusal give the
+# one-line reason per plan; plan.engine_note records it. The search prices the engine that
+# will run its plan (DECISIONS 79).
+GRAPH_ONLY = (
+    ("per-operator placements with no composable style",
+     "a weight stored Partial, an input sharded on the tensor-parallel axis, a weight sharded "
+     "on the data-parallel axis below ZeRO-3, or a Linear/Embedding sharding that maps onto no "
+     "Colwise/Rowwise/SequenceParallel style: parallelize_module shards modules, not operators"),
+    ("models whose layers map onto no tensor-parallel style or fail on local shards",
+     "GPT-2's Conv1D with tp > 1, reshapes that bake in the global head count: the graph "
+     "engine runs the exported operators on DTensor, which carries global shapes"),
+    ("dropout with more than one device",
+     "eager modules draw DTensor's per-shard masks; the graph engine draws one process's masks, "
+     "so a plan's loss equals one process whatever the layout"),
+    ("fp16 (loss scaling)",
+     "the module engine trains fp32 and bf16; fp16 needs a loss scaler in the step"),
+    ("BatchNorm (running statistics) split over data-parallel ranks or pipeline stages",
+     "fully_shard normalises each rank's rows; SyncBatchNorm rejects CPU tensors; the graph "
+     "engine computes the global batch's statistics (DECISIONS 18)"),
+    ("pipelines whose stages are not one block stack, or share a weight across stages",
+     "torch.distributed.pipelining stage modules are copies of the model with other stages' "
+     "blocks removed: a tied embedding/head on two stages has no owner there"),
+    ("pipelines with keyword inputs or several targets",
+     "the module pipelines feed positional inputs to the first stage and one target to the loss"),
+    ("context parallelism over attention with an explicit mask, mixed causal/full attention",
+     "torch's context_parallel shards SDPA with is_causal or no mask only (DECISIONS 74)"),
+)
+
 MODULE_ENGINE_DTYPES = ("fp32", "bf16")
 
 
@@ -281,7 +314,7 @@ def stage_layout_rule(plan: Plan) -> tuple[str, ...]:
 
 def interleaved_split_rule(plan: Plan) -> tuple[str, ...]:
     """An interleaved plan listing one record per rank group runs its blocks cut into
-    pp x v equal chunks (runtime/pipeline.expand_interleaved), whatever ranges the records
+    pp x v equal chunks (runtime/graph/pipeline.expand_interleaved), whatever ranges the records
     give: each record must then hold num_layers / pp blocks, or the plan would run otherwise
     than it was priced."""
     if not lists_rank_groups(plan):

@@ -42,7 +42,7 @@ from meshplan.runtime import checkpoint
 from meshplan.runtime.data import TokenFile, rows_read_by
 from meshplan.runtime.grad_clip import clip_grad_norm_
 from meshplan.runtime.memory_probe import StepMemoryProbe, training_state_tensors
-from meshplan.runtime.parallelize import make_optimizer, parallelize
+from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
 from meshplan.specs import parse_model_spec
 from meshplan.tracing import flatten_call, unflatten_call
 

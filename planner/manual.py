@@ -116,7 +116,7 @@ def with_cp_axis(cp_records: dict, dp: int, cp: int, tp: int, ops: dict, params:
 
     DTensor's sharding propagation grows steeply with the mesh's rank (a 3-D mesh made a
     tiny Llama step take minutes on CPU), so one-rank dp/tp axes are left out. cp stages
-    run on DTensor (runtime/context.py), whose backward cannot turn the partial gradient of
+    run on DTensor (runtime/graph/context.py), whose backward cannot turn the partial gradient of
     a vocab-parallel embedding's output into its masked partial (torch 2.13): the caller's
     Propagator keeps the token embedding replicated on tp (``vocab = set()``)."""
     keep = tuple(a for a, n in enumerate((dp, cp, tp)) if n > 1 or a == 1)

@@ -8,7 +8,7 @@ plan, so the losses of two plans are comparable and a resumed run sees the batch
 uninterrupted one would have seen.
 
 The runtime takes a tensor shaped as the whole global batch on every rank and cuts its own
-shard locally (runtime/spmd.py ``_distribute`` with ``src_data_rank=None``, runtime/lowering.py
+shard locally (runtime/graph/spmd.py ``_distribute`` with ``src_data_rank=None``, runtime/graph/lowering.py
 ``shard_of``), so a rank only needs its own rows: ``rows_read_by(plan, rank)`` names them (the
 plan's microbatch split, then the batch dimension's sharding over the first stage's mesh
 axes), and ``TokenFile.batch`` reads only those rows; the others stay zero and are never

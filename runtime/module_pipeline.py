@@ -9,7 +9,7 @@ owns them; each stage module is then parallelized as runtime/modules.py parallel
 stage (``apply_tp``, ``apply_ac``, ``apply_fsdp`` over the stage's own dp x tp submesh) and
 wrapped in a ``PipelineStage``; the plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives
 the microbatches. ``pipeline_refusal`` says why a plan cannot run this way (the graph engine,
-runtime/pipeline.py, then runs it); it runs every stage's forward on meta (DECISIONS 63), which is what
+runtime/graph/pipeline.py, then runs it); it runs every stage's forward on meta (DECISIONS 63), which is what
 refuses a model whose forward does not run with its blocks removed (DECISIONS 49).
 """
 
@@ -148,7 +148,7 @@ def cut_stage(model: nn.Module, container: str, cut: StageCut) -> nn.Module:
     """A copy of ``model`` holding only ``cut``'s part; parameter names unchanged."""
     on_meta = any(t.is_meta for t in model.parameters())
     if on_meta:
-        from meshplan.runtime.parallelize import meta_copy
+        from meshplan.runtime.graph.parallelize import meta_copy
         stage = meta_copy(model)
     else:
         stage = copy.deepcopy(model)
@@ -232,7 +232,7 @@ def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> s
     """Run every stage's forward on meta, feeding each the previous one's output: the last
     must give what the whole model gives."""
     from meshplan.runtime.module_plan import _Forward, _axes, run_on_meta
-    from meshplan.runtime.parallelize import meta_copy
+    from meshplan.runtime.graph.parallelize import meta_copy
 
     stage = plan.stages[0]
     dp, _, _ = _axes(stage)

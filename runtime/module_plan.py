@@ -26,7 +26,7 @@ from meshplan.errors import PlanFileError
 from meshplan.plan import Plan, Stage
 from meshplan.graph import CallSignature
 from meshplan.tracing import find_repeated_blocks, unflatten_call
-from meshplan.runtime.parallelize import data_parallel_axes, meta_copy
+from meshplan.runtime.graph.parallelize import data_parallel_axes, meta_copy
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 

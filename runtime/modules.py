@@ -10,7 +10,7 @@ the parameter matmuls), then ``apply_fsdp`` (``fully_shard`` per block and at th
 FSDP2's ``replicate`` for ZeRO-0). The user's forward runs unchanged on local shards; no graph
 is exported. ``module_engine_refusal`` says why a plan is not expressible that way (pipeline
 stages, fused or custom layers, placements with no style); such plans go to the graph engine
-(runtime/parallelize.py), which realises every operator's planned placement.
+(runtime/graph/parallelize.py), which realises every operator's planned placement.
 
 The activations' placements are those the styles give, not the plan's per-operator ones:
 the computation is the same, only where the collectives fall may differ from what the plan
@@ -46,7 +46,7 @@ from meshplan.runtime.module_plan import (COMPUTE_DTYPES, _axes, _call, check_mo
                                           module_engine_refusal, tp_styles)  # re-exported
 
 # Outputs `selective` recompute keeps: the parameter matmuls; attention scores, softmax and
-# pointwise ops are recomputed (Korthikanti et al. 2022, Sec. 5; as runtime/spmd.py does).
+# pointwise ops are recomputed (Korthikanti et al. 2022, Sec. 5; as runtime/graph/spmd.py does).
 _SAVED_IN_SELECTIVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
                        torch.ops.aten.linear.default}
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)

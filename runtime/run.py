@@ -9,7 +9,7 @@ data against the plan, and gives the user's stock optimizer the tensors to step
 (``parameters()``), a global gradient-norm clip over every rank and stage, a forward-only
 call, and full state dicts under the model's own names.
 
-Engines: the graph engine (runtime/parallelize.py one stage, runtime/pipeline.py several)
+Engines: the graph engine (runtime/graph/parallelize.py one stage, runtime/graph/pipeline.py several)
 runs every plan the planner emits; the module engine on PyTorch's composables
 (runtime/modules.py) takes the plans it can express (``plan.engine``).
 
@@ -86,7 +86,7 @@ class ParallelRun:
         self.loss_fn = loss_fn
         self.signature, self.records = plan_call(plan)
         self._model = model  # the user's module: its names and state_dict keys
-        from meshplan.runtime.parallelize import meta_copy
+        from meshplan.runtime.graph.parallelize import meta_copy
         # init_weights builds full tensors from a meta copy of the model as the user built it
         self._pristine = pristine if pristine is not None else meta_copy(model)
         self._training = True
@@ -410,7 +410,7 @@ class ParallelRun:
 
     def _eval_pipeline(self, records):
         if self._forward is None:
-            from meshplan.runtime.pipeline import eval_pipeline
+            from meshplan.runtime.graph.pipeline import eval_pipeline
 
             sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
             meta = tuple(torch.empty(r["shape"], dtype=_DTYPES[r["dtype"]], device="meta")
@@ -421,9 +421,9 @@ class ParallelRun:
 
     def _forward_program(self, records):
         if self._forward is None:
-            from meshplan.runtime.parallelize import (install_params, meta_copy,
+            from meshplan.runtime.graph.parallelize import (install_params, meta_copy,
                                                       runnable_graph_module)
-            from meshplan.runtime.spmd import SPMDExecutor
+            from meshplan.runtime.graph.spmd import SPMDExecutor
             from torch.distributed.tensor import distribute_tensor
 
             pm = self.engine
@@ -582,7 +582,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         from meshplan.runtime.module_pipeline import PipelineModuleEngine
         from meshplan.runtime.modules import ModuleEngine
 
-        from meshplan.runtime.parallelize import meta_copy
+        from meshplan.runtime.graph.parallelize import meta_copy
 
         uninitialized = {name for name, t in model.named_parameters() if t.is_meta}
         pristine = meta_copy(model)  # before the engine wraps the model in place
@@ -592,7 +592,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         if init_weights is not None:
             run.init_weights(init_weights)
         return run
-    from meshplan.runtime.parallelize import parallelize as graph_parallelize
+    from meshplan.runtime.graph.parallelize import parallelize as graph_parallelize
 
     sig, records = plan_call(plan)
     meta_inputs = tuple(torch.empty(r["shape"], dtype=_DTYPES.get(r["dtype"], torch.float32),
@@ -621,7 +621,7 @@ def data_parallel_coordinate(plan: Plan, rank: int) -> tuple[int, int]:
 
 
 def _data_parallel_axes(plan: Plan) -> tuple[int, ...]:
-    from meshplan.runtime.parallelize import data_parallel_axes
+    from meshplan.runtime.graph.parallelize import data_parallel_axes
     return data_parallel_axes(plan.stages[0])
 
 

@@ -33,7 +33,7 @@ class Block(nn.Module):
         b, t, d = x.shape
         q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2)
                    for z in self.c_attn(self.ln1(x)).split(d, dim=2))
-        if self.masked:  # an explicit mask: the graph engine's cp runs it (runtime/context.py)
+        if self.masked:  # an explicit mask: the graph engine's cp runs it (runtime/graph/context.py)
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:

@@ -28,8 +28,8 @@ from meshplan.runtime.launch import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
 _PRELOAD = ["torch", "torch.distributed.tensor", "torch.distributed.pipelining",
-            "torch.distributed.fsdp", "transformers", "meshplan", "meshplan.runtime.parallelize",
-            "meshplan.runtime.modules", "meshplan.runtime.pipeline",
+            "torch.distributed.fsdp", "transformers", "meshplan", "meshplan.runtime.graph.parallelize",
+            "meshplan.runtime.modules", "meshplan.runtime.graph.pipeline",
             "meshplan.runtime.module_pipeline", "meshplan.api",
             # the model code most workers build (the first HF model a process builds imports
             # modeling_utils and generation: about 0.8 s of a quiet core, per rank)

@@ -84,7 +84,7 @@ class NoGradRotaryLlama(nn.Module):
     Hugging Face's ``LlamaRotaryEmbedding`` did up to transformers 5.23 (5.24 dropped the
     no-grad region). torch.export puts that region in a higher-order operator
     (``wrap_with_set_grad_enabled``) whose body is a submodule of the graph module: the case
-    the pipeline split hands to every stage that reads it (runtime/pipeline_split.py)."""
+    the pipeline split hands to every stage that reads it (runtime/graph/pipeline_split.py)."""
 
     def __init__(self, vocab_size=256, dim=64, n_layers=4, heads=4, hidden=128):
         super().__init__()

@@ -127,7 +127,7 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
     from meshplan.mesh import Mesh
     from meshplan.runtime import checkpoint
     from meshplan.graph import CallSignature
-    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
 
     model_name, source, options = CASES[case]
     data = batches(model_name)

@@ -57,7 +57,7 @@ def run_case(case: str) -> dict:
 
     import meshplan
     from meshplan.mesh import Mesh
-    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
 
     spec, degrees = CASES[case]
     meta = build(spec, "meta")

@@ -96,7 +96,7 @@ def test_zero3_buffer_is_one_gathered_block(gpt2):
 def test_zero3_without_recompute_gathers_one_block_at_a_time(gpt2):
     """Without recompute the engine still holds one gathered block at a time: it frees a
     block's gathered weights after their last reader and gathers them again when the
-    backward unpacks what autograd saved (runtime/gathers.py _Regather), so the buffer is the
+    backward unpacks what autograd saved (runtime/graph/gathers.py _Regather), so the buffer is the
     same as under recompute, not the whole stage."""
     model, graph, mesh = gpt2
     st, buffer = _zero3_buffer(model, graph, mesh, "none")

@@ -108,12 +108,12 @@ def test_every_path_a_doc_names_exists(doc, repo_names):
 
 
 def test_the_rule_finds_paths_and_skips_patterns():
-    text = ("See [the map](ARCHITECTURE.md#layers), `runtime/spmd.py`, `spmd.py`, "
+    text = ("See [the map](ARCHITECTURE.md#layers), `runtime/graph/spmd.py`, `spmd.py`, "
             "`examples/factories.py:convnet`, `tests/test_cli.py::test_plan`, "
             "`benchmarks/<name>.py`, `transformers:gpt2?n_layer=2`, `meshplan run plan.json`,"
             " [site](https://pytorch.org), (costmodel/calibrate.py) and"
             " https://github.com/pytorch/torchtitan/blob/main/docs/performance.md.\n```bash\nmeshplan plan -o nowhere/plan.json\n```\n")
-    assert doc_paths(text) == [("link", "ARCHITECTURE.md"), ("code", "runtime/spmd.py"),
+    assert doc_paths(text) == [("link", "ARCHITECTURE.md"), ("code", "runtime/graph/spmd.py"),
                                ("code", "spmd.py"), ("code", "examples/factories.py"),
                                ("code", "tests/test_cli.py"),
                                ("text", "costmodel/calibrate.py")]

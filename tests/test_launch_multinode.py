@@ -134,7 +134,7 @@ def clip_worker(out: str) -> None:
 
     from meshplan.plan import Plan
     from meshplan.runtime.grad_clip import clip_grad_norm_, total_norm
-    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
     from meshplan.specs import parse_model_spec, synthetic_batch
 
     dist.init_process_group("gloo")

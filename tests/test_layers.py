@@ -67,7 +67,7 @@ def test_imports_follow_the_layers(tmp_path):
 def test_an_import_against_the_flow_breaks_the_contract(tmp_path):
     package = installed_layout(tmp_path)
     with open(package / "costmodel" / "comm.py", "a") as f:  # cost model -> runtime
-        f.write("\nfrom meshplan.runtime import launch  # noqa\n")
+        f.write("\nfrom meshplan.runtime import launch# noqa\n")
     proc = run_lint(tmp_path)
     assert proc.returncode != 0 and "0 kept, 1 broken" in proc.stdout, proc.stdout[-2000:]
     assert "meshplan.costmodel.comm -> meshplan.runtime.launch" in proc.stdout

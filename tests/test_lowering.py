@@ -1,5 +1,5 @@
-"""The lowered program's constant folding and parameter leaves (runtime/spmd.py,
-runtime/lowering.py), checked against the DTensor reference executor.
+"""The lowered program's constant folding and parameter leaves (runtime/graph/spmd.py,
+runtime/graph/lowering.py), checked against the DTensor reference executor.
 
 One torchrun launch of 2 gloo processes (this file is the worker) trains a small Llama under
 a data-parallel plan twice, once with the lowered program and once on DTensor
@@ -25,7 +25,7 @@ def run(lowered: bool) -> dict:
     from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.tracing import trace
-    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     spec = parse_model_spec(LLAMA)
@@ -60,8 +60,8 @@ def run_zero(level: int) -> dict:
     from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.tracing import trace
-    from meshplan.runtime import zero
-    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph import zero
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     spec = parse_model_spec(LLAMA.replace("vocab_size=256", "vocab_size=255"))
@@ -150,7 +150,7 @@ def test_the_folded_causal_mask_runs_as_is_causal(results):
 
 
 def test_is_causal_mask_accepts_only_the_causal_pattern():
-    from meshplan.runtime.lowering import is_causal_mask
+    from meshplan.runtime.graph.lowering import is_causal_mask
 
     tril = torch.ones(4, 4, dtype=torch.bool).tril()
     assert is_causal_mask(tril.expand(2, 1, 4, 4), 4, 4)
@@ -167,7 +167,7 @@ def test_is_causal_mask_accepts_only_the_causal_pattern():
 
 
 def test_zero_1_and_2_use_flat_collectives_and_train_like_data_parallelism(results):
-    """runtime/zero.py: every master's gradient comes by one flat reduce-scatter (ZeRO-2) or
+    """runtime/graph/zero.py: every master's gradient comes by one flat reduce-scatter (ZeRO-2) or
     the flat all-reduce (ZeRO-1), every parameter is refreshed by one flat all-gather, with
     uneven shards (vocabulary 255 over 2 ranks), and the run equals plain data parallelism."""
     runs = results["zero"]
@@ -184,11 +184,11 @@ def test_zero_1_and_2_use_flat_collectives_and_train_like_data_parallelism(resul
 
 
 def test_bucketed_gather_cuts_each_member_along_its_own_dim():
-    """ZeRO-3's one all-gather per block (runtime/gathers.py) lays n ranks' flat shards in
+    """ZeRO-3's one all-gather per block (runtime/graph/gathers.py) lays n ranks' flat shards in
     rows; each member is the concatenation of its rows' shards along the dim it is sharded
     on (a tensor-parallel weight's ZeRO shard is dim 1), and the backward's rows are the
     exact inverse."""
-    from meshplan.runtime.lowering import _stack, _unstack
+    from meshplan.runtime.graph.lowering import _stack, _unstack
 
     full = torch.randn(6, 4, 10)
     for dim, n in ((0, 2), (1, 4), (2, 5)):

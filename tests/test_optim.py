@@ -1,4 +1,4 @@
-"""Local-shard optimizers (runtime/optim.py) step exactly like stock torch.optim.
+"""Local-shard optimizers (runtime/graph/optim.py) step exactly like stock torch.optim.
 
 One torchrun launch of 2 gloo processes for the module (this file is the worker): every
 case builds the same DTensor parameters twice, steps stock Adam/SGD on one set and the
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from meshplan.errors import NotSupportedError
-from meshplan.runtime.optim import LocalShardAdam, LocalShardSGD
+from meshplan.runtime.graph.optim import LocalShardAdam, LocalShardSGD
 
 STEPS = 3
 SHAPES = [(5, 3), (4, 6), (7,)]  # uneven over 2 ranks on dim 0 (5, 7) and dim 1 (3); S1 of
@@ -106,7 +106,7 @@ def worker(out_path: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    import meshplan.runtime.optim as optim
+    import meshplan.runtime.graph.optim as optim
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -162,7 +162,7 @@ def test_path_taken(results, opt_name, layout):
 
 
 def test_plain_parameters_step_like_stock_in_process():
-    from meshplan.runtime.optim import _split
+    from meshplan.runtime.graph.optim import _split
 
     torch.manual_seed(0)
     init = [torch.randn(4, 3), torch.randn(5)]
@@ -199,7 +199,7 @@ def test_unsupported_options_raise(cls, option):
 def test_make_optimizer_builds_local_shard_classes():
     from types import SimpleNamespace
 
-    from meshplan.runtime.parallelize import make_optimizer
+    from meshplan.runtime.graph.parallelize import make_optimizer
 
     p = torch.nn.Parameter(torch.zeros(2))
     for name, cls, stock in (("adam", LocalShardAdam, torch.optim.Adam),

@@ -1,4 +1,4 @@
-"""Pipeline runtime (runtime/pipeline.py) against a single process: losses and gradients.
+"""Pipeline runtime (runtime/graph/pipeline.py) against a single process: losses and gradients.
 
 Two model families, a GPT-2 and a Llama (rotary embeddings, RMSNorm, SwiGLU, grouped-query
 attention, untied output head), both tiny and built from their configs with random weights,
@@ -178,8 +178,8 @@ def run_variant(model_name: str, variant: str, graph) -> dict:
 
     import meshplan
     from meshplan.mesh import Mesh
-    from meshplan.runtime.parallelize import make_optimizer
-    from meshplan.runtime.pipeline import parallelize_pipeline
+    from meshplan.runtime.graph.parallelize import make_optimizer
+    from meshplan.runtime.graph.pipeline import parallelize_pipeline
     from meshplan.specs import synthetic_batch
 
     source, pp, mesh, schedule, virtual, mbs = VARIANTS[variant]
@@ -235,7 +235,7 @@ def reference(model_name: str) -> dict:
 def trace_runnable(model_name: str):
     """The runnable graph module and the OpGraph of a test model at the global batch."""
     from meshplan.tracing import export_training_graph, graph_from_export
-    from meshplan.runtime.parallelize import runnable_graph_module
+    from meshplan.runtime.graph.parallelize import runnable_graph_module
 
     model = build_model(model_name, "meta")
     ep = export_training_graph(model, (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),))
@@ -248,7 +248,7 @@ def traced():
 
 
 def test_split_makes_cross_stage_values_explicit(traced):
-    from meshplan.runtime.pipeline_split import split_stages
+    from meshplan.runtime.graph.pipeline_split import split_stages
 
     gm, graph = traced
     cuts = cut_points(graph, 3) + [len(graph.nodes)]
@@ -272,7 +272,7 @@ def test_split_hands_operator_bodies_apart_from_parameters():
     (wrap_with_set_grad_enabled) whose body is a get_attr of a submodule: the stage lists it
     apart from the parameters and buffers, which are the only targets the runtime places on
     the mesh."""
-    from meshplan.runtime.pipeline_split import split_stages
+    from meshplan.runtime.graph.pipeline_split import split_stages
 
     gm, graph = trace_runnable("rotary")
     cuts = cut_points(graph, 2) + [len(graph.nodes)]
@@ -290,7 +290,7 @@ def test_split_hands_operator_bodies_apart_from_parameters():
 
 def test_split_rejects_boundaries_that_do_not_tile(traced):
     from meshplan.errors import PlanFileError
-    from meshplan.runtime.pipeline_split import split_stages
+    from meshplan.runtime.graph.pipeline_split import split_stages
 
     gm, graph = traced
     names = [n.name for n in graph.nodes]
@@ -306,7 +306,7 @@ def test_layout_checks_devices_and_expands_interleaved(traced):
     import meshplan
     from meshplan.errors import NotSupportedError
     from meshplan.mesh import Mesh
-    from meshplan.runtime.pipeline import expand_interleaved, lists_rank_groups, pipeline_layout
+    from meshplan.runtime.graph.pipeline import expand_interleaved, lists_rank_groups, pipeline_layout
 
     _, graph = traced
     plan = meshplan.manual_plan(None, Mesh.local(4), graph=graph, dp=2, pp=2,

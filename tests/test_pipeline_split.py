@@ -1,4 +1,4 @@
-"""runtime/pipeline_split.py: which values cross a stage boundary and which a stage rebuilds.
+"""runtime/graph/pipeline_split.py: which values cross a stage boundary and which a stage rebuilds.
 
 Pure and fast: exported graphs of a tiny hand-written module (one value of each kind: built
 from shapes alone, from an unwritten buffer, from a written buffer, from a random op, from the
@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshplan.tracing import export_training_graph
-from meshplan.runtime.parallelize import global_dropout, runnable_graph_module
-from meshplan.runtime.pipeline_split import shape_only_nodes, split_stages
+from meshplan.runtime.graph.parallelize import global_dropout, runnable_graph_module
+from meshplan.runtime.graph.pipeline_split import shape_only_nodes, split_stages
 
 LLAMA = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=2&"
          "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&max_position_embeddings=64")

@@ -1,4 +1,4 @@
-"""ZeRO 1, 2 and 3 inside pipeline stages (runtime/pipeline.py) against one process.
+"""ZeRO 1, 2 and 3 inside pipeline stages (runtime/graph/pipeline.py) against one process.
 
 One torchrun launch of 4 gloo processes (dp2 x pp2) runs, for a tiny GPT-2 (tied embedding
 and head, so a parameter on two rank groups) and a tiny Llama, every ZeRO stage under one of
@@ -98,8 +98,8 @@ def run(name: str, plan, graph) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
 
-    from meshplan.runtime.parallelize import make_optimizer
-    from meshplan.runtime.pipeline import parallelize_pipeline
+    from meshplan.runtime.graph.parallelize import make_optimizer
+    from meshplan.runtime.graph.pipeline import parallelize_pipeline
 
     model = build_model(name)
     data = batches(model)

@@ -146,7 +146,7 @@ def test_variants_execute_their_placements(results):
 
 
 def test_lowered_program_runs_operators_on_local_shards(results):
-    """runtime/lowering.py leaves no Llama operator on DTensor. In GPT-2 it leaves the
+    """runtime/graph/lowering.py leaves no Llama operator on DTensor. In GPT-2 it leaves the
     vocab-parallel embedding (its mask is per-call DTensor state) and, under tensor
     parallelism, the dropouts that follow a partial sum (DTensor reduces it first)."""
     res = results(4)

@@ -34,7 +34,7 @@ def cases(tmp_path_factory):
     return [c for key, v in results.items() if key.endswith("|strategies") for c in v]
 
 
-# Refused by the executor (DTensor, torch 2.13): see runtime/placing.py check_executable.
+# Refused by the executor (DTensor, torch 2.13): see runtime/graph/placing.py check_executable.
 REFUSED_RULES = {"dtensor:aten.embedding", "meshplan:sdpa (batch/head)",
                  "meshplan:linear (as addmm)"}
 

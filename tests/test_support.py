@@ -225,3 +225,16 @@ def test_module_engine_runs_fp32_and_bf16_pipelines_and_refuses_fp16(gpt2, tmp_p
     fp16.to_json(tmp_path / "plan.json")
     with pytest.raises(PlanFileError, match="set engine 'graph'"):
         Plan.from_json(tmp_path / "plan.json")
+
+
+def test_graph_only_list_is_documented():
+    """docs/running.md lists every plan kind that only the graph engine runs, with the reason
+    meshplan/support.py gives (the list the runtime's refusals fall under)."""
+    import os
+
+    from meshplan.support import GRAPH_ONLY
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "running.md")).read()
+    doc = " ".join(doc.split())
+    for title, why in GRAPH_ONLY:
+        assert f"- {title}: {why}." in doc, title

@@ -13,7 +13,7 @@ compare them with the plain model in this process (rtol 1e-5):
 - a tiny Llama at dp=2,tp=2 on the unlowered path (every operator on DTensor,
   ``parallelize(..., lowered=False)``): the backward of its vocab-parallel embedding failed
   inside DTensor with "Redistribution from one partial type (P(sum)) to another (MaskP(...))
-  is unsupported" (runtime/placing.py ``Placer.settle``).
+  is unsupported" (runtime/graph/placing.py ``Placer.settle``).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def run_case(case: str) -> dict:
     import meshplan
     from meshplan.mesh import Mesh
     from meshplan.plan import Plan
-    from meshplan.runtime.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
 
     model_name, batch, seq, degrees = CASES[case]
     world = dist.get_world_size()

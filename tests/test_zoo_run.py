@@ -20,9 +20,9 @@ import _zoo_run_worker as zoo  # noqa: E402 - the family list lives with the wor
 # (family, plan) -> text its one-line refusal must contain, and why it is refused
 KNOWN_REFUSALS: dict[tuple[str, str], str] = {
     # none left: Falcon's pipeline plans were refused ("stage 0 reads parameter
-    # ...lifted_tensor_0 but the plan gives it no placement") until runtime/pipeline.py read
+    # ...lifted_tensor_0 but the plan gives it no placement") until runtime/graph/pipeline.py read
     # lifted constants from the graph module; MoE plans stopped mid-step on transformers'
-    # grouped matmul until runtime/custom_ops.py
+    # grouped matmul until runtime/graph/custom_ops.py
 }
 # Runs the zoo leaves to other tests (benchmarks/zoo.py runs them all): Llama's manual
 # plans are tests/test_module_engine.py's and test_module_engine_pp.py's layouts on a larger

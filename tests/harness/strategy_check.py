@@ -23,7 +23,7 @@ from meshplan.placements import P, R, placement_str
 from meshplan.planner.strategies import (enumerate_strategies, follow, input_shapes, op_spec,
                                          tensor_placements)
 from meshplan.plan import OpPlacement
-from meshplan.runtime.spmd import SPMDExecutor, placement_texts, to_placements
+from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements
 
 _FLOAT = ("float32", "float16", "bfloat16", "float64")
 

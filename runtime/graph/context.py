@@ -1,6 +1,6 @@
 """Context parallelism at run time: moving values on and off the cp axis's layout.
 
-trace -> cost -> solve -> plan -> **run**. The graph engine (runtime/spmd.py) calls
+trace -> cost -> solve -> plan -> **run**. The graph engine (runtime/graph/spmd.py) calls
 ``move_cp`` for every operator input whose planned placement on the mesh axis "cp" differs
 from the one it has. On that axis "S(d)" is the load-balanced layout of dim d
 (meshplan/context.py: rank r holds sequence chunks r and 2cp-1-r): the dim is permuted into

@@ -1,6 +1,6 @@
 """Recompute for the graph engine: the graph cut into blocks, each block run under checkpoint.
 
-trace -> cost -> solve -> plan -> **run**. The SPMD executor (runtime/spmd.py) runs a stage's
+trace -> cost -> solve -> plan -> **run**. The SPMD executor (runtime/graph/spmd.py) runs a stage's
 graph segment by segment; with recompute, each transformer block's node range is one
 segment wrapped in ``torch.utils.checkpoint`` (non-reentrant): ``full`` recomputes the whole
 block, ``selective`` saves the outputs of the parameter matmuls and recomputes the rest
@@ -20,7 +20,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts)
 
 from meshplan.errors import NotSupportedError
-from meshplan.runtime.pipeline_split import writes_in_place, written_attrs
+from meshplan.runtime.graph.pipeline_split import writes_in_place, written_attrs
 
 RECOMPUTE = ("none", "selective", "full")
 

@@ -2,7 +2,7 @@
 gathered again in the backward instead of saved.
 
 trace -> cost -> solve -> plan -> **run**. After the lowered program is built
-(runtime/lowerer.py), ``ParamGathers.plan`` finds the parameters every consumer gathers the
+(runtime/graph/lowerer.py), ``ParamGathers.plan`` finds the parameters every consumer gathers the
 same way and gathers each once per call; the parameters first used by one transformer block
 share one collective (and, through autograd, one reduce-scatter of their gradients), as
 FSDP's per-block units do. ``_Regather``'s saved-tensor hooks keep the gathered parameters
@@ -19,8 +19,8 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from meshplan.runtime import lowering
-from meshplan.runtime.recompute import block_index
+from meshplan.runtime.graph import lowering
+from meshplan.runtime.graph.recompute import block_index
 
 
 class ParamGathers:

@@ -1,7 +1,7 @@
 """ZeRO-1/2's collectives on one flat buffer per step: gradients reduce-scattered to the
 master shards, updated shards all-gathered back into the parameters.
 
-trace -> cost -> solve -> plan -> **run**. ZeRO-1/2 (runtime/parallelize.py) keep fp32
+trace -> cost -> solve -> plan -> **run**. ZeRO-1/2 (runtime/graph/parallelize.py) keep fp32
 master weights sharded on dim 0 over the data-parallel mesh axis (``Shard(0)`` where the
 parameter is replicated). Done per parameter, each step pays two collectives per parameter
 (one gradient reduce, one gather of the updated shard), each a full collective latency: on
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from meshplan.runtime.lowering import _with
+from meshplan.runtime.graph.lowering import _with
 
 
 def shard_axis(param: DTensor, master: DTensor) -> int | None:

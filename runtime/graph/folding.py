@@ -1,8 +1,8 @@
 """Constant folding for the lowered program: values made from shapes and buffers only.
 
 trace -> cost -> solve -> plan -> **run**. A causal mask or the rotary cos/sin depend on no
-graph input and no trainable parameter; the lowered program (runtime/spmd.py replaying
-runtime/lowering.py's steps) computes them on its first call and serves the folded values
+graph input and no trainable parameter; the lowered program (runtime/graph/spmd.py replaying
+runtime/graph/lowering.py's steps) computes them on its first call and serves the folded values
 after that, until a buffer they are made from changes.
 """
 
@@ -14,14 +14,14 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor
 
-from meshplan.runtime.pipeline_split import shape_only_nodes
+from meshplan.runtime.graph.pipeline_split import shape_only_nodes
 
 FOLD_LIMIT_BYTES = 256 * 2**20  # folded constants held beyond a call (masks, rotary tables)
 
 
 def constant_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     """Nodes whose values depend on no graph input and no trainable parameter (a causal
-    mask, rotary cos/sin): runtime/pipeline_split.py's rule, with frozen parameters (the
+    mask, rotary cos/sin): runtime/graph/pipeline_split.py's rule, with frozen parameters (the
     runtime's placed buffers) read as buffers. ``gm``'s attributes must be the parameters
     the program runs with."""
     nodes = shape_only_nodes(gm.graph, frozen_params=True)

@@ -16,18 +16,18 @@ Models", Sec. 5). Mixed precision runs the fragment under ``torch.autocast``: ma
 stay fp32, matmuls run in bf16/fp16.
 
 That DTensor interpretation is the reference. By default the executor runs it once, on its
-first call and without gradients, to build a lowered program (runtime/lowering.py): the same
+first call and without gradients, to build a lowered program (runtime/graph/lowering.py): the same
 operators on local shards, with each redistribution (planned, or DTensor-internal) as one
 collective whose backward is its exact adjoint. Every call after that replays the lowered
 program, which costs what hand-written tensor parallelism or FSDP costs
 (benchmarks/runtime_overhead.py).
 
-The pipeline runtime (runtime/pipeline.py) builds one ``SPMDExecutor`` per stage submesh.
+The pipeline runtime (runtime/graph/pipeline.py) builds one ``SPMDExecutor`` per stage submesh.
 
 The executor is the interpreter loop; each other job has its own module: placements and
-planned redistributions (runtime/placing.py), recompute segments (runtime/recompute.py),
-building the lowered program (runtime/lowerer.py, runtime/lowering.py), ZeRO-3 gathers and
-their buckets (runtime/gathers.py), constant folding (runtime/folding.py).
+planned redistributions (runtime/graph/placing.py), recompute segments (runtime/graph/recompute.py),
+building the lowered program (runtime/graph/lowerer.py, runtime/graph/lowering.py), ZeRO-3 gathers and
+their buckets (runtime/graph/gathers.py), constant folding (runtime/graph/folding.py).
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from meshplan.errors import NotSupportedError
 from meshplan.plan import OpPlacement
-from meshplan.runtime import lowering
-from meshplan.runtime.folding import ConstantFolder
-from meshplan.runtime.gathers import ParamGathers
-from meshplan.runtime.lowerer import Lowerer
-from meshplan.runtime.pipeline_split import written_attrs
-from meshplan.runtime.placing import (Placer, check_executable, placement_texts,  # noqa: F401
+from meshplan.runtime.graph import lowering
+from meshplan.runtime.graph.folding import ConstantFolder
+from meshplan.runtime.graph.gathers import ParamGathers
+from meshplan.runtime.graph.lowerer import Lowerer
+from meshplan.runtime.graph.pipeline_split import written_attrs
+from meshplan.runtime.graph.placing import (Placer, check_executable, placement_texts,  # noqa: F401
                                       to_placements)  # (placement_texts, to_placements re-exported)
-from meshplan.runtime.recompute import check_recompute, run_checkpointed, segments_for
+from meshplan.runtime.graph.recompute import check_recompute, run_checkpointed, segments_for
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
     from torch.utils.checkpoint import _StopRecomputationError
@@ -78,7 +78,7 @@ class SPMDExecutor(fx.Interpreter):
 
     Call it with the fragment's inputs (DTensors, or plain tensors to be distributed with
     ``input_placements``); parameters are read from ``gm``'s attributes, which must be the
-    placed DTensor parameters (runtime/parallelize.py ``install_params``). Plain tensors
+    placed DTensor parameters (runtime/graph/parallelize.py ``install_params``). Plain tensors
     created inside the graph become Replicate DTensors as they are made.
     """
 
@@ -99,7 +99,7 @@ class SPMDExecutor(fx.Interpreter):
         self.stats = ExecStats()
         self.placer = Placer(mesh, ops, self.stats)
         self.record = record
-        # a context-parallel axis reads "S(d)" as the load-balanced layout (runtime/context.py),
+        # a context-parallel axis reads "S(d)" as the load-balanced layout (runtime/graph/context.py),
         # which the lowered program does not know: such stages run on DTensor
         self.lowered = lowered and self.placer.cp_axis is None
         self.steps: dict | None = None  # node -> lowering.Step, built by the first call
@@ -155,7 +155,7 @@ class SPMDExecutor(fx.Interpreter):
             self._lowerer.lower(n, self.env, moved, args, kwargs, settled, out, trial)
         return settled
 
-    # -- the first call builds the lowered program (runtime/lowerer.py) ---------------------
+    # -- the first call builds the lowered program (runtime/graph/lowerer.py) ---------------------
     def build(self, *inputs) -> None:
         """Run the reference once (no grad) and lower every operator it can."""
         self._lowerer = Lowerer(self.mesh)
@@ -205,7 +205,7 @@ class SPMDExecutor(fx.Interpreter):
         return self._frees
 
     def refold(self) -> None:
-        """Compute the folded constants again on the next call (runtime/folding.py)."""
+        """Compute the folded constants again on the next call (runtime/graph/folding.py)."""
         self.folder.refold()
 
     # -- the whole fragment ---------------------------------------------------------------
@@ -415,7 +415,7 @@ class SPMDExecutor(fx.Interpreter):
 def stage_executor(gm: fx.GraphModule, mesh: DeviceMesh, stage, *, dtype: str = "fp32",
                    block_prefix: str = "", input_names: Sequence[str] = (),
                    lowered: bool = True) -> "SPMDExecutor":
-    """The seam for runtime/pipeline.py: the executor running ``gm`` as ``stage`` plans it.
+    """The seam for runtime/graph/pipeline.py: the executor running ``gm`` as ``stage`` plans it.
 
     ``stage`` is a meshplan.plan.Stage (its ops, inputs and recompute are read). Its ``run``
     takes the fragment's inputs (DTensors) and returns its outputs; once built, ``run_local``

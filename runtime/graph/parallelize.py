@@ -4,13 +4,13 @@ trace -> cost -> solve -> plan -> **run**. Runs inside each torchrun worker and 
 steps of a plan: trace the model on meta exactly as the planner did (node names then match
 ``stage.ops``), build the stage's DeviceMesh, distribute every parameter with its storage
 placement (the planned one; with ZeRO-3 also sharded over the data-parallel axes), and hand
-the graph to the SPMD executor (runtime/spmd.py), which realises every operator's planned
+the graph to the SPMD executor (runtime/graph/spmd.py), which realises every operator's planned
 input placements, recompute and mixed precision. A training step accumulates gradients over
 ``plan.training.microbatches``, brings each gradient to its parameter's storage placement
 (the data-parallel all-reduce, or a reduce-scatter with ZeRO) and steps a torch.optim
 optimizer; ZeRO-1/2 step fp32 master shards and all-gather the parameters after.
 
-Multi-stage plans go to the pipeline runtime (runtime/pipeline.py), which reuses the same
+Multi-stage plans go to the pipeline runtime (runtime/graph/pipeline.py), which reuses the same
 executor per stage submesh. Two rewrites make the exported graph runnable on DTensor:
 ``aten._assert_*`` metadata checks are dropped (no sharding rule, no effect), and on CPU
 scaled-dot-product attention runs as its math decomposition because DTensor has no rule for
@@ -36,8 +36,9 @@ from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
-from meshplan.runtime import loss_weights, lowering, zero
-from meshplan.runtime.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
+from meshplan.runtime import loss_weights
+from meshplan.runtime.graph import lowering, zero
+from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
 # keeps tiny gradients of small models above fp16's subnormal range; a step whose
@@ -81,7 +82,7 @@ def _local_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa
     mask on another mesh or one that needs a gradient, and a whole (non-DTensor) mask along a
     split dimension. DTensor decomposes a 4-d matmul into expand / view / bmm, whose
     flattened batch x heads dimension is a _StridedShard; pricing its redistributions took
-    1-15 s per call on 2 CPU cores (runtime/parallelize.py profile, DECISIONS 64)."""
+    1-15 s per call on 2 CPU cores (runtime/graph/parallelize.py profile, DECISIONS 64)."""
     if dropout_p or not all(isinstance(t, DTensor) and t.ndim == 4 for t in (q, k, v)):
         return None
     mesh, placements = q.device_mesh, tuple(q.placements)
@@ -167,7 +168,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
 def runnable_graph_module(ep: torch.export.ExportedProgram, *, device_type: str) -> torch.fx.GraphModule:
     """The exported program as a GraphModule that runs on ``device_type`` with DTensors
     (subgraphs of higher-order operators, such as Llama's rotary embedding, included)."""
-    from meshplan.runtime.custom_ops import replicate_unsharded_custom_ops
+    from meshplan.runtime.graph.custom_ops import replicate_unsharded_custom_ops
 
     gm = ep.module()
     # ep.module() copies the top graph only; the subgraphs of higher-order operators are
@@ -249,7 +250,7 @@ class ParallelModel:
     program: object = None  # the TracedProgram, reusable by the next parallelize call
     masters: dict = field(default_factory=dict)  # ZeRO-1/2: id(param) -> sharded fp32 master
     last_stats: object = None
-    lowered: bool = True  # run the lowered program (runtime/lowering.py), not DTensor per op
+    lowered: bool = True  # run the lowered program (runtime/graph/lowering.py), not DTensor per op
     _executor: object = None
     _ops_of: object = None  # the stage ops ``_renamed`` was made from
     _renamed: dict = field(default_factory=dict)
@@ -312,7 +313,7 @@ class ParallelModel:
             return float(total.full_tensor().item()) / n, ok
         # weighted: each rank's own loss value (what its placements say it is a mean over)
         # times its weight; the reported loss is the sum of every rank's share
-        from meshplan.runtime.pipeline import _reduction_weight
+        from meshplan.runtime.graph.pipeline import _reduction_weight
         share = torch.zeros((), dtype=torch.float64, device=self.mesh.device_type)
         for j, chunk in enumerate(zip(*(x.chunk(n) for x in inputs))):
             loss = self.loss(*chunk)
@@ -432,7 +433,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     ``program`` reuses the trace of an earlier call on the same model and shapes
     (``ParallelModel.program``), which saves the export when several plans run in a row.
     ``lowered=False`` runs every operator on DTensor (the reference executor) instead of
-    the lowered program (runtime/lowering.py)."""
+    the lowered program (runtime/graph/lowering.py)."""
     if not dist.is_initialized():
         raise RuntimeError("parallelize runs inside a torchrun worker: init_process_group first")
     support.check_plan(plan)  # what the runtime executes (meshplan/support.py)
@@ -447,7 +448,7 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
                                 "broadcast operands of a one-sequence microbatch; use "
                                 "microbatch_size >= 2, or pp=1 with cp")
     if plan.num_stages > 1:
-        from meshplan.runtime.pipeline import parallelize_pipeline
+        from meshplan.runtime.graph.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(model, plan, example_inputs, loss_fn=loss_fn,
                                     lowered=lowered, signature=signature)
@@ -595,8 +596,8 @@ def _contiguous(shape) -> tuple[int, ...]:
 def make_optimizer(params, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:
     """The plan's optimizer over DTensor parameters (fp32 master weights); it steps each
     parameter on its local shard when its gradient is in the same placements
-    (runtime/optim.py), which the gradient sync in ``train_step`` arranges."""
-    from meshplan.runtime.optim import LocalShardAdam, LocalShardSGD
+    (runtime/graph/optim.py), which the gradient sync in ``train_step`` arranges."""
+    from meshplan.runtime.graph.optim import LocalShardAdam, LocalShardSGD
 
     params = list(params.values()) if isinstance(params, dict) else list(params)
     if plan.training.optimizer == "sgd":

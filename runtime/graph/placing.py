@@ -1,7 +1,7 @@
 """Placements for the graph engine: the plan's strings as DTensor placements, and each
 operator's inputs moved to the placements the plan gives them.
 
-trace -> cost -> solve -> plan -> **run**. The SPMD executor (runtime/spmd.py) asks a
+trace -> cost -> solve -> plan -> **run**. The SPMD executor (runtime/graph/spmd.py) asks a
 ``Placer`` before every planned operator to redistribute each DTensor argument to the
 placement the plan gives that input (``stage.ops[node].inputs[i]``), so the plan is executed
 as written rather than as DTensor would choose; DTensor's differentiable ``redistribute``
@@ -24,8 +24,8 @@ from torch.distributed.tensor.placement_types import _StridedShard  # private: n
 from meshplan.errors import NotSupportedError
 from meshplan.placements import parse_placement
 from meshplan.plan import OpPlacement
-from meshplan.runtime import context
-from meshplan.runtime.pipeline_split import writes_in_place
+from meshplan.runtime.graph import context
+from meshplan.runtime.graph.pipeline_split import writes_in_place
 
 
 def to_placements(texts: Sequence[str], mesh: DeviceMesh | None = None) -> list:
@@ -91,7 +91,7 @@ def check_executable(n: fx.Node, args) -> None:
 
 
 def sdpa_target():
-    from meshplan.runtime.parallelize import sdpa_math
+    from meshplan.runtime.graph.parallelize import sdpa_math
     return sdpa_math
 
 
@@ -103,7 +103,7 @@ class Placer:
         self.mesh = mesh
         self.ops = ops
         self.stats = stats
-        # a context-parallel axis reads "S(d)" as the load-balanced layout (runtime/context.py)
+        # a context-parallel axis reads "S(d)" as the load-balanced layout (runtime/graph/context.py)
         self.cp_axis = context.cp_axis_of(mesh)
 
     def planned(self, n: fx.Node, arg: fx.Node, i: int, value, plan: OpPlacement | None):

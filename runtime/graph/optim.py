@@ -1,6 +1,6 @@
 """torch.optim.Adam and SGD that step DTensor parameters on their local shards.
 
-trace -> cost -> solve -> **run**: ``make_optimizer`` (runtime/parallelize.py) builds these
+trace -> cost -> solve -> **run**: ``make_optimizer`` (runtime/graph/parallelize.py) builds these
 for the training step. Stock Adam over DTensor parameters sends every elementwise operator
 of the update through DTensor's dispatch (sharding propagation per operator per parameter),
 which made ``optimizer.step()`` 2-3x slower than the same Adam on plain tensors. The update

@@ -1,6 +1,6 @@
 """Lower a planned stage to local operators plus explicit collectives.
 
-trace -> cost -> solve -> plan -> **run**. The reference executor (runtime/spmd.py) runs
+trace -> cost -> solve -> plan -> **run**. The reference executor (runtime/graph/spmd.py) runs
 every operator of the traced graph on DTensor values, which is exact but pays DTensor's
 dispatch (sharding propagation, wrapping, unwrapping) on every operator, forward and
 backward: about 3x the step time of the same parallelism written by hand on CPU. This module

@@ -2,8 +2,8 @@
 
 trace -> cost -> solve -> plan -> **run**. The exported training graph (model + loss,
 traced on meta exactly as the planner did, at the shape of one microbatch) is cut at the
-plan's stage boundaries (runtime/pipeline_split.py); each stage fragment runs on its stage
-submesh through the SPMD executor (runtime/spmd.py), wrapped in a ``PipelineStage``; the
+plan's stage boundaries (runtime/graph/pipeline_split.py); each stage fragment runs on its stage
+submesh through the SPMD executor (runtime/graph/spmd.py), wrapped in a ``PipelineStage``; the
 plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives ``plan.training.microbatches``
 microbatches through them.
 
@@ -25,10 +25,10 @@ schedule, gradients are redistributed to their parameters' placements (the data-
 all-reduce) and a parameter read by stages on different rank groups (tied embeddings) has
 its gradient summed over those groups.
 
-ZeRO per stage, as runtime/parallelize.py does for one stage: a ZeRO-3 stage stores its
+ZeRO per stage, as runtime/graph/parallelize.py does for one stage: a ZeRO-3 stage stores its
 parameters sharded over the data-parallel axes (its gradients are reduce-scattered to those
 shards), ZeRO-1/2 stages keep sharded fp32 masters that the optimizer steps (ZeRO-2's untied
-gradients reduce-scattered into them in one flat buffer, runtime/zero.py) and all-gather
+gradients reduce-scattered into them in one flat buffer, runtime/graph/zero.py) and all-gather
 the parameters after the step. What the runtime accepts is stated in meshplan/support.py.
 """
 
@@ -54,11 +54,12 @@ from meshplan.graph import OpGraph
 from meshplan.tracing import WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
 from meshplan.schedules import Schedule
-from meshplan.runtime.parallelize import (data_parallel_axes, meta_copy, place_tensor,
+from meshplan.runtime.graph.parallelize import (data_parallel_axes, meta_copy, place_tensor,
                                           runnable_graph_module, sharded_over)
-from meshplan.runtime.pipeline_split import StageGraph, split_stages
-from meshplan.runtime import loss_weights, lowering, zero
-from meshplan.runtime.spmd import placement_texts, stage_executor, to_placements
+from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
+from meshplan.runtime import loss_weights
+from meshplan.runtime.graph import lowering, zero
+from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
 
 SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
              Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's classes
@@ -145,7 +146,7 @@ class _StageModule(nn.Module):
                  output_grads: Sequence[bool] = ()):
         super().__init__()
         self.gm = gm
-        self._executor = run  # an SPMDExecutor (runtime/spmd.py), or any callable
+        self._executor = run  # an SPMDExecutor (runtime/graph/spmd.py), or any callable
         self._run = getattr(run, "run", run)
         self._mesh = mesh
         self._first, self._last = first, last
@@ -202,7 +203,7 @@ class _StageModule(nn.Module):
 
     def _forward_local(self, executor, xs):
         """The built lowered program, local shards in and out: what ``forward`` computes,
-        with no DTensor at the boundary (runtime/lowering.py, ``from_shard``/``to_shard``)."""
+        with no DTensor at the boundary (runtime/graph/lowering.py, ``from_shard``/``to_shard``)."""
         if self._first:
             xs = [lowering.shard_of(x, self._mesh, pl)
                   for x, (pl, _, _) in zip(xs, self._input_specs)]
@@ -391,7 +392,7 @@ class PipelineModel:
         """Gradients to their storage: the data-parallel all-reduce (ZeRO-3: reduce-scatter
         to the parameter's shard), sums over the rank groups of tied parameters, and for
         ZeRO-1/2 the master's shard (ZeRO-2's untied parameters: one flat reduce-scatter
-        into the masters, runtime/zero.py)."""
+        into the masters, runtime/graph/zero.py)."""
         params = self.unique_params()
         tied = {id(p) for _, members, _ in self.tie_groups for p in members}
         flat = zero.reduce_scatter_grads([(p, self.masters[id(p)]) for p in params
@@ -554,7 +555,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
                   layout: PipelineLayout, my_group: int, device, *,
                   constants: frozenset[str] = frozenset()):
     """This rank's parameters as DTensors with their storage placements (the planned ones,
-    ZeRO-3 stages also sharded over the data-parallel axes, as runtime/parallelize.py
+    ZeRO-3 stages also sharded over the data-parallel axes, as runtime/graph/parallelize.py
     stores them for one stage); tied names share one. Buffers the plan does not place
     (planner/manual.py places none, e.g. Llama's rotary ``inv_freq``) are replicated.
     Returns (FQN -> parameter, id(parameter) -> its stage's ZeRO stage)."""
@@ -607,7 +608,7 @@ def _storage(stage, planned, plan: Plan) -> tuple[str, ...]:
 
 def _masters(params: dict, zero_of: dict, axes) -> dict[int, nn.Parameter]:
     """ZeRO-1/2: an fp32 master per parameter, sharded over the data-parallel axes; the
-    optimizer steps it and ``gather_masters`` copies it back (runtime/parallelize.py)."""
+    optimizer steps it and ``gather_masters`` copies it back (runtime/graph/parallelize.py)."""
     masters = {}
     for p in {id(p): p for p in params.values()}.values():
         if zero_of.get(id(p)) in (1, 2) and p.requires_grad:

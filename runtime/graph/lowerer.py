@@ -1,9 +1,9 @@
 """Building the lowered program: each operator of the reference run tried on local shards.
 
 trace -> cost -> solve -> plan -> **run**. On its first call the SPMD executor
-(runtime/spmd.py) runs the DTensor reference once, without gradients; for every operator a
+(runtime/graph/spmd.py) runs the DTensor reference once, without gradients; for every operator a
 ``Lowerer`` records the redistributions it made and tries the local forms of
-runtime/lowering.py (``aten`` on local shards, the whole ``call``, or the ``recorded``
+runtime/graph/lowering.py (``aten`` on local shards, the whole ``call``, or the ``recorded``
 decomposition DTensor dispatched) against the reference's local output. What reproduces it
 on every rank becomes that operator's ``Step``; the rest stay on DTensor (``kind ==
 "dtensor"``, with ``why``).
@@ -17,8 +17,8 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from meshplan.runtime import lowering
-from meshplan.runtime.placing import written_buffers
+from meshplan.runtime.graph import lowering
+from meshplan.runtime.graph.placing import written_buffers
 
 
 class Lowerer:

@@ -1,0 +1,1 @@
+"""The graph engine: the exported training graph interpreted on DTensor with every operator's planned placement, lowered to local operators and collectives, pipelines on torch.distributed.pipelining. It runs the plans the module engine cannot express (meshplan/support.py GRAPH_ONLY lists them, each with its reason)."""
