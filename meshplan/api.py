@@ -283,8 +283,9 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
     "torchtitan"). ``compiled``: price the repeated blocks as ``torch.compile`` runs them
     (``meshplan.parallelize(..., compile=True)`` on the module engine, torchtitan's
     ``compile.enable``): pointwise and reduction chains between matmuls fused into one
-    kernel each (costmodel/fusion.py); default eager. Never raises for memory (``fits``
-    says).
+    kernel each (costmodel/fusion.py); default eager. The graph engine does not compile
+    (``parallelize`` refuses ``compile=True`` there): for its plans this prices a what-if.
+    Never raises for memory (``fits`` says).
     """
     graph = graph if graph is not None else plan.graph
     if graph is None:

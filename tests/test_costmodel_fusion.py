@@ -115,3 +115,18 @@ def test_estimate_compiled_prices_fewer_bytes_than_eager():
     assert got == pytest.approx(saved, rel=1e-6)
     for k in ("recompute", "comm", "bubble", "optimizer"):
         assert compiled.breakdown[k] == pytest.approx(eager.breakdown[k])
+
+
+def test_compiled_prices_tensor_and_pipeline_parallel_plans():
+    """Fused groups are priced at their lead operator's split: a tp=2 x pp=2 plan compiled
+    costs less compute than eager and the same communication (GPT-2's Conv1D tensor
+    parallelism runs on the graph engine, which does not compile: a what-if price)."""
+    model = parse_model_spec(SPEC).build("meta")
+    graph = trace(model, example_inputs(model, 8, 512))
+    mesh = meshplan.Mesh.from_dict({"shape": [4], "hardware": "dgx-h100", "name": "h100:4"})
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=1, tp=2, pp=2, dtype="bf16",
+                                microbatch_size=2, engine="graph")
+    eager, compiled = meshplan.estimate(plan), meshplan.estimate(plan, compiled=True)
+    assert compiled.breakdown["forward"] < eager.breakdown["forward"]
+    assert compiled.breakdown["backward"] < eager.breakdown["backward"]
+    assert compiled.breakdown["comm"] == pytest.approx(eager.breakdown["comm"])
