@@ -965,8 +965,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
         else:
             t = op_time(node, hw, dtype, split_factor(op.output, shape) * m,
                         contention=contention,
-                        causal=node.kind == OpKind.ATTENTION and len(node.inputs) > 3
-                        and alias_root(node.inputs[3], graph) in masks)
+                        causal=node.kind == OpKind.ATTENTION and (
+                            len(node.inputs) > 3 and alias_root(node.inputs[3], graph) in masks
+                            or _user_causal(node) and (cp_composable or cp_ax is None)))
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:
@@ -1031,6 +1032,13 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                          p2p_bytes=p2p_bytes, consumer_out=consumer_out, tp_fwd=tp_fwd,
                          tp_bwd=tp_bwd, tp_layers_fwd=tp_layers_fwd, mm_fwd=mm_fwd,
                          mm_bwd=mm_bwd, tp=shape[tp_ax] if tp_ax is not None else 1)
+
+
+def _user_causal(node) -> bool:
+    """An attention the user's code calls with ``is_causal=True`` (no mask to recognise):
+    every engine runs it so, and flash attention skips the blocks above the diagonal."""
+    args, kwargs = node.parsed_args()
+    return kwargs.get("is_causal", args[5] if len(args) > 5 else False) is True
 
 
 def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) -> Stage:

@@ -5,6 +5,7 @@ chain between two matmuls into one kernel over the chain's external bytes
 GPT-2."""
 
 import pytest
+import torch
 
 import meshplan
 from meshplan.costmodel.compute import op_time, roofline_s
@@ -130,3 +131,50 @@ def test_compiled_prices_tensor_and_pipeline_parallel_plans():
     assert compiled.breakdown["forward"] < eager.breakdown["forward"]
     assert compiled.breakdown["backward"] < eager.breakdown["backward"]
     assert compiled.breakdown["comm"] == pytest.approx(eager.breakdown["comm"])
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.causal = causal
+        self.qkv = torch.nn.Linear(256, 3 * 256, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 64).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return y.transpose(1, 2).reshape(b, s, 256)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, causal: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Attn(causal) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_is_causal_attention_is_priced_on_half_its_flops():
+    """An SDPA the model calls with ``is_causal=True`` and no mask (benchmarks/gpu/model.py)
+    is causal on every engine: flash attention does half the FLOPs (before: priced on all of
+    them, as only a traced causal mask marked attention causal)."""
+    from meshplan.costmodel.compute import op_time as price
+    x = torch.zeros(2, 4096, 256, device="meta")
+    hw = load_preset("dgx-h100")
+    mesh = meshplan.Mesh.from_dict({"shape": [1], "hardware": "dgx-h100", "name": "h100:1"})
+    fwd = {}
+    for causal in (False, True):
+        with torch.device("meta"):
+            net = _Net(causal)
+        graph = trace(net, (x,), loss_fn=lambda out, *rest: out.pow(2).mean())
+        plan = meshplan.manual_plan(net, mesh, graph=graph, dp=1, dtype="bf16", engine="modules")
+        fwd[causal] = plan.predicted.breakdown["forward"]
+        attn = [n for n in graph.nodes if n.kind == OpKind.ATTENTION]
+    m = plan.training.microbatches
+    full = sum(price(n, hw, "bf16", m).forward_s for n in attn) * m
+    half = sum(price(n, hw, "bf16", m, causal=True).forward_s for n in attn) * m
+    assert half < 0.8 * full  # half the FLOPs, at the lower efficiency of the smaller work
+    assert fwd[False] - fwd[True] == pytest.approx(full - half, rel=1e-6)
