@@ -12,7 +12,8 @@ Sources:
 - H100 rows: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (end of 2024),
   Table 1 (8 GPUs, global batch 16: FSDP 5,762 tokens/s per GPU, 82.4 GiB) and Table 3 (128
   GPUs, global batch 256: 5,605, 67.0 GiB); local batch 2, sequence 8,192, selective AC, no
-  torch.compile, no Float8. Their H100s are Grand Teton parts (96 GB HBM2e, 2.4 TB/s, 500 W,
+  torch.compile, no Float8; Table 1's FSDP + torch.compile row (6,667) is priced with
+  ``meshplan.estimate(plan, compiled=True)``. Their H100s are Grand Teton parts (96 GB HBM2e, 2.4 TB/s, 500 W,
   400 Gb/s RDMA per GPU), not the 80 GB / 3.35 TB/s / 700 W SXM5 of ``dgx-h100``: the
   ``h100-96gb-hbm2e`` preset describes them (its peak, unpublished, is the midpoint of SXM
   and NVL, as torchtitan's doc bounds it).
@@ -67,6 +68,9 @@ ROWS = (
     ("a100", "Llama-2-13B", LLAMA2_13B, 64, 2, 4096, "none", 2162, None, A100),
     ("a100", "Llama-2-13B", LLAMA2_13B, 64, 2, 4096, "selective", 1904, None, A100),
 )
+# the same runs with torch.compile on (torchtitan compiles each TransformerBlock), priced with
+# meshplan.estimate(plan, compiled=True): (hardware, GPUs) -> tokens/s per GPU, source
+COMPILED = {("h100", 8): (6667, H100 + " Table 1, FSDP + torch.compile")}
 PRESETS = {"h100": "h100-96gb-hbm2e",  # torchtitan's Grand Teton H100s (costmodel/presets)
            "a100": "dgx-a100-80gb"}
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -103,16 +107,20 @@ def main() -> int:
         mesh = meshplan.Mesh.preset(PRESETS[hw], nodes=gpus // 8)
         if hw == "a100" and args.a100_attention_efficiency is not None:
             mesh = _with_attention_efficiency(mesh, args.a100_attention_efficiency)
-        for engine in ("auto", "graph"):
+        compiled_row = COMPILED.get((hw, gpus))
+        for engine, compiled in (("auto", False), ("graph", False)) + \
+                ((("auto", True),) if compiled_row else ()):
             start = time.perf_counter()
             plan = meshplan.manual_plan(model, mesh, graph=graph, dp=gpus, zero=3,
                                         microbatch_size=local_batch, recompute=recompute,
                                         dtype="bf16", engine=engine)
-            est = plan.predicted
+            est = meshplan.estimate(plan, compiled=True) if compiled else plan.predicted
+            if compiled:
+                published, published_gib, source = compiled_row[0], None, compiled_row[1]
             tokens = local_batch * seq / est.step_time_s
             rows.append({"hardware": PRESETS[hw], "model": name, "gpus": gpus,
                          "local_batch": local_batch, "seq": seq, "recompute": recompute,
-                         "engine": plan.engine, "source": source,
+                         "engine": plan.engine, "compiled": compiled, "source": source,
                          "published_tokens_per_gpu": published, "published_gib": published_gib,
                          "predicted_tokens_per_gpu": round(tokens),
                          "error": round((tokens - published) / published, 4),
@@ -125,19 +133,21 @@ def main() -> int:
                                          "buffers")},
                          "estimate_s": round(time.perf_counter() - start, 1)})
             print(rows[-1], flush=True)
-    lines = ["| preset | model | GPUs | local batch x seq | AC | engine | published tok/s/GPU | "
-             "predicted | error | MFU | published GiB | peak GiB | breakdown (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| preset | model | GPUs | local batch x seq | AC | engine | compiled | "
+             "published tok/s/GPU | predicted | error | MFU | published GiB | peak GiB | "
+             "breakdown (s) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['hardware']} | {r['model']} | {r['gpus']} | "
                      f"{r['local_batch']} x {r['seq']} | {r['recompute']} | {r['engine']} | "
+                     f"{'yes' if r['compiled'] else 'no'} | "
                      f"{r['published_tokens_per_gpu']} | {r['predicted_tokens_per_gpu']} | "
                      f"{r['error'] * 100:+.1f}% | {r['predicted_mfu'] * 100:.1f}% | "
                      f"{r['published_gib'] if r['published_gib'] is not None else '-'} | "
                      f"{r['peak_memory_gib']} | {r['breakdown_s']} |")
     text = ("# Cost model vs torchtitan's published FSDP runs\n\n"
-            "FSDP (ZeRO-3) over all GPUs, bf16 with fp32 reduction, AdamW, eager (no "
-            "torch.compile, no Float8). H100 rows: preset h100-96gb-hbm2e (96 GB HBM2e, "
+            "FSDP (ZeRO-3) over all GPUs, bf16 with fp32 reduction, AdamW, no Float8; eager, "
+            "except the rows marked compiled (torch.compile per block, priced with "
+            "`meshplan.estimate(plan, compiled=True)`: costmodel/fusion.py). H100 rows: preset h100-96gb-hbm2e (96 GB HBM2e, "
             f"500 W), pytorch/torchtitan {H100}. A100 rows: preset dgx-a100-80gb, "
             f"pytorch/torchtitan {A100} (64 A100 80GB; no memory published). "
             "AC: torchtitan's activation checkpointing as meshplan prices it (selective = "

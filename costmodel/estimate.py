@@ -36,7 +36,8 @@ from dataclasses import dataclass, replace
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NAMES,
                                         attention_saved_bytes, contention_factor,
-                                        materialized_attention_time, op_time)
+                                        materialized_attention_time, op_time, OpTime)
+from meshplan.costmodel.fusion import fused_by_member, fused_time
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, MASTER_BYTES, ActivationProfile,
@@ -171,6 +172,11 @@ class RuntimeModel:
       runs beside it (a profile of 4 gloo processes, module engine, dp=4: every block's
       all-reduce waited for inside ``post_backward``). ``default_runtime`` sets it from the
       backend; a RuntimeModel built by hand keeps 1 unless told.
+    compiled: the repeated blocks run under ``torch.compile`` (meshplan's
+      ``parallelize(..., compile=True)``, torchtitan's ``compile.enable``): the pointwise
+      and reduction operators between matmuls fuse into one kernel each, priced on their
+      external bytes once (costmodel/fusion.py); False: eager, every operator its own
+      kernel reading and writing HBM (``compute.op_time``).
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -193,6 +199,7 @@ class RuntimeModel:
     attention_kernel: str = ""
     tp_comm_overlap: bool = False
     overlap_efficiency: float = 1.0
+    compiled: bool = False
     engine: str = "graph"
     backend: str = "nccl"
 
@@ -400,7 +407,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll,
                                 runtime.backend, runtime.attention,
                                 causal=runtime.causal_attention,
-                                cp_composable=runtime.cp_composable)
+                                cp_composable=runtime.cp_composable, compiled=runtime.compiled)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
     tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
@@ -893,17 +900,18 @@ class _OperatorPass:
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
                           dtype: str, m: int, contention: float, coll,
                           backend: str = "nccl", attention: str = "flash", *,
-                          causal: bool = False, cp_composable: bool = False) -> _OperatorPass:
+                          causal: bool = False, cp_composable: bool = False,
+                          compiled: bool = False) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets). ``causal``: attention
     that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend, attention, causal, cp_composable)
+           contention, id(hw), backend, attention, causal, cp_composable, compiled)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
     result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
-                            causal=causal, cp_composable=cp_composable)
+                            causal=causal, cp_composable=cp_composable, compiled=compiled)
     if cache is not None:
         cache[key] = result
     return result
@@ -911,7 +919,8 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
 
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
                    contention: float, coll, attention: str = "flash", *,
-                   causal: bool = False, cp_composable: bool = False) -> _OperatorPass:
+                   causal: bool = False, cp_composable: bool = False,
+                   compiled: bool = False) -> _OperatorPass:
     names = list(stage.ops)
     # the graph engine drops a causal mask only where queries and keys are the same length:
     # not under its context parallelism, where each rank's queries are a chunk of the
@@ -937,22 +946,30 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     cp_ax = stage.axis_names.index("cp") if "cp" in stage.axis_names else None
     feeds_split = _feeds_split(stage, graph, cp_ax) if cp_ax is not None else set()
     consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
+    fused = fused_by_member(graph, names) if compiled else {}  # torch.compile's kernels
     for name in names:
         node = graph.node(name)
         op = stage.ops[name]
-        if attention == "materialized" and node.kind == OpKind.ATTENTION:
+        group = fused.get(name)
+        if group is not None:  # priced once, at its first fusible operator
+            t = fused_time(group, hw, dtype, split_factor(op.output, shape) * m,
+                           contention=contention) if name == group.lead else OpTime(0.0, 0.0)
+        elif attention == "materialized" and node.kind == OpKind.ATTENTION:
             t = materialized_attention_time(node, hw, dtype, split_factor(op.output, shape) * m,
                                             contention=contention)
         else:
             t = op_time(node, hw, dtype, split_factor(op.output, shape) * m,
                         contention=contention,
-                        causal=node.kind == OpKind.ATTENTION and len(node.inputs) > 3
-                        and alias_root(node.inputs[3], graph) in masks)
+                        causal=node.kind == OpKind.ATTENTION and (
+                            len(node.inputs) > 3 and alias_root(node.inputs[3], graph) in masks
+                            or _user_causal(node) and (cp_composable or cp_ax is None)))
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:
             rec_full += t.forward_s
-            if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX):
+            if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX) or (
+                    group is not None and any(graph.node(n).kind == OpKind.SOFTMAX
+                                              for n in group.members)):
                 rec_sel += t.forward_s
             if not (node.kind == OpKind.MATMUL
                     and any(i in graph.param_map for i in node.inputs)):
@@ -1010,6 +1027,13 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                          p2p_bytes=p2p_bytes, consumer_out=consumer_out, tp_fwd=tp_fwd,
                          tp_bwd=tp_bwd, tp_layers_fwd=tp_layers_fwd, mm_fwd=mm_fwd,
                          mm_bwd=mm_bwd, tp=shape[tp_ax] if tp_ax is not None else 1)
+
+
+def _user_causal(node) -> bool:
+    """An attention the user's code calls with ``is_causal=True`` (no mask to recognise):
+    every engine runs it so, and flash attention skips the blocks above the diagonal."""
+    args, kwargs = node.parsed_args()
+    return kwargs.get("is_causal", args[5] if len(args) > 5 else False) is True
 
 
 def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) -> Stage:

@@ -321,7 +321,7 @@ def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
 
 
 def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
-             engine: str | None = None) -> Estimate:
+             engine: str | None = None, compiled: bool = False) -> Estimate:
     """Predicted step time and memory of ``plan`` (made by autoparallel or manual_plan).
 
     The graph is ``plan.graph`` or the one passed (a plan read from a file carries none:
@@ -329,7 +329,12 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
     ``hardware`` (a HardwareProfile) re-prices the plan on other hardware; by default the
     profile recorded in the plan prices it. ``engine`` prices it for another runtime than
     the one it names: "graph", "modules", or a stack ("megatron" for Megatron-LM / NeMo,
-    "torchtitan"). Never raises for memory (``fits`` says).
+    "torchtitan"). ``compiled``: price the repeated blocks as ``torch.compile`` runs them
+    (``meshplan.parallelize(..., compile=True)`` on the module engine, torchtitan's
+    ``compile.enable``): pointwise and reduction chains between matmuls fused into one
+    kernel each (costmodel/fusion.py); default eager. The graph engine does not compile
+    (``parallelize`` refuses ``compile=True`` there): for its plans this prices a what-if.
+    Never raises for memory (``fits`` says).
     """
     graph = graph if graph is not None else plan.graph
     if graph is None:
@@ -338,12 +343,15 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
                                 "plan.json --model SPEC`)")
     plan.check_model(graph.fingerprint)
     runtime = None
-    if engine is not None:
+    if engine is not None or compiled:
+        from dataclasses import replace
+
         from meshplan.costmodel.estimate import PROFILES, default_runtime
         from meshplan.costmodel.hardware import HardwareProfile
 
-        if engine not in PROFILES:
+        if engine is not None and engine not in PROFILES:
             raise PlanningError(f"engine={engine!r} is not one of {', '.join(PROFILES)}")
         hw = hardware or HardwareProfile.from_dict(plan.mesh.hardware)
-        runtime = default_runtime(hw, engine=engine, pipeline=plan.num_stages > 1)
+        runtime = replace(default_runtime(hw, engine=engine or plan.engine,
+                                          pipeline=plan.num_stages > 1), compiled=compiled)
     return estimate_plan(plan, graph, hw=hardware, runtime=runtime)

@@ -316,6 +316,9 @@ def _add_cost_commands(sub) -> None:
                    "recompute=none,sp=0,zero=0,vs=1")
     p.add_argument("--hardware", default="", help="re-price on this profile JSON (e.g. from "
                    "meshplan calibrate -o)")
+    p.add_argument("--compiled", action="store_true", help="price the repeated blocks as "
+                   "torch.compile runs them (parallelize(..., compile=True), torchtitan's "
+                   "compile): pointwise chains between matmuls fused; default eager")
     p.add_argument("-o", "--output", default="", help="write the (re-priced) plan JSON here")
     p.set_defaults(func=cmd_estimate)
 
@@ -345,7 +348,8 @@ def cmd_estimate(args) -> int:
             return 0
         from meshplan.explain import retrace
 
-        est = meshplan.estimate(plan, retrace(plan, args.model), hardware=hardware)
+        est = meshplan.estimate(plan, retrace(plan, args.model), hardware=hardware,
+                                compiled=args.compiled)
     else:
         if not (args.model and args.mesh and args.batch):
             raise SpecError("meshplan estimate needs a plan file, or --model, --mesh, --batch "
@@ -362,7 +366,8 @@ def cmd_estimate(args) -> int:
         else:
             plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
                                          dtype=args.dtype)
-        est = meshplan.estimate(plan, hardware=hardware) if hardware else plan.predicted
+        est = meshplan.estimate(plan, hardware=hardware, compiled=args.compiled) \
+            if hardware or args.compiled else plan.predicted
     _print_estimate(est, fmt_time)
     if args.output:
         plan.with_prediction(est).to_json(args.output)
