@@ -19,7 +19,8 @@ from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.graph import OpGraph
 from meshplan.context import graph_engine_cp_refusal
-from meshplan.support import check_plan, cp_degree, plan_problems
+from meshplan.support import (ESTIMATION_DTYPES, FP8_REFUSAL, check_plan, cp_degree,
+                              plan_problems)
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 
@@ -125,6 +126,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     _check_context_parallel(context_parallel, mesh)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
+    if dtype in ESTIMATION_DTYPES:  # the search plans what meshplan's runtimes run
+        raise PlanningError(f"autoparallel: {FP8_REFUSAL} (manual_plan(..., engine=...))")
     if graph is None:
         check_example_call(model, example_inputs, example_targets, loss_fn)
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
