@@ -42,7 +42,7 @@ torch.compile fuses it (an amax reduction, then one scale-and-cast kernel),
 "cast-transpose" Transformer Engine's. Measured beside it on this workplace's H200
 (benchmarks/results/gpu_check.md, "fp8 e4m3 GEMM", 8192^3 tensorwise): 1,213 TFLOP/s
 for the GEMM alone, 621 with the eager cast and amax of both inputs before it; this model
-prices that case at 731 (``tests/test_fp8.py`` pins the model's side, not the measurement).
+prices that case at 719 (``tests/test_fp8.py`` pins the model's side, not the measurement).
 
 fp8 all-gather (``RuntimeModel.fp8_all_gather``, torchtitan's
 ``enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``): the

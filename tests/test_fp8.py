@@ -94,7 +94,7 @@ def test_eager_casts_at_8192_against_the_h200_measurement(tiny):
     GEMM, at 8192^3 on the H200 preset: benchmarks/results/gpu_check.md measured 1,213
     TFLOP/s for the GEMM alone and 621 with the eager casts; the model gives the GEMM at the
     curve's 8192^3 point and the casts at five passes over each input. A check of the
-    model's arithmetic (731 TFLOP/s with these constants), not a fit."""
+    model's arithmetic (719 TFLOP/s with these constants), not a fit."""
     _, graph, _ = tiny
     hw = load_preset("dgx-h200")
     node, _ = _block_linear(graph)
@@ -103,7 +103,7 @@ def test_eager_casts_at_8192_against_the_h200_measurement(tiny):
                               shard=1, weight_numel=8192 * 8192)
     tflops = 2 * 8192 ** 3 / t.forward_s / 1e12
     assert 621 < tflops < 1213
-    assert tflops == pytest.approx(731, rel=0.02)
+    assert tflops == pytest.approx(719.4, rel=0.001)
 
 
 def test_only_block_linears_run_in_fp8(tiny):
