@@ -226,9 +226,10 @@ MODULE_ENGINE_DTYPES = ("fp32", "bf16")
 
 
 def module_engine_dtype_rule(plan: Plan) -> tuple[str, ...]:
-    """The module engine runs fp32 and bf16 plans, pipelines included."""
+    """The module engine runs fp32 and bf16 plans, pipelines included (fp8: dtype_rule's
+    one line, on either engine)."""
     t = plan.training
-    if plan.engine == "modules" and t.dtype not in MODULE_ENGINE_DTYPES:
+    if plan.engine == "modules" and t.dtype not in MODULE_ENGINE_DTYPES + ESTIMATION_DTYPES:
         return (f"engine 'modules' with dtype {t.dtype!r}: the module engine runs "
                 f"{' and '.join(MODULE_ENGINE_DTYPES)} (fp16 needs loss scaling); set engine "
                 "'graph' or dtype 'bf16'",)

@@ -131,6 +131,9 @@ def test_meshplans_runtimes_refuse_fp8_in_one_line(tiny):
     with pytest.raises(NotSupportedError) as err:  # what parallelize and the pipelines call
         check_plan(plan)
     assert str(err.value) == f"plan cannot run: {FP8_REFUSAL}"
+    with pytest.raises(NotSupportedError) as err:  # the same line for the module engine
+        check_plan(dataclasses.replace(plan, engine="modules"))
+    assert str(err.value) == f"plan cannot run: {FP8_REFUSAL}"
     assert FP8_REFUSAL in plan.engine_note
 
 
