@@ -18,12 +18,16 @@ GPUs, with fewer layers, as published). Not published, so assumed: no activation
 recompute (the tables list none), sequence parallelism with TP (NeMo's Llama recipes), the
 Llama 3.1 vocabulary of 128,256 (the 405B README trains on synthetic data with GPT-2's
 tokenizer as a proxy but counts its FLOPs with 128,256), 8 KV heads (Llama 3.1; the 405B
-README's FLOP formula uses 16 query groups). The FP8 tables are left out: meshplan does not
-price fp8 GEMMs yet. No memory is published; every row ran on 80 GB H100s, so every row
-must fit.
+README's FLOP formula uses 16 query groups). No memory is published; every row ran on 80 GB
+H100s, so every row must fit.
 
-Run: python benchmarks/nemo_published.py [--only 8b,70b,405b]
-Writes benchmarks/results/nemo_published.{md,json}.
+``--dtype fp8`` prices the same rows with ``dtype="fp8"`` (costmodel/fp8.py: the block
+linears' GEMMs in fp8 with Transformer Engine's current scaling, as NeMo's FP8 runs) against
+the READMEs' "24.09 FP8" tables (same configurations, same container), beside the bf16
+prediction. Nothing is fitted to them.
+
+Run: python benchmarks/nemo_published.py [--only 8b,70b,405b] [--dtype fp8]
+Writes benchmarks/results/nemo_published.{md,json} (bf16) or nemo_published_fp8.{md,json}.
 """
 
 from __future__ import annotations
@@ -67,6 +71,14 @@ ROWS = (
     ("405b", 126, 1152, 8, 9, 2, 7, 504, 17.52),
     ("405b", 126, 2304, 8, 9, 2, 7, 1008, 17.62),
 )
+# the same rows' "24.09 FP8" tables: step seconds by (model, GPUs)
+FP8_STEP_S = {
+    ("8b", 8): 9.67, ("8b", 16): 9.73, ("8b", 32): 9.75, ("8b", 64): 9.80, ("8b", 128): 9.82,
+    ("70b", 64): 11.01, ("70b", 128): 10.93, ("70b", 256): 11.16, ("70b", 512): 11.18,
+    ("70b", 1024): 11.28, ("70b", 2048): 11.39,
+    ("405b", 32): 5.80, ("405b", 96): 5.71, ("405b", 192): 11.00, ("405b", 576): 11.24,
+    ("405b", 1152): 11.31, ("405b", 2304): 12.35,
+}
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -77,8 +89,11 @@ def spec(model: str, layers: int) -> str:
             f"&num_key_value_heads={kv}&vocab_size=128256&max_position_embeddings={SEQ}")
 
 
-def predict(row) -> dict:
+def predict(row, dtype: str = "bf16") -> dict:
     model_name, layers, gpus, tp, pp, cp, vp, batch, published = row
+    bf16_published = published
+    if dtype == "fp8":
+        published = FP8_STEP_S[(model_name, gpus)]
     model = parse_model_spec(spec(model_name, layers)).build(device="meta")
     start = time.perf_counter()
     graph = trace(model, (torch.zeros((batch, SEQ), dtype=torch.long, device="meta"),),
@@ -89,12 +104,24 @@ def predict(row) -> dict:
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=dp, tp=tp, pp=pp, cp=cp,
                                 microbatch_size=1, sequence_parallel=tp > 1, zero=1,
                                 schedule="interleaved-1f1b" if vp > 1 else "1f1b",
-                                virtual_stages=vp, recompute="none", dtype="bf16",
+                                virtual_stages=vp, recompute="none", dtype=dtype,
                                 engine="megatron")
     est = plan.predicted
+    extra = {}
+    if dtype != "bf16":  # the bf16 row beside it
+        bf16 = meshplan.manual_plan(model, mesh, graph=graph, dp=dp, tp=tp, pp=pp, cp=cp,
+                                    microbatch_size=1, sequence_parallel=tp > 1, zero=1,
+                                    schedule="interleaved-1f1b" if vp > 1 else "1f1b",
+                                    virtual_stages=vp, recompute="none", dtype="bf16",
+                                    engine="megatron").predicted
+        extra = {"bf16_published_step_s": bf16_published,
+                 "bf16_predicted_step_s": round(bf16.step_time_s, 3),
+                 "published_speedup": round(bf16_published / published, 3),
+                 "predicted_speedup": round(bf16.step_time_s / est.step_time_s, 3)}
     return {"model": f"Llama 3.1 {model_name.upper()}", "layers": layers, "gpus": gpus,
             "tp": tp, "pp": pp, "cp": cp, "vp": vp, "dp": dp, "global_batch": batch,
-            "source": SOURCE.format(model_name), "published_step_s": published,
+            "source": SOURCE.format(model_name).replace("BF16", dtype.upper()),
+            "dtype": dtype, "published_step_s": published, **extra,
             "predicted_step_s": round(est.step_time_s, 3),
             "error": round((est.step_time_s - published) / published, 4),
             "peak_memory_gib": round(est.peak_memory_gib, 1), "fits": est.fits,
@@ -115,6 +142,7 @@ def summary(rows: list[dict]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma-separated models (8b,70b,405b)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp8"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     only = set(filter(None, args.only.split(",")))
@@ -122,17 +150,24 @@ def main(argv=None) -> int:
     for row in ROWS:
         if only and row[0] not in only:
             continue
-        rows.append(predict(row))
+        rows.append(predict(row, args.dtype))
         print(rows[-1], flush=True)
     lines = ["| model | GPUs | TP | PP | CP | VP | DP | GBS | published s | predicted s | error | "
              "peak GiB | fits | breakdown (s) |", "|---|---|---|---|---|---|---|---|---|---|---|"
              "---|---|---|"]
+    fp8 = args.dtype == "fp8"
+    if fp8:
+        lines[0] = lines[0].replace("breakdown (s) |", "bf16 published / predicted s | "
+                                    "speedup published / predicted | breakdown (s) |")
+        lines[1] += "---|---|"
     for r in rows:
+        beside = (f"{r['bf16_published_step_s']} / {r['bf16_predicted_step_s']} | "
+                  f"{r['published_speedup']} / {r['predicted_speedup']} | ") if fp8 else ""
         lines.append(f"| {r['model']} ({r['layers']} layers) | {r['gpus']} | {r['tp']} | "
                      f"{r['pp']} | {r['cp']} | {r['vp']} | {r['dp']} | {r['global_batch']} | "
                      f"{r['published_step_s']} | {r['predicted_step_s']} | "
                      f"{r['error'] * 100:+.1f}% | {r['peak_memory_gib']} | "
-                     f"{'yes' if r['fits'] else 'NO'} | {r['breakdown_s']} |")
+                     f"{'yes' if r['fits'] else 'NO'} | {beside}{r['breakdown_s']} |")
     groups = {}
     for r in rows:
         groups.setdefault(r["model"], []).append(r)
@@ -142,20 +177,25 @@ def main(argv=None) -> int:
     for k, s in stats.items():
         stat_lines.append(f"| {k} | {s['rows']} | {s['mape'] * 100:.1f}% | {s['max'] * 100:.1f}% "
                           f"| {s['bias'] * 100:+.1f}% | {s['fit']} of {s['rows']} |")
-    text = ("# Cost model vs NeMo's published Llama 3.1 runs on DGX H100 (bf16)\n\n"
-            "NVIDIA/dgxc-benchmarking llama3.1 READMEs (NeMo 24.09), priced with "
-            "`manual_plan(..., engine=\"megatron\")` on the dgx-h100 preset; error = "
+    text = (f"# Cost model vs NeMo's published Llama 3.1 runs on DGX H100 ({args.dtype})\n\n"
+            "NVIDIA/dgxc-benchmarking llama3.1 READMEs (NeMo 24.09"
+            f"{', FP8 tables' if fp8 else ''}), priced with "
+            f"`manual_plan(..., dtype=\"{args.dtype}\", engine=\"megatron\")` on the dgx-h100 "
+            "preset; error = "
             "(predicted - published) / published step time (+: predicted slower). No memory "
             "is published: every row ran in 80 GB.\n\n" + "\n".join(stat_lines) + "\n\n"
-            + "\n".join(lines) + "\n\nReproduce: `python benchmarks/nemo_published.py`.\n")
+            + "\n".join(lines) + "\n\nReproduce: `python benchmarks/nemo_published.py"
+            + (" --dtype fp8" if fp8 else "") + "`.\n")
     print("\n" + text)
     if only:
         return 0
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "nemo_published.md"), "w") as f:
+    name = "nemo_published" + ("_fp8" if fp8 else "")
+    with open(os.path.join(OUT, f"{name}.md"), "w") as f:
         f.write(text)
-    with open(os.path.join(OUT, "nemo_published.json"), "w") as f:
-        json.dump({"source": "NVIDIA/dgxc-benchmarking llama3.1 READMEs (24.09 BF16)",
+    with open(os.path.join(OUT, f"{name}.json"), "w") as f:
+        json.dump({"source": "NVIDIA/dgxc-benchmarking llama3.1 READMEs "
+                             f"(24.09 {args.dtype.upper()})",
                    "summary": stats, "rows": rows}, f, indent=1)
     return 0
 

@@ -40,8 +40,9 @@ from dataclasses import dataclass
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.graph import OpKind, OpNode
 
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# fp8: the block linears' GEMMs in fp8 (costmodel/fp8.py), everything else bf16
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 FREE_KINDS = (OpKind.VIEW, OpKind.CREATION)
 BACKWARD_FLOPS_FACTOR = {OpKind.MATMUL: 2.0, OpKind.ATTENTION: 2.5}  # sources in the docstring
 BACKWARD_BYTES_FACTOR = {OpKind.EMBEDDING: 1.0}  # everything else memory-bound: 2.0

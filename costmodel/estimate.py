@@ -38,6 +38,7 @@ from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NA
                                         attention_saved_bytes, contention_factor,
                                         materialized_attention_time, op_time, OpTime)
 from meshplan.costmodel.fusion import fused_by_member, fused_time
+from meshplan.costmodel import fp8 as fp8_model
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
 from meshplan.costmodel.memory import (GIB, GRAD_BYTES, MASTER_BYTES, ActivationProfile,
@@ -177,6 +178,11 @@ class RuntimeModel:
       and reduction operators between matmuls fuse into one kernel each, priced on their
       external bytes once (costmodel/fusion.py); False: eager, every operator its own
       kernel reading and writing HBM (``compute.op_time``).
+    fp8_recipe, fp8_casts, fp8_all_gather: how the stack runs a ``dtype="fp8"`` plan
+      (costmodel/fp8.py): the scaling recipe ("torchao-tensorwise", "torchao-rowwise",
+      "te-current"), its cast kernels ("eager", "fused", "cast-transpose") and whether
+      FSDP all-gathers the block linears' weights in fp8 (torchtitan's
+      ``enable_fsdp_float8_all_gather``). Read only under fp8.
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -200,6 +206,9 @@ class RuntimeModel:
     tp_comm_overlap: bool = False
     overlap_efficiency: float = 1.0
     compiled: bool = False
+    fp8_recipe: str = "torchao-tensorwise"
+    fp8_casts: str = "eager"
+    fp8_all_gather: bool = False
     engine: str = "graph"
     backend: str = "nccl"
 
@@ -265,8 +274,11 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
         return replace(default_runtime(hw, engine="graph", backend=backend),
                        attention="materialized", engine="megatron-2021")
     if engine == "torchtitan":
+        # float8 (torchao): tensorwise scaling with the weights all-gathered in fp8
+        # (``enable_fsdp_float8_all_gather``, as torchtitan's float8 runs are published)
         return replace(default_runtime(hw, engine="modules", backend=backend,
-                                       pipeline=pipeline), engine="torchtitan")
+                                       pipeline=pipeline), engine="torchtitan",
+                       fp8_recipe="torchao-tensorwise", fp8_all_gather=True)
     if engine == "modules" and pipeline:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
@@ -309,7 +321,9 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
       same terms as ``cp_composable``; Megatron exchanges K/V in a ring of send/recv, the
       same bytes per rank as the all-gather priced here);
     - ``--tp-comm-overlap``: tensor-parallel collectives overlapped with the GEMMs;
-    - fp16 with loss scaling in pipelines (nothing to price beyond the fp16 GEMMs).
+    - fp16 with loss scaling in pipelines (nothing to price beyond the fp16 GEMMs);
+    - fp8 as NeMo's FP8 "current scaling" (per-tensor scales of the step, Transformer
+      Engine's cast-transpose, fp8 inputs saved for the backward: costmodel/fp8.py).
     """
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                         reduce_scatter_as_all_reduce=backend == "gloo", flat_grad_sync=False,
@@ -318,7 +332,8 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
                         causal_mask_skipped=True, causal_attention=True,
                         fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
                         attention_kernel="cudnn", tp_comm_overlap=True,
-                        overlap_efficiency=overlap,
+                        overlap_efficiency=overlap, fp8_recipe="te-current",
+                        fp8_casts="cast-transpose",
                         engine="megatron", backend=backend)
 
 
@@ -404,10 +419,12 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     coll = CollectivePrices(stage, hw, backend=runtime.backend, cache=cache)
     if runtime.cp_composable:
         stage = chunked_loss_stage(stage, graph, cache)
+    fp8 = fp8_model.fp8_pricing(dtype, runtime)
     ops = _cached_operator_pass(cache, stage, graph, hw, dtype, m, contention, coll,
                                 runtime.backend, runtime.attention,
                                 causal=runtime.causal_attention,
-                                cp_composable=runtime.cp_composable, compiled=runtime.compiled)
+                                cp_composable=runtime.cp_composable, compiled=runtime.compiled,
+                                fp8=fp8)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
     tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
@@ -426,9 +443,13 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     kept, working = prof.stage_bytes(stage.recompute,
                                      keep_matmuls_only=runtime.selective_keeps_matmuls,
                                      without_masks=runtime.causal_mask_skipped)
+    if fp8 is not None and stage.recompute != "full":  # fp8 inputs saved for the backward
+        kept -= fp8_model.saved_input_bytes_saved(graph, stage.ops, _split_of(stage, graph),
+                                                  1.0 / m, fp8)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
     buffers = _buffer_bytes(params, stage.zero, runtime, dtype=dtype, activation_bytes=acts)
+    buffers += fp8_model.weight_copy_bytes(stage, graph, fp8, lambda n: _param_layer(n, graph))
     memory = MemoryBreakdown(params_gib=params.weights_bytes / GIB,
                              grads_gib=params.grads_bytes / GIB,
                              optimizer_gib=params.optimizer_bytes / GIB,
@@ -594,6 +615,9 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
             outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
             mine = _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
                                runtime=runtime, cpa=cpa)
+            if dtype == "fp8" and runtime.fp8_all_gather and layer >= 0 \
+                    and len(info.shape) == 2:  # a block linear's weight, gathered in fp8
+                mine = [replace(s, weight_bytes=s.weight_bytes / 2) for s in mine]
             syncs += mine
             synced += max((s.grad_bytes for s in mine if not s.per_use), default=0.0)
     return ParamWalk(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt,
@@ -826,6 +850,18 @@ def _placements(stage: Stage) -> dict:
     return placement
 
 
+def _split_of(stage: Stage, graph: OpGraph):
+    """How many pieces a value of ``stage`` is cut into, as ``stage_activation_profile``
+    counts it (its placement here, or as its first consumer receives it)."""
+    placement = _placements(stage)
+    read_as = _received_placements(stage, graph, placement)
+
+    def split_of(tensor: str) -> int:
+        pl = placement.get(tensor) or read_as.get(tensor)
+        return split_factor(pl, stage.mesh_shape) if pl else 1
+    return split_of
+
+
 def _received_placements(stage: Stage, graph: OpGraph, placement: dict) -> dict:
     """A tensor another stage produced lives here as its first consumer reads it (the
     placement the send/recv delivers, as ``p2p_bytes`` prices it), not whole."""
@@ -901,17 +937,17 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
                           dtype: str, m: int, contention: float, coll,
                           backend: str = "nccl", attention: str = "flash", *,
                           causal: bool = False, cp_composable: bool = False,
-                          compiled: bool = False) -> _OperatorPass:
+                          compiled: bool = False, fp8=None) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets). ``causal``: attention
     that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend, attention, causal, cp_composable, compiled)
+           contention, id(hw), backend, attention, causal, cp_composable, compiled, fp8)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
     result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
-                            causal=causal, cp_composable=cp_composable, compiled=compiled)
+                            causal=causal, cp_composable=cp_composable, compiled=compiled, fp8=fp8)
     if cache is not None:
         cache[key] = result
     return result
@@ -920,7 +956,7 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
                    contention: float, coll, attention: str = "flash", *,
                    causal: bool = False, cp_composable: bool = False,
-                   compiled: bool = False) -> _OperatorPass:
+                   compiled: bool = False, fp8=None) -> _OperatorPass:
     names = list(stage.ops)
     # the graph engine drops a causal mask only where queries and keys are the same length:
     # not under its context parallelism, where each rank's queries are a chunk of the
@@ -951,7 +987,13 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
         node = graph.node(name)
         op = stage.ops[name]
         group = fused.get(name)
-        if group is not None:  # priced once, at its first fusible operator
+        w8 = fp8_model.fp8_weight_input(node, graph) if fp8 is not None else None
+        if w8 is not None and w8 < len(op.inputs):  # a block linear's GEMMs in fp8
+            t = fp8_model.linear_time(
+                node, hw, fp8, shard=split_factor(op.output, shape) * m,
+                weight_numel=graph.param_map[node.inputs[w8]].numel
+                / split_factor(op.inputs[w8], shape), contention=contention, microbatches=m)
+        elif group is not None:  # priced once, at its first fusible operator
             t = fused_time(group, hw, dtype, split_factor(op.output, shape) * m,
                            contention=contention) if name == group.lead else OpTime(0.0, 0.0)
         elif attention == "materialized" and node.kind == OpKind.ATTENTION:

@@ -12,7 +12,8 @@ Fields the first presets lacked all have defaults, so older profiles still load:
 kernel, e.g. DTensor dispatch), ``device.effective_cores`` (the cores N CPU processes
 effectively share, fitted from runs of the runtime; 0 = ``host_cores``), ``LinkSpec.collectives`` (per-collective overrides of the
 link's bandwidth and latency), ``measured_ops`` (operator signature -> measured time) and
-``device.attention_efficiency`` (fused attention's fraction of peak; absent: as GEMMs).
+``device.attention_efficiency`` (fused attention's fraction of peak; absent: as GEMMs) and
+``device.fp8_gemm_efficiency`` (fp8 GEMMs by scaling, of ``peak_tflops.float8``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class DeviceSpec:
     # fused attention by kernel ("fa2", "fa3", "cudnn"): the curve of the kernel a runtime
     # names (RuntimeModel.attention_kernel); a kernel not listed runs attention_efficiency
     attention_kernels: dict = field(default_factory=dict)
+    # fp8 GEMMs by scaling ("tensorwise", "rowwise"): fraction of peak_tflops["float8"]
+    # (costmodel/fp8.py); empty: the device prices no fp8 GEMMs
+    fp8_gemm_efficiency: dict = field(default_factory=dict)
 
     def with_attention_kernel(self, kernel: str) -> "DeviceSpec":
         """This device pricing fused attention on ``kernel``'s curve, where it lists one."""
@@ -105,8 +109,9 @@ class HardwareProfile:
         d = asdict(self)
         if d["device"].get("attention_efficiency") is None:  # optional: absent, not null
             d["device"].pop("attention_efficiency", None)
-        if not d["device"].get("attention_kernels"):
-            d["device"].pop("attention_kernels", None)
+        for key in ("attention_kernels", "fp8_gemm_efficiency"):  # optional: absent, not {}
+            if not d["device"].get(key):
+                d["device"].pop(key, None)
         return d
 
     @classmethod
@@ -123,6 +128,8 @@ class HardwareProfile:
             dev["attention_efficiency"] = EfficiencyCurve(**dev["attention_efficiency"])
         dev["attention_kernels"] = {k: EfficiencyCurve(**v)
                                     for k, v in dev.get("attention_kernels", {}).items()}
+        dev["fp8_gemm_efficiency"] = {k: EfficiencyCurve(**v)
+                                      for k, v in dev.get("fp8_gemm_efficiency", {}).items()}
         return cls(
             name=d["name"], device=DeviceSpec(**dev),
             intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),

@@ -20,7 +20,8 @@ from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.graph import OpGraph
 from meshplan.context import graph_engine_cp_refusal
-from meshplan.support import check_plan, cp_degree, plan_problems
+from meshplan.support import (ESTIMATION_DTYPES, FP8_REFUSAL, check_plan, cp_degree,
+                              plan_problems)
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 
@@ -130,6 +131,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     _check_context_parallel(context_parallel, mesh)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
+    if dtype in ESTIMATION_DTYPES:  # the search plans what meshplan's runtimes run
+        raise PlanningError(f"autoparallel: {FP8_REFUSAL} (manual_plan(..., engine=...))")
     if graph is None:
         check_example_call(model, example_inputs, example_targets, loss_fn)
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
@@ -352,6 +355,8 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
         if engine is not None and engine not in PROFILES:
             raise PlanningError(f"engine={engine!r} is not one of {', '.join(PROFILES)}")
         hw = hardware or HardwareProfile.from_dict(plan.mesh.hardware)
-        runtime = replace(default_runtime(hw, engine=engine or plan.engine,
-                                          pipeline=plan.num_stages > 1), compiled=compiled)
+        runtime = default_runtime(hw, engine=engine or plan.engine, pipeline=plan.num_stages > 1)
+        # under torch.compile torchao's fp8 amax / scale / cast fuse into one kernel per input
+        casts = "fused" if compiled and runtime.fp8_casts == "eager" else runtime.fp8_casts
+        runtime = replace(runtime, compiled=compiled, fp8_casts=casts)
     return estimate_plan(plan, graph, hw=hardware, runtime=runtime)

@@ -121,7 +121,8 @@ class TrainingConfig:
     seq_len: int
     microbatches: int = 1
     microbatch_size: int = 0  # sequences per microbatch per data-parallel rank
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 (mixed precision with fp32 master weights)
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 (mixed precision with fp32 master weights) | fp8
+    # (fp8 GEMMs, bf16 elsewhere: estimation and export only, meshplan/support.py)
     optimizer: str = "adam"
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -267,9 +268,9 @@ class Plan:
         problems = check_consistency(plan)
         if problems:
             raise PlanFileError(f"{origin} is inconsistent: {problems[0]}")
-        from meshplan.support import plan_problems  # imports this module
+        from meshplan.support import export_problems  # imports this module
 
-        problems = plan_problems(plan)
+        problems = export_problems(plan)
         if problems:
             raise PlanFileError(f"{origin} cannot run: {problems[0]}")
         return plan

@@ -20,7 +20,12 @@ from meshplan.schedules import SCHEDULES
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16")  # what meshplan's runtimes train in
+# priced for estimation and export only (costmodel/fp8.py): a plan may say it, and loads,
+# and a stack (engine='torchtitan' or 'megatron') prices it; meshplan's runtimes refuse it
+ESTIMATION_DTYPES = ("fp8",)
+FP8_REFUSAL = ("dtype 'fp8' is priced for estimation and export; meshplan's runtimes train "
+               "bf16/fp32; price it with engine='torchtitan' or 'megatron', or use dtype='bf16'")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +111,10 @@ def zero_rule(c: Candidate) -> tuple[str, ...]:
 
 
 def dtype_rule(c: Candidate) -> tuple[str, ...]:
-    """fp16 needs loss scaling, which only the single-stage runtime does."""
+    """fp16 needs loss scaling, which only the single-stage runtime does; fp8 is priced,
+    not run."""
+    if c.dtype in ESTIMATION_DTYPES:
+        return (FP8_REFUSAL,)
     if c.dtype not in DTYPES:
         return (f"dtype {c.dtype!r} is not one of {', '.join(DTYPES)}",)
     if c.dtype == "fp16" and c.pp > 1:
@@ -251,9 +259,10 @@ MODULE_ENGINE_DTYPES = ("fp32", "bf16")
 
 
 def module_engine_dtype_rule(plan: Plan) -> tuple[str, ...]:
-    """The module engine runs fp32 and bf16 plans, pipelines included."""
+    """The module engine runs fp32 and bf16 plans, pipelines included (fp8: dtype_rule's
+    one line, on either engine)."""
     t = plan.training
-    if plan.engine == "modules" and t.dtype not in MODULE_ENGINE_DTYPES:
+    if plan.engine == "modules" and t.dtype not in MODULE_ENGINE_DTYPES + ESTIMATION_DTYPES:
         return (f"engine 'modules' with dtype {t.dtype!r}: the module engine runs "
                 f"{' and '.join(MODULE_ENGINE_DTYPES)} (fp16 needs loss scaling); set engine "
                 "'graph' or dtype 'bf16'",)
@@ -344,6 +353,16 @@ def plan_problems(plan: Plan) -> tuple[str, ...]:
     else:
         out += candidate_problems(c)
     return out
+
+
+def export_problems(plan: Plan) -> tuple[str, ...]:
+    """Why ``plan`` cannot be read from a file: those of ``plan_problems``, except that a
+    plan in an estimation-only dtype (fp8) loads when its layout would run in bf16."""
+    if plan.training.dtype in ESTIMATION_DTYPES:
+        from dataclasses import replace
+
+        plan = replace(plan, training=replace(plan.training, dtype="bf16"))
+    return plan_problems(plan)
 
 
 def check_plan(plan: Plan, error: type = NotSupportedError) -> None:

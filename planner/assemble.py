@@ -11,7 +11,7 @@ from meshplan.errors import PlanningError
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import ModelInfo, MeshInfo, OpPlacement, TrainingConfig
 
-DTYPES = ("fp32", "bf16", "fp16")
+DTYPES = ("fp32", "bf16", "fp16", "fp8")  # fp8: priced, not run (meshplan/support.py)
 OPTIMIZERS = ("adam", "sgd")
 
 

@@ -1,0 +1,206 @@
+"""fp8 GEMMs priced for estimation and export (costmodel/fp8.py, issue 26): closed-form
+small cases on a tiny Llama traced on the meta device and the DGX H100 preset, the one-line
+refusal of meshplan's runtimes, and the plan file round trip."""
+
+import dataclasses
+
+import pytest
+
+import meshplan
+from meshplan.costmodel import fp8 as fp8_model
+from meshplan.costmodel.compute import op_time
+from meshplan.costmodel.estimate import (CollectivePrices, _operator_pass, default_runtime,
+                                         parameter_walk, split_factor)
+from meshplan.costmodel.hardware import HardwareProfile, load_preset
+from meshplan.costmodel.memory import GIB
+from meshplan.errors import NotSupportedError, PlanningError
+from meshplan.graph import OpKind, TensorMeta
+from meshplan.plan import Plan
+from meshplan.specs import example_inputs, parse_model_spec
+from meshplan.support import FP8_REFUSAL, check_plan
+from meshplan.tracing import trace
+
+LLAMA = ("transformers:llama?hidden_size=256&intermediate_size=512&num_hidden_layers=2"
+         "&num_attention_heads=4&num_key_value_heads=2&vocab_size=32000"
+         "&max_position_embeddings=256")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = parse_model_spec(LLAMA).build("meta")
+    graph = trace(model, example_inputs(model, 8, 256))
+    return model, graph, meshplan.Mesh.preset("dgx-h100", nodes=1)
+
+
+def _block_linear(graph):
+    for node in graph.nodes:
+        k = fp8_model.fp8_weight_input(node, graph)
+        if k is not None:
+            return node, k
+    raise AssertionError("no block linear in the graph")
+
+
+def _big(node, m: int, k: int, n: int):
+    """The node resized to an m x k by k x n product (fp32 as traced)."""
+    return dataclasses.replace(node, flops=2 * m * k * n, bytes_read=4 * (m * k + k * n),
+                               bytes_written=4 * m * n,
+                               outputs=(TensorMeta((m, n), "float32"),))
+
+
+def _mem_s(dev, nbytes):
+    return nbytes / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(nbytes))
+
+
+@pytest.mark.parametrize("recipe,casts", [("torchao-tensorwise", "eager"),
+                                          ("torchao-rowwise", "fused"),
+                                          ("te-current", "cast-transpose")])
+def test_large_linear_fp8_vs_bf16_is_the_ratio_of_peaks_plus_the_casts(tiny, recipe, casts):
+    """A 16384^3 linear: each fp8 product takes the bf16 GEMM time x (989 x 0.75) /
+    (1979 x eff_fp8) (both compute-bound), plus the recipe's casts, each one memory-bound
+    pass per kernel over the cast tensor (bytes per element from CAST_KERNELS)."""
+    _, graph, _ = tiny
+    hw = load_preset("dgx-h100")
+    dev = hw.device
+    node, _ = _block_linear(graph)
+    m = k = n = 16384
+    big = _big(node, m, k, n)
+    fixed = dev.kernel_latency_s
+    bf16 = op_time(big, hw, "bf16")
+    f = 2 * m * k * n
+    gemm_bf16 = f / (989e12 * dev.matmul_efficiency(f))
+    assert bf16.forward_s == pytest.approx(gemm_bf16 + fixed, rel=1e-9)
+    rec = fp8_model.RECIPES[recipe]
+    eff = {"tensorwise": 0.62, "rowwise": 0.58}[rec.scaling]
+    gemm_fp8 = f / (1979e12 * eff * f / (f + 4e9))
+    # the closed form of the ratio: peaks x efficiencies (curves near their plateau)
+    assert gemm_fp8 / gemm_bf16 == pytest.approx(989 * 0.75 / (1979 * eff), rel=0.02)
+
+    def cast(elements):
+        return sum(_mem_s(dev, per * elements) + fixed
+                   for per in fp8_model.CAST_KERNELS[casts])
+
+    size = {"x": m * k, "w": k * n, "dy": m * n}
+    fwd_casts = sum(cast(size[t]) for t in rec.forward_casts)
+    bwd_casts = sum(cast(size[t]) for t in rec.backward_casts)
+    t = fp8_model.linear_time(big, hw, fp8_model.Fp8Pricing(recipe, casts), shard=1,
+                              weight_numel=k * n)
+    assert t.forward_s == pytest.approx(gemm_fp8 + fixed + fwd_casts, rel=1e-9)
+    assert t.backward_s == pytest.approx(2 * (gemm_fp8 + fixed) + bwd_casts, rel=1e-9)
+    assert t.total_s < bf16.total_s  # fp8 pays at this size, casts included
+
+
+def test_eager_casts_at_8192_against_the_h200_measurement(tiny):
+    """The memory-bound model of torchao's eager cast + amax of both inputs, then the fp8
+    GEMM, at 8192^3 on the H200 preset: benchmarks/results/gpu_check.md measured 1,213
+    TFLOP/s for the GEMM alone and 621 with the eager casts; the model gives the GEMM at the
+    curve's 8192^3 point and the casts at five passes over each input. A check of the
+    model's arithmetic (719 TFLOP/s with these constants), not a fit."""
+    _, graph, _ = tiny
+    hw = load_preset("dgx-h200")
+    node, _ = _block_linear(graph)
+    big = _big(node, 8192, 8192, 8192)
+    t = fp8_model.linear_time(big, hw, fp8_model.Fp8Pricing("torchao-tensorwise", "eager"),
+                              shard=1, weight_numel=8192 * 8192)
+    tflops = 2 * 8192 ** 3 / t.forward_s / 1e12
+    assert 621 < tflops < 1213
+    assert tflops == pytest.approx(719.4, rel=0.001)
+
+
+def test_only_block_linears_run_in_fp8(tiny):
+    """The output head (outside the blocks), attention and elementwise work stay bf16:
+    on a one-device plan the fp8 and bf16 forward differ only by the block linears."""
+    model, graph, mesh = tiny
+    kinds = {n.kind for n in graph.nodes if fp8_model.fp8_weight_input(n, graph) is not None}
+    assert kinds == {OpKind.MATMUL}
+    assert all(n.layer >= 0 for n in graph.nodes
+               if fp8_model.fp8_weight_input(n, graph) is not None)
+    head = [n for n in graph.nodes if n.kind == OpKind.MATMUL and n.layer < 0]
+    assert head and all(fp8_model.fp8_weight_input(n, graph) is None for n in head)
+
+
+def test_meshplans_runtimes_refuse_fp8_in_one_line(tiny):
+    model, graph, mesh = tiny
+    for engine in ("auto", "graph", "modules"):
+        with pytest.raises(PlanningError) as err:
+            meshplan.manual_plan(model, mesh, graph=graph, dp=8, dtype="fp8", engine=engine)
+        assert FP8_REFUSAL in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(PlanningError, match="fp8"):
+        meshplan.autoparallel(model, mesh, graph=graph, dtype="fp8")
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, dtype="fp8",
+                                engine="torchtitan")
+    with pytest.raises(NotSupportedError) as err:  # what parallelize and the pipelines call
+        check_plan(plan)
+    assert str(err.value) == f"plan cannot run: {FP8_REFUSAL}"
+    with pytest.raises(NotSupportedError) as err:  # the same line for the module engine
+        check_plan(dataclasses.replace(plan, engine="modules"))
+    assert str(err.value) == f"plan cannot run: {FP8_REFUSAL}"
+    assert FP8_REFUSAL in plan.engine_note
+
+
+def test_stacks_price_fp8_faster_than_bf16_and_hardware_without_fp8_refuses(tiny):
+    model, graph, mesh = tiny
+    for stack in ("torchtitan", "megatron"):
+        kw = dict(graph=graph, dp=8, engine=stack, zero=1)
+        bf16 = meshplan.manual_plan(model, mesh, dtype="bf16", **kw)
+        fp8 = meshplan.manual_plan(model, mesh, dtype="fp8", **kw)
+        assert fp8.training.dtype == "fp8"
+        assert fp8.predicted.breakdown["backward"] != bf16.predicted.breakdown["backward"]
+        assert meshplan.estimate(fp8, engine=stack) == fp8.predicted
+    a100 = meshplan.Mesh.preset("dgx-a100-80gb", nodes=1)
+    with pytest.raises(PlanningError, match="prices no fp8 GEMMs"):
+        meshplan.manual_plan(model, a100, graph=graph, dp=8, dtype="fp8", engine="megatron")
+
+
+def test_fp8_plan_round_trips_through_the_plan_file(tiny, tmp_path):
+    model, graph, mesh = tiny
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, tp=2, dtype="fp8",
+                                engine="megatron")
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    back = Plan.from_json(path)
+    assert back.training.dtype == "fp8"
+    assert back.to_json_text() == plan.to_json_text()
+    assert meshplan.estimate(back, graph, engine="megatron") == \
+        meshplan.estimate(plan, engine="megatron")
+    old = meshplan.manual_plan(model, mesh, graph=graph, dp=8, dtype="bf16", engine="graph")
+    assert Plan.from_json_text(old.to_json_text()).training.dtype == "bf16"  # old plans keep loading
+
+
+def test_torchtitan_all_gathers_block_linear_weights_in_fp8(tiny):
+    """enable_fsdp_float8_all_gather: the block linears' weights gather at 1 byte per
+    element, everything else (norms, embedding, head) at 2."""
+    model, graph, mesh = tiny
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, zero=3, dtype="fp8",
+                                engine="torchtitan")
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    stage = plan.stages[0]
+    rt = default_runtime(hw, engine="torchtitan")
+    assert rt.fp8_all_gather and rt.fp8_recipe == "torchao-tensorwise"
+    ops = _operator_pass(stage, graph, hw, "fp8", 1, 1.0,
+                         CollectivePrices(stage, hw, backend="nccl"),
+                         fp8=fp8_model.fp8_pricing("fp8", rt))
+    walks = {ag: parameter_walk(stage, graph, ops.consumer_out, dtype="fp8", optimizer="adam",
+                                runtime=dataclasses.replace(rt, fp8_all_gather=ag))
+             for ag in (False, True)}
+    linear = sum(s.weight_bytes for s in walks[False].syncs if s.layer >= 0)
+    gathered = {ag: sum(s.weight_bytes for s in w.syncs) for ag, w in walks.items()}
+    assert linear > 0
+    block_2d = sum(i.numel for n, i in graph.param_map.items()
+                   if len(i.shape) == 2 and n.startswith(graph.block_module + "."))
+    assert gathered[False] - gathered[True] == pytest.approx(block_2d * 2 / 2)
+
+
+def test_transformer_engine_keeps_fp8_inputs_and_weight_copies(tiny):
+    """NeMo FP8: the block linears' inputs saved in fp8 (1 of 2 bytes spared), the cast
+    weight and its transpose kept over the step (2 bytes per block linear weight)."""
+    model, graph, mesh = tiny
+    kw = dict(graph=graph, dp=8, engine="megatron", zero=1)
+    bf16 = meshplan.manual_plan(model, mesh, dtype="bf16", **kw).predicted.memory
+    fp8 = meshplan.manual_plan(model, mesh, dtype="fp8", **kw).predicted.memory
+    block_2d = sum(i.numel for n, i in graph.param_map.items()
+                   if len(i.shape) == 2 and n.startswith(graph.block_module + "."))
+    assert (fp8.buffers_gib - bf16.buffers_gib) * GIB == pytest.approx(2 * block_2d)
+    assert fp8.activations_gib < bf16.activations_gib
+    tt_bf16 = meshplan.manual_plan(model, mesh, dtype="bf16", **{**kw, "engine": "torchtitan"})
+    tt_fp8 = meshplan.manual_plan(model, mesh, dtype="fp8", **{**kw, "engine": "torchtitan"})
+    assert tt_fp8.predicted.memory == tt_bf16.predicted.memory  # torchao saves bf16
