@@ -253,22 +253,19 @@ ENGINES = ("auto", "modules", "graph") + tuple(STACKS)
 def priced_for_stack(plan: Plan, graph: OpGraph, stack: str, model: nn.Module | None = None) -> Plan:
     """``plan`` priced as another stack runs it (``costmodel.estimate.STACKS``: Megatron-LM /
     NeMo, torchtitan), a what-if estimate: it is priced whether or not meshplan's runtimes
-    run it, and ``engine_note`` says which of them can (the engine ``choose_engine`` would
-    give it, or why none does)."""
+    run it, and ``engine_note`` says whether they can by the plan's rules
+    (meshplan/support.py; the model-specific checks of ``choose_engine``, which run the
+    model on meta stage by stage, are left to ``manual_plan(engine='auto')``: minutes for a
+    405B pipeline)."""
     from meshplan.costmodel.estimate import default_runtime, with_stage_predictions
     from meshplan.costmodel.hardware import HardwareProfile
 
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
     runtime = default_runtime(hw, engine=stack, pipeline=plan.num_stages > 1)
     problems = plan_problems(plan)
-    ours = None
-    if not problems:
-        try:
-            ours = choose_engine(plan, model, "auto").engine
-        except MeshplanError as exc:
-            problems = (str(exc),)
-    ours = f"meshplan's {'module' if ours == 'modules' else 'graph'} engine runs it too" \
-        if ours else f"meshplan's runtimes cannot run it ({problems[0]})"
+    ours = (f"meshplan's runtimes cannot run it ({problems[0]})" if problems else
+            "meshplan's runtimes run this layout (manual_plan with engine='auto' says which "
+            "engine, from the model)")
     plan = with_stage_predictions(replace(plan, engine="graph"), graph, runtime=runtime)
     return replace(plan, engine_note=f"priced as {STACKS[stack]} runs it; {ours}")
 
