@@ -4,7 +4,7 @@ One torchrun launch of 4 gloo processes (dp2 x pp2) runs, for a tiny GPT-2 (tied
 and head, so a parameter on two rank groups) and a tiny Llama, every ZeRO stage under one of
 the three schedules (each schedule meets each ZeRO stage once over the two models), plus the
 plan ``meshplan.autoparallel`` makes for the GPT-2 on ``Mesh.local(4)`` under a tight memory
-limit (pipelined, interleaved, ZeRO-1 on one stage and ZeRO-2 on the other), and a GPT-2 plan
+limit (pipelined), and a GPT-2 plan
 with ZeRO-3 on its second stage only (the tied weight stored two ways). Each run trains
 one optimizer step and does one more forward/backward; losses, the parameters after the step
 and the last gradients are compared with one process (fp32).
@@ -26,7 +26,7 @@ MODELS = {
               "max_position_embeddings=64"),
 }
 BATCH, SEQ, LR, SEED = 8, 16, 1e-3, 0
-AUTO_MEMORY_LIMIT_GIB = 0.002  # small enough that the planner shards optimizer state
+AUTO_MEMORY_LIMIT_GIB = 0.002  # small enough that the planner pipelines
 # model -> (zero, schedule, virtual stages, microbatch size) on dp2 x pp2
 VARIANTS = {
     "gpt2": [(1, "gpipe", 1, 2), (2, "1f1b", 1, 2), (3, "interleaved-1f1b", 2, 2)],
@@ -194,10 +194,14 @@ def test_tied_parameter_stored_differently_on_two_rank_groups(runs, ref):
     _check(got, ref("gpt2"))
 
 
-def test_automatic_plan_with_zero_and_pipelining_matches_one_process(runs, ref):
+def test_automatic_pipelined_plan_matches_one_process(runs, ref):
+    """The plan autoparallel makes under a tight memory limit is pipelined and trains as one
+    process. It no longer shards optimizer state here: in fp32 the graph engine's ZeRO-1/2 keep
+    a master shard beside the full weights (DECISIONS 73), and with activation memory priced
+    as autograd saves it (DECISIONS 78) more stages are the cheaper way to fit; the manual
+    variants above run ZeRO 1-3 inside stages."""
     got = runs["gpt2/auto"]
-    assert got["stages"] > 1 and max(got["zero"]) > 0, \
-        f"the planner no longer picks pp with ZeRO here: {got['stages']} stages, {got['zero']}"
+    assert got["stages"] > 1, f"the planner no longer pipelines here: {got['stages']} stages"
     _check(got, ref("gpt2"))
 
 
