@@ -128,9 +128,12 @@ def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
     if kind == OpKind.ELEMENTWISE and _MUL.match(node.target):
         # d(a b)/da reads b and d(a b)/db reads a: an input is kept only where another
         # one needs a gradient (x * cos in rotary embeddings keeps cos alone)
+        # (y * y names y once in ``inputs``: both factors are y, saved where y needs one)
         needs = [_needs_grad(i, graph) for i in node.inputs]
+        squared = sum(a == "%" for a in node.parsed_args()[0]) > len(node.inputs)
         return tuple(i for k, i in enumerate(node.inputs) if i not in graph.param_map
-                     and any(n for j, n in enumerate(needs) if j != k))
+                     and (any(n for j, n in enumerate(needs) if j != k)
+                          or squared and needs[k]))
     if kind == OpKind.SOFTMAX:
         return (node.name,)
     if kind == OpKind.ATTENTION:

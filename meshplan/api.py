@@ -170,6 +170,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
         note = plan.engine_note
         plan = replace(plan_auto(graph, mesh, engine=plan.engine, **kw), engine_note=note)
     _check_model_rules(plan, model)
+    _check_loss_rule(plan, loss_fn)
     return replace(plan, wall_time_s=time.perf_counter() - start)
 
 
@@ -228,7 +229,21 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     # refused here, with the same reason (meshplan/support.py)
     check_plan(plan, PlanningError)
     _check_model_rules(plan, model)
-    return _priced_for_engine(choose_engine(plan, model, engine), graph, engine)
+    plan = choose_engine(plan, model, engine)
+    _check_loss_rule(plan, loss_fn)
+    return _priced_for_engine(plan, graph, engine)
+
+
+def _check_loss_rule(plan: Plan, loss_fn: Callable | None) -> None:
+    """A loss_fn with context parallelism on the module engine, refused when the plan is made
+    (runtime/modules.py and module_pipeline.py refuse it in parallelize: cp_modules computes
+    token cross entropy on each rank's sequence chunk)."""
+    cp = cp_degree(plan.stages[0])
+    if loss_fn is not None and cp > 1 and plan.engine == "modules":
+        raise PlanningError(f"loss_fn with cp={cp} on the module engine: its cp computes token "
+                            "cross entropy over labels (-100 ignored) on each rank's sequence "
+                            "chunk; pass token targets without loss_fn, or plan with "
+                            "context_parallel=(1,) / cp=1")
 
 
 def _check_model_rules(plan: Plan, model: nn.Module | None) -> None:

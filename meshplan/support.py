@@ -219,9 +219,6 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
     return ()
 
 
-# what the module engine (runtime/modules.py, runtime/module_pipeline.py) computes in, one
-# stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
-# MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling
 # -- which engine runs what ----------------------------------------------------------------
 # The module engine (runtime/modules.py, runtime/module_pipeline.py, runtime/cp_modules.py:
 # parallelize_module, fully_shard, checkpoint wrappers, torch.distributed.pipelining,
@@ -255,6 +252,9 @@ GRAPH_ONLY = (
      "torch's context_parallel shards SDPA with is_causal or no mask only (DECISIONS 74)"),
 )
 
+# what the module engine (runtime/modules.py, runtime/module_pipeline.py) computes in, one
+# stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
+# MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling
 MODULE_ENGINE_DTYPES = ("fp32", "bf16")
 
 
@@ -283,7 +283,6 @@ def heads_rule(tp: int, heads: int | None, kv_heads: int | None) -> tuple[str, .
             out.append(f"{name}={n} is not divisible by tp={tp}: a tensor-parallel rank would "
                        f"hold part of a head; choose tp in {{{fits}}}")
     return tuple(out[:1])
-
 
 
 def stage_layout_rule(plan: Plan) -> tuple[str, ...]:

@@ -37,13 +37,6 @@ def error_margin(hw) -> float:
     return CPU_MARGIN if cpu else GPU_MARGIN
 
 
-def margin_source(hw) -> str:
-    return ("the cost model's median step-time error on local CPU processes "
-            "(benchmarks/results/costmodel_accuracy_cpu.md)" if error_margin(hw) == CPU_MARGIN
-            else "the cost model's step-time MAPE against Megatron-LM's published runs "
-                 "(benchmarks/results/megatron_published.md)")
-
-
 def complexity(plan: Plan) -> tuple[int, int, int, int]:
     """(pipeline stages, largest ZeRO stage, stages with recompute, uses cp): lower is simpler."""
     return (plan.num_stages, max(st.zero for st in plan.stages),

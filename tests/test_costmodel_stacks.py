@@ -219,3 +219,28 @@ def test_a_product_keeps_only_the_factors_autograd_saves(tiny):
         assert saved_inputs(n, graph) == (const,)
     for n in both:
         assert set(saved_inputs(n, graph)) == set(n.inputs)
+
+
+def test_a_square_keeps_its_factor():
+    """``y * y`` is one input named twice (the graph's inputs are distinct producers):
+    MulBackward saves y as both factors, while ``y * 2.0`` saves no activation. Before,
+    both priced nothing kept (the rule looked for another input needing a gradient)."""
+    import torch
+    import torch.nn as nn
+
+    from meshplan.costmodel.memory import saved_inputs
+
+    class Square(nn.Module):
+        def __init__(self, scalar: bool):
+            super().__init__()
+            self.lin, self.scalar = nn.Linear(8, 8), scalar
+
+        def forward(self, x):
+            y = self.lin(x)
+            return ((y * 2.0) if self.scalar else (y * y)).sum()
+
+    for scalar, kept in ((False, ("linear",)), (True, ())):
+        graph = trace(Square(scalar), (torch.randn(2, 8),), loss_fn=lambda out: out)
+        mul = graph.node("mul")
+        assert mul.inputs == ("linear",)
+        assert saved_inputs(mul, graph) == kept

@@ -142,3 +142,25 @@ def test_refusals_are_one_line_at_plan_time():
 def test_cp_with_pipeline_at_one_sequence_is_refused_on_every_rank(results):
     assert results["cp_pp_mb1"].startswith("graph: cp=2 with pipeline stages at microbatch "
                                            "size 1"), results["cp_pp_mb1"]
+
+
+def test_a_loss_fn_with_module_engine_cp_is_refused_when_the_plan_is_made():
+    """The module engine's cp computes token cross entropy on each rank's chunk and refuses
+    a loss_fn in ModuleEngine.__init__; a plan made with that loss_fn was emitted (engine
+    'modules', no note) and failed only at parallelize time. Now manual_plan (and
+    autoparallel, on the plan it found) refuse it in one PlanningError line."""
+    import torch.nn.functional as F
+
+    from meshplan.errors import PlanningError
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    with pytest.raises(PlanningError, match=r"^loss_fn with cp=2 on the module engine: .*"
+                                            r"context_parallel") as info:
+        _plan(_llama("sdpa"), dp=2, cp=2, loss_fn=loss_fn, example_targets=(ids,))
+    assert "\n" not in str(info.value)
+    assert _plan(_llama("sdpa"), dp=2, cp=2).engine == "modules"  # no loss_fn: token targets
+    assert _plan(_llama("sdpa"), dp=2, tp=2, loss_fn=loss_fn, example_targets=(ids,)).engine \
+        == "modules"  # cp=1 runs the loss_fn
