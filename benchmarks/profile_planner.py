@@ -13,17 +13,9 @@ import meshplan
 from meshplan.specs import parse_model_spec, parse_mesh_spec, example_inputs
 from meshplan.tracing import trace
 
-LLAMA3_8B = ("transformers:llama?hidden_size=4096&intermediate_size=14336&num_hidden_layers=32"
-             "&num_attention_heads=32&num_key_value_heads=8&vocab_size=128256"
-             "&max_position_embeddings=131072")
-LLAMA3_405B = ("transformers:llama?hidden_size=16384&intermediate_size=53248"
-               "&num_hidden_layers=126&num_attention_heads=128&num_key_value_heads=8"
-               "&vocab_size=128256&max_position_embeddings=131072")
-CASES = {
-    "175b": ("gpt3-175b", "dgx-a100-80gb:nodes=128", 1536, 2048, (1,)),
-    "8b": (LLAMA3_8B, "dgx-h100:nodes=8", 16, 8192, (1,)),
-    "405b": (LLAMA3_405B, "dgx-h100:nodes=2048", 128, 131072, (1, 2, 4, 8, 16)),
-}
+from planner_scaling import HYBRID  # the issue 27 targets, one list for both scripts
+
+CASES = dict(zip(("175b", "8b", "405b"), (case[1:] for case in HYBRID)))
 name = sys.argv[1]
 prof = len(sys.argv) > 2 and sys.argv[2] == "prof"
 spec, meshs, batch, seq, cps = CASES[name]

@@ -251,15 +251,12 @@ def _check_model_rules(plan: Plan, model: nn.Module | None) -> None:
     the plan is made so that no plan fails at run time on them."""
     if model is None:
         return
-    from meshplan import support
+    from meshplan.runtime.module_plan import heads_refusal
+
     stage = plan.stages[0]
-    tp = dict(zip(stage.axis_names, stage.mesh_shape)).get("tp", 1)
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    why = support.heads_rule(tp, *(n if isinstance(n, int) else None for n in (heads, kv)))
+    why = heads_refusal(model, dict(zip(stage.axis_names, stage.mesh_shape)).get("tp", 1))
     if why:
-        raise PlanningError(why[0])
+        raise PlanningError(why)
 
 
 ENGINES = ("auto", "modules", "graph") + tuple(STACKS)

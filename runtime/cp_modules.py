@@ -53,9 +53,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from meshplan.errors import NotSupportedError
+from meshplan.runtime.loss_weights import IGNORE_INDEX  # labels that do not count
 
 aten = torch.ops.aten
-IGNORE_INDEX = -100  # F.cross_entropy's default: labels that do not count
 _SEQ = 2  # SDPA's (batch, heads, sequence, head_dim): the dim the chunks cut
 # the kernels torch's ring attention computes blocks with; the math kernel would run on
 # sequence-sharded DTensors with a mask from global shapes, wrong under the layout

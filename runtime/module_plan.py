@@ -125,7 +125,7 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         styles[mname] = style
     if tied:
         return {}, tied
-    heads = _heads_refusal(model, stage.mesh_shape[tp]) if styles else None
+    heads = heads_refusal(model, stage.mesh_shape[tp]) if styles else None
     if heads:
         return {}, heads
     if sp:
@@ -175,7 +175,7 @@ def _sequence_gathers(styles: dict, blocks: str) -> dict:
     return out
 
 
-def _heads_refusal(model: nn.Module, tp: int) -> str | None:
+def heads_refusal(model: nn.Module, tp: int) -> str | None:
     """The attention heads (transformers' config names) must split whole over tp."""
     config = getattr(model, "config", None)
     heads = getattr(config, "num_attention_heads", None)

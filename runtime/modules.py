@@ -379,8 +379,9 @@ class ModuleEngine:
         persistent = set(get_model_state_dict(self.model).keys())
         extra = {clean_fqn(n) for n, _ in self.model.named_buffers()} - persistent
         if broadcast_from_rank0:  # torch's loader broadcasts only the state_dict's entries
-            holder = [{k: v for k, v in sd.items() if k in extra} if dist.get_rank() == 0
-                      else None]
+            # pickled as CPU copies: a CUDA tensor would unpickle onto cuda:0 on every rank
+            holder = [{k: v.detach().cpu() for k, v in sd.items() if k in extra}
+                      if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(holder, src=0)
             sd = {**sd, **holder[0]}
         # strict: a missing weight or an unknown name raises (torch's message names it)
@@ -394,7 +395,7 @@ class ModuleEngine:
                 if clean_fqn(name) not in given:
                     continue
                 buf.copy_(sd[clean_fqn(name)])
-        self._unset_buffers -= set(sd) | given | persistent
+        self._unset_buffers -= set(sd) | persistent
 
     def init_weights(self, fn) -> None:
         """``fn(model)`` under no_grad: initialise a meta-built model's local shards."""

@@ -4,6 +4,8 @@ import shutil
 import tempfile
 import warnings
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Mesh.local reads the calibration `meshplan calibrate` caches; a developer's own would change
 # the plans tests expect, so the suite (and every process it starts) sees an empty cache
@@ -30,3 +32,18 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__.rpartition(".")[2],
                                          len(LONGEST_FIRST)))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_h100():
+    """A small Llama (hidden 256, 2 layers, 32K vocabulary) built and traced on the meta device
+    at 8 x 256 tokens, and one DGX H100 node: the pure cost-model tests' shared case."""
+    import meshplan
+    from meshplan.specs import example_inputs, parse_model_spec
+    from meshplan.tracing import trace
+
+    model = parse_model_spec("transformers:llama?hidden_size=256&intermediate_size=512"
+                             "&num_hidden_layers=2&num_attention_heads=4&num_key_value_heads=2"
+                             "&vocab_size=32000&max_position_embeddings=256").build("meta")
+    return model, trace(model, example_inputs(model, 8, 256)), \
+        meshplan.Mesh.preset("dgx-h100", nodes=1)

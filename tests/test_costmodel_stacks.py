@@ -10,19 +10,6 @@ from meshplan.costmodel.estimate import default_runtime, stage_cost
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, GRAD_BYTES
 from meshplan.tracing import trace
-from meshplan.specs import example_inputs, parse_model_spec
-
-LLAMA = ("transformers:llama?hidden_size=256&intermediate_size=512&num_hidden_layers=2"
-         "&num_attention_heads=4&num_key_value_heads=2&vocab_size=32000"
-         "&max_position_embeddings=256")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model = parse_model_spec(LLAMA).build("meta")
-    graph = trace(model, example_inputs(model, 8, 256))
-    return model, graph, meshplan.Mesh.preset("dgx-h100", nodes=1)
-
 
 def _trainable_numel(graph) -> float:
     return sum(i.numel for i in graph.param_map.values() if i.trainable and i.tied_to is None)
@@ -36,11 +23,11 @@ def _cost(plan, graph, runtime, stage=0):
                       runtime=runtime)
 
 
-def test_flat_gradient_buffer_counted_once_per_parameter(tiny):
+def test_flat_gradient_buffer_counted_once_per_parameter(tiny_llama_h100):
     """The graph engine reduces one flat gradient buffer over every axis in turn: at dp4 x
     cp2 (the gradient partial on both axes) the buffer is the gradients once, not twice, so
     it raises the peak by what it exceeds the activations."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, cp=2, dtype="bf16", zero=1,
                                 engine="graph")
     mem = plan.predicted.memory
@@ -49,11 +36,11 @@ def test_flat_gradient_buffer_counted_once_per_parameter(tiny):
     assert mem.buffers_gib == pytest.approx(max(0.0, grads - mem.activations_gib))
 
 
-def test_module_pipeline_zero3_keeps_full_fp32_gradients(tiny):
+def test_module_pipeline_zero3_keeps_full_fp32_gradients(tiny_llama_h100):
     """DECISIONS 61: a module-engine pipeline stage accumulates the unsharded fp32 gradient
     over the microbatches and reduce-scatters it once after the last: ZeRO-3 holds the
     same gradients as ZeRO-2, the whole stage's, not 1/dp of them."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     grads = {}
     for zero in (2, 3):
         plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, pp=2, microbatch_size=1,
@@ -72,10 +59,10 @@ def plan_hw(plan):
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
-def test_zero_shards_over_dp_times_cp_on_the_module_engine(tiny, zero):
+def test_zero_shards_over_dp_times_cp_on_the_module_engine(tiny_llama_h100, zero):
     """Megatron's distributed optimizer and torchtitan's FSDP shard over dp x cp: at dp4 x
     cp2 the module engine holds the model state of dp8; the graph engine shards over dp."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     cp_plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, cp=2, dtype="bf16",
                                    zero=zero, engine="graph")
     dp_plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, dtype="bf16", zero=zero,
@@ -90,13 +77,13 @@ def test_zero_shards_over_dp_times_cp_on_the_module_engine(tiny, zero):
     assert graph_cp.optimizer_gib == pytest.approx(2 * on_dp.optimizer_gib)
 
 
-def test_context_parallel_priced_as_torch_context_parallel_runs_it(tiny):
+def test_context_parallel_priced_as_torch_context_parallel_runs_it(tiny_llama_h100):
     """PyTorch's context_parallel (torchtitan, Llama 3): causal attention skips the upper
     triangle on head-tail balanced chunks, no mask is held, the loss runs on each rank's
     chunk. So dp4 x cp2 computes and keeps per device what dp8 does (the same tokens per
     device); only the K/V exchange is added. The graph engine's cp (explicit mask, gathered
     logits) computes more."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     cp_plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, cp=2, dtype="bf16",
                                    zero=1, microbatch_size=2, engine="graph")
     dp_plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, dtype="bf16", zero=1,
@@ -113,10 +100,10 @@ def test_context_parallel_priced_as_torch_context_parallel_runs_it(tiny):
     assert as_graph.comm_s > on_cp.comm_s  # gathered logits, K/V gradients all-reduced
 
 
-def test_megatron_fp16_pipeline_is_priced_and_names_the_runtimes(tiny):
+def test_megatron_fp16_pipeline_is_priced_and_names_the_runtimes(tiny_llama_h100):
     """A what-if estimate prices what Megatron-LM runs (fp16 pipelines with loss scaling)
     instead of refusing it because meshplan's pipeline runtime does not scale losses."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     with pytest.raises(meshplan.PlanningError, match="fp16' with pp > 1"):
         meshplan.manual_plan(model, mesh, graph=graph, dp=4, pp=2, dtype="fp16")
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, pp=2, dtype="fp16",
@@ -126,10 +113,10 @@ def test_megatron_fp16_pipeline_is_priced_and_names_the_runtimes(tiny):
     assert meshplan.estimate(plan, engine="megatron") == plan.predicted
 
 
-def test_nemo_layout_sequence_parallel_inside_tp_with_cp(tiny):
+def test_nemo_layout_sequence_parallel_inside_tp_with_cp(tiny_llama_h100):
     """NeMo's layout (TP with sequence parallelism, CP across) is priced for Megatron: SP
     splits the norms' activations over tp on top of cp's split, so it keeps less."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     kw = dict(graph=graph, dp=2, cp=2, tp=2, dtype="bf16", zero=1, engine="megatron")
     with_sp = meshplan.manual_plan(model, mesh, sequence_parallel=True, **kw)
     without = meshplan.manual_plan(model, mesh, sequence_parallel=False, **kw)
@@ -142,7 +129,7 @@ def test_nemo_layout_sequence_parallel_inside_tp_with_cp(tiny):
     assert "runtimes cannot run it (recompute 'selective' with cp=2" in selective.engine_note
 
 
-def test_attention_priced_on_the_stacks_kernel(tiny):
+def test_attention_priced_on_the_stacks_kernel(tiny_llama_h100):
     """Megatron-LM / NeMo run cuDNN fused attention (Transformer Engine), PyTorch's SDPA its
     flash backend (FlashAttention-2): a compute-bound attention kernel's time is in the
     ratio of the preset's two curves; hardware without a curve for the kernel keeps its
@@ -151,7 +138,7 @@ def test_attention_priced_on_the_stacks_kernel(tiny):
     from meshplan.costmodel.estimate import runtime_hardware
     from meshplan.graph import OpKind
 
-    _, _, mesh = tiny
+    _, _, mesh = tiny_llama_h100
     hw = HardwareProfile.from_dict(mesh.hardware.to_dict())
     mega = runtime_hardware(hw, default_runtime(hw, engine="megatron"))
     assert runtime_hardware(hw, default_runtime(hw, engine="modules")) is hw
@@ -166,13 +153,13 @@ def test_attention_priced_on_the_stacks_kernel(tiny):
     assert runtime_hardware(a100, default_runtime(a100, engine="megatron")) is a100
 
 
-def test_tp_comm_overlap_hides_at_most_all_but_one_chunk(tiny):
+def test_tp_comm_overlap_hides_at_most_all_but_one_chunk(tiny_llama_h100):
     """Megatron's --tp-comm-overlap decomposes each collective + GEMM into tp chunks: at most
     (tp - 1) / tp of the tensor-parallel communication hides, and never more than the
     matmuls' time; meshplan's runtimes expose it all."""
-    from meshplan.costmodel.estimate import _cached_operator_pass, _tp_overlap_hidden_s
+    from meshplan.costmodel.estimate import _tp_overlap_hidden_s
 
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     plan = meshplan.manual_plan(model, mesh, graph=graph, tp=4, dp=2, sequence_parallel=True,
                                 microbatch_size=4, dtype="bf16", engine="megatron")
     mega = default_runtime(plan_hw(plan), engine="megatron")
@@ -190,10 +177,10 @@ def test_tp_comm_overlap_hides_at_most_all_but_one_chunk(tiny):
     assert hidden <= tp_comm * 3 / 4 + 1e-12 and hidden <= ops.mm_fwd + ops.mm_bwd + 1e-12
 
 
-def test_stack_plans_keep_the_embedding_vocab_parallel_under_cp(tiny):
+def test_stack_plans_keep_the_embedding_vocab_parallel_under_cp(tiny_llama_h100):
     """Megatron-LM's VocabParallelEmbedding splits the token embedding over tp with cp too;
     only meshplan's graph engine keeps it replicated under cp (planner/manual.with_cp_axis)."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     kw = dict(graph=graph, dp=2, cp=2, tp=2, dtype="bf16", zero=1)
     ours = meshplan.manual_plan(model, mesh, engine="graph", **kw)
     mega = meshplan.manual_plan(model, mesh, engine="megatron", **kw)
@@ -203,12 +190,12 @@ def test_stack_plans_keep_the_embedding_vocab_parallel_under_cp(tiny):
     assert saved * GIB == pytest.approx(emb * 2 / 2)  # bf16 weights, half of them per tp rank
 
 
-def test_a_product_keeps_only_the_factors_autograd_saves(tiny):
+def test_a_product_keeps_only_the_factors_autograd_saves(tiny_llama_h100):
     """MulBackward saves a factor only where the other factor needs a gradient: RoPE's
     q * cos keeps cos (positions, no gradient), not q; SwiGLU's silu(gate) * up keeps both."""
     from meshplan.costmodel.memory import saved_inputs
 
-    _, graph, _ = tiny
+    _, graph, _ = tiny_llama_h100
     muls = [n for n in graph.nodes if n.target == "aten.mul.Tensor" and len(n.inputs) == 2
             and not any(i in graph.param_map for i in n.inputs)]
     rope = [n for n in muls if sum(i in graph.grad_nodes for i in n.inputs) == 1]

@@ -10,27 +10,13 @@ import meshplan
 from meshplan.costmodel import fp8 as fp8_model
 from meshplan.costmodel.compute import op_time
 from meshplan.costmodel.estimate import (CollectivePrices, _operator_pass, default_runtime,
-                                         parameter_walk, split_factor)
+                                         parameter_walk)
 from meshplan.costmodel.hardware import HardwareProfile, load_preset
 from meshplan.costmodel.memory import GIB
 from meshplan.errors import NotSupportedError, PlanningError
 from meshplan.graph import OpKind, TensorMeta
 from meshplan.plan import Plan
-from meshplan.specs import example_inputs, parse_model_spec
 from meshplan.support import FP8_REFUSAL, check_plan
-from meshplan.tracing import trace
-
-LLAMA = ("transformers:llama?hidden_size=256&intermediate_size=512&num_hidden_layers=2"
-         "&num_attention_heads=4&num_key_value_heads=2&vocab_size=32000"
-         "&max_position_embeddings=256")
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model = parse_model_spec(LLAMA).build("meta")
-    graph = trace(model, example_inputs(model, 8, 256))
-    return model, graph, meshplan.Mesh.preset("dgx-h100", nodes=1)
-
 
 def _block_linear(graph):
     for node in graph.nodes:
@@ -54,11 +40,11 @@ def _mem_s(dev, nbytes):
 @pytest.mark.parametrize("recipe,casts", [("torchao-tensorwise", "eager"),
                                           ("torchao-rowwise", "fused"),
                                           ("te-current", "cast-transpose")])
-def test_large_linear_fp8_vs_bf16_is_the_ratio_of_peaks_plus_the_casts(tiny, recipe, casts):
+def test_large_linear_fp8_vs_bf16_is_the_ratio_of_peaks_plus_the_casts(tiny_llama_h100, recipe, casts):
     """A 16384^3 linear: each fp8 product takes the bf16 GEMM time x (989 x 0.75) /
     (1979 x eff_fp8) (both compute-bound), plus the recipe's casts, each one memory-bound
     pass per kernel over the cast tensor (bytes per element from CAST_KERNELS)."""
-    _, graph, _ = tiny
+    _, graph, _ = tiny_llama_h100
     hw = load_preset("dgx-h100")
     dev = hw.device
     node, _ = _block_linear(graph)
@@ -89,13 +75,13 @@ def test_large_linear_fp8_vs_bf16_is_the_ratio_of_peaks_plus_the_casts(tiny, rec
     assert t.total_s < bf16.total_s  # fp8 pays at this size, casts included
 
 
-def test_eager_casts_at_8192_against_the_h200_measurement(tiny):
+def test_eager_casts_at_8192_against_the_h200_measurement(tiny_llama_h100):
     """The memory-bound model of torchao's eager cast + amax of both inputs, then the fp8
     GEMM, at 8192^3 on the H200 preset: benchmarks/results/gpu_check.md measured 1,213
     TFLOP/s for the GEMM alone and 621 with the eager casts; the model gives the GEMM at the
     curve's 8192^3 point and the casts at five passes over each input. A check of the
     model's arithmetic (719 TFLOP/s with these constants), not a fit."""
-    _, graph, _ = tiny
+    _, graph, _ = tiny_llama_h100
     hw = load_preset("dgx-h200")
     node, _ = _block_linear(graph)
     big = _big(node, 8192, 8192, 8192)
@@ -106,10 +92,10 @@ def test_eager_casts_at_8192_against_the_h200_measurement(tiny):
     assert tflops == pytest.approx(719.4, rel=0.001)
 
 
-def test_only_block_linears_run_in_fp8(tiny):
+def test_only_block_linears_run_in_fp8(tiny_llama_h100):
     """The output head (outside the blocks), attention and elementwise work stay bf16:
     on a one-device plan the fp8 and bf16 forward differ only by the block linears."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     kinds = {n.kind for n in graph.nodes if fp8_model.fp8_weight_input(n, graph) is not None}
     assert kinds == {OpKind.MATMUL}
     assert all(n.layer >= 0 for n in graph.nodes
@@ -118,8 +104,8 @@ def test_only_block_linears_run_in_fp8(tiny):
     assert head and all(fp8_model.fp8_weight_input(n, graph) is None for n in head)
 
 
-def test_meshplans_runtimes_refuse_fp8_in_one_line(tiny):
-    model, graph, mesh = tiny
+def test_meshplans_runtimes_refuse_fp8_in_one_line(tiny_llama_h100):
+    model, graph, mesh = tiny_llama_h100
     for engine in ("auto", "graph", "modules"):
         with pytest.raises(PlanningError) as err:
             meshplan.manual_plan(model, mesh, graph=graph, dp=8, dtype="fp8", engine=engine)
@@ -137,8 +123,8 @@ def test_meshplans_runtimes_refuse_fp8_in_one_line(tiny):
     assert FP8_REFUSAL in plan.engine_note
 
 
-def test_stacks_price_fp8_faster_than_bf16_and_hardware_without_fp8_refuses(tiny):
-    model, graph, mesh = tiny
+def test_stacks_price_fp8_faster_than_bf16_and_hardware_without_fp8_refuses(tiny_llama_h100):
+    model, graph, mesh = tiny_llama_h100
     for stack in ("torchtitan", "megatron"):
         kw = dict(graph=graph, dp=8, engine=stack, zero=1)
         bf16 = meshplan.manual_plan(model, mesh, dtype="bf16", **kw)
@@ -151,8 +137,8 @@ def test_stacks_price_fp8_faster_than_bf16_and_hardware_without_fp8_refuses(tiny
         meshplan.manual_plan(model, a100, graph=graph, dp=8, dtype="fp8", engine="megatron")
 
 
-def test_fp8_plan_round_trips_through_the_plan_file(tiny, tmp_path):
-    model, graph, mesh = tiny
+def test_fp8_plan_round_trips_through_the_plan_file(tiny_llama_h100, tmp_path):
+    model, graph, mesh = tiny_llama_h100
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, tp=2, dtype="fp8",
                                 engine="megatron")
     path = tmp_path / "plan.json"
@@ -166,10 +152,10 @@ def test_fp8_plan_round_trips_through_the_plan_file(tiny, tmp_path):
     assert Plan.from_json_text(old.to_json_text()).training.dtype == "bf16"  # old plans keep loading
 
 
-def test_torchtitan_all_gathers_block_linear_weights_in_fp8(tiny):
+def test_torchtitan_all_gathers_block_linear_weights_in_fp8(tiny_llama_h100):
     """enable_fsdp_float8_all_gather: the block linears' weights gather at 1 byte per
     element, everything else (norms, embedding, head) at 2."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, zero=3, dtype="fp8",
                                 engine="torchtitan")
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
@@ -190,10 +176,10 @@ def test_torchtitan_all_gathers_block_linear_weights_in_fp8(tiny):
     assert gathered[False] - gathered[True] == pytest.approx(block_2d * 2 / 2)
 
 
-def test_transformer_engine_keeps_fp8_inputs_and_weight_copies(tiny):
+def test_transformer_engine_keeps_fp8_inputs_and_weight_copies(tiny_llama_h100):
     """NeMo FP8: the block linears' inputs saved in fp8 (1 of 2 bytes spared), the cast
     weight and its transpose kept over the step (2 bytes per block linear weight)."""
-    model, graph, mesh = tiny
+    model, graph, mesh = tiny_llama_h100
     kw = dict(graph=graph, dp=8, engine="megatron", zero=1)
     bf16 = meshplan.manual_plan(model, mesh, dtype="bf16", **kw).predicted.memory
     fp8 = meshplan.manual_plan(model, mesh, dtype="fp8", **kw).predicted.memory
