@@ -229,6 +229,15 @@ class RuntimeModel:
                                 "fraction in [0, 1]; 1 hides every overlapped collective")
 
 
+def plan_runtime(plan: Plan, hw: HardwareProfile) -> RuntimeModel:
+    """The runtime factors of the engine ``plan`` names, compiled when the plan says so."""
+    runtime = default_runtime(hw, engine=plan.engine, pipeline=plan.num_stages > 1)
+    if plan.training.compiled:
+        casts = "fused" if runtime.fp8_casts == "eager" else runtime.fp8_casts
+        runtime = replace(runtime, compiled=True, fp8_casts=casts)
+    return runtime
+
+
 def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                     backend: str | None = None, pipeline: bool = False) -> RuntimeModel:
     """The runtime factors of the engine that executes the plan (``Plan.engine``) on its
@@ -1147,8 +1156,7 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
     """Predicted step time, memory, MFU and throughput of ``plan``; never raises for memory."""
     hw = hw or HardwareProfile.from_dict(plan.mesh.hardware)
     t = plan.training
-    runtime = runtime or default_runtime(hw, engine=plan.engine,
-                                         pipeline=plan.num_stages > 1)
+    runtime = runtime or plan_runtime(plan, hw)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime, cache=cache)
     pipe = plan_pipeline_time(plan, costs)
     tail = max(c.grad_sync_s + c.optimizer_s for c in costs)
@@ -1179,8 +1187,7 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
 def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None) -> Plan:
     """The plan with every stage's ``predicted`` and the top-level Estimate filled in."""
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
-    runtime = runtime or default_runtime(hw, engine=plan.engine,
-                                         pipeline=plan.num_stages > 1)
+    runtime = runtime or plan_runtime(plan, hw)
     costs = plan_stage_costs(plan, graph, hw, runtime=runtime)
     stages = tuple(replace(st, predicted=c.prediction()) for st, c in zip(plan.stages, costs))
     plan = replace(plan, stages=stages)
@@ -1290,8 +1297,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     """
     t = plan.training
     m = max(1, t.microbatches)
-    runtime = runtime or default_runtime(hw, engine=plan.engine,
-                                         pipeline=plan.num_stages > 1)
+    runtime = runtime or plan_runtime(plan, hw)
     hw = runtime_hardware(hw, runtime, cache)
     on_host = min(plan.num_devices, hw.devices_per_node)
     kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,

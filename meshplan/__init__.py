@@ -22,6 +22,7 @@ __all__ = [
     "Mesh", "Plan", "Estimate", "autoparallel", "manual_plan", "estimate", "trace", "ModelBundle",
     "MeshplanError", "TraceError", "MeshError", "SpecError", "PlanFileError", "PlanningError",
     "MemoryLimitError", "NotSupportedError", "parallelize", "ParallelRun", "DataError",
+    "plan_for", "export_plan", "import_plan",
 ]
 
 
@@ -31,5 +32,10 @@ def __getattr__(name: str):
         from meshplan.runtime import run
 
         return getattr(run, name)
+    if name in ("plan_for", "export_plan", "import_plan"):
+        # plans for torchtitan and Megatron-LM (meshplan/stacks/)
+        from meshplan.stacks import commands
+
+        return getattr(commands, name)
     raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -278,7 +278,7 @@ def priced_for_stack(plan: Plan, graph: OpGraph, stack: str, model: nn.Module | 
     ours = (f"meshplan's runtimes cannot run it ({problems[0]})" if problems else
             "meshplan's runtimes run this layout (manual_plan with engine='auto' says which "
             "engine, from the model)")
-    plan = with_stage_predictions(replace(plan, engine="graph"), graph, runtime=runtime)
+    plan = with_stage_predictions(replace(plan, engine=stack), graph, runtime=runtime)
     return replace(plan, engine_note=f"priced as {STACKS[stack]} runs it; {ours}")
 
 
@@ -355,6 +355,7 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
                                 "plan.json --model SPEC`)")
     plan.check_model(graph.fingerprint)
     runtime = None
+    compiled = compiled or plan.training.compiled
     if engine is not None or compiled:
         from dataclasses import replace
 

@@ -41,7 +41,15 @@ def cmd_plan(args) -> int:
         check_writable(args.output)
     mesh = parse_mesh_spec(args.mesh)
     spec, loaded, graph = _load_model_and_graph(args)
-    if args.manual:
+    if args.for_ and args.manual:
+        raise SpecError("--for TARGET searches the layouts the stack runs; --manual gives one: "
+                        "drop one (price a hand-written layout with --manual --engine TARGET)")
+    if args.for_:
+        from meshplan.stacks.search import search_layouts
+
+        plan, _ = search_layouts(loaded.model, mesh, args.for_, graph=graph, dtype=args.dtype or "bf16",
+                           compiled=args.compile)
+    elif args.manual:
         plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,
                                     dtype=args.dtype, engine=args.engine,
                                     **parse_manual_spec(args.manual))
@@ -58,8 +66,10 @@ def cmd_plan(args) -> int:
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
         plan.to_json(args.output)
-        print(f"wrote {args.output}; run it with: {self_command()} run "
-              f"{shlex.quote(args.output)}")
+        then = f"export it with: {self_command()} export {shlex.quote(args.output)} --to " \
+            f"{args.for_}" if args.for_ else f"run it with: {self_command()} run " \
+            f"{shlex.quote(args.output)}"
+        print(f"wrote {args.output}; {then}")
     return 0
 
 
@@ -240,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="global batch (sequences, or rows of a ModelBundle's examples)")
         p.add_argument("--seq", type=POSITIVE_INT, default=None, help="sequence length "
                        "(token models; a ModelBundle's examples fix it)")
-        p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+        p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
+                       help="fp8: priced and exported only (--for / --engine torchtitan|megatron)")
 
     p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
     model_mesh(p)
@@ -248,9 +259,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "recompute=none,sp=0,zero=0")
     p.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None)
     p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0)
-    p.add_argument("--engine", choices=("auto", "modules", "graph"), default="auto",
-                   help="the runtime the plan names: auto picks the module engine (PyTorch's "
-                   "composables) where the plan is expressible in it")
+    p.add_argument("--engine", choices=("auto", "modules", "graph", "torchtitan", "megatron"),
+                   default="auto", help="the runtime the plan names: auto picks the module "
+                   "engine (PyTorch's composables) where the plan is expressible in it; "
+                   "torchtitan / megatron price a --manual layout as that stack runs it")
+    p.add_argument("--for", dest="for_", choices=("torchtitan", "megatron"), default=None,
+                   help="search only the layouts this stack runs, priced as it runs them; "
+                   "then meshplan export plan.json --to TARGET")
+    p.add_argument("--compile", action="store_true", help="with --for torchtitan: price and "
+                   "export torch.compile (compile.enable)")
     p.add_argument("-o", "--output", default="", help="write the plan JSON here")
     p.set_defaults(func=cmd_plan)
 
@@ -294,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_reading_commands(sub, model_mesh)
 
     _add_cost_commands(sub)
+    from meshplan.stacks.commands import add_export_command
+
+    add_export_command(sub)
     return ap
 
 
@@ -320,6 +340,9 @@ def _add_cost_commands(sub) -> None:
                    "torch.compile runs them (parallelize(..., compile=True), torchtitan's "
                    "compile): pointwise chains between matmuls fused; default eager")
     p.add_argument("-o", "--output", default="", help="write the (re-priced) plan JSON here")
+    from meshplan.stacks.commands import add_from_arguments
+
+    add_from_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("calibrate", help="measure this machine and fit a hardware profile")
@@ -338,6 +361,10 @@ def cmd_estimate(args) -> int:
 
     if args.output:
         check_writable(args.output)
+    if args.from_:
+        from meshplan.stacks.commands import cmd_estimate_from
+
+        return cmd_estimate_from(args, lambda est: _print_estimate(est, fmt_time))
     hardware = load_profile(args.hardware) if args.hardware else None
     if args.plan:
         plan = Plan.from_json(args.plan)

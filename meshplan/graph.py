@@ -8,6 +8,7 @@ change it behind each other's back.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -96,11 +97,19 @@ class OpNode:
     def parsed_args(self) -> tuple[list, dict]:
         """The call's arguments read back from ``args_repr`` (tensors appear as "%");
         ([], {}) when they do not parse."""
-        try:
-            args, kwargs = ast.literal_eval(self.args_repr)
-            return list(args), dict(kwargs)
-        except (ValueError, SyntaxError, TypeError):
-            return [], {}
+        args, kwargs = _parsed_args_repr(self.args_repr)
+        return list(args), dict(kwargs)
+
+
+@functools.lru_cache(maxsize=65536)
+def _parsed_args_repr(text: str) -> tuple[tuple, tuple]:
+    """``args_repr`` read back once per distinct text (the pricing of a sweep or a stack
+    search reads every operator's arguments thousands of times); callers get fresh copies."""
+    try:
+        args, kwargs = ast.literal_eval(text)
+        return tuple(args), tuple(dict(kwargs).items())
+    except (ValueError, SyntaxError, TypeError):
+        return (), ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,6 +127,9 @@ class TrainingConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
+    # the repeated blocks run under torch.compile (parallelize(..., compile=True) on the
+    # module engine, torchtitan's compile.enable): priced so (costmodel/fusion.py)
+    compiled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +157,9 @@ class Plan:
     schema: str = SCHEMA_VERSION
     # which runtime executes it: "modules" (PyTorch's composables: parallelize_module,
     # fully_shard, checkpoint wrappers; runtime/modules.py) where the plan is expressible
-    # in them, else "graph" (the exported graph on DTensor; runtime/graph/parallelize.py)
+    # in them, else "graph" (the exported graph on DTensor; runtime/graph/parallelize.py);
+    # "torchtitan" or "megatron": a plan made for that stack (meshplan plan --for), priced
+    # as it runs it, run there after `meshplan export` (meshplan/stacks/)
     engine: str = "graph"
     engine_note: str = ""  # why the graph engine runs it, when the module engine cannot
     # Not written to the file: the traced graph the plan was made from (for estimate/explain)

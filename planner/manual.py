@@ -31,7 +31,6 @@ ZeRO-3 stores each weight S(d) on dp (the first dim dp divides) and ops read it 
 
 from __future__ import annotations
 
-import ast
 import time
 from dataclasses import replace
 
@@ -54,7 +53,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                       microbatch_size: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
                       recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
                       dtype: str = "fp32", optimizer: str = "adam",
-                      vocab_parallel_cp: bool = False) -> Plan:
+                      vocab_parallel_cp: bool = False, priced: bool = True) -> Plan:
     """A Megatron-style plan (see the module docstring). ``vocab_parallel_cp``: keep the token
     embedding vocab-parallel under cp too, as Megatron-LM and torchtitan run it (a plan
     priced for those stacks); meshplan's graph engine replicates it (``with_cp_axis``)."""
@@ -104,6 +103,8 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     solver = SolverInfo(name=NAME, status="given (manual plan)")
     plan = Plan(model=model_info(graph), mesh=mesh_info(mesh), training=training,
                 stages=tuple(stages), predicted=placeholder, solver=solver, graph=graph)
+    if not priced:  # the caller prices variants of it (meshplan/stacks/search.py)
+        return plan
     plan = with_stage_predictions(plan, graph)
     solver = replace(solver, objective_s=plan.predicted.step_time_s)
     return replace(plan, solver=solver, wall_time_s=time.perf_counter() - start)
@@ -283,10 +284,7 @@ def stage_params(graph: OpGraph, names) -> list[str]:
 # -- placement propagation ------------------------------------------------------------------
 
 def _args(node: OpNode) -> list:
-    try:
-        return list(ast.literal_eval(node.args_repr)[0])
-    except (ValueError, SyntaxError, IndexError):
-        return []
+    return node.parsed_args()[0]
 
 
 def _norm_dim(d, rank: int) -> int:

@@ -554,6 +554,11 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     ``loss_fn(outputs, *targets)`` must be the loss the plan was made with. The plan says
     which engine runs it (``plan.engine``); ``engine="graph"`` forces the graph engine.
     ``compile=True`` (module engine only) compiles each repeated block with torch.compile."""
+    stack = engine or getattr(plan, "engine", "")
+    if stack in ("torchtitan", "megatron"):
+        raise NotSupportedError(f"this plan was made for {stack} (meshplan plan --for {stack}): "
+                                f"run it there after `meshplan export plan.json --to {stack}`, "
+                                "or plan without --for to run it with meshplan")
     if not dist.is_available() or not dist.is_initialized():
         raise NotSupportedError("meshplan.parallelize runs inside a torchrun worker: call "
                                 "torch.distributed.init_process_group() first (gloo on CPU, "

@@ -1,0 +1,189 @@
+"""The stacks on the command line and in Python: ``plan --for``, ``export``, ``estimate --from``.
+
+- ``meshplan plan ... --for torchtitan|megatron``: ``plan_for`` (meshplan/stacks/search.py);
+- ``meshplan export plan.json --to torchtitan|megatron -o FILE``: ``export_plan``;
+- ``meshplan estimate --from torchtitan|megatron FILE --mesh M``: ``import_plan``, priced
+  as that stack runs it, beside what ``plan --for`` would pick (``--compare``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from meshplan.errors import NotSupportedError, SpecError
+from meshplan.plan import Plan
+from meshplan.stacks.arch import ModelArch, arch_of_spec
+from meshplan.stacks.layout import StackLayout, check_expressible, layout_of
+from meshplan.stacks.search import TARGETS, target_module
+
+SUFFIX = {"torchtitan": ".toml", "megatron": ".txt"}
+
+
+def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None, dtype: str = "bf16",
+             compiled: bool = False, model_name: str = "") -> Plan:
+    """The best plan the stack ``to`` ("torchtitan" or "megatron") runs for ``model`` on
+    ``mesh``, searched over the layouts it accepts and priced as it runs them
+    (meshplan/stacks/search.py); ``plan.engine`` names the stack. Export it with
+    ``export_plan``. ``compiled``: torchtitan's torch.compile, priced and exported."""
+    from meshplan.api import as_mesh
+    from meshplan.stacks.search import search_layouts
+    from meshplan.tracing import trace
+
+    mesh = as_mesh(mesh)
+    if graph is None:
+        graph = trace(model, example_inputs, model_name=model_name or type(model).__name__)
+    return search_layouts(model, mesh, to, graph=graph, dtype=dtype, compiled=compiled)[0]
+
+
+def export_plan(plan: Plan, to: str, *, model_spec: str = "", graph=None) -> str:
+    """``plan`` as ``to``'s configuration text (torchtitan TOML, Megatron-LM arguments).
+
+    NotSupportedError (one line, naming what is missing) for a plan the target cannot
+    express. A plan made for another engine than ``to`` is checked operator by operator
+    against the uniform layout it follows (``check_expressible``), which needs the model:
+    ``graph`` or ``model_spec`` (default: the spec the plan records)."""
+    mod = target_module(to)
+    spec = model_spec or plan.model.spec
+    if not spec:
+        raise SpecError("export reads the model's architecture from its spec: pass --model "
+                        "SPEC (a plan made from a Python object records none)")
+    arch = arch_of_spec(spec)
+    layout = layout_of(plan, compiled=plan.training.compiled)
+    problems = mod.problems(layout, arch)
+    if problems:
+        raise NotSupportedError(f"{to} cannot run this plan: {problems[0]}")
+    if plan.engine != to:
+        if graph is None:
+            from meshplan.explain import retrace
+
+            graph = retrace(plan, spec)
+        check_expressible(plan, layout, graph)
+    return getattr(mod, f"to_{to}")(layout, arch)
+
+
+def read_config(path: str, target: str, *, devices: int | None = None) \
+        -> tuple[StackLayout, ModelArch]:
+    """The layout and model of a torchtitan TOML or Megatron-LM argument file."""
+    mod = target_module(target)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise SpecError(f"--from {target} {path}: {exc.strerror}") from None
+    return getattr(mod, f"from_{target}")(text, devices=devices)
+
+
+def import_plan(path: str, target: str, mesh, *, model_spec: str = "") -> Plan:
+    """The configuration in ``path`` as a meshplan plan priced as ``target`` runs it
+    (``manual_plan(engine=target)``); ``model_spec`` overrides the architecture the file
+    names (e.g. a flavor torchtitan ships under another name)."""
+    import meshplan
+    from meshplan.specs import parse_model_spec
+
+    layout, arch = read_config(path, target, devices=mesh.num_devices)
+    if layout.devices != mesh.num_devices:
+        raise SpecError(f"{path} lays out {layout.devices} devices (dp {layout.dp} x cp "
+                        f"{layout.cp} x tp {layout.tp} x pp {layout.pp}) but the mesh has "
+                        f"{mesh.num_devices}; pass a --mesh of {layout.devices} devices")
+    spec = model_spec or arch.spec()
+    loaded = parse_model_spec(spec).load(layout.global_batch, layout.seq_len, device="meta")
+    graph = loaded.trace(spec)
+    plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, engine=target,
+                                model_name=spec, **layout.manual_kwargs())
+    if layout.compiled:
+        from dataclasses import replace
+
+        plan = replace(plan, training=replace(plan.training, compiled=True))
+        plan = plan.with_prediction(meshplan.estimate(plan))
+    return plan.with_spec(spec)
+
+
+def default_output(plan_path: str, target: str) -> str:
+    return os.path.splitext(plan_path)[0] + f".{target}" + SUFFIX[target]
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def add_export_command(sub) -> None:
+    p = sub.add_parser("export", help="write a plan as a torchtitan job TOML or Megatron-LM "
+                       "arguments", description="`meshplan export plan.json --to torchtitan "
+                       "-o job.toml` / `--to megatron -o args.txt`: the plan in the stack's own "
+                       "configuration; a plan the stack cannot express is refused in one line "
+                       "naming what is missing (docs/torchtitan.md, docs/megatron.md)")
+    p.add_argument("plan", help="a plan JSON file (best made with meshplan plan --for TARGET)")
+    p.add_argument("--to", required=True, choices=TARGETS)
+    p.add_argument("--model", default="", help="model spec (default: the one the plan records)")
+    p.add_argument("-o", "--output", default="", help="where to write (default: beside the "
+                   "plan, PLAN.TARGET.toml / .txt; '-' prints it)")
+    p.set_defaults(func=cmd_export)
+
+
+def add_from_arguments(p) -> None:
+    """``meshplan estimate --from TARGET FILE``."""
+    p.add_argument("--from", dest="from_", nargs=2, metavar=("TARGET", "FILE"), default=None,
+                   help="price an existing torchtitan TOML or Megatron-LM argument file as "
+                   "that stack runs it (with --mesh)")
+    p.add_argument("--compare", action="store_true", help="with --from: also search what "
+                   "meshplan plan --for TARGET picks and print the difference")
+
+
+def cmd_export(args) -> int:
+    from meshplan.checks import check_writable
+
+    plan = Plan.from_json(args.plan)
+    out = args.output or default_output(args.plan, args.to)
+    if out != "-":
+        check_writable(out)
+    text = export_plan(plan, args.to, model_spec=args.model)
+    if out == "-":
+        print(text, end="")
+        return 0
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {out} ({args.to}: {layout_of(plan).words()})")
+    return 0
+
+
+def cmd_estimate_from(args, print_estimate) -> int:
+    """``meshplan estimate --from TARGET FILE --mesh M [--model SPEC] [--compare] [-o]``."""
+    from meshplan.specs import parse_mesh_spec
+
+    target, path = args.from_
+    if target not in TARGETS:
+        raise SpecError(f"--from {target}: the stacks read are {', '.join(TARGETS)}")
+    if not args.mesh:
+        raise SpecError(f"--from {target} {path} needs --mesh (the hardware it runs on, e.g. "
+                        "dgx-h100:nodes=8)")
+    mesh = parse_mesh_spec(args.mesh)
+    plan = import_plan(path, target, mesh, model_spec=args.model)
+    print(f"{path}: {layout_of(plan, compiled=plan.training.compiled).words()}, priced as "
+          f"{target} runs it")
+    print_estimate(plan.predicted)
+    if args.output:
+        plan.to_json(args.output)
+        print(f"wrote {args.output}")
+    if args.compare:
+        from meshplan.diff import diff_plans, diff_text
+        from meshplan.stacks.search import search_layouts
+
+        graph = plan.graph
+        model = _meta_model(plan.model.spec)
+        ours, _ = search_layouts(model, mesh, target, graph=graph, dtype=plan.training.dtype,
+                           compiled=plan.training.compiled)
+        ours = ours.with_spec(plan.model.spec)
+        a, b = plan.predicted, ours.predicted
+        print(f"meshplan plan --for {target}: {layout_of(ours).words()}: step "
+              f"{b.step_time_s:.3f} s vs {a.step_time_s:.3f} s ({a.step_time_s / b.step_time_s - 1:+.1%} "
+              f"time for the file's layout), MFU {b.mfu:.1%} vs {a.mfu:.1%}, peak "
+              f"{b.peak_memory_gib:.1f} vs {a.peak_memory_gib:.1f} GiB")
+        print(diff_text(diff_plans(plan, ours), plan, ours))
+    return 0
+
+
+def _meta_model(spec: str):
+    from meshplan.specs import parse_model_spec
+
+    return parse_model_spec(spec).build(device="meta")
+
+
+__all__ = ["TARGETS", "export_plan", "import_plan", "plan_for", "read_config"]

@@ -1,0 +1,266 @@
+"""``meshplan plan --for torchtitan|megatron``: the search over what that stack runs, priced
+as it runs it.
+
+trace -> **search** -> plan -> export. The stacks take one tensor / context / pipeline /
+data degree for the whole model, one recompute mode, one ZeRO level and an even (or
+first/last-lighter) layer split, so the space is the uniform layouts (``StackLayout``) the
+target accepts (its ``problems``, meshplan/stacks/torchtitan.py and megatron.py); each is
+built by planner/manual.py with the stacks' vocab-parallel embedding and priced with that
+stack's engine profile (``costmodel.estimate.default_runtime(engine=target)``), the same
+function ``manual_plan(engine=target)`` and ``estimate(plan, engine=target)`` use.
+
+The space, per devices = dp x cp x tp x pp:
+- tp divides the devices of a node (tensor parallelism across nodes is never competitive,
+  Narayanan et al. 2021 section 3.3);
+- cp a power of two with at least ``MIN_CP_TOKENS`` tokens per rank;
+- pp up to the number of blocks; microbatch sizes up to ``MAX_MICROBATCH`` dividing the
+  per-replica batch; the target's schedules, interleaved with 2, 3 or 4 chunks per rank
+  (``VIRTUAL_STAGES``); recompute none, selective, full; the target's ZeRO levels;
+  sequence parallelism with every tp > 1 (both stacks run TP that way).
+
+Exact over that space, with three prunings that cannot drop the best plan: a layout whose
+parameters, gradients and optimizer state alone exceed the device (``state_floor_gib``, a
+lower bound of what the estimate counts) is skipped unpriced; for each layout the recompute
+modes are priced none -> selective -> full, stopping at the first that fits (recompute only
+adds work, so a later mode is never faster); microbatch sizes are priced in increasing order
+and a layout that overflows at one size is not priced at larger ones (the activations in
+flight, min(pp x mb, per-rank batch) sequences for the 1F1B schedules and the whole per-rank
+batch for GPipe, never shrink as the microbatch grows); and once a layout of a placement group is priced
+at a microbatch size, the forward + backward compute of its slowest rank group (m
+microbatches; the same under every schedule, ZeRO level and recompute mode of that group
+and size, which add bubble, communication and recompute on top) bounds the step time of
+the others from below: they are skipped when that bound is beyond the best so far plus
+the error margin (a slower layout within the margin may still be the simplest). Among fitting layouts the
+fastest wins, then the simplest within the cost model's error band (planner/simplest.py's
+margin and order: fewer stages, less ZeRO, no recompute, no cp).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, replace
+
+from meshplan.errors import NotSupportedError, PlanningError
+from meshplan.plan import RECOMPUTE, Plan
+from meshplan.stacks.layout import StackLayout
+
+TARGETS = ("torchtitan", "megatron")
+MIN_CP_TOKENS = 4096  # Llama 3 at 131K ran cp16: 8K tokens per rank (arXiv 2407.21783 3.3.2)
+MAX_MICROBATCH = 8
+VIRTUAL_STAGES = (2, 3, 4)
+SCHEDULES = {"torchtitan": ("gpipe", "1f1b", "interleaved-1f1b"),
+             "megatron": ("1f1b", "interleaved-1f1b")}
+ZEROS = {"torchtitan": (0, 3), "megatron": (0, 1)}  # DDP or FSDP2; DDP or distributed optimizer
+
+
+def target_module(target: str):
+    """meshplan.stacks.torchtitan or .megatron (``problems``, ``to_*``, ``from_*``)."""
+    if target not in TARGETS:
+        raise NotSupportedError(f"target {target!r} is not one of {', '.join(TARGETS)}")
+    return importlib.import_module(f"meshplan.stacks.{target}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(target: str, arch, *, devices: int, devices_per_node: int, global_batch: int,
+            seq_len: int, dtype: str = "bf16", compiled: bool = False,
+            recompute=RECOMPUTE) -> list[StackLayout]:
+    """Every layout of the module docstring's space that ``target`` runs (recompute modes
+    in the order the search prices them)."""
+    problems = target_module(target).problems
+    out = []
+    for tp in _divisors(min(devices, devices_per_node)):
+        if devices % tp or devices_per_node % tp:
+            continue
+        cp = 1
+        while devices % (tp * cp) == 0 and (cp == 1 or seq_len // cp >= MIN_CP_TOKENS) \
+                and seq_len % (2 * cp) == 0:
+            for pp in _divisors(devices // (tp * cp)):
+                if pp > arch.layers:
+                    continue
+                dp = devices // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                out += _variants(target, arch, problems, dict(
+                    dp=dp, tp=tp, cp=cp, pp=pp, global_batch=global_batch, seq_len=seq_len,
+                    sequence_parallel=tp > 1, dtype=dtype, compiled=compiled), recompute)
+            cp *= 2
+    return out
+
+
+def _variants(target, arch, problems, base: dict, recompute) -> list[StackLayout]:
+    dp, pp = base["dp"], base["pp"]
+    local = base["global_batch"] // dp
+    scheds = [("1f1b", 1)] if pp == 1 else \
+        [(s, 1) for s in SCHEDULES[target] if s != "interleaved-1f1b"] + \
+        [("interleaved-1f1b", v) for v in VIRTUAL_STAGES
+         if "interleaved-1f1b" in SCHEDULES[target] and pp * v <= arch.layers]
+    zeros = ZEROS[target] if dp * base["cp"] > 1 else (0,)
+    out = []
+    for mb in (m for m in _divisors(local) if m <= MAX_MICROBATCH):
+        for sched, v in scheds:
+            for z in zeros:
+                for rc in recompute:
+                    try:
+                        lay = StackLayout(microbatch_size=mb, schedule=sched, virtual_stages=v,
+                                          recompute=rc, zero=z, **base)
+                    except Exception:  # noqa: BLE001 - a shape StackLayout refuses
+                        continue
+                    if not problems(lay, arch):
+                        out.append(lay)
+    return out
+
+
+def state_floor_gib(layout: StackLayout, param_count: int, dtype: str) -> float:
+    """A lower bound of the parameters, gradients and optimizer state one device holds:
+    ``param_count / (tp x pp)`` parameters (a stage holds at least its share; replicated
+    norms only add), each with its working copy (2 bytes in bf16/fp8, 4 in fp32) and 12
+    bytes of fp32 master weights and Adam moments sharded over dp x cp from ZeRO-1, the
+    gradient (4 bytes, fp32 reduction) sharded from ZeRO-2, the working copy from ZeRO-3."""
+    shard = layout.dp * layout.cp
+    work = 4 if dtype == "fp32" else 2
+    state = 12 if dtype != "fp32" else 8  # fp32 trains without a separate master copy
+    z = layout.zero
+    per_param = (work / shard if z >= 3 else work) + (4 / shard if z >= 2 else 4) + \
+        (state / shard if z >= 1 else state)
+    return param_count / (layout.tp * layout.pp) * per_param / 2 ** 30
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    layout: StackLayout
+    step_time_s: float
+    fits: bool
+    peak_gib: float
+    mfu: float
+
+
+def search_layouts(model, mesh, target: str, *, graph, dtype: str = "bf16",
+                   compiled: bool = False, arch=None, progress=None,
+                   exhaustive: bool = False) -> tuple[Plan, list[Priced]]:
+    """The best plan ``target`` runs for ``model`` on ``mesh`` (module docstring), and the
+    priced layouts; PlanningError (one line) when none fits. ``exhaustive`` prices every
+    layout, without the prunings (the test that they drop nothing compares the two)."""
+    from meshplan.costmodel.estimate import default_runtime, estimate_plan
+    from meshplan.planner.manual import build_manual_plan
+    from meshplan.planner.simplest import error_margin
+    from meshplan.stacks.arch import arch_of_model
+
+    start = time.perf_counter()
+    arch = arch or arch_of_model(model)
+    hw = mesh.hardware
+    batch, seq = graph.inputs[0][1].shape[0], graph.inputs[0][1].shape[1]
+    space = layouts(target, arch, devices=mesh.num_devices,
+                    devices_per_node=mesh.devices_per_node, global_batch=batch, seq_len=seq,
+                    dtype=dtype, compiled=compiled)
+    if not space:
+        raise PlanningError(f"no layout of {arch.words()} on {mesh.num_devices} devices "
+                            f"(batch {batch}, seq {seq}) is one {target} runs; change the "
+                            "batch or the number of devices")
+    cap = hw.device.memory_gib
+    groups: dict[tuple, list[StackLayout]] = {}
+    for lay in space:
+        if not exhaustive and state_floor_gib(lay, graph.param_count, dtype) > cap:
+            continue
+        uneven = lay.schedule == "interleaved-1f1b" and arch.layers % lay.chunks
+        key = (lay.dp, lay.tp, lay.cp, lay.pp, lay.zero == 3,
+               (lay.virtual_stages if uneven else 0))
+        groups.setdefault(key, []).append(lay)
+    priced: list[Priced] = []
+    runtimes = {pp: replace(default_runtime(hw, engine=target, pipeline=pp > 1),
+                            compiled=compiled) for pp in {k[3] for k in groups}}
+    best: tuple[float, StackLayout, Plan] | None = None
+    bounded = 0
+    margin = error_margin(hw)
+    for i, (key, lays) in enumerate(sorted(groups.items(), key=lambda kv: _promise(kv[0]))):
+        first = lays[0]
+        base = build_manual_plan(graph, mesh, **{**first.manual_kwargs(), "recompute": "none"},
+                                 vocab_parallel_cp=True, optimizer="adam", priced=False)
+        cache: dict = {}
+        skip: set = set()  # (mb, schedule, v, zero) that already fit at a lighter recompute
+        floor: dict[int, float] = {}  # microbatch size -> forward + backward (module doc)
+        overflows: set = set()  # (schedule, v, zero, recompute) that overflowed at a smaller mb
+        for lay in lays:
+            shape = (lay.microbatch_size, lay.schedule, lay.virtual_stages, lay.zero)
+            if not exhaustive and (shape in skip or (shape[1:], lay.recompute) in overflows):
+                continue
+            if not exhaustive and best is not None and \
+                    floor.get(lay.microbatch_size, 0.0) >= best[0] * (1 + margin):
+                bounded += 1
+                continue
+            est = estimate_plan(_variant(base, lay), graph, hw=hw, runtime=runtimes[lay.pp],
+                                cache=cache)
+            priced.append(Priced(lay, est.step_time_s, est.fits, est.peak_memory_gib, est.mfu))
+            if lay.recompute == "none":
+                b = est.breakdown
+                floor[lay.microbatch_size] = max(floor.get(lay.microbatch_size, 0.0),
+                                                 b["forward"] + b["backward"])
+            if not est.fits:
+                overflows.add((shape[1:], lay.recompute))
+            if est.fits:
+                skip.add(shape)
+                if best is None or est.step_time_s < best[0]:
+                    best = (est.step_time_s, lay, None)
+        if progress:
+            progress(i + 1, len(groups))
+    if best is None:
+        low = min(priced, key=lambda p: p.peak_gib) if priced else None
+        more = f"; the smallest needs {low.peak_gib:.1f} GiB ({low.layout.words()})" if low else \
+            "; every layout's parameters and optimizer state alone exceed it"
+        raise PlanningError(f"no layout {target} runs fits {cap:.0f} GiB per device{more}: add "
+                            "devices, lower the batch or the sequence")
+    chosen = _simplest([p for p in priced if p.fits], best[0], margin)
+    plan = _built(model, mesh, graph, target, chosen.layout, compiled)
+    fastest = min((p for p in priced if p.fits), key=lambda p: p.step_time_s)
+    runner = "" if fastest.layout == chosen.layout else \
+        (f"{fastest.layout.words()} ({1 - fastest.step_time_s / chosen.step_time_s:.1%} "
+         f"faster, within the {margin:.1%} margin)")
+    solver = replace(plan.solver, name=f"meshplan.stacks.search ({target})",
+                     status=f"best of the {len(space)} layouts {target} runs: {len(priced)} "
+                            f"priced, {bounded} bounded by their compute, "
+                            f"{len(space) - len(priced) - bounded} by memory or recompute",
+                     margin=margin, runner_up=runner)
+    return replace(plan, solver=solver, wall_time_s=time.perf_counter() - start), priced
+
+
+def _promise(key: tuple) -> tuple:
+    """The order groups are priced in: likely fast ones first (fewer pipeline stages, less
+    tensor and context parallelism), so that the compute bound prunes more."""
+    dp, tp, cp, pp, zero3, _ = key
+    return (pp, tp * cp, zero3)
+
+
+def _variant(base: Plan, lay: StackLayout) -> Plan:
+    t = base.training
+    training = replace(t, microbatch_size=lay.microbatch_size, microbatches=lay.microbatches,
+                       schedule=lay.schedule,
+                       virtual_stages=lay.virtual_stages if lay.schedule == "interleaved-1f1b"
+                       else 1)
+    stages = tuple(replace(st, recompute=lay.recompute, zero=lay.zero) for st in base.stages)
+    return replace(base, training=training, stages=stages)
+
+
+def _complexity(lay: StackLayout) -> tuple:
+    return (lay.pp, lay.zero, RECOMPUTE.index(lay.recompute), lay.cp > 1)
+
+
+def _simplest(fits: list[Priced], best_s: float, margin: float) -> Priced:
+    """planner/simplest.py's rule on the priced layouts: within ``margin`` of the fastest,
+    fewest stages, then least ZeRO, then least recompute, then no cp; then the fastest."""
+    near = [p for p in fits if p.step_time_s <= best_s * (1 + margin)]
+    return min(near, key=lambda p: (_complexity(p.layout), p.step_time_s))
+
+
+def _built(model, mesh, graph, target: str, lay: StackLayout, compiled: bool) -> Plan:
+    """The chosen layout as ``manual_plan(engine=target)`` builds and prices it."""
+    import meshplan
+
+    plan = meshplan.manual_plan(model, mesh, graph=graph, engine=target,
+                                model_name=graph.model_name, **lay.manual_kwargs())
+    if compiled:
+        plan = replace(plan, training=replace(plan.training, compiled=True))
+        plan = plan.with_prediction(meshplan.estimate(plan))
+    return plan

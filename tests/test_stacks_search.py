@@ -1,0 +1,88 @@
+"""``plan --for torchtitan|megatron`` (meshplan/stacks/search.py): the search over the layouts
+a stack runs, priced as it runs them; its prunings drop nothing; the plan it returns is
+what ``estimate`` and ``import_plan`` price."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import meshplan
+from meshplan.errors import NotSupportedError
+from meshplan.specs import parse_model_spec
+from meshplan.stacks import layout_of
+from meshplan.stacks.arch import arch_of_spec
+from meshplan.stacks.search import layouts, search_layouts, state_floor_gib, target_module
+
+SPEC = ("transformers:llama?hidden_size=256&intermediate_size=768&num_hidden_layers=4"
+        "&num_attention_heads=8&num_key_value_heads=4&vocab_size=2048"
+        "&max_position_embeddings=8192")
+
+
+@pytest.fixture(scope="module")
+def small():
+    model = parse_model_spec(SPEC).build(device="meta")
+    ids = torch.zeros((16, 8192), dtype=torch.long, device="meta")
+    graph = meshplan.trace(model, (ids,), model_name="small-llama")
+    mesh = meshplan.Mesh.preset("dgx-h100", nodes=1)
+    # a device small enough that memory decides between layouts
+    dev = dataclasses.replace(mesh.hardware.device, memory_gib=0.6)
+    mesh = dataclasses.replace(mesh, hardware=dataclasses.replace(mesh.hardware, device=dev))
+    return model, graph, mesh
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron"])
+def test_prunings_drop_nothing(small, target):
+    model, graph, mesh = small
+    fast, priced = search_layouts(model, mesh, target, graph=graph)
+    full, every = search_layouts(model, mesh, target, graph=graph, exhaustive=True)
+    assert layout_of(fast) == layout_of(full)
+    assert fast.predicted == full.predicted
+    assert len(priced) < len(every)  # the prunings did prune
+    assert any(not p.fits for p in every) and any(p.fits for p in every)  # memory mattered
+
+
+@pytest.mark.parametrize("target", ["torchtitan", "megatron"])
+def test_plan_is_priced_as_the_stack_runs_it(small, target, tmp_path):
+    model, graph, mesh = small
+    plan, _ = search_layouts(model, mesh, target, graph=graph)
+    assert plan.engine == target
+    assert meshplan.estimate(plan) == plan.predicted  # one pricer: the stack's profile
+    again = meshplan.manual_plan(model, mesh, graph=graph, engine=target,
+                                 **layout_of(plan).manual_kwargs())
+    assert again.predicted == plan.predicted
+    plan.to_json(tmp_path / "p.json")
+    loaded = meshplan.Plan.from_json(tmp_path / "p.json")
+    assert loaded.engine == target and layout_of(loaded) == layout_of(plan)
+
+
+def test_every_layout_in_the_space_is_one_the_target_runs(small):
+    _, graph, mesh = small
+    arch = arch_of_spec(SPEC)
+    for target in ("torchtitan", "megatron"):
+        space = layouts(target, arch, devices=8, devices_per_node=8, global_batch=16,
+                        seq_len=8192)
+        assert space
+        assert not any(target_module(target).problems(lay, arch) for lay in space)
+        assert {lay.devices for lay in space} == {8}
+
+
+def test_state_floor_is_below_what_the_estimate_counts(small):
+    model, graph, mesh = small
+    arch = arch_of_spec(SPEC)
+    for lay in layouts("megatron", arch, devices=8, devices_per_node=8, global_batch=16,
+                       seq_len=8192)[::37]:
+        est = meshplan.manual_plan(model, mesh, graph=graph, engine="megatron",
+                                   **lay.manual_kwargs()).predicted
+        m = est.memory
+        assert state_floor_gib(lay, graph.param_count, "bf16") <= \
+            m.params_gib + m.grads_gib + m.optimizer_gib + 1e-9, lay
+
+
+def test_a_plan_for_a_stack_is_run_there(small):
+    model, graph, mesh = small
+    plan, _ = search_layouts(model, mesh, "torchtitan", graph=graph)
+    from meshplan.runtime.run import parallelize
+
+    with pytest.raises(NotSupportedError, match="made for torchtitan.*meshplan export"):
+        parallelize(model, plan)
