@@ -24,7 +24,7 @@ import re
 import shlex
 from dataclasses import replace
 
-from meshplan.errors import NotSupportedError, SpecError
+from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.stacks.arch import ModelArch
 from meshplan.stacks.layout import StackLayout
 
@@ -80,7 +80,7 @@ def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
         out.append(f"rope_theta={arch.rope_theta}: Megatron's --rotary-base takes an integer")
     try:
         _split_fields(L, arch.layers)
-    except NotSupportedError as exc:
+    except MeshplanError as exc:  # NotSupportedError, or manual.py's PlanningError
         out.append(str(exc))
     return tuple(out)
 
