@@ -161,6 +161,7 @@ def test_nemo_overrides_name_the_recipe_fields(llama):
     assert "recipe.trainer.strategy.virtual_pipeline_model_parallel_size = 8" in text
     assert "recipe.trainer.strategy.account_for_loss_in_pipeline_split = True" in text
     assert "MegatronCommOverlapCallback, tp_comm_overlap=True" in text
+    compile(text, "nemo_overrides", "exec")  # a Python snippet to paste after the recipe
 
 
 @st.composite
@@ -339,3 +340,61 @@ def test_megatron_core_splits_generated_layouts_as_exported():
     prop()
     print("megatron-core split checks:", len(checked))
     assert len(checked) >= 100
+
+
+# --- checked by Megatron-LM's own argument code (not in the wheel: a checkout) ----------------
+
+LM_CHECK = '''
+import os, shlex, sys
+from unittest import mock
+# batch_invariant_kernels needs triton (GPU builds only); nothing here calls it
+sys.modules["megatron.core.transformer.custom_layers.batch_invariant_kernels"] = mock.MagicMock()
+import argparse
+from megatron.training import arguments as A
+A.get_device_arch_version = lambda: 9  # Hopper, the plans' H100 (no GPU here)
+os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron-LM asks for it with tp/cp > 1
+for text in sys.stdin.read().split("\\f"):
+    devices = int(text.split("# devices:")[1].split()[0])
+    argv = shlex.split(" ".join(l for l in text.splitlines() if not l.startswith("#")))
+    # fused RoPE needs Transformer Engine; data and schedule are the launcher's additions
+    argv += ["--no-rope-fusion", "--mock-data", "--train-iters", "10", "--lr", "3e-4"]
+    args = A.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(argv)
+    args.world_size, args.rank = devices, 0
+    A.validate_args(args)
+    A.core_transformer_config_from_args(args)
+    print("OK", args.data_parallel_size, args.virtual_pipeline_model_parallel_size)
+'''
+
+
+def test_megatron_lm_parses_and_validates_the_exports(llama):
+    """Megatron-LM core_v0.16.1's own ``parse_args`` parser, ``validate_args`` and
+    ``core_transformer_config_from_args`` on the four runs and three uneven splits. Needs a
+    Megatron-LM checkout at that tag (``MEGATRON_LM_DIR``) and its ``six``; skipped without."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.environ.get("MEGATRON_LM_DIR")
+    if not root or not os.path.isfile(os.path.join(root, "megatron/training/arguments.py")):
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
+    pytest.importorskip("six")
+    cases = list(runs(llama).values())
+    a30 = dataclasses.replace(llama["8b"], layers=30)
+    base = StackLayout(dp=1, pp=4, global_batch=8, seq_len=4096)
+    cases += [(a30, dataclasses.replace(base, stage_layers=(6, 8, 8, 8), dtype="fp8",
+                                        recompute="selective")),
+              (llama["8b"], dataclasses.replace(base, schedule="interleaved-1f1b",
+                                                virtual_stages=2, dtype="fp32",
+                                                stage_layers=(3, 4, 4, 5, 3, 4, 4, 5))),
+              (a30, dataclasses.replace(base, tp=2, sequence_parallel=True, recompute="full",
+                                        schedule="interleaved-1f1b", virtual_stages=2,
+                                        stage_layers=(3, 4, 5, 3, 4, 4, 4, 3)))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", LM_CHECK], env=env, cwd=root,
+                         input="\f".join(to_megatron(lay, arch) for arch, lay in cases),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [line.split() for line in out.stdout.splitlines() if line.startswith("OK")]
+    assert [(int(d), None if v == "None" else int(v)) for _, d, v in got] == [
+        (lay.dp, lay.virtual_stages if lay.virtual_stages > 1 else None) for _, lay in cases]

@@ -275,6 +275,12 @@ def nemo_overrides(layout: StackLayout, arch: ModelArch, *, devices_per_node: in
     split = _split_fields(L, arch.layers)
     s, m = "recipe.trainer.strategy", "recipe.model.config"
     out = _header(L, arch, "NeMo 2 recipe overrides")
+    out += ["# recipe = llm.<model>.pretrain_recipe(...) first, e.g. llm.llama3_70b",
+            "import nemo_run as run", "from nemo import lightning as nl",
+            "from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed, "
+            "bf16_with_fp8_current_scaling_mixed",
+            "from nemo.lightning.pytorch.callbacks.megatron_comm_overlap import "
+            "MegatronCommOverlapCallback"]
     out += [f"recipe.trainer.num_nodes = {max(1, L.devices // devices_per_node)}",
             f"recipe.trainer.devices = {min(L.devices, devices_per_node)}",
             f"{s}.tensor_model_parallel_size = {L.tp}",
