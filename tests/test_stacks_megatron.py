@@ -333,8 +333,11 @@ def test_megatron_core_splits_generated_layouts_as_exported():
         arch, layout = case
         if problems(layout, arch):
             return
-        cfg, _, _ = megatron_configs(to_megatron(layout, arch))
+        cfg, ddp, _ = megatron_configs(to_megatron(layout, arch))
         assert megatron_chunks(cfg) == layout.layers_per_chunk(arch.layers)
+        # Megatron-LM's validate_args: TP overlap only with SP, param gather only with ZeRO-1
+        assert cfg.tp_comm_overlap == cfg.sequence_parallel == layout.sequence_parallel
+        assert ddp.overlap_param_gather == ddp.use_distributed_optimizer == (layout.zero == 1)
         checked.append(layout)
 
     prop()
@@ -368,7 +371,7 @@ for text in sys.stdin.read().split("\\f"):
 
 def test_megatron_lm_parses_and_validates_the_exports(llama):
     """Megatron-LM core_v0.16.1's own ``parse_args`` parser, ``validate_args`` and
-    ``core_transformer_config_from_args`` on the four runs and three uneven splits. Needs a
+    ``core_transformer_config_from_args`` on the four runs and four uneven splits. Needs a
     Megatron-LM checkout at that tag (``MEGATRON_LM_DIR``) and its ``six``; skipped without."""
     import os
     import subprocess
@@ -386,6 +389,7 @@ def test_megatron_lm_parses_and_validates_the_exports(llama):
               (llama["8b"], dataclasses.replace(base, schedule="interleaved-1f1b",
                                                 virtual_stages=2, dtype="fp32",
                                                 stage_layers=(3, 4, 4, 5, 3, 4, 4, 5))),
+              (a30, dataclasses.replace(base, tp=2, zero=1, stage_layers=(9, 7, 8, 6))),
               (a30, dataclasses.replace(base, tp=2, sequence_parallel=True, recompute="full",
                                         schedule="interleaved-1f1b", virtual_stages=2,
                                         stage_layers=(3, 4, 5, 3, 4, 4, 4, 3)))]
