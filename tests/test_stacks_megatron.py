@@ -402,3 +402,19 @@ def test_megatron_lm_parses_and_validates_the_exports(llama):
     got = [line.split() for line in out.stdout.splitlines() if line.startswith("OK")]
     assert [(int(d), None if v == "None" else int(v)) for _, d, v in got] == [
         (lay.dp, lay.virtual_stages if lay.virtual_stages > 1 else None) for _, lay in cases]
+
+
+def test_a_meshplan_plan_exports_and_comes_back(tiny_llama_h100):
+    """plan -> layout_of -> to_megatron -> from_megatron: the plan's layout and model."""
+    import meshplan
+    from meshplan.stacks import arch_of_model, check_expressible, layout_of
+
+    model, graph, mesh = tiny_llama_h100
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=2, tp=2, pp=2, microbatch_size=1,
+                                sequence_parallel=True, zero=1, engine="megatron")
+    layout, arch = layout_of(plan), arch_of_model(model)
+    check_expressible(plan, layout, graph)
+    text = to_megatron(layout, arch)
+    assert "--tp-comm-overlap" in text and "--use-distributed-optimizer" in text
+    assert from_megatron(text) == (layout, arch)
+    assert (layout.dp, layout.tp, layout.pp, layout.microbatches) == (2, 2, 2, 4)

@@ -434,7 +434,8 @@ def from_megatron(text: str, *, devices: int | None = None,
         heads=heads, kv_heads=a["--num-query-groups"] if a["--group-query-attention"] else heads,
         head_dim=a["--kv-channels"] or h // heads, vocab=-(-vocab // step) * step,
         max_positions=a["--max-position-embeddings"], rope_theta=float(a["--rotary-base"]),
-        norm_eps=a["--norm-epsilon"], tied_embeddings=not a["--untie-embeddings-and-output-weights"])
+        norm_eps=a["--norm-epsilon"],
+        tied_embeddings=not a["--untie-embeddings-and-output-weights"])
     bad_cp = sorted(set(a["--cp-comm-type"]) - {"p2p", "allgather"})
     if cp > 1 and bad_cp:
         raise NotSupportedError(f"--cp-comm-type {' '.join(bad_cp)}: meshplan prices context "
