@@ -1,0 +1,491 @@
+"""Megatron-LM / NeMo: a ``StackLayout`` as ``pretrain_gpt.py`` arguments and NeMo 2 recipe
+overrides, and back.
+
+plan -> ``layout_of`` -> **to_megatron** (one ``--flag value`` a line) / **nemo_overrides**;
+an argument list -> **from_megatron** -> (StackLayout, ModelArch) -> ``manual_plan`` -> estimate.
+``problems`` is Megatron-LM's contract, one line per breach (the value, the rule, the fix);
+export refuses a layout with any. Flag names, defaults and rules are those of Megatron-LM
+tag ``core_v0.16.1`` (``megatron/training/arguments.py``, ``megatron/core/transformer/
+transformer_config.py``, ``transformer_block.get_num_layers_to_build``,
+``pipeline_parallel/schedules.py``), the release of megatron-core 0.16.1 on PyPI.
+
+What is written is what meshplan's ``megatron`` engine profile prices
+(``costmodel/estimate.py`` ``megatron_runtime``): the distributed optimizer for ZeRO-1
+(sharded over dp x cp), overlapped gradient reduce and parameter all-gather, cuDNN fused
+attention (Transformer Engine's FusedAttention: ``--attention-backend fused``), context
+parallelism in a ring of send/recv (``--cp-comm-type p2p``), TP communication overlap
+(Megatron takes it only with sequence parallelism), fp8 as Transformer Engine's current
+scaling (``--fp8-format hybrid --fp8-recipe tensorwise``; costmodel/fp8.py ``te-current``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import replace
+
+from meshplan.errors import MeshplanError, NotSupportedError, SpecError
+from meshplan.stacks.arch import ModelArch
+from meshplan.stacks.layout import StackLayout
+
+MEGATRON_VERSION = "0.16.1"  # megatron-core on PyPI = Megatron-LM tag core_v0.16.1
+MEGATRON_LM_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"  # tag core_v0.16.1
+
+
+def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
+    """Why Megatron-LM cannot run ``layout`` of ``arch`` as meshplan prices it; () when it can."""
+    L, out = layout, []
+    if L.compiled:
+        out.append("compiled=True: Megatron-LM does not torch.compile its model (Transformer "
+                   "Engine fuses its kernels instead); plan with compiled=False")
+    if L.pp > 1 and L.schedule not in ("1f1b", "interleaved-1f1b"):
+        out.append(f"schedule {L.schedule!r}: Megatron-LM pipelines with 1F1B or interleaved "
+                   "1F1B only; plan with schedule='1f1b' or 'interleaved-1f1b'")
+    if L.pp == 1 and L.schedule != "1f1b":
+        out.append(f"schedule {L.schedule!r} with pp=1: there is no pipeline to schedule; "
+                   "use schedule='1f1b'")
+    if L.pp > 1 and L.schedule == "interleaved-1f1b":
+        m = L.microbatches
+        if L.virtual_stages < 2:
+            out.append("interleaved-1f1b with virtual_stages=1 is Megatron's plain 1F1B; use "
+                       "schedule='1f1b' or virtual_stages >= 2")
+        elif m < L.pp or m % L.pp:  # schedules.py: microbatch groups of pp (the default)
+            out.append(f"{m} microbatches per step with pp={L.pp}: Megatron's interleaved "
+                       "schedule runs microbatches in groups of pp and needs a multiple of pp "
+                       f"(at least {L.pp}); choose global batch / (dp x microbatch size) a "
+                       f"multiple of {L.pp}")
+    if L.zero > 1:
+        out.append(f"zero={L.zero}: Megatron-LM shards optimizer state (--use-distributed-"
+                   "optimizer, ZeRO-1); its FSDP paths are not what meshplan's megatron "
+                   "profile prices; plan with zero=0 or 1, or export to torchtitan")
+    if L.sequence_parallel and L.tp == 1:
+        out.append("sequence_parallel with tp=1: Megatron-LM turns --sequence-parallel off "
+                   "without tensor parallelism; plan with sequence_parallel=False or tp > 1")
+    for what, n in (("num_attention_heads", arch.heads), ("num_query_groups", arch.kv_heads),
+                    ("ffn_hidden_size", arch.ffn_hidden)):
+        if n % L.tp:
+            out.append(f"tp={L.tp} must divide {what}={n} (Megatron splits it over the tensor-"
+                       "parallel ranks); choose tp in {" + ", ".join(
+                           str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64) + "}")
+    if L.cp > 1 and L.seq_len % (2 * L.cp):
+        out.append(f"seq_len={L.seq_len} with cp={L.cp}: Megatron splits the sequence into "
+                   f"2 x cp chunks, seq_len must be a multiple of {2 * L.cp}")
+    if L.sequence_parallel and (L.seq_len // L.cp) % L.tp:
+        out.append(f"seq_len/cp={L.seq_len // L.cp} with tp={L.tp}: sequence parallelism "
+                   "splits each rank's sequence over tp; make it a multiple of tp")
+    if L.seq_len > arch.max_positions:
+        out.append(f"seq_len={L.seq_len} > max_position_embeddings={arch.max_positions}: "
+                   "Megatron-LM refuses it; train at most max_position_embeddings tokens")
+    if not float(arch.rope_theta).is_integer():
+        out.append(f"rope_theta={arch.rope_theta}: Megatron's --rotary-base takes an integer")
+    try:
+        _split_fields(L, arch.layers)
+    except MeshplanError as exc:  # NotSupportedError, or manual.py's PlanningError
+        out.append(str(exc))
+    return tuple(out)
+
+
+def _check(layout: StackLayout, arch: ModelArch) -> None:
+    found = problems(layout, arch)
+    if found:
+        raise NotSupportedError(found[0])
+
+
+# --- the layer split -------------------------------------------------------------------------
+
+def chunks_of(num_layers: int, pp: int, vp: int | None, *, first: int | None = None,
+              last: int | None = None, embedding: bool = False, loss: bool = False,
+              pp_layout: str | None = None) -> tuple[int, ...]:
+    """Blocks per model chunk (chunk j = virtual stage j // pp on rank j % pp) as Megatron-Core
+    splits them (``transformer_block.get_num_layers_to_build``, ``pipeline_parallel_layer_layout``
+    and ``TransformerConfig.__post_init__``); SpecError where Megatron refuses the arguments."""
+    if pp_layout is not None:
+        if first or last or embedding or loss:
+            raise SpecError("--pipeline-model-parallel-layout cannot be set with the other "
+                            "pipeline split arguments (Megatron-Core refuses it)")
+        stages = _unroll(pp_layout).split("|")
+        flat = "".join(stages)
+        if len(stages) % pp or not flat.startswith("E") or not flat.endswith("L") or \
+                flat.count("E") != 1 or flat.count("L") != 1 or set(flat) - set("EtL") or \
+                flat.count("t") != num_layers:
+            raise SpecError(f"--pipeline-model-parallel-layout {pp_layout!r}: needs a multiple "
+                            f"of pp={pp} stages, E first, L last and {num_layers} t (no MTP)")
+        return tuple(s.count("t") for s in stages)
+    v = vp or 1
+    if first is not None or last is not None:
+        if embedding or loss:
+            raise SpecError("--decoder-first/last-pipeline-num-layers cannot be set with "
+                            "--account-for-embedding/loss-in-pipeline-split")
+        ends = [n for n in (first, last) if n is not None]
+        if any(n <= 0 or n % v for n in ends):
+            raise SpecError(f"first/last stage layers {ends} must be positive multiples of the "
+                            f"virtual stages {v}")
+        rest, middle = num_layers - sum(ends), pp - len(ends)
+        if bool(rest) != bool(middle) or (middle and (rest % middle or rest // middle % v)):
+            raise SpecError(f"{rest} layers left for {middle} middle stages x {v} virtual "
+                            "stages: Megatron needs an even split of them")
+        per_rank = [rest // middle if middle else 0] * pp
+        if first is not None:
+            per_rank[0] = first
+        if last is not None:
+            per_rank[-1] = last
+        return tuple(per_rank[j % pp] // v for j in range(pp * v))
+    total = num_layers + embedding + loss
+    if total % pp or total // pp % v:
+        raise SpecError(f"{num_layers} layers{' + embedding' * embedding}{' + loss' * loss} "
+                        f"do not split evenly over pp={pp} x {v} virtual stages")
+    chunks = [total // pp // v] * (pp * v)
+    chunks[0] -= embedding
+    chunks[-1] -= loss
+    if min(chunks) < 0:
+        raise SpecError("not enough layers for the embedding/loss stage")
+    return tuple(chunks)
+
+
+def _unroll(text: str) -> str:
+    """Expand ``(...)*n`` then ``x*n`` in a pipeline layout string, commas dropped."""
+    text = text.replace(",", "").replace(" ", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+    return text
+
+
+def _split_fields(layout: StackLayout, num_layers: int) -> dict:
+    """The Megatron split arguments that give ``layout.layers_per_chunk``: the even split, the
+    embedding/loss accounting, first/last stage sizes, else an explicit layout string."""
+    want = tuple(layout.layers_per_chunk(num_layers))
+    pp = layout.pp
+    v = layout.virtual_stages if layout.schedule == "interleaved-1f1b" and pp > 1 else None
+    if len(want) != pp * (v or 1) or sum(want) != num_layers or min(want) < 0:
+        raise NotSupportedError(f"stage_layers {want}: need {pp * (v or 1)} chunks of "
+                                f"{num_layers} blocks in all; re-plan the split")
+    if pp == 1:
+        return {}
+    per_rank = [sum(want[j] for j in range(r, len(want), pp)) for r in range(pp)]
+    cands = [{}, {"embedding": True}, {"loss": True}, {"embedding": True, "loss": True}]
+    middle = per_rank[1] if pp > 2 else None
+    ends = {"first": per_rank[0] if per_rank[0] != middle else None,
+            "last": per_rank[-1] if per_rank[-1] != middle or pp == 2 else None}
+    cands.append({k: n for k, n in ends.items() if n is not None})
+    for kw in cands:
+        try:
+            if chunks_of(num_layers, pp, v, **kw) == want:
+                return {"vp": v, **kw}
+        except SpecError:
+            continue
+    stages = [("E" if j == 0 else "") + (f"t*{n}" if n else "") + ("L" if j == len(want) - 1
+                                                                  else "")
+              for j, n in enumerate(want)]
+    return {"vp": v, "pp_layout": "|".join(stages)}
+
+
+# --- export ----------------------------------------------------------------------------------
+
+def _vocab_divisor(vocab: int, tp: int) -> int:
+    """--make-vocab-size-divisible-by that keeps ``vocab`` unpadded (Megatron pads the
+    vocabulary to a multiple of it x tp; default 128): the largest power of two <= 128."""
+    d = 128
+    while d > 1 and vocab % (d * tp):
+        d //= 2
+    return d if vocab % (d * tp) == 0 else 128
+
+
+def _header(layout: StackLayout, arch: ModelArch, what: str) -> list[str]:
+    return [f"# meshplan -> {what}, Megatron-Core {MEGATRON_VERSION} (Megatron-LM core_v"
+            f"{MEGATRON_VERSION}): {layout.words()}",
+            f"# devices: {layout.devices}", f"# model: {arch.words()}"]
+
+
+def to_megatron(layout: StackLayout, arch: ModelArch) -> str:
+    """Megatron-LM ``pretrain_gpt.py`` arguments, one ``--flag [value]`` a line; the
+    ``# devices: N`` header line is the launcher's world size (torchrun --nnodes x
+    --nproc-per-node). NotSupportedError (one line) for a layout Megatron cannot run."""
+    _check(layout, arch)
+    L, a = layout, arch
+    args: list[tuple[str, object]] = [
+        ("--num-layers", a.layers), ("--hidden-size", a.hidden),
+        ("--ffn-hidden-size", a.ffn_hidden), ("--num-attention-heads", a.heads)]
+    if a.kv_heads != a.heads:
+        args += [("--group-query-attention", None), ("--num-query-groups", a.kv_heads)]
+    if a.head_dim != a.hidden // a.heads:
+        args.append(("--kv-channels", a.head_dim))
+    args += [("--seq-length", L.seq_len), ("--max-position-embeddings", a.max_positions),
+             ("--position-embedding-type", "rope"), ("--rotary-base", int(a.rope_theta)),
+             ("--normalization", "RMSNorm"), ("--norm-epsilon", a.norm_eps),
+             ("--swiglu", None), ("--disable-bias-linear", None)]
+    if not a.tied_embeddings:
+        args.append(("--untie-embeddings-and-output-weights", None))
+    if a.family == "qwen3":
+        args.append(("--qk-layernorm", None))
+    args += [("--attention-dropout", 0.0), ("--hidden-dropout", 0.0),
+             # the null tokenizer adds an end-of-document token: vocab - 1 gives vocab
+             ("--tokenizer-type", "NullTokenizer"), ("--vocab-size", a.vocab - 1),
+             ("--make-vocab-size-divisible-by", _vocab_divisor(a.vocab, L.tp)),
+             ("--attention-backend", "fused"),
+             ("--tensor-model-parallel-size", L.tp), ("--pipeline-model-parallel-size", L.pp),
+             ("--context-parallel-size", L.cp)]
+    if L.cp > 1:
+        args.append(("--cp-comm-type", "p2p"))
+    if L.sequence_parallel:
+        args.append(("--sequence-parallel", None))
+    split = _split_fields(L, a.layers)
+    if split.get("pp_layout"):
+        args.append(("--pipeline-model-parallel-layout", split["pp_layout"]))
+    elif split.get("vp"):
+        args.append(("--num-virtual-stages-per-pipeline-rank", split["vp"]))
+    for key, flag in (("first", "--decoder-first-pipeline-num-layers"),
+                      ("last", "--decoder-last-pipeline-num-layers")):
+        if split.get(key) is not None:
+            args.append((flag, split[key]))
+    for key, flag in (("embedding", "--account-for-embedding-in-pipeline-split"),
+                      ("loss", "--account-for-loss-in-pipeline-split")):
+        if split.get(key):
+            args.append((flag, None))
+    args += [("--micro-batch-size", L.microbatch_size), ("--global-batch-size", L.global_batch)]
+    if L.dtype in ("bf16", "fp8"):
+        args.append(("--bf16", None))
+    if L.dtype == "fp8":
+        args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "tensorwise")]
+    if L.recompute == "selective":
+        args.append(("--recompute-granularity", "selective"))
+    elif L.recompute == "full":
+        args += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
+                 ("--recompute-num-layers", 1)]
+    if L.zero == 1:
+        args.append(("--use-distributed-optimizer", None))
+    args.append(("--overlap-grad-reduce", None))
+    if L.zero == 1:
+        args.append(("--overlap-param-gather", None))
+    if L.sequence_parallel:  # Megatron overlaps TP communication only with SP
+        args.append(("--tp-comm-overlap", None))
+    lines = _header(L, a, "Megatron-LM pretrain_gpt.py")
+    lines += [flag if value is None else f"{flag} {value}" for flag, value in args]
+    return "\n".join(lines) + "\n"
+
+
+def nemo_overrides(layout: StackLayout, arch: ModelArch, *, devices_per_node: int = 8) -> str:
+    """The same layout as NeMo 2 recipe overrides (``recipe = llm.<model>.pretrain_recipe(...)``
+    then these assignments): ``MegatronStrategy`` fields, the DDP and optimizer configs, the
+    data module, the model config's recompute / cp fields, the precision plugin and the
+    ``MegatronCommOverlapCallback`` (names from NeMo's nemo/collections/llm/recipes)."""
+    _check(layout, arch)
+    L = layout
+    if L.devices % devices_per_node and L.devices > devices_per_node:
+        raise SpecError(f"{L.devices} devices are not whole nodes of {devices_per_node}")
+    split = _split_fields(L, arch.layers)
+    s, m = "recipe.trainer.strategy", "recipe.model.config"
+    out = _header(L, arch, "NeMo 2 recipe overrides")
+    out += ["# recipe = llm.<model>.pretrain_recipe(...) first, e.g. llm.llama3_70b",
+            "import nemo_run as run", "from nemo import lightning as nl",
+            "from nemo.collections.llm.recipes.precision.mixed_precision import bf16_mixed, "
+            "bf16_with_fp8_current_scaling_mixed",
+            "from nemo.lightning.pytorch.callbacks.megatron_comm_overlap import "
+            "MegatronCommOverlapCallback"]
+    out += [f"recipe.trainer.num_nodes = {max(1, L.devices // devices_per_node)}",
+            f"recipe.trainer.devices = {min(L.devices, devices_per_node)}",
+            f"{s}.tensor_model_parallel_size = {L.tp}",
+            f"{s}.pipeline_model_parallel_size = {L.pp}",
+            f"{s}.virtual_pipeline_model_parallel_size = {split.get('vp')}",
+            f"{s}.context_parallel_size = {L.cp}",
+            f"{s}.sequence_parallel = {L.sequence_parallel}"]
+    for key, field in (("first", "num_layers_in_first_pipeline_stage"),
+                       ("last", "num_layers_in_last_pipeline_stage"),
+                       ("embedding", "account_for_embedding_in_pipeline_split"),
+                       ("loss", "account_for_loss_in_pipeline_split"),
+                       ("pp_layout", "pipeline_model_parallel_layout")):
+        if split.get(key) is not None:
+            out.append(f"{s}.{field} = {split[key]!r}")
+    out += [f"{s}.ddp.overlap_grad_reduce = True",
+            f"{s}.ddp.overlap_param_gather = {L.zero == 1}",
+            f"recipe.optim.config.use_distributed_optimizer = {L.zero == 1}",
+            f"recipe.data.micro_batch_size = {L.microbatch_size}",
+            f"recipe.data.global_batch_size = {L.global_batch}",
+            f"recipe.data.seq_length = {L.seq_len}", f"{m}.seq_length = {L.seq_len}"]
+    if L.cp > 1:
+        out.append(f'{m}.cp_comm_type = "p2p"')
+    rec = {"none": (None, None, None), "selective": ("selective", None, None),
+           "full": ("full", "uniform", 1)}[L.recompute]
+    out += [f"{m}.recompute_{k} = {v!r}" for k, v in
+            zip(("granularity", "method", "num_layers"), rec)]
+    out.append("recipe.trainer.plugins = " + {
+        "bf16": "bf16_mixed()", "fp8": "bf16_with_fp8_current_scaling_mixed()",
+        "fp32": 'run.Config(nl.MegatronMixedPrecision, precision="32")'}[L.dtype])
+    if L.sequence_parallel:
+        out.append("recipe.trainer.callbacks.append(run.Config(MegatronCommOverlapCallback, "
+                   "tp_comm_overlap=True))")
+    return "\n".join(out) + "\n"
+
+
+# --- import ----------------------------------------------------------------------------------
+
+# flags read, with Megatron-LM core_v0.16.1's defaults (megatron/training/arguments.py and the
+# TransformerConfig fields it exposes); "bool": store_true (or store_false: listed as False)
+_VALUE_FLAGS = {
+    "--num-layers": (int, None), "--hidden-size": (int, None), "--ffn-hidden-size": (int, None),
+    "--num-attention-heads": (int, None), "--num-query-groups": (int, 1),
+    "--kv-channels": (int, None), "--seq-length": (int, None),
+    "--max-position-embeddings": (int, None), "--position-embedding-type":
+    (str, "learned_absolute"), "--rotary-base": (int, 10000), "--normalization":
+    (str, "LayerNorm"), "--norm-epsilon": (float, 1e-5), "--vocab-size": (int, None),
+    "--tokenizer-type": (str, None), "--make-vocab-size-divisible-by": (int, 128),
+    "--tensor-model-parallel-size": (int, 1), "--pipeline-model-parallel-size": (int, 1),
+    "--context-parallel-size": (int, 1), "--num-layers-per-virtual-pipeline-stage": (int, None),
+    "--num-virtual-stages-per-pipeline-rank": (int, None),
+    "--decoder-first-pipeline-num-layers": (int, None),
+    "--decoder-last-pipeline-num-layers": (int, None),
+    "--pipeline-model-parallel-layout": (str, None), "--micro-batch-size": (int, None),
+    "--global-batch-size": (int, None), "--recompute-granularity": (str, None),
+    "--recompute-method": (str, None), "--recompute-num-layers": (int, None),
+    "--fp8-format": (str, None), "--fp8-recipe": (str, "delayed"), "--num-experts": (int, None),
+    "--num-distributed-optimizer-instances": (int, 1),
+}
+_LIST_FLAGS = {"--cp-comm-type": ["p2p"], "--recompute-modules": None}
+_BOOL_FLAGS = ("--group-query-attention", "--use-rotary-position-embeddings", "--swiglu",
+               "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--add-qkv-bias",
+               "--qk-layernorm", "--sequence-parallel", "--use-distributed-optimizer",
+               "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+               "--recompute-activations", "--bf16", "--fp16", "--use-torch-fsdp2",
+               "--use-megatron-fsdp", "--multi-latent-attention")
+_REFUSED = {"--fp16": "fp16 needs loss scaling, which meshplan does not price; train with --bf16",
+            "--use-torch-fsdp2": "torch FSDP2 (ZeRO-3) is not what meshplan's megatron "
+            "profile prices; use --use-distributed-optimizer or import it as torchtitan",
+            "--use-megatron-fsdp": "Megatron FSDP is not what meshplan's megatron profile "
+            "prices; use --use-distributed-optimizer",
+            "--multi-latent-attention": "MLA: export/import covers Llama and Qwen3 decoders"}
+
+
+def _read_args(text: str) -> tuple[dict, int | None]:
+    """Flags -> values (Megatron's defaults for missing ones) and the ``# devices: N`` header."""
+    devices = None
+    words = []
+    for line in text.splitlines():
+        code, _, comment = line.partition("#")
+        hit = re.match(r"\s*devices:\s*(\d+)", comment)
+        if hit:
+            devices = int(hit.group(1))
+        words += shlex.split(code.replace("\\", " "))
+    given: dict[str, list[str]] = {}
+    flag = None
+    for w in words:
+        if w.startswith("--"):
+            flag, eq, value = w.partition("=")
+            given[flag] = [value] if eq else []
+        elif flag is not None:
+            given[flag].append(w)
+    args: dict = {}
+    for name, (kind, default) in _VALUE_FLAGS.items():
+        vals = given.get(name)
+        if vals is not None and len(vals) != 1:
+            raise SpecError(f"{name} takes one value, got {len(vals)}: {' '.join(vals)!r}")
+        try:
+            args[name] = kind(vals[0]) if vals else default
+        except ValueError:
+            raise SpecError(f"{name} {vals[0]!r}: not a {kind.__name__}") from None
+    for name, default in _LIST_FLAGS.items():
+        args[name] = given.get(name) or default
+    for name in _BOOL_FLAGS:
+        if given.get(name):
+            raise SpecError(f"{name} is a switch and takes no value, got {given[name]!r}")
+        args[name] = name in given
+    return args, devices
+
+
+def from_megatron(text: str, *, devices: int | None = None,
+                  vocab: int | None = None) -> tuple[StackLayout, ModelArch]:
+    """(StackLayout, ModelArch) of a ``pretrain_gpt.py`` argument list (one flag a line or one
+    shell line; comments and backslashes ignored), with Megatron-LM's defaults for missing
+    flags. The data-parallel size needs the world size: ``devices=`` or a ``# devices: N``
+    line. ``vocab``: the tokenizer's vocabulary where it is not a NullTokenizer."""
+    a, header = _read_args(text)
+    if devices is not None and header is not None and devices != header:
+        raise SpecError(f"devices={devices} but the argument list says '# devices: {header}'")
+    devices = devices if devices is not None else header
+    if devices is None:
+        raise SpecError("the world size is unknown (Megatron takes it from the launcher): pass "
+                        "devices=N or add a '# devices: N' line")
+    for flag, why in _REFUSED.items():
+        if a[flag]:
+            raise NotSupportedError(f"{flag}: {why}")
+    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads",
+                 "--max-position-embeddings", "--seq-length", "--micro-batch-size"):
+        if a[flag] is None:
+            raise SpecError(f"{flag} is missing: Megatron-LM requires it")
+    rope = a["--position-embedding-type"] == "rope" or a["--use-rotary-position-embeddings"]
+    if not (rope and a["--normalization"] == "RMSNorm" and a["--swiglu"] and
+            a["--disable-bias-linear"] and not a["--add-qkv-bias"] and not a["--num-experts"]):
+        raise NotSupportedError("not a Llama/Qwen3 decoder (needs --position-embedding-type "
+                                "rope, --normalization RMSNorm, --swiglu, --disable-bias-linear, "
+                                "no biases, no experts): import covers those families")
+    tp, pp, cp = (a[f"--{k}-parallel-size"] for k in ("tensor-model", "pipeline-model",
+                                                       "context"))
+    if devices % (tp * pp * cp):
+        raise SpecError(f"{devices} devices are not a multiple of tp {tp} x pp {pp} x cp {cp}")
+    dp = devices // (tp * pp * cp)
+    h, heads, layers = a["--hidden-size"], a["--num-attention-heads"], a["--num-layers"]
+    if a["--tokenizer-type"] == "NullTokenizer" and a["--vocab-size"] is not None:
+        vocab = a["--vocab-size"] + 1  # the null tokenizer's end-of-document token
+    if vocab is None:
+        raise SpecError(f"--tokenizer-type {a['--tokenizer-type']}: the vocabulary comes from "
+                        "the tokenizer's files; pass vocab=N")
+    step = a["--make-vocab-size-divisible-by"] * tp  # Megatron pads it (_vocab_size_with_padding)
+    arch = ModelArch(
+        family="qwen3" if a["--qk-layernorm"] else "llama", hidden=h,
+        ffn_hidden=a["--ffn-hidden-size"] or int(4 * h * 2 / 3 / 64) * 64, layers=layers,
+        heads=heads, kv_heads=a["--num-query-groups"] if a["--group-query-attention"] else heads,
+        head_dim=a["--kv-channels"] or h // heads, vocab=-(-vocab // step) * step,
+        max_positions=a["--max-position-embeddings"], rope_theta=float(a["--rotary-base"]),
+        norm_eps=a["--norm-epsilon"],
+        tied_embeddings=not a["--untie-embeddings-and-output-weights"])
+    bad_cp = sorted(set(a["--cp-comm-type"]) - {"p2p", "allgather"})
+    if cp > 1 and bad_cp:
+        raise NotSupportedError(f"--cp-comm-type {' '.join(bad_cp)}: meshplan prices context "
+                                "parallelism as a K/V ring or all-gather (p2p, allgather)")
+    vp = a["--num-virtual-stages-per-pipeline-rank"]
+    embedding = a["--account-for-embedding-in-pipeline-split"]
+    loss = a["--account-for-loss-in-pipeline-split"]
+    if a["--num-layers-per-virtual-pipeline-stage"]:
+        per_rank = (layers + embedding + loss) // pp
+        vp = per_rank // a["--num-layers-per-virtual-pipeline-stage"]
+    chunks = chunks_of(layers, pp, vp, first=a["--decoder-first-pipeline-num-layers"],
+                       last=a["--decoder-last-pipeline-num-layers"], embedding=embedding,
+                       loss=loss, pp_layout=a["--pipeline-model-parallel-layout"])
+    vp = len(chunks) // pp
+    layout = StackLayout(
+        dp=dp, tp=tp, cp=cp, pp=pp, schedule="interleaved-1f1b" if vp > 1 else "1f1b",
+        virtual_stages=vp, microbatch_size=a["--micro-batch-size"],
+        global_batch=a["--global-batch-size"] or a["--micro-batch-size"] * dp,
+        seq_len=a["--seq-length"], recompute=_recompute(a, max(chunks)),
+        sequence_parallel=a["--sequence-parallel"] and tp > 1,
+        zero=1 if a["--use-distributed-optimizer"] else 0, dtype=_dtype(a))
+    if chunks != layout.layers_per_chunk(layers):
+        layout = replace(layout, stage_layers=chunks)
+    if a["--num-distributed-optimizer-instances"] != 1:
+        raise NotSupportedError("--num-distributed-optimizer-instances > 1 shards over part of "
+                                "dp x cp; meshplan prices the distributed optimizer over all of it")
+    return layout, arch
+
+
+def _recompute(a: dict, most_layers: int) -> str:
+    granularity = "selective" if a["--recompute-activations"] else a["--recompute-granularity"]
+    modules = a["--recompute-modules"]
+    if granularity == "selective" and modules not in (None, ["core_attn"]):
+        raise NotSupportedError(f"--recompute-modules {' '.join(modules)}: meshplan prices "
+                                "selective recompute of the attention core (core_attn)")
+    if granularity != "full":
+        return granularity or "none"
+    method, n = a["--recompute-method"], a["--recompute-num-layers"]
+    if (method, n) == ("uniform", 1) or (method == "block" and (n or 0) >= most_layers):
+        return "full"
+    raise NotSupportedError(f"--recompute-method {method} --recompute-num-layers {n}: meshplan "
+                            "prices full recompute of every layer (uniform 1, or block >= the "
+                            "layers per chunk)")
+
+
+def _dtype(a: dict) -> str:
+    if a["--fp8-format"] is None:
+        return "bf16" if a["--bf16"] else "fp32"
+    if a["--fp8-recipe"] != "tensorwise" or not a["--bf16"]:
+        raise NotSupportedError(f"--fp8-recipe {a['--fp8-recipe']}: meshplan prices fp8 as "
+                                "Transformer Engine's current scaling with bf16 "
+                                "(--bf16 --fp8-recipe tensorwise)")
+    return "fp8"

@@ -1,0 +1,420 @@
+"""Export to and import from Megatron-LM / NeMo (meshplan/stacks/megatron.py, issue 29).
+
+Round trip: ``from_megatron(to_megatron(L)) == L`` over generated layouts that ``problems``
+accepts (a hypothesis property, derandomized so its counts are reproducible). Checked by
+Megatron's own code: the exported arguments of the Llama 3.1 runs build megatron-core 0.16.1's
+``TransformerConfig`` / ``DistributedDataParallelConfig`` / ``OptimizerConfig`` (their
+``__post_init__`` checks run) as Megatron-LM's ``core_transformer_config_from_args`` maps the
+flags, and Megatron-Core's ``get_num_layers_to_build`` gives every pipeline chunk the blocks
+the layout says. Every flag written or read is one of Megatron-LM's (``VERIFIED_FLAGS``).
+"""
+
+import dataclasses
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshplan.errors import NotSupportedError, SpecError
+from meshplan.stacks import ModelArch, StackLayout, arch_of_spec
+from meshplan.stacks import megatron
+from meshplan.stacks.megatron import from_megatron, nemo_overrides, problems, to_megatron
+
+# Flags this module writes or reads, each found in the argument parser of Megatron-LM tag
+# core_v0.16.1 (commit 55ac7082517c3878ae653c07c09c534b8aed49f6):
+# megatron/training/arguments.py ``add_megatron_arguments`` built over megatron-core 0.16.1
+# (681 ``--`` flags; several are generated from TransformerConfig fields by
+# megatron/training/argument_utils.py, so a text search of arguments.py misses them).
+VERIFIED_FLAGS = frozenset("""
+--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split --add-qkv-bias
+--attention-backend --attention-dropout --bf16 --context-parallel-size --cp-comm-type
+--decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers --disable-bias-linear
+--ffn-hidden-size --fp16 --fp8-format --fp8-recipe --global-batch-size --group-query-attention
+--hidden-dropout --hidden-size --kv-channels --make-vocab-size-divisible-by
+--max-position-embeddings --micro-batch-size --multi-latent-attention --norm-epsilon
+--normalization --num-attention-heads --num-distributed-optimizer-instances --num-experts
+--num-layers --num-layers-per-virtual-pipeline-stage --num-query-groups
+--num-virtual-stages-per-pipeline-rank --overlap-grad-reduce --overlap-param-gather
+--pipeline-model-parallel-layout --pipeline-model-parallel-size --position-embedding-type
+--qk-layernorm --recompute-activations --recompute-granularity --recompute-method
+--recompute-modules --recompute-num-layers --rotary-base --seq-length --sequence-parallel
+--swiglu --tensor-model-parallel-size --tokenizer-type --tp-comm-overlap
+--untie-embeddings-and-output-weights --use-distributed-optimizer --use-megatron-fsdp
+--use-rotary-position-embeddings --use-torch-fsdp2 --vocab-size
+""".split())
+
+QWEN3_06B = ModelArch(family="qwen3", hidden=1024, ffn_hidden=3072, layers=28, heads=16,
+                      kv_heads=8, head_dim=128, vocab=151936, max_positions=40960,
+                      rope_theta=1e6, norm_eps=1e-6, tied_embeddings=True)  # Qwen3-0.6B config
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return {m: arch_of_spec(f"llama3.1-{m}") for m in ("8b", "70b", "405b")}
+
+
+def runs(llama):
+    """The issue's four runs on H100s, in NeMo's published layouts (benchmarks/
+    nemo_published.py: 8B TP1 PP1 CP2, 70B TP4 PP4 CP2 VP5; 405B as NeMo's recipe shape
+    TP8 PP8 CP2, here VP8 on 1,024 GPUs), and 405B at 131,072 tokens with CP16."""
+    common = dict(microbatch_size=1, zero=1, dtype="bf16")
+    return {
+        "8b-8": (llama["8b"], StackLayout(dp=4, cp=2, global_batch=128, seq_len=8192, **common)),
+        "70b-64": (llama["70b"], StackLayout(dp=2, tp=4, cp=2, pp=4, schedule="interleaved-1f1b",
+                                             virtual_stages=5, global_batch=128, seq_len=8192,
+                                             sequence_parallel=True, **common)),
+        "405b-1024": (llama["405b"], StackLayout(
+            dp=8, tp=8, cp=2, pp=8, schedule="interleaved-1f1b", virtual_stages=8,
+            global_batch=512, seq_len=8192, sequence_parallel=True, **common)),
+        "405b-131k": (llama["405b"], StackLayout(
+            dp=1, tp=8, cp=16, pp=8, schedule="interleaved-1f1b", virtual_stages=8,
+            global_batch=64, seq_len=131072, sequence_parallel=True, recompute="full",
+            **common)),
+    }
+
+
+def flags_of(text: str) -> dict:
+    """``--flag value`` lines -> {flag: value or True}, comments skipped (not the module's
+    own reader: the check must not trust what it checks)."""
+    out = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            flag, _, value = line.partition(" ")
+            out[flag] = value or True
+    return out
+
+
+def test_issue_runs_round_trip_and_name_only_megatron_flags(llama):
+    for name, (arch, layout) in runs(llama).items():
+        assert problems(layout, arch) == (), name
+        text = to_megatron(layout, arch)
+        assert set(flags_of(text)) <= VERIFIED_FLAGS, name
+        assert from_megatron(text) == (layout, arch), name
+    read = set(megatron._VALUE_FLAGS) | set(megatron._LIST_FLAGS) | set(megatron._BOOL_FLAGS)
+    assert read <= VERIFIED_FLAGS
+
+
+def test_405b_split_is_nemos_embedding_and_loss_accounting(llama):
+    """126 blocks over 8 ranks x 8 virtual stages: meshplan's even chunks (one block fewer on
+    the first and the last chunk, Llama 3's cut) are what NeMo's 405B recipe asks Megatron
+    for with --account-for-embedding/loss-in-pipeline-split."""
+    arch, layout = runs(llama)["405b-1024"]
+    f = flags_of(to_megatron(layout, arch))
+    assert f["--num-virtual-stages-per-pipeline-rank"] == "8"
+    assert f["--account-for-embedding-in-pipeline-split"] is True
+    assert f["--account-for-loss-in-pipeline-split"] is True
+    assert "--pipeline-model-parallel-layout" not in f
+
+
+def test_uneven_splits_take_first_last_or_a_layout_string(llama):
+    arch = dataclasses.replace(llama["8b"], layers=30)
+    base = StackLayout(dp=1, pp=4, global_batch=8, seq_len=4096)
+    ends = dataclasses.replace(base, stage_layers=(6, 8, 8, 8))
+    f = flags_of(to_megatron(ends, arch))
+    assert f["--decoder-first-pipeline-num-layers"] == "6"
+    assert "--decoder-last-pipeline-num-layers" not in f
+    odd = dataclasses.replace(base, stage_layers=(9, 7, 8, 6))
+    f = flags_of(to_megatron(odd, arch))
+    assert f["--pipeline-model-parallel-layout"] == "Et*9|t*7|t*8|t*6L"
+    for layout in (ends, odd):
+        assert from_megatron(to_megatron(layout, arch)) == (layout, arch)
+
+
+def test_refusals_are_one_line(llama):
+    arch = llama["8b"]
+    base = StackLayout(dp=2, pp=2, global_batch=16, seq_len=4096)
+    for layout, word in ((dataclasses.replace(base, schedule="gpipe"), "gpipe"),
+                         (dataclasses.replace(base, zero=3), "zero=3"),
+                         (dataclasses.replace(base, compiled=True), "compiled")):
+        found = problems(layout, arch)
+        assert len(found) == 1 and word in found[0] and "\n" not in found[0]
+        with pytest.raises(NotSupportedError, match=re.escape(found[0])):
+            to_megatron(layout, arch)
+    many = StackLayout(dp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2,
+                       global_batch=6, seq_len=4096)  # 3 microbatches, pp 2
+    assert any("multiple of 2" in p for p in problems(many, arch))
+
+
+def test_import_defaults_and_world_size(llama):
+    text = """# a Megatron-LM launch script (published style): one shell line
+    torchrun pretrain_gpt.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
+      --seq-length 8192 --max-position-embeddings 8192 --micro-batch-size 1 \\
+      --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear \\
+      --tokenizer-type NullTokenizer --vocab-size 128255 --bf16 --lr 3e-4"""
+    with pytest.raises(SpecError, match="devices=N"):
+        from_megatron(text)
+    layout, arch = from_megatron(text, devices=16)
+    assert (layout.dp, layout.tp, layout.global_batch, layout.zero) == (16, 1, 16, 0)
+    assert (arch.ffn_hidden, arch.kv_heads, arch.rope_theta) == (10880, 32, 10000.0)
+    assert arch.tied_embeddings and arch.vocab == 128256
+    layout, arch = from_megatron(text + " --tensor-model-parallel-size 8", devices=16)
+    assert arch.vocab == 129024  # padded to a multiple of 128 x tp, as Megatron builds it
+    with pytest.raises(NotSupportedError, match="--fp16"):
+        from_megatron(text.replace("--bf16", "--fp16"), devices=8)
+
+
+def test_nemo_overrides_name_the_recipe_fields(llama):
+    arch, layout = runs(llama)["405b-1024"]
+    text = nemo_overrides(layout, arch)
+    assert "recipe.trainer.num_nodes = 128" in text
+    assert "recipe.trainer.strategy.virtual_pipeline_model_parallel_size = 8" in text
+    assert "recipe.trainer.strategy.account_for_loss_in_pipeline_split = True" in text
+    assert "MegatronCommOverlapCallback, tp_comm_overlap=True" in text
+    compile(text, "nemo_overrides", "exec")  # a Python snippet to paste after the recipe
+
+
+@st.composite
+def cases(draw):
+    """(arch, layout): degrees, schedule, batch, recompute, precision, and the split: even,
+    meshplan's own uneven one, first/last-stage sizes, embedding/loss accounting, arbitrary;
+    now and then something Megatron refuses (gpipe, ZeRO 2/3, compiled, SP without TP)."""
+    base = draw(st.sampled_from((arch_of_spec("llama3.1-8b"), QWEN3_06B)))
+    tp = draw(st.sampled_from((1, 2, 4, 8)))
+    cp, pp = draw(st.sampled_from((1, 2, 4))), draw(st.sampled_from((1, 2, 3, 4, 8)))
+    interleaved = pp > 1 and draw(st.booleans())
+    vp = draw(st.integers(2, 3)) if interleaved else 1
+    dp, mb = draw(st.integers(1, 4)), draw(st.integers(1, 2))
+    micro = draw(st.integers(1, 3)) * (pp if interleaved else 1) + draw(st.sampled_from(
+        (0,) * 9 + (1,)))  # now and then a count the interleaved schedule refuses
+    n = pp * vp
+    kind = draw(st.sampled_from(("even", "meshplan", "ends", "account", "any")))
+    c = draw(st.integers(1, 3))
+    if kind == "even":
+        chunks = [c] * n
+    elif kind == "ends":  # per rank: first f, middle c, last l (each per chunk)
+        f, l = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+        chunks = [f if j % pp == 0 else l if j % pp == pp - 1 else c for j in range(n)]
+    elif kind == "account":
+        chunks = [c + 1] * n
+        chunks[0] -= draw(st.booleans())
+        chunks[-1] -= draw(st.booleans())
+    else:
+        chunks = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    layers = max(1, sum(chunks)) if kind != "meshplan" else draw(st.integers(max(1, n - 2), 40))
+    layout = StackLayout(
+        dp=dp, tp=tp, cp=cp, pp=pp, schedule="interleaved-1f1b" if interleaved else "1f1b",
+        virtual_stages=vp, microbatch_size=mb, global_batch=dp * mb * micro,
+        seq_len=draw(st.sampled_from((2048, 4096))),
+        recompute=draw(st.sampled_from(("none", "selective", "full"))),
+        sequence_parallel=draw(st.booleans()), zero=draw(st.sampled_from((0, 1) * 4 + (2, 3))),
+        dtype=draw(st.sampled_from(("bf16", "fp8", "fp32"))),
+        compiled=draw(st.sampled_from((False,) * 9 + (True,))))
+    if pp > 1 and not interleaved and draw(st.sampled_from((False,) * 9 + (True,))):
+        layout = dataclasses.replace(layout, schedule="gpipe")
+    if kind != "meshplan" and sum(chunks) == layers and \
+            tuple(chunks) != layout.layers_per_chunk(layers):
+        layout = dataclasses.replace(layout, stage_layers=tuple(chunks))
+    return dataclasses.replace(base, layers=layers), layout
+
+
+def test_round_trip_property():
+    """Every generated layout Megatron can run comes back unchanged, its architecture too;
+    every other is refused by to_megatron with problems' first line."""
+    seen = {"accepted": 0, "refused": 0, "layout string": 0, "first/last": 0, "accounting": 0}
+
+    @settings(max_examples=600, deadline=None, derandomize=True, database=None)
+    @given(cases())
+    def prop(case):
+        arch, layout = case
+        found = problems(arch=arch, layout=layout)
+        if found:
+            seen["refused"] += 1
+            with pytest.raises(NotSupportedError):
+                to_megatron(layout, arch)
+            return
+        seen["accepted"] += 1
+        text = to_megatron(layout, arch)
+        seen["layout string"] += "--pipeline-model-parallel-layout" in text
+        seen["first/last"] += "pipeline-num-layers" in text
+        seen["accounting"] += "in-pipeline-split" in text
+        assert from_megatron(text, devices=layout.devices) == (layout, arch)
+
+    prop()
+    print("round trip:", seen)
+    assert seen["accepted"] >= 300 and min(seen.values()) >= 20, seen
+
+
+# --- checked by megatron-core's own code ------------------------------------------------------
+
+def megatron_configs(text: str):
+    """megatron-core 0.16.1's configs from an exported argument list, each flag mapped to its
+    field as Megatron-LM's ``core_transformer_config_from_args`` and ``validate_args`` do."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    f = flags_of(text)
+    num = lambda k, d=None: int(f[k]) if k in f else d  # noqa: E731
+    dtype = torch.bfloat16 if "--bf16" in f else torch.float32
+    vp = num("--num-virtual-stages-per-pipeline-rank")
+    cfg = TransformerConfig(
+        num_layers=num("--num-layers"), hidden_size=num("--hidden-size"),
+        ffn_hidden_size=num("--ffn-hidden-size"), num_attention_heads=num("--num-attention-heads"),
+        num_query_groups=num("--num-query-groups") if "--group-query-attention" in f else None,
+        kv_channels=num("--kv-channels"),
+        tensor_model_parallel_size=num("--tensor-model-parallel-size"),
+        pipeline_model_parallel_size=num("--pipeline-model-parallel-size"),
+        context_parallel_size=num("--context-parallel-size"),
+        virtual_pipeline_model_parallel_size=vp if vp and vp > 1 else None,
+        sequence_parallel="--sequence-parallel" in f, cp_comm_type=f.get("--cp-comm-type", "p2p"),
+        num_layers_in_first_pipeline_stage=num("--decoder-first-pipeline-num-layers"),
+        num_layers_in_last_pipeline_stage=num("--decoder-last-pipeline-num-layers"),
+        account_for_embedding_in_pipeline_split="--account-for-embedding-in-pipeline-split" in f,
+        account_for_loss_in_pipeline_split="--account-for-loss-in-pipeline-split" in f,
+        pipeline_model_parallel_layout=f.get("--pipeline-model-parallel-layout"),
+        normalization=f["--normalization"], layernorm_epsilon=float(f["--norm-epsilon"]),
+        gated_linear_unit="--swiglu" in f, activation_func=F.silu,
+        add_bias_linear="--disable-bias-linear" not in f, qk_layernorm="--qk-layernorm" in f,
+        hidden_dropout=float(f["--hidden-dropout"]),
+        attention_dropout=float(f["--attention-dropout"]),
+        bf16="--bf16" in f, params_dtype=dtype, pipeline_dtype=dtype,
+        fp8=f.get("--fp8-format"), fp8_recipe=f.get("--fp8-recipe", "delayed"),
+        recompute_granularity=f.get("--recompute-granularity"),
+        recompute_method=f.get("--recompute-method"),
+        recompute_num_layers=num("--recompute-num-layers"),
+        tp_comm_overlap="--tp-comm-overlap" in f,
+        attention_backend=AttnBackend[f["--attention-backend"]],
+        batch_p2p_comm=False, deallocate_pipeline_outputs=True)  # overlap_p2p_comm default
+    distributed = "--use-distributed-optimizer" in f
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce="--overlap-grad-reduce" in f,
+        overlap_param_gather="--overlap-param-gather" in f,
+        use_distributed_optimizer=distributed)
+    opt = OptimizerConfig(optimizer="adam", lr=3e-4, bf16="--bf16" in f, params_dtype=dtype,
+                          use_distributed_optimizer=distributed,
+                          overlap_param_gather="--overlap-param-gather" in f)
+    return cfg, ddp, opt
+
+
+def megatron_chunks(cfg) -> tuple[int, ...]:
+    """Blocks per chunk (chunk j = virtual stage j // pp on rank j % pp) by Megatron-Core."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    pp, vp = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size
+    out = []
+    try:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(vp)
+        for j in range(pp * (vp or 1)):
+            parallel_state.set_pipeline_model_parallel_rank(j % pp)
+            out.append(get_num_layers_to_build(cfg, vp_stage=j // pp if vp else None,
+                                               pp_rank=j % pp))
+    finally:
+        parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+        parallel_state.set_pipeline_model_parallel_rank(None)
+    return tuple(out)
+
+
+def test_megatron_core_accepts_the_issue_runs(llama):
+    pytest.importorskip("megatron.core")
+    for name, (arch, layout) in runs(llama).items():
+        cfg, ddp, opt = megatron_configs(to_megatron(layout, arch))
+        assert megatron_chunks(cfg) == layout.layers_per_chunk(arch.layers), name
+        assert (cfg.tensor_model_parallel_size, cfg.context_parallel_size,
+                cfg.pipeline_model_parallel_size) == (layout.tp, layout.cp, layout.pp)
+        assert cfg.num_query_groups == arch.kv_heads and cfg.kv_channels == arch.head_dim
+        assert ddp.use_distributed_optimizer and opt.use_distributed_optimizer
+        assert cfg.tp_comm_overlap == layout.sequence_parallel
+
+
+def test_megatron_core_splits_generated_layouts_as_exported():
+    """Megatron-Core's own split of every generated layout's exported arguments is the
+    layout's: first/last sizes, embedding/loss accounting and layout strings alike."""
+    pytest.importorskip("megatron.core")
+    checked = []
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    @given(cases())
+    def prop(case):
+        arch, layout = case
+        if problems(layout, arch):
+            return
+        cfg, ddp, _ = megatron_configs(to_megatron(layout, arch))
+        assert megatron_chunks(cfg) == layout.layers_per_chunk(arch.layers)
+        # Megatron-LM's validate_args: TP overlap only with SP, param gather only with ZeRO-1
+        assert cfg.tp_comm_overlap == cfg.sequence_parallel == layout.sequence_parallel
+        assert ddp.overlap_param_gather == ddp.use_distributed_optimizer == (layout.zero == 1)
+        checked.append(layout)
+
+    prop()
+    print("megatron-core split checks:", len(checked))
+    assert len(checked) >= 100
+
+
+# --- checked by Megatron-LM's own argument code (not in the wheel: a checkout) ----------------
+
+LM_CHECK = '''
+import os, shlex, sys
+from unittest import mock
+# batch_invariant_kernels needs triton (GPU builds only); nothing here calls it
+sys.modules["megatron.core.transformer.custom_layers.batch_invariant_kernels"] = mock.MagicMock()
+import argparse
+from megatron.training import arguments as A
+A.get_device_arch_version = lambda: 9  # Hopper, the plans' H100 (no GPU here)
+os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # Megatron-LM asks for it with tp/cp > 1
+for text in sys.stdin.read().split("\\f"):
+    devices = int(text.split("# devices:")[1].split()[0])
+    argv = shlex.split(" ".join(l for l in text.splitlines() if not l.startswith("#")))
+    # fused RoPE needs Transformer Engine; data and schedule are the launcher's additions
+    argv += ["--no-rope-fusion", "--mock-data", "--train-iters", "10", "--lr", "3e-4"]
+    args = A.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args(argv)
+    args.world_size, args.rank = devices, 0
+    A.validate_args(args)
+    A.core_transformer_config_from_args(args)
+    print("OK", args.data_parallel_size, args.virtual_pipeline_model_parallel_size)
+'''
+
+
+def test_megatron_lm_parses_and_validates_the_exports(llama):
+    """Megatron-LM core_v0.16.1's own ``parse_args`` parser, ``validate_args`` and
+    ``core_transformer_config_from_args`` on the four runs and four uneven splits. Needs a
+    Megatron-LM checkout at that tag (``MEGATRON_LM_DIR``) and its ``six``; skipped without."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.environ.get("MEGATRON_LM_DIR")
+    if not root or not os.path.isfile(os.path.join(root, "megatron/training/arguments.py")):
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
+    pytest.importorskip("six")
+    cases = list(runs(llama).values())
+    a30 = dataclasses.replace(llama["8b"], layers=30)
+    base = StackLayout(dp=1, pp=4, global_batch=8, seq_len=4096)
+    cases += [(a30, dataclasses.replace(base, stage_layers=(6, 8, 8, 8), dtype="fp8",
+                                        recompute="selective")),
+              (llama["8b"], dataclasses.replace(base, schedule="interleaved-1f1b",
+                                                virtual_stages=2, dtype="fp32",
+                                                stage_layers=(3, 4, 4, 5, 3, 4, 4, 5))),
+              (a30, dataclasses.replace(base, tp=2, zero=1, stage_layers=(9, 7, 8, 6))),
+              (a30, dataclasses.replace(base, tp=2, sequence_parallel=True, recompute="full",
+                                        schedule="interleaved-1f1b", virtual_stages=2,
+                                        stage_layers=(3, 4, 5, 3, 4, 4, 4, 3)))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", LM_CHECK], env=env, cwd=root,
+                         input="\f".join(to_megatron(lay, arch) for arch, lay in cases),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [line.split() for line in out.stdout.splitlines() if line.startswith("OK")]
+    assert [(int(d), None if v == "None" else int(v)) for _, d, v in got] == [
+        (lay.dp, lay.virtual_stages if lay.virtual_stages > 1 else None) for _, lay in cases]
+
+
+def test_a_meshplan_plan_exports_and_comes_back(tiny_llama_h100):
+    """plan -> layout_of -> to_megatron -> from_megatron: the plan's layout and model."""
+    import meshplan
+    from meshplan.stacks import arch_of_model, check_expressible, layout_of
+
+    model, graph, mesh = tiny_llama_h100
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=2, tp=2, pp=2, microbatch_size=1,
+                                sequence_parallel=True, zero=1, engine="megatron")
+    layout, arch = layout_of(plan), arch_of_model(model)
+    check_expressible(plan, layout, graph)
+    text = to_megatron(layout, arch)
+    assert "--tp-comm-overlap" in text and "--use-distributed-optimizer" in text
+    assert from_megatron(text) == (layout, arch)
+    assert (layout.dp, layout.tp, layout.pp, layout.microbatches) == (2, 2, 2, 4)
