@@ -72,11 +72,13 @@ def test_state_floor_is_below_what_the_estimate_counts(small):
     arch = arch_of_spec(SPEC)
     for lay in layouts("megatron", arch, devices=8, devices_per_node=8, global_batch=16,
                        seq_len=8192)[::37]:
-        est = meshplan.manual_plan(model, mesh, graph=graph, engine="megatron",
-                                   **lay.manual_kwargs()).predicted
-        m = est.memory
-        assert state_floor_gib(lay, graph.param_count, "bf16") <= \
-            m.params_gib + m.grads_gib + m.optimizer_gib + 1e-9, lay
+        plan = meshplan.manual_plan(model, mesh, graph=graph, engine="megatron",
+                                    **lay.manual_kwargs())
+        # the stage holding at least the average share of parameters holds at least this
+        states = max(st.predicted.memory.params_gib + st.predicted.memory.grads_gib
+                     + st.predicted.memory.optimizer_gib for st in plan.stages)
+        assert state_floor_gib(lay, graph.param_count, "bf16") <= states + 1e-9, lay
+        assert state_floor_gib(lay, graph.param_count, "bf16") <= plan.predicted.peak_memory_gib
 
 
 def test_a_plan_for_a_stack_is_run_there(small):

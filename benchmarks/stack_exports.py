@@ -1,0 +1,126 @@
+"""Published torchtitan and Megatron-LM / NeMo configurations, imported and priced beside
+what ``meshplan plan --for`` picks for the same model, batch and devices; both exported.
+
+trace -> **stacks**: for each run (Llama 3.1 8B on 8 H100s, 70B on 64, 405B on 1,024 at 8K
+tokens, 405B at 131K on 16,384) and each stack, the published configuration in
+``benchmarks/stack_configs/`` (each file names its source) is read with
+``meshplan.import_plan`` and priced as that stack runs it; ``search_layouts`` (what
+``meshplan plan --for`` runs) searches the layouts that stack accepts at the same global batch
+and sequence; the chosen plan is exported with ``meshplan.export_plan`` to
+``benchmarks/results/stack_exports/``. All on the ``dgx-h100`` preset.
+
+Run: python benchmarks/stack_exports.py [--only NAME] [--target torchtitan|megatron]
+Writes benchmarks/results/stack_exports.{md,json} (a partial run prints only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import meshplan
+from meshplan.specs import parse_model_spec
+from meshplan.stacks import layout_of
+from meshplan.stacks.commands import export_plan, import_plan
+from meshplan.stacks.search import search_layouts
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(HERE, "stack_configs")
+OUT = os.path.join(HERE, "results")
+SUFFIX = {"torchtitan": ".toml", "megatron": ".txt"}
+# (name, model preset, H100s, config file stem)
+RUNS = (
+    ("8B on 8 H100, 8K", "llama3.1-8b", 8, "llama3.1_8b_8gpu"),
+    ("70B on 64 H100, 8K", "llama3.1-70b", 64, "llama3.1_70b_64gpu"),
+    ("405B on 1024 H100, 8K", "llama3.1-405b", 1024, "llama3.1_405b_1024gpu"),
+    ("405B on 16384 H100, 131K", "llama3.1-405b", 16384, "llama3.1_405b_131k_16384gpu"),
+)
+
+
+def _row(name: str, target: str, spec: str, gpus: int, stem: str) -> dict | None:
+    path = os.path.join(CONFIGS, target, stem + SUFFIX[target])
+    if not os.path.exists(path):
+        return None
+    mesh = meshplan.Mesh.preset("dgx-h100", nodes=gpus // 8)
+    start = time.perf_counter()
+    theirs = import_plan(path, target, mesh, model_spec=spec)
+    imported_s = time.perf_counter() - start
+    start = time.perf_counter()
+    model = parse_model_spec(spec).build(device="meta")
+    ours, priced = search_layouts(model, mesh, target, graph=theirs.graph,
+                                  dtype=theirs.training.dtype,
+                                  compiled=theirs.training.compiled)
+    search_s = time.perf_counter() - start
+    ours = ours.with_spec(spec)
+    out_dir = os.path.join(OUT, "stack_exports")
+    os.makedirs(out_dir, exist_ok=True)
+    exported = os.path.join(out_dir, f"{stem}.meshplan{SUFFIX[target]}")
+    with open(exported, "w") as f:
+        f.write(export_plan(ours, target, graph=theirs.graph))
+    a, b = theirs.predicted, ours.predicted
+    return {"run": name, "target": target, "config": os.path.relpath(path, os.path.dirname(HERE)),
+            "published_layout": layout_of(theirs, compiled=theirs.training.compiled).words(),
+            "published_step_s": round(a.step_time_s, 3), "published_mfu": round(a.mfu, 4),
+            "published_peak_gib": round(a.peak_memory_gib, 1), "published_fits": a.fits,
+            "meshplan_layout": layout_of(ours, compiled=ours.training.compiled).words(),
+            "meshplan_step_s": round(b.step_time_s, 3), "meshplan_mfu": round(b.mfu, 4),
+            "meshplan_peak_gib": round(b.peak_memory_gib, 1), "meshplan_fits": b.fits,
+            "speedup": round(a.step_time_s / b.step_time_s, 3),
+            "search_status": ours.solver.status, "search_s": round(search_s, 1),
+            "import_s": round(imported_s, 1),
+            "exported": os.path.relpath(exported, os.path.dirname(HERE))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="runs whose name contains this")
+    ap.add_argument("--target", choices=("torchtitan", "megatron"), default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    for name, spec, gpus, stem in RUNS:
+        if args.only and args.only not in name:
+            continue
+        for target in ("torchtitan", "megatron"):
+            if args.target and target != args.target:
+                continue
+            row = _row(name, target, spec, gpus, stem)
+            if row is None:
+                print(f"{name} / {target}: no published configuration in {CONFIGS}")
+                continue
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = ["| run | stack | published configuration | step s | MFU | GiB | meshplan plan --for | "
+             "step s | MFU | GiB | published / meshplan time | search s |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        fit = "" if r["published_fits"] else " (does not fit)"
+        lines.append(f"| {r['run']} | {r['target']} | {r['published_layout']} | "
+                     f"{r['published_step_s']} | {r['published_mfu'] * 100:.1f}% | "
+                     f"{r['published_peak_gib']}{fit} | {r['meshplan_layout']} | "
+                     f"{r['meshplan_step_s']} | {r['meshplan_mfu'] * 100:.1f}% | "
+                     f"{r['meshplan_peak_gib']} | {r['speedup']:.3f} | {r['search_s']} |")
+    text = ("# Published stack configurations vs meshplan plan --for\n\n"
+            "Each published configuration (benchmarks/stack_configs/, sources in each file) "
+            "imported with `meshplan.import_plan` and priced as that stack runs it; beside it "
+            "the layout `meshplan plan --for` picks at the same model, global batch, sequence "
+            "and devices, exported to benchmarks/results/stack_exports/. dgx-h100 preset "
+            "(80 GB). Search seconds on this 2-core machine.\n\n" + "\n".join(lines) +
+            "\n\nReproduce: `python benchmarks/stack_exports.py`.\n")
+    print("\n" + text)
+    if args.only or args.target:
+        return 0
+    with open(os.path.join(OUT, "stack_exports.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(OUT, "stack_exports.json"), "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
