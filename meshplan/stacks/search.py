@@ -14,8 +14,11 @@ The space, per devices = dp x cp x tp x pp:
   Narayanan et al. 2021 section 3.3);
 - cp a power of two with at least ``MIN_CP_TOKENS`` tokens per rank;
 - pp up to the number of blocks; microbatch sizes up to ``MAX_MICROBATCH`` dividing the
-  per-replica batch; the target's schedules, interleaved with 2, 3 or 4 chunks per rank
-  (``VIRTUAL_STAGES``); recompute none, selective, full; the target's ZeRO levels;
+  per-replica batch; the target's schedules, interleaved with 2-8 chunks per rank
+  (``VIRTUAL_STAGES``) where the chunks hold equal blocks, or equal blocks once the
+  embedding and the loss count as one each (``_even_chunks``: Megatron's
+  account-for-embedding/loss split, Llama 3's cut of 126 layers); recompute none, selective,
+  full; the target's ZeRO levels;
   sequence parallelism with every tp > 1 (both stacks run TP that way).
 
 Exact over that space, with three prunings that cannot drop the best plan: a layout whose
@@ -48,7 +51,7 @@ from meshplan.stacks.layout import StackLayout
 TARGETS = ("torchtitan", "megatron")
 MIN_CP_TOKENS = 4096  # Llama 3 at 131K ran cp16: 8K tokens per rank (arXiv 2407.21783 3.3.2)
 MAX_MICROBATCH = 8
-VIRTUAL_STAGES = (2, 3, 4)
+VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8)
 SCHEDULES = {"torchtitan": ("gpipe", "1f1b", "interleaved-1f1b"),
              "megatron": ("1f1b", "interleaved-1f1b")}
 ZEROS = {"torchtitan": (0, 3), "megatron": (0, 1)}  # DDP or FSDP2; DDP or distributed optimizer
@@ -97,7 +100,7 @@ def _variants(target, arch, problems, base: dict, recompute) -> list[StackLayout
     scheds = [("1f1b", 1)] if pp == 1 else \
         [(s, 1) for s in SCHEDULES[target] if s != "interleaved-1f1b"] + \
         [("interleaved-1f1b", v) for v in VIRTUAL_STAGES
-         if "interleaved-1f1b" in SCHEDULES[target] and pp * v <= arch.layers]
+         if "interleaved-1f1b" in SCHEDULES[target] and _even_chunks(arch.layers, pp * v)]
     zeros = ZEROS[target] if dp * base["cp"] > 1 else (0,)
     out = []
     for mb in (m for m in _divisors(local) if m <= MAX_MICROBATCH):
@@ -112,6 +115,12 @@ def _variants(target, arch, problems, base: dict, recompute) -> list[StackLayout
                     if not problems(lay, arch):
                         out.append(lay)
     return out
+
+
+def _even_chunks(layers: int, chunks: int) -> bool:
+    """Chunks of equal blocks, or equal once the embedding and the loss count as a block each
+    (Megatron's account-for-embedding/loss split; Llama 3 405B's 126 layers on 128 chunks)."""
+    return chunks <= layers and (layers % chunks == 0 or (layers + 2) % chunks == 0)
 
 
 def state_floor_gib(layout: StackLayout, param_count: int, dtype: str) -> float:
