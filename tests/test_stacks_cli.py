@@ -1,0 +1,50 @@
+"""The stacks on the command line: ``plan --for``, ``export``, ``estimate --from [--compare]``,
+and their bad inputs answered in one line with exit code 2."""
+
+import pytest
+
+from meshplan.cli import main
+
+M = ("transformers:llama?hidden_size=128&intermediate_size=384&num_hidden_layers=4"
+     "&num_attention_heads=4&num_key_value_heads=2&vocab_size=1024"
+     "&max_position_embeddings=8192")
+PLAN = ["plan", "--model", M, "--mesh", "dgx-h100:nodes=1", "--batch", "16", "--seq", "8192"]
+
+
+@pytest.mark.parametrize("target,suffix", [("torchtitan", ".toml"), ("megatron", ".txt")])
+def test_plan_for_export_and_read_back(target, suffix, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(PLAN + ["--for", target, "-o", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert f"export {plan} --to {target}" in out.replace("'", "")
+    cfg = tmp_path / f"job{suffix}"
+    assert main(["export", str(plan), "--to", target, "-o", str(cfg)]) == 0
+    assert cfg.exists() and f"wrote {cfg}" in capsys.readouterr().out
+    assert main(["estimate", "--from", target, str(cfg), "--mesh", "dgx-h100:nodes=1",
+                 "--model", M, "--compare", "-o", str(tmp_path / "back.json")]) == 0
+    printed = capsys.readouterr().out
+    assert "priced as" in printed and "step time" in printed
+    assert f"meshplan plan --for {target}:" in printed and "+0.0% time" in printed
+
+
+def test_export_refuses_what_the_stack_cannot_express(tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    # a hand-written GPipe pipeline with ZeRO-3: Megatron-LM runs neither
+    assert main(PLAN + ["--manual", "dp=4,pp=2,mb=1,schedule=gpipe,zero=3", "--dtype", "bf16",
+                        "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(plan), "--to", "megatron"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "megatron cannot run this plan" in err[0]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["export", "nope.json", "--to", "megatron"], "nope.json"),
+    (["estimate", "--from", "megatron", "missing.txt"], "--mesh"),
+    (["estimate", "--from", "deepspeed", "x.txt", "--mesh", "dgx-h100"], "deepspeed"),
+    (PLAN + ["--for", "megatron", "--manual", "dp=8"], "--manual"),
+])
+def test_bad_input_is_one_line(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0], err
