@@ -1,7 +1,7 @@
 """Runtime equivalence: every parallel plan reproduces the single-process losses and grads.
 
 One torchrun launch per world size runs every (model, variant) pair in a row
-(tests/harness/equivalence.py) and saves per-step losses and the last step's gradients;
+(tests/harness/graph_variants.py) and saves per-step losses and the last step's gradients;
 the tests compare them with plain single-process PyTorch (the HF model, the same loss,
 Adam) with torch.testing.assert_close at fp32 tolerances.
 """
@@ -51,7 +51,7 @@ def launch(world: int, tmp_path_factory) -> dict:
     argv = ["--out", str(out)]
     for model, variants in RUNS[world].items():
         argv += ["--model", model, "--variants", ",".join(variants)]
-    forked_run("tests.harness.equivalence", argv, nproc=world, timeout=900,
+    forked_run("tests.harness.graph_variants", argv, nproc=world, timeout=900,
                logdir=out.parent / "logs", module=True, cwd=ROOT)
     return torch.load(out, weights_only=False)
 
