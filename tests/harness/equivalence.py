@@ -85,7 +85,7 @@ LAYOUTS = {name: layout(name) for name in (
     "dp4", "dp4+zero0", "tp4", "cp4", "dp2xtp2", "dp2xtp2+sp", "dp2xpp2", "tp2xpp2", "tp2xpp2+sp",
     "cp2xdp2", "cp2xtp2", "cp2xtp2+sp", "cp2xpp2", "dp4+zero1", "dp4+zero2", "dp4+zero3",
     "dp2xtp2+zero1+selective", "dp2xtp2+zero3+bf16", "tp4+full", "dp2xpp2+gpipe",
-    "dp2xpp2+1f1b", "dp2xpp2+zero3", "dp2xpp2+full", "dp2xpp2+interleaved", "dp2xpp2+bf16",
+    "dp2xpp2+1f1b", "dp2xpp2+zero1", "dp2xpp2+zero3", "dp4+mb1", "dp2xpp2+full", "dp2xpp2+interleaved", "dp2xpp2+bf16",
     "tp2xpp2+bf16", "dp2", "pp2", "tp2")}
 
 
