@@ -26,7 +26,7 @@ BATCH, SEQ, STEPS, SEED = 8, 16, 3, 0
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
 
 RUNS = {  # world size -> model -> variants
-    # ZeRO-2 runs on Llama (hybrid-zero2) and in tests/test_pipeline_zero.py; a manual
+    # ZeRO-2 runs on Llama (hybrid-zero2) and in tests/test_pipeline_runtime.py; a manual
     # dp x tp plan with microbatches is the sp=1 one below
     # Each layout once where both models would run it alike: pure dp and ZeRO-3 on Llama
     # (GPT-2's Conv1D changes only tensor-parallel rules), GPT-2's sequence parallelism in

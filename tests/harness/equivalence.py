@@ -83,7 +83,7 @@ def devices(name: str) -> int:
 # The layouts the runtime tests train (on 4 processes unless the name spans fewer or more).
 LAYOUTS = {name: layout(name) for name in (
     "dp4", "dp4+zero0", "tp4", "cp4", "dp2xtp2", "dp2xtp2+sp", "dp2xpp2", "tp2xpp2", "tp2xpp2+sp",
-    "cp2xdp2", "cp2xtp2", "cp2xtp2+sp", "cp2xpp2", "dp4+zero1", "dp4+zero2", "dp4+zero3",
+    "cp2xdp2", "cp2xtp2", "cp2xtp2+sp", "cp2xpp2", "cp2xpp2+mb2", "cp2xdp2+full+zero1", "dp4+zero1", "dp4+zero2", "dp4+zero3",
     "dp2xtp2+zero1+selective", "dp2xtp2+zero3+bf16", "tp4+full", "dp2xpp2+gpipe",
     "dp2xpp2+1f1b", "dp2xpp2+zero1", "dp2xpp2+zero3", "dp4+mb1", "dp2xpp2+full", "dp2xpp2+interleaved", "dp2xpp2+bf16",
     "tp2xpp2+bf16", "dp2", "pp2", "tp2")}
@@ -98,25 +98,27 @@ def _cast(tree, dtype):
 
 def train_reference(build: Callable[[], torch.nn.Module], batches, forward: Callable,
                     loss: Callable | None = None, *,
-                    optimizer: Callable, schedule: Callable | None = None,
+                    optimizer: Callable | None, schedule: Callable | None = None,
                     clip: float | None = None, eval_batch=None, dtype=torch.float32,
-                    autocast=None) -> dict:
+                    autocast=None, step_last: bool = True) -> dict:
     """Train ``build()`` (the seeded model, fp32, on the CPU) in one process.
 
     ``batches``: one batch per step (any tree of tensors; floating ones are cast to
     ``dtype``); ``forward(model, batch)``: the outputs, run under ``autocast`` (a dtype, for
     bf16 plans) if given; ``loss(outputs, batch)``: the scalar loss (None: ``forward``
-    returns it); ``optimizer(params)`` and
+    returns it); ``optimizer(params)`` (None: the weights stay, gradients are cleared) and
     ``schedule(optimizer)``: as the workers make them; ``clip``: clip_grad_norm_'s max norm
     (None: no clipping); ``eval_batch``: a batch whose ``forward`` outputs after training,
-    the model in eval mode, are recorded as ``eval``."""
+    the model in eval mode, are recorded as ``eval``; ``step_last=False``: the last batch
+    only runs forward and backward (its loss and gradients recorded, no optimizer step):
+    the pipeline tests' "N steps, then one more forward/backward"."""
     from contextlib import nullcontext
 
     model = build().to(dtype)
-    opt = optimizer(model.parameters())
+    opt = optimizer(model.parameters()) if optimizer is not None else None
     sched = schedule(opt) if schedule is not None else None
     out = {"losses": [], "norms": [], "grads": []}
-    for batch in batches:
+    for step, batch in enumerate(batches):
         batch = _cast(batch, dtype)
         with torch.autocast("cpu", dtype=autocast) if autocast else nullcontext():
             outputs = forward(model, batch)
@@ -130,10 +132,13 @@ def train_reference(build: Callable[[], torch.nn.Module], batches, forward: Call
         norm = torch.nn.utils.clip_grad_norm_(live, clip) if clip is not None else \
             torch.nn.utils.get_total_norm([p.grad for p in live])
         out["norms"].append(float(norm))
-        opt.step()
+        if not step_last and step == len(batches) - 1:
+            break
+        if opt is not None:
+            opt.step()
         if sched is not None:
             sched.step()
-        opt.zero_grad()
+        model.zero_grad()
     out["unique"] = {n for n, _ in model.named_parameters()}
     out["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if eval_batch is not None:
@@ -193,14 +198,15 @@ FIELDS = ("losses", "norms", "grads", "weights", "eval")
 
 
 def check(got: dict, exp: Expected, *, fields: tuple | None = None,
-          eval_rows: slice | None = None, tied_aliases: bool = False,
+          eval_rows: slice | None = None, grad_names: str = "unique",
           same_weight_keys: bool = False) -> list[str]:
     """What in ``got`` differs from the reference beyond the rule (empty: equal).
 
     ``fields``: what to compare (default: all the reference recorded); each must be in
     ``got``.
-    Gradients: the parameter names must be the reference's (``tied_aliases``: a tied
-    parameter may come once or under each of its names). Weights: every reference entry
+    Gradients: the parameter names must be the reference's, a tied parameter once
+    (``grad_names="unique"``), under each of its names (``"all"``) or either way
+    (``"either"``). Weights: every reference entry
     must be there (``same_weight_keys``: and no other), floating ones within the rule, the
     others equal. ``eval_rows``: the reference's rows the run's outputs are (one rank's)."""
     ref, tol, bad = exp.ref, exp.tol, []
@@ -231,8 +237,8 @@ def check(got: dict, exp: Expected, *, fields: tuple | None = None,
             for step, grads in steps:
                 want = ref["grads"][step]
                 names = set(grads)
-                ok = ref["unique"] <= names <= set(want) if tied_aliases else \
-                    names == ref["unique"]
+                ok = {"unique": names == ref["unique"], "all": names == set(want),
+                      "either": ref["unique"] <= names <= set(want)}[grad_names]
                 if not ok:
                     bad.append(f"step {step} gradient names differ: "
                                f"{sorted(names ^ ref['unique'])[:4]}")
