@@ -9,19 +9,23 @@ import torch
 import torch.nn as nn
 
 from tests.harness.equivalence import (LAYOUTS, WEIGHT_FLOOR, check, devices, expected, layout,
-                                       train_reference)
+                                       parse_layout, train_reference)
 
 
 def test_layout_names_parse_to_manual_plan_options():
     assert layout("cp2xtp2+sp") == dict(cp=2, tp=2, sequence_parallel=True)
-    assert layout("dp2xpp2+interleaved+mb1") == dict(dp=2, pp=2, schedule="interleaved-1f1b",
-                                                     virtual_stages=2, microbatch_size=1)
+    assert parse_layout("dp2xpp2+interleaved+mb1") == dict(
+        dp=2, pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatch_size=1)
     assert layout("dp2xtp2+zero3+bf16") == dict(dp=2, tp=2, zero=3, dtype="bf16")
     assert devices("dp2xtp2+sp") == 4 and devices("pp2") == 2
-    assert all(devices(name) in (2, 4) for name in LAYOUTS)
+    assert all(devices(name) == 4 for name in LAYOUTS)
     for bad in ("dp2xdp2", "ep2", "dp2+zero9", "dp0", "dp2 x tp2"):
         with pytest.raises(ValueError, match="layout"):
-            layout(bad)
+            parse_layout(bad)
+    with pytest.raises(ValueError, match="not in tests/harness/equivalence.py LAYOUTS"):
+        layout("dp2")  # a layout outside the shared list
+    layout("dp4")["dp"] = 3  # a fresh dict: the list itself stays
+    assert LAYOUTS["dp4"] == dict(dp=4)
 
 
 def _setup():
