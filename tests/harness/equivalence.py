@@ -44,9 +44,9 @@ FACTOR = 10  # x the fp32 reference's own error against fp64
 # A name is mesh axes joined by "x" (dp, tp, pp, cp with their sizes), then "+" options:
 # sp (sequence parallel), zero0/1/2/3, full/selective (recompute), bf16, gpipe/1f1b/interleaved
 # (the pipeline schedule; interleaved has 2 virtual stages), mbN (microbatch size N).
-_AXES = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp"}
+_AXES = ("dp", "tp", "pp", "cp")
 _OPTIONS = {"sp": dict(sequence_parallel=True), "bf16": dict(dtype="bf16"),
-            "zero0": dict(zero=0), "zero1": dict(zero=1), "zero2": dict(zero=2), "zero3": dict(zero=3),
+            **{f"zero{z}": dict(zero=z) for z in range(4)},
             "full": dict(recompute="full"), "selective": dict(recompute="selective"),
             "gpipe": dict(schedule="gpipe"), "1f1b": dict(schedule="1f1b"),
             "interleaved": dict(schedule="interleaved-1f1b", virtual_stages=2)}
@@ -62,7 +62,7 @@ def parse_layout(name: str) -> dict:
         if not m or m.group(1) in out:
             raise ValueError(f"layout {name!r}: axis {part!r} is not dpN, tpN, ppN or cpN "
                              "(each once, joined by 'x')")
-        out[_AXES[m.group(1)]] = int(m.group(2))
+        out[m.group(1)] = int(m.group(2))
     for opt in options:
         m = re.fullmatch(r"mb([1-9][0-9]*)", opt)
         if m:
