@@ -5,8 +5,8 @@ Each case builds the model on meta, plans it with ``meshplan.manual_plan(..., cp
 ``meshplan.parallelize`` + ``load_full_state_dict``, then AdamW with an LR schedule for
 three steps, each rank passing ONLY its own rows (``run.dp_rank``/``run.dp_size``, whole
 sequences), ``run.clip_grad_norm_`` at a norm that clips, eval outputs and
-``run.full_state_dict()``. The reference runs the same steps in one process (fp32, and
-fp64 for the tolerance: the fp32 reference's own error).
+``run.full_state_dict()``. The reference runs the same steps in one process
+(tests/harness/equivalence.py's trainer, fp32 and fp64: the test applies its rule).
 """
 
 import sys
@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import meshplan
+from tests.harness.equivalence import layout
 
 STEPS, LR, CLIP, BATCH, SEQ, VOCAB = 3, 1e-2, 0.3, 4, 16, 64
 
@@ -96,31 +97,28 @@ def logits_of(model, ids):
     return out.logits if hasattr(out, "logits") else out
 
 
-def reference(build, with_targets, dtype):
-    torch.manual_seed(0)
-    model = build("cpu")
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
-    model = model.to(dtype)
+def reference(build, with_targets, dtype) -> dict:
+    """The same steps in one process on the whole batch (tests/harness/equivalence.py's
+    trainer): losses, clipped norms, eval outputs, the final state."""
+    from tests.harness.equivalence import train_reference
+
     ids, labels = data()
     if not with_targets:
         labels = torch.cat([ids[:, 1:], torch.full((BATCH, 1), -100)], dim=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        logits = logits_of(model, ids)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    with torch.no_grad():
-        out = logits_of(model.eval(), ids)
-    return dict(state=state, buffers=buffers, losses=losses, norms=norms, eval=out,
-                final={k: v.float() for k, v in model.state_dict().items()})
+
+    def seeded():
+        torch.manual_seed(0)
+        return build("cpu")
+
+    def loss(logits, batch):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), batch[1].reshape(-1),
+                               ignore_index=-100)
+    ref = train_reference(
+        seeded, [(ids, labels)] * STEPS, lambda model, batch: logits_of(model, batch[0]), loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=LR),
+        schedule=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+        clip=CLIP, eval_batch=(ids, labels), dtype=dtype)
+    return {k: ref[k] for k in ("losses", "norms", "eval", "weights")}
 
 
 def rows(value, run):
@@ -131,6 +129,8 @@ def rows(value, run):
 def case(build, options, with_targets):
     ref = reference(build, with_targets, torch.float32)
     ref64 = reference(build, with_targets, torch.float64)
+    torch.manual_seed(0)
+    start = build("cpu")
     ids, labels = data()
     meta = build("meta")
     targets = (labels.to("meta"),) if with_targets else ()
@@ -138,7 +138,8 @@ def case(build, options, with_targets):
                                 example_inputs=(ids.to("meta"),), example_targets=targets,
                                 dtype="fp32", **options)
     run = meshplan.parallelize(meta, plan)
-    run.load_full_state_dict({**ref["state"], **ref["buffers"]}, strict=False)
+    run.load_full_state_dict({**start.state_dict(), **dict(start.named_buffers())},
+                             strict=False)
     opt = torch.optim.AdamW(run.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     losses, norms = [], []
@@ -156,23 +157,23 @@ def case(build, options, with_targets):
     return {"losses": losses, "norms": norms, "final": final, "eval": out,
             "eval_rows": (run.dp_rank, run.dp_size), "engine": run.engine_name,
             "axes": dict(zip(plan.stages[0].axis_names, plan.stages[0].mesh_shape)),
-            "ref": {k: ref[k] for k in ("losses", "norms", "eval", "final")},
-            "ref64": {k: ref64[k] for k in ("losses", "norms", "eval", "final")}}
+            "ref": ref, "ref64": ref64}
 
 
-CASES = {
-    "gpt_cp4": (gpt, dict(cp=4), True),
-    "gpt_dp2_cp2_zero3": (gpt, dict(dp=2, cp=2, zero=3), True),
-    "llama_cp4": (llama, dict(cp=4), False),
-    "llama_dp2_cp2_zero1": (llama, dict(dp=2, cp=2, zero=1), False),
-    "llama_cp2_tp2_sp": (llama, dict(cp=2, tp=2, sequence_parallel=True), False),
+CASES = {  # name -> (model, manual_plan options: a layout of tests/harness/equivalence.py,
+    #         token targets with -100 given)
+    "gpt_cp4": (gpt, layout("cp4"), True),
+    "gpt_dp2_cp2_zero3": (gpt, layout("cp2xdp2+zero3"), True),
+    "llama_cp4": (llama, layout("cp4"), False),
+    "llama_dp2_cp2_zero1": (llama, layout("cp2xdp2+zero1"), False),
+    "llama_cp2_tp2_sp": (llama, layout("cp2xtp2+sp"), False),
     # recompute replays each block's ring attention inside the backward's cp region
-    "gpt_dp2_cp2_full_zero2": (gpt, dict(dp=2, cp=2, recompute="full", zero=2), True),
-    "llama_cp2_pp2_mb1": (llama, dict(cp=2, pp=2, microbatch_size=1), False),
-    "llama_cp2_pp2_mb2": (llama, dict(cp=2, pp=2, microbatch_size=2), True),
+    "gpt_dp2_cp2_full_zero2": (gpt, layout("cp2xdp2+full+zero2"), True),
+    "llama_cp2_pp2_mb1": (llama, layout("cp2xpp2+mb1"), False),
+    "llama_cp2_pp2_mb2": (llama, layout("cp2xpp2+mb2"), True),
     # an explicit mask: the module engine refuses it, the graph engine runs it (each rank's
     # own rows: DECISIONS, the graph engine's cp input cut)
-    "masked_dp2_cp2_graph": (masked_gpt, dict(dp=2, cp=2), False),
+    "masked_dp2_cp2_graph": (masked_gpt, layout("cp2xdp2"), False),
 }
 
 

@@ -2,8 +2,9 @@
 
 Each case builds the model on the meta device, plans it on Mesh.local(world), runs
 ``meshplan.parallelize`` + ``load_full_state_dict`` + a stock AdamW for two steps with
-gradient clipping, and records losses, gradient norms and the final full state next to a
-one-process plain-PyTorch run of the same steps. Bad-input cases record the error line.
+gradient clipping, and records losses, gradient norms and the final full state; the test
+compares them with one plain-PyTorch process (``initial``, ``forward``, ``loss`` here, trained
+by tests/harness/equivalence.py). Bad-input cases record the error line.
 """
 
 import sys
@@ -64,29 +65,31 @@ def data(kind, batch):
     return (torch.randint(0, 96, (batch, 8), generator=g),), ()
 
 
-def reference(kind, batch):
+def initial(kind):
+    """The seeded model on the CPU: what tests/test_public_run.py's one-process reference
+    (tests/harness/equivalence.py) starts from."""
     cls, cfg = build(kind)
     torch.manual_seed(0)
-    model = make(kind, cls, cfg, "cpu")
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    inputs, targets = data(kind, batch)
-    losses, norms = [], []
-    for _ in range(STEPS):
-        if kind == "mlp":
-            loss = F.cross_entropy(model(**inputs), targets[0])
-        else:
-            ids = inputs[0]
-            logits = model(ids, use_cache=False).logits
-            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                   ids[:, 1:].reshape(-1))
-        loss.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return state, buffers, losses, norms, model.state_dict()
+    return make(kind, cls, cfg, "cpu")
+
+
+def forward(kind):
+    """The model's outputs on one batch, as one plain process computes them."""
+    if kind == "mlp":
+        return lambda model, batch: model(**batch[0])
+    return lambda model, batch: model(batch[0][0], use_cache=False).logits
+
+
+def loss(kind):
+    """Class labels (the MLP) or next-token cross entropy (the Llama)."""
+    if kind == "mlp":
+        return lambda out, batch: F.cross_entropy(out, batch[1][0])
+
+    def next_token(logits, batch):
+        ids = batch[0][0]
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                               ids[:, 1:].reshape(-1))
+    return next_token
 
 
 def shard(value, run):
@@ -96,7 +99,8 @@ def shard(value, run):
 
 def case(kind, options, batch=8, engine=None):
     cls, cfg = build(kind)
-    state, buffers, ref_losses, ref_norms, ref_final = reference(kind, batch)
+    model = initial(kind)
+    state, buffers = model.state_dict(), dict(model.named_buffers())
     meta = make(kind, cls, cfg, "meta")
     inputs, targets = data(kind, batch)
     meta_inputs = {k: v.to("meta") for k, v in inputs.items()} if isinstance(inputs, dict) \
@@ -123,8 +127,8 @@ def case(kind, options, batch=8, engine=None):
         run.eval()
         out = run(local)
         run.train()
-    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "ref_norms": ref_norms,
-            "final": final, "ref_final": dict(ref_final), "eval": out,
+    return {"losses": losses, "norms": norms, "final": final, "eval": out, "kind": kind,
+            "batch": batch,
             "engine": run.engine_name,
             "layout": f"{run.engine_name} engine, stages={plan.num_stages} "
                       f"mesh={list(plan.stages[0].mesh_shape)} zero={plan.stages[0].zero} "

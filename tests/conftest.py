@@ -21,11 +21,11 @@ warnings.filterwarnings("ignore", module="transformers")
 # worker): the zoo run ~390, the multi-node launch ~210, the runtime equivalence ~250, context
 # parallelism ~115, ...; the rest keep their order.
 LONGEST_FIRST = ["test_own_loop_matrix", "test_zoo_run", "test_runtime", "test_launch_multinode", "test_pipeline_runtime",
-                 "test_context_parallel", "test_cp_modules", "test_pipeline_zero", "test_tp_correctness",
+                 "test_context_parallel", "test_cp_modules", "test_tp_correctness",
                  "test_pipeline_eval", "test_public_run", "test_runtime_strategies",
                  "test_examples", "test_module_engine_pp", "test_dropout_run", "test_buffers",
                  "test_module_engine", "test_costmodel_bound", "test_local_attention",
-                 "test_module_engine_gqa", "test_support", "test_trace"]
+                 "test_support", "test_trace"]
 
 
 def pytest_collection_modifyitems(config, items):

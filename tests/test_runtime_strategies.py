@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent  # the repository
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     out = tmp_path_factory.mktemp("strategies") / "results.pt"
-    forked_run("tests.harness.equivalence", ["--check-strategies", "--timeout-s", "60",
+    forked_run("tests.harness.graph_variants", ["--check-strategies", "--timeout-s", "60",
                                              "--model", GPT2, "--model", LLAMA, "--out", str(out)],
                nproc=4, timeout=900, logdir=out.parent / "logs", module=True, cwd=ROOT)
     results = torch.load(out, weights_only=False)

@@ -2,7 +2,7 @@
 
 One torchrun launch of 4 gloo processes (this file is the worker) trains each case two
 Adam steps and saves its losses and the second step's gradients (full tensors); the tests
-compare them with the plain model in this process (rtol 1e-5):
+compare them with the plain model in this process (tests/harness/equivalence.py's rule):
 
 - a nanoGPT-style model with biased ``nn.Linear`` layers (attention q/k/v/o, MLP c_fc/c_proj,
   biases zero at the start as nanoGPT initialises them) under manual tp=4, dp2 x tp2 and
@@ -33,15 +33,15 @@ LLAMA = ("transformers:llama?hidden_size=32&intermediate_size=64&num_hidden_laye
 PHI3 = ("transformers:phi3?hidden_size=32&intermediate_size=64&num_hidden_layers=2&"
         "num_attention_heads=4&num_key_value_heads=4&vocab_size=128&pad_token_id=0")
 
-# case -> (model, batch, seq, manual degrees or "auto")
+# case -> (model, batch, seq, layout of tests/harness/equivalence.py or "auto")
 CASES = {
-    "biased-tp4": ("biased", BATCH, SEQ, dict(tp=4)),
-    "biased-dp2xtp2": ("biased", BATCH, SEQ, dict(dp=2, tp=2)),
-    "biased-pp2xtp2": ("biased", BATCH, SEQ, dict(pp=2, tp=2)),
-    "gpt2-tp4-mb1": (GPT2, 4, SEQ, dict(tp=4)),  # 4 microbatches of one sequence
+    "biased-tp4": ("biased", BATCH, SEQ, "tp4"),
+    "biased-dp2xtp2": ("biased", BATCH, SEQ, "dp2xtp2"),
+    "biased-pp2xtp2": ("biased", BATCH, SEQ, "tp2xpp2"),
+    "gpt2-tp4-mb1": (GPT2, 4, SEQ, "tp4"),  # 4 microbatches of one sequence
     "gpt2-auto-batch7": (GPT2, 7, SEQ, "auto"),
-    "phi3-dp2xtp2": (PHI3, 4, 16, dict(dp=2, tp=2)),  # 2 x 15 loss rows per dp rank
-    "llama-dp2xtp2-dtensor": (LLAMA, 4, SEQ, dict(dp=2, tp=2)),
+    "phi3-dp2xtp2": (PHI3, 4, 16, "dp2xtp2"),  # 2 x 15 loss rows per dp rank
+    "llama-dp2xtp2-dtensor": (LLAMA, 4, SEQ, "dp2xtp2"),
 }
 UNLOWERED = {"llama-dp2xtp2-dtensor"}  # run with parallelize(..., lowered=False)
 
@@ -126,7 +126,9 @@ def run_case(case: str) -> dict:
         dist.broadcast_object_list(text, src=0)
         plan = Plan.from_json_text(text[0])
     else:
-        plan = meshplan.manual_plan(meta, Mesh.local(world), (ids,), dtype="fp32", **degrees)
+        from tests.harness.equivalence import LAYOUTS
+        plan = meshplan.manual_plan(meta, Mesh.local(world), (ids,), dtype="fp32",
+                                    **LAYOUTS[degrees])
     model = build(model_name)
     data = batches(model, model_name, batch, seq)
     pm = parallelize(model, plan, (data[0],), lowered=case not in UNLOWERED)
@@ -148,23 +150,17 @@ def run_case(case: str) -> dict:
             "lowered": pm._executor.lowered if plan.num_stages == 1 else None}
 
 
-def reference(case: str) -> dict:
+def expected(case: str):
+    """The plain model in one process (tests/harness/equivalence.py): fp32, and fp64 for
+    the tolerance."""
     from meshplan.tracing import TrainingModule
+    from tests.harness.equivalence import expected as reference
 
     model_name, batch, seq, _ = CASES[case]
-    model = build(model_name)
-    step_fn = TrainingModule(model)
-    opt = torch.optim.Adam(model.parameters(), lr=LR, foreach=False)
-    losses, grads = [], {}
-    for step, b in enumerate(batches(model, model_name, batch, seq)):
-        loss = step_fn(b)
-        loss.backward()
-        losses.append(loss.item())
-        grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads,
-            "unique": {n for n, _ in model.named_parameters()}}
+    return reference(lambda: build(model_name),
+                     batches(build(model_name), model_name, batch, seq),
+                     lambda model, b: TrainingModule(model)(b),
+                     optimizer=lambda params: torch.optim.Adam(params, lr=LR, foreach=False))
 
 
 def worker(out: str) -> None:
@@ -199,17 +195,14 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_case_matches_single_process(results, case):
+    """Each step's loss and the last step's gradients, every parameter's (tied names may
+    come once or under each name), within the harness's rule."""
+    from tests.harness.equivalence import assert_equivalent
+
     got = results[case]
     assert "error" not in got, got.get("traceback")
-    ref = reference(case)
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
-                               rtol=1e-5, atol=1e-6)
-    names = set(got["grads"])
-    # every parameter's gradient (tied names may come once or under each name)
-    assert ref["unique"] <= names <= set(ref["grads"]), names ^ set(ref["grads"])
-    for name, grad in got["grads"].items():
-        torch.testing.assert_close(grad, ref["grads"][name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, name=name: f"{case} {name}: {m}")
+    assert_equivalent({"losses": got["losses"], "grads": {STEPS - 1: got["grads"]}},
+                      expected(case), case, fields=("losses", "grads"), grad_names="either")
 
 
 def test_crash_cases_take_the_layouts_that_crashed(results):

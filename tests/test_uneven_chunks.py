@@ -132,18 +132,14 @@ def test_empty_end_chunks_hold_the_embedding_and_the_head():
 
 # -- 2 gloo processes against one process ---------------------------------------------------
 
-def reference(spec: str = LLAMA5) -> dict:
+def expected(spec: str = LLAMA5):
+    """One process, no optimizer step (tests/harness/equivalence.py): fp32 and fp64."""
     from meshplan.tracing import next_token_loss
+    from tests.harness.equivalence import expected as reference
 
-    model = build(spec=spec)
-    out = {"losses": [], "grads": []}
-    for ids in batches():
-        loss = next_token_loss(model(ids, use_cache=False).logits, ids)
-        loss.backward()
-        out["losses"].append(loss.item())
-        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
-        model.zero_grad()
-    return out
+    return reference(lambda: build(spec=spec), batches(),
+                     lambda model, ids: model(ids, use_cache=False).logits, next_token_loss,
+                     optimizer=None)
 
 
 def worker(path: str) -> None:
@@ -182,14 +178,11 @@ def launched(tmp_path_factory):
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("key", MODELS)
 def test_uneven_chunks_match_one_process(launched, key, engine):
-    ref, got = reference(MODELS[key]), launched[key, engine]
-    close = dict(rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), **close)
-    for step in range(STEPS):
-        assert set(got["grads"][step]) == set(ref["grads"][step])
-        for fqn, grad in got["grads"][step].items():
-            torch.testing.assert_close(grad, ref["grads"][step][fqn], **close,
-                                       msg=lambda m: f"{key} {engine} step {step} {fqn}: {m}")
+    """Each step's loss and gradients, within the harness's rule."""
+    from tests.harness.equivalence import assert_equivalent
+
+    assert_equivalent(launched[key, engine], expected(MODELS[key]), f"{key} {engine}",
+                      fields=("losses", "grads"))
 
 
 if __name__ == "__main__":

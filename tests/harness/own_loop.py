@@ -10,9 +10,10 @@ a stock AdamW with an LR schedule, ``run.train_step`` on this rank's rows only
 that it clips, then ``run.eval(); run(x)`` and ``run.full_state_dict()``. A plan that is
 refused when it is made records its one-line error; any other error is a failing cell.
 
-``reference(model, dtype)`` trains the same steps in one process (fp32, and fp64 for the
-tolerance: 10x the fp32 reference's own error, floors 1e-5 on losses and norms, 1e-4 on
-weights and outputs). One launch runs every layout of one model:
+``tolerances(model)`` trains the same steps in one process with the equivalence harness
+(tests/harness/equivalence.py: fp32, and fp64 for the tolerance: 10x the fp32 reference's
+own error, floors 1e-5 on losses and norms, 1e-4 on weights and outputs). One launch runs
+every layout of one model:
 
     torchrun --nproc_per_node 4 -m tests.harness.own_loop --model bert --out cells.pt
 """
@@ -29,13 +30,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tests.harness.equivalence import LAYOUTS as SHARED
+
 BATCH, STEPS, LR, CLIP, SEED = 8, 3, 1e-2, 0.05, 0
-LAYOUTS = {"auto": "auto", "dp4": dict(dp=4), "dp2xtp2": dict(dp=2, tp=2),
-           "dp2xpp2": dict(dp=2, pp=2), "tp2xpp2": dict(tp=2, pp=2)}
-EXTRA_LAYOUTS = {"tp4": dict(tp=4),  # beyond the matrix: tp over more ranks than KV heads
-                 "dp2xpp2-zero1": dict(dp=2, pp=2, zero=1),  # autoparallel's tied-GPT pick
-                 "dp4-accumulate": dict(dp=4, microbatch_size=1)}  # BatchNorm: refused
-LOSS_FLOOR, WEIGHT_FLOOR = 1e-5, 1e-4  # the tolerance floors (the house rule)
+# the shared layouts (tests/harness/equivalence.py) under this matrix's cell names
+LAYOUTS = {"auto": "auto", **{k: SHARED[k] for k in ("dp4", "dp2xtp2", "dp2xpp2", "tp2xpp2")}}
+EXTRA_LAYOUTS = {"tp4": SHARED["tp4"],  # beyond the matrix: tp over more ranks than KV heads
+                 "dp2xpp2-zero1": SHARED["dp2xpp2+zero1"],  # autoparallel's tied-GPT pick
+                 "dp4-accumulate": SHARED["dp4+mb1"]}  # BatchNorm: refused
 
 
 # -- models: (build(), global batch(step) -> (inputs, targets), loss_fn or None) --------------
@@ -219,80 +221,45 @@ def initial_state(name: str) -> dict:
     return {k: v.clone() for k, v in [*model.state_dict().items(), *model.named_buffers()]}
 
 
-# -- the reference: one plain process --------------------------------------------------------
+# -- the reference: one plain process (tests/harness/equivalence.py) --------------------------
 
-def reference(name: str, dtype=torch.float32) -> dict:
-    """The same steps in one process on the whole global batch."""
+def tolerances(name: str):
+    """The same steps in one process on the whole global batch, fp32 and fp64: the
+    harness's reference and its rule (10x the fp32 reference's own error against fp64)."""
+    from tests.harness.equivalence import expected
+
     build, batch, _, loss = MODELS[name]
-    model = build().to(dtype)
-    model.load_state_dict(initial_state(name), strict=False)
-    model = model.to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    sched = _schedule(opt)
-    losses, norms = [], []
-    for step in range(STEPS):
-        inputs, targets = batch(step)
-        inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
-        out = _logits(model(*inputs)).float() if dtype == torch.float32 else \
-            _logits(model(*inputs))
-        value = loss(out, *targets) if loss is not None else lm_loss(out, inputs[0])
-        value.backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        opt.step(), sched.step(), opt.zero_grad()
-        losses.append(float(value.detach()))
-    model.eval()
-    inputs, _ = batch(STEPS)
-    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in inputs)
-    with torch.no_grad():
-        out = _logits(model(*inputs)).double()
-    return {"losses": losses, "norms": norms, "eval": out,
-            "final": {k: v.double() for k, v in model.state_dict().items()}}
+
+    def start():
+        model = build()
+        model.load_state_dict(initial_state(name), strict=False)
+        return model
+
+    def forward(model, b):
+        return _logits(model(*b[0]))
+
+    def value(out, b):
+        inputs, targets = b
+        return loss(out, *targets) if loss is not None else lm_loss(out, inputs[0])
+    return expected(start, [batch(step) for step in range(STEPS)], forward, value,
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=LR),
+                    schedule=_schedule, clip=CLIP, eval_batch=batch(STEPS))
 
 
-def tolerances(name: str) -> dict:
-    """10x the fp32 reference's own error against fp64, with the floors."""
-    r32, r64 = reference(name, torch.float32), reference(name, torch.float64)
+def compare(cell: dict, tol) -> list[str]:
+    """What differs between a cell and the reference beyond the tolerance (empty: equal):
+    losses, gradient norms, eval outputs, and the final state (the same keys; floating
+    entries within the rule, the others equal)."""
+    from tests.harness.equivalence import check
 
-    def err(a, b):
-        return float((torch.as_tensor(a, dtype=torch.float64) -
-                      torch.as_tensor(b, dtype=torch.float64)).abs().max())
-    return {"ref": r32,
-            "losses": max(10 * err(r32["losses"], r64["losses"]), LOSS_FLOOR),
-            "norms": max(10 * err(r32["norms"], r64["norms"]), LOSS_FLOOR),
-            "eval": max(10 * err(r32["eval"], r64["eval"]), WEIGHT_FLOOR),
-            "final": {k: max(10 * err(v, r64["final"][k]), WEIGHT_FLOOR)
-                      for k, v in r32["final"].items() if v.is_floating_point()}}
-
-
-def compare(cell: dict, tol: dict) -> list[str]:
-    """What differs between a cell and the reference beyond the tolerance (empty: equal)."""
     if "error" in cell:
         return [cell["error"]]
     if "refused" in cell:
         return []
-    ref, bad = tol["ref"], []
-
-    def check(what, got, want, atol):
-        got = torch.as_tensor(got, dtype=torch.float64)
-        want = torch.as_tensor(want, dtype=torch.float64)
-        if got.shape != want.shape:
-            bad.append(f"{what}: shape {list(got.shape)} != {list(want.shape)}")
-            return
-        diff = float((got - want).abs().max()) if got.numel() else 0.0
-        if not diff <= atol:
-            bad.append(f"{what}: max |diff| {diff:.3g} > {atol:.3g}")
-    check("losses", cell["losses"], ref["losses"], tol["losses"])
-    check("grad norms", cell["norms"], ref["norms"], tol["norms"])
-    check("eval outputs", cell["eval"], ref["eval"], tol["eval"])
-    if set(cell["final"]) != set(ref["final"]):
-        bad.append(f"state keys differ: {sorted(set(cell['final']) ^ set(ref['final']))[:4]}")
-    for k, want in ref["final"].items():
-        if k in cell["final"]:
-            if want.is_floating_point():
-                check(k, cell["final"][k], want, tol["final"][k])
-            elif not torch.equal(cell["final"][k].to(want.dtype), want):
-                bad.append(f"{k}: {cell['final'][k].tolist()} != {want.tolist()}")
-    return bad
+    got = {"losses": cell["losses"], "norms": cell["norms"], "eval": cell["eval"],
+           "weights": cell["final"]}
+    return check(got, tol, fields=("losses", "norms", "eval", "weights"),
+                 same_weight_keys=True)
 
 
 # -- one cell on the launch's processes --------------------------------------------------------

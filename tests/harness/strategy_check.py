@@ -8,7 +8,7 @@ the mesh, builds a one-operator plan (the strategy's input placements as
 placements the strategy's producers would give them (Partial ones as local shares), the
 executor redistributes what the plan asks, and the output and input gradients are compared
 with the same operator on full tensors. Runs inside a process group (called from
-tests/harness/equivalence.py ``--check-strategies``).
+tests/harness/graph_variants.py ``--check-strategies``).
 """
 
 from __future__ import annotations
