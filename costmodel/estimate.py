@@ -50,6 +50,7 @@ from meshplan.costmodel.pipeline import (PipelineTime, busy_ranks, chunked_step_
                                          pipeline_step_time)
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
+from meshplan.schedules import Schedule
 from meshplan.support import lists_rank_groups
 
 ENGINES = ("graph", "modules")  # Plan.engine: meshplan's own runtimes
@@ -401,7 +402,7 @@ class StageCost:
 
 def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                optimizer: str, microbatches: int = 1, num_stages: int = 1,
-               schedule: str = "1f1b", virtual_stages: int = 1, seq_len: int = 0,
+               schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1, seq_len: int = 0,
                processes_on_host: int = 1, runtime: RuntimeModel | None = None,
                compute_contention: float | None = None, cache: dict | None = None) -> StageCost:
     """Costs of one stage. ``compute_contention`` (default: all ``processes_on_host``
@@ -533,7 +534,7 @@ def _p2p_s(stage: Stage, hw: HardwareProfile, p2p_bytes: float, *, num_stages: i
     hops = (2 if 0 < stage.index < num_stages - 1 else 1) * 2  # recv+send, fwd+bwd
     p2p = hops / 2 * collective_time_s(hw, Collective.SEND_RECV, p2p_bytes, 2,
                                        crosses_nodes=crosses)
-    if schedule == "interleaved-1f1b":
+    if schedule == Schedule.INTERLEAVED:
         p2p *= max(1, virtual_stages)
     return p2p
 
@@ -1193,7 +1194,7 @@ def chunk_groups(plan: Plan) -> list[list[int]] | None:
     pp x v equal chunks are written so); None for every other plan."""
     t = plan.training
     v = t.virtual_stages
-    if t.schedule != "interleaved-1f1b" or v <= 1 or plan.num_stages <= v \
+    if t.schedule != Schedule.INTERLEAVED or v <= 1 or plan.num_stages <= v \
             or plan.num_stages % v or lists_rank_groups(plan):
         return None
     pp = plan.num_stages // v
@@ -1241,7 +1242,7 @@ def _chunked_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, groups, kw: 
     gradient sync and optimizer per rank group: the group's chunks priced as one record
     at the group's place in the schedule (in-flight microbatches of interleaved 1F1B over
     pp groups), copied to each of its chunks."""
-    chunk_kw = dict(kw, num_stages=plan.num_stages, schedule="1f1b", virtual_stages=1)
+    chunk_kw = dict(kw, num_stages=plan.num_stages, schedule=Schedule.ONE_F_ONE_B, virtual_stages=1)
     costs = [stage_cost(st, graph, hw, compute_contention=contention, **chunk_kw)
              for st in plan.stages]
     group_kw = dict(kw, num_stages=len(groups))

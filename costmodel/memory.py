@@ -42,6 +42,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from meshplan.graph import OpGraph, OpKind, OpNode
+from meshplan.schedules import Schedule
 
 GIB = 2.0 ** 30
 ADAM_MOMENT_BYTES = 8  # two fp32 moments (Kingma & Ba 2015)
@@ -357,10 +358,10 @@ def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatch
                           virtual_stages: int = 1) -> float:
     """Microbatches whose activations stage ``stage`` holds at its peak (see module doc)."""
     m, p = microbatches, num_stages
-    if schedule == "gpipe" or p == 1:
+    if schedule == Schedule.GPIPE or p == 1:
         return float(m) if p > 1 else 1.0
     base = min(p - stage, m)
-    if schedule == "interleaved-1f1b" and virtual_stages > 1:
+    if schedule == Schedule.INTERLEAVED and virtual_stages > 1:
         return min(float(m), base * (1 + (p - 1) / (p * virtual_stages)))
     return float(base)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from meshplan.errors import PlanFileError
 from meshplan.placements import shard_dim
-from meshplan.schedules import SCHEDULES
+from meshplan.schedules import SCHEDULES, Schedule
 
 SCHEMA_VERSION = "meshplan.plan/v1"
 RECOMPUTE = ("none", "selective", "full")
@@ -124,7 +124,7 @@ class TrainingConfig:
     dtype: str = "fp32"  # fp32 | bf16 | fp16 (mixed precision with fp32 master weights) | fp8
     # (fp8 GEMMs, bf16 elsewhere: estimation and export only, meshplan/support.py)
     optimizer: str = "adam"
-    schedule: str = "1f1b"
+    schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     sequence_parallel: bool = False
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
-from meshplan.schedules import SCHEDULES
+from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
@@ -37,7 +37,7 @@ class Candidate:
 
     pp: int = 1
     dp: int = 1
-    schedule: str = "1f1b"
+    schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     microbatches: int = 1
     global_batch: int = 1
@@ -64,10 +64,10 @@ def virtual_stage_rule(c: Candidate) -> tuple[str, ...]:
     v = c.virtual_stages
     if v < 1:
         return (f"virtual_stages={v} must be at least 1",)
-    if v > 1 and c.schedule != "interleaved-1f1b":
+    if v > 1 and c.schedule != Schedule.INTERLEAVED:
         return (f"virtual_stages={v} needs schedule 'interleaved-1f1b', not {c.schedule!r}; "
                 "set virtual_stages=1",)
-    if c.schedule == "interleaved-1f1b" and c.pp > 1 and c.num_layers is not None and \
+    if c.schedule == Schedule.INTERLEAVED and c.pp > 1 and c.num_layers is not None and \
             c.num_layers % (c.pp * v):
         return (f"{c.num_layers} blocks do not split into pp x virtual_stages = {c.pp * v} "
                 f"equal chunks; choose virtual_stages with pp x virtual_stages dividing "
@@ -82,10 +82,10 @@ def microbatch_rule(c: Candidate) -> tuple[str, ...]:
     if b < 1 or c.global_batch % b:
         return (f"global batch {c.global_batch} is not divisible into {b} microbatches; "
                 "choose a divisor",)
-    if c.pp > 1 and c.schedule != "gpipe" and b < c.pp:
+    if c.pp > 1 and c.schedule != Schedule.GPIPE and b < c.pp:
         return (f"schedule {c.schedule!r} needs at least as many microbatches as pipeline "
                 f"rank groups: {b} < pp={c.pp}; use more microbatches or 'gpipe'",)
-    if c.pp > 1 and c.schedule == "interleaved-1f1b" and b % max(1, b // c.pp):
+    if c.pp > 1 and c.schedule == Schedule.INTERLEAVED and b % max(1, b // c.pp):
         return (f"interleaved 1F1B runs {b} microbatches in rounds of pp={c.pp}; {b} is not a "
                 f"multiple of its {b // c.pp} rounds; use a multiple of {c.pp}",)
     return ()
@@ -150,7 +150,7 @@ def lists_rank_groups(plan: Plan) -> bool:
     """An interleaved plan written with one stage record per rank group (as planner/manual.py
     and planner/inter write it) rather than one per virtual stage."""
     n = len(plan.stages[0].devices)
-    return plan.training.schedule == "interleaved-1f1b" and \
+    return plan.training.schedule == Schedule.INTERLEAVED and \
         plan.num_stages * n == plan.num_devices and plan.training.virtual_stages > 1
 
 
@@ -291,7 +291,7 @@ def stage_layout_rule(plan: Plan) -> tuple[str, ...]:
     if plan.num_stages == 1:
         return ()
     t = plan.training
-    v = t.virtual_stages if t.schedule == "interleaved-1f1b" else 1
+    v = virtual_stages_for(t.schedule, t.virtual_stages)
     if not lists_rank_groups(plan) and plan.num_stages % v:
         return (f"{plan.num_stages} stages are not a multiple of virtual_stages={v}; an "
                 "interleaved plan has pp x virtual_stages stages",)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from meshplan.errors import PlanningError
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import ModelInfo, MeshInfo, OpPlacement, TrainingConfig
+from meshplan.schedules import Schedule
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8")  # fp8: priced, not run (meshplan/support.py)
 OPTIMIZERS = ("adam", "sgd")
@@ -61,7 +62,7 @@ def check_batch_divides(global_batch: int, degree: int, what: str = "data-parall
 
 
 def training_config(graph: OpGraph, *, microbatches: int = 1, microbatch_size: int = 0,
-                    dtype: str = "fp32", optimizer: str = "adam", schedule: str = "1f1b",
+                    dtype: str = "fp32", optimizer: str = "adam", schedule: str = Schedule.ONE_F_ONE_B,
                     virtual_stages: int = 1, sequence_parallel: bool = False) -> TrainingConfig:
     batch, seq = batch_and_seq(graph)
     return TrainingConfig(global_batch=batch, seq_len=seq, microbatches=microbatches,

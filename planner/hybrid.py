@@ -31,6 +31,7 @@ from meshplan.planner.inter import SearchSpace
 from meshplan.planner.simplest import error_margin, simplest_within
 from meshplan.planner.stagecost import RERANK_WITHIN, plan_hybrid
 from meshplan.plan import Plan
+from meshplan.schedules import SCHEDULES
 
 # Microbatch sizes (sequences per data-parallel rank) the search tries by default: the
 # range Megatron-LM's published runs use (Narayanan et al. 2021, section 5: 1 to 8).
@@ -47,7 +48,7 @@ def search_space(*, microbatches: Sequence[int] | None = None,
     merges bound candidates within 1% (the exact search, eps=0, is what tests check).
     ``context_parallel`` lists the cp degrees tried (1: none), jointly with the rest."""
     return SearchSpace(
-        schedules=tuple(schedules) if schedules else ("gpipe", "1f1b", "interleaved-1f1b"),
+        schedules=tuple(schedules) if schedules else SCHEDULES,
         recompute=tuple(recompute) if recompute else ("none", "selective", "full"),
         zero=tuple(zero) if zero is not None else (0, 1, 2, 3),
         microbatches=tuple(microbatches) if microbatches else None,

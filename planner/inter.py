@@ -48,7 +48,7 @@ from meshplan.costmodel.memory import inflight_microbatches
 from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError, gib
-from meshplan.schedules import Schedule
+from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.planner.stagedp import (RangeClasses, bottleneck, bound_candidates, build_tables,
                                       cut)
 
@@ -83,7 +83,7 @@ class StageCostFn(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SearchSpace:
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+    schedules: tuple[str, ...] = SCHEDULES
     recompute: tuple[str, ...] = ("none", "selective", "full")
     zero: tuple[int, ...] = (0, 1, 2, 3)
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages when pp > 1; None: as zero
@@ -158,10 +158,10 @@ class PipelinePlan:
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Microbatches whose activations stage ``stage`` holds at its peak (costmodel.memory)."""
     return inflight_microbatches(schedule, stage, stages, microbatches,
-                                 virtual if schedule == Schedule.INTERLEAVED else 1)
+                                 virtual_stages_for(schedule, virtual))
 
 
-def pipeline_time_s(stage_times: Sequence[float], microbatches: int, schedule: str = "1f1b",
+def pipeline_time_s(stage_times: Sequence[float], microbatches: int, schedule: str = Schedule.ONE_F_ONE_B,
                     virtual: int = 1) -> float:
     """Pipelined forward/backward time of one step (costmodel.pipeline.pipeline_step_time)."""
     return pipeline_step_time(stage_times, microbatches, schedule, virtual).step_s
@@ -304,11 +304,11 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
         if not _may_fit(problem, space, stages, mesh):
             continue
         loose = tables_for(problem.num_devices // stages, b, mesh,
-                           virtual if schedule == Schedule.INTERLEAVED else 1, sp, relaxed=True)
+                           virtual_stages_for(schedule, virtual), sp, relaxed=True)
         if loose is None:
             continue
         s0, _ = cut([(loose, 0.0, INF)] * stages, INF, INF)
-        v = virtual if schedule == Schedule.INTERLEAVED else 1
+        v = virtual_stages_for(schedule, virtual)
         bound = s0 / v + (b - 1 / v) * s0 / stages
         if np.isfinite(bound):
             bounded.append((bound, order, combo))
@@ -318,7 +318,7 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
             break
         schedule, stages, virtual, b, mesh, sp = combo
         tables = tables_for(problem.num_devices // stages, b, mesh,
-                            virtual if schedule == Schedule.INTERLEAVED else 1, sp)
+                            virtual_stages_for(schedule, virtual), sp)
         if tables is None:
             continue
         found = _search_combo(problem, space, tables, schedule, stages, virtual, b,
@@ -403,7 +403,7 @@ def _search_combo(problem, space, tables, schedule, stages, virtual, b, best_s, 
                   smallest_memory) -> PipelinePlan | None:
     positions = [(tables, in_flight(schedule, s, stages, b, virtual), problem.memory_limit_gib)
                  for s in range(stages)]
-    v = virtual if schedule == Schedule.INTERLEAVED else 1
+    v = virtual_stages_for(schedule, virtual)
 
     def run(t_max, u_max):
         runs[0] += 1
@@ -459,6 +459,6 @@ def _assemble(problem, tables, cuts, schedule, stages, virtual, b, positions) ->
     pipe = pipeline_step_time(times, b, str(schedule), virtual)
     tail = max(st.cost.step_s for st in out)
     return PipelinePlan(schedule=str(schedule), pipeline_degree=stages,
-                        virtual_stages=virtual if schedule == Schedule.INTERLEAVED else 1,
+                        virtual_stages=virtual_stages_for(schedule, virtual),
                         microbatches=b, stages=tuple(out), step_time_s=pipe.step_s + tail,
                         bubble_s=pipe.bubble_s, tail_s=tail)

@@ -42,7 +42,7 @@ from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.planner.strategies import BATCH_NORMS
-from meshplan.schedules import SCHEDULES
+from meshplan.schedules import Schedule, virtual_stages_for
 from meshplan.placements import shard_dim
 from meshplan.plan import RECOMPUTE, Estimate, OpPlacement, Plan, SolverInfo, Stage
 
@@ -51,7 +51,7 @@ R = "R"
 
 
 def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
-                      microbatch_size: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
+                      microbatch_size: int = 1, schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
                       recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
                       dtype: str = "fp32", optimizer: str = "adam",
                       vocab_parallel_cp: bool = False) -> Plan:
@@ -65,7 +65,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     # run them; priced with engine="megatron"); meshplan's runtimes refuse them
     # (support.context_parallel_plan_rule)
     training = training_config(graph, dtype=dtype, optimizer=optimizer, schedule=schedule,
-                               virtual_stages=virtual_stages if schedule == "interleaved-1f1b" else 1,
+                               virtual_stages=virtual_stages_for(schedule, virtual_stages),
                                sequence_parallel=bool(sequence_parallel and tp > 1),
                                microbatch_size=microbatch_size,
                                microbatches=graph.inputs[0][1].shape[0] // (dp * microbatch_size))
@@ -155,13 +155,12 @@ def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_st
     if cp > 1:
         check_cp_model(graph, cp, graph.inputs[0][1].shape[1] if
                        len(graph.inputs[0][1].shape) > 1 else 1)
-    if schedule not in SCHEDULES:
-        raise PlanningError(f"schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    Schedule.parse(schedule)
     if recompute not in RECOMPUTE:
         raise PlanningError(f"recompute={recompute!r}; choose one of {', '.join(RECOMPUTE)}")
     if zero not in (0, 1, 2, 3):
         raise PlanningError(f"zero={zero}; ZeRO stages are 0, 1, 2, 3")
-    if virtual_stages > 1 and schedule != "interleaved-1f1b":
+    if virtual_stages > 1 and schedule != Schedule.INTERLEAVED:
         raise PlanningError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b'")
     if pp > max(1, graph.num_layers):
         raise PlanningError(
@@ -169,7 +168,7 @@ def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_st
             f"{graph.num_layers}" if graph.num_layers else
             f"pp={pp}: the model has no repeated blocks (an nn.ModuleList or numbered "
             "nn.ModuleDict of layers) to cut into pipeline stages; choose pp=1")
-    if schedule == "interleaved-1f1b" and graph.num_layers + 2 < pp * virtual_stages:
+    if schedule == Schedule.INTERLEAVED and graph.num_layers + 2 < pp * virtual_stages:
         raise PlanningError(f"interleaved 1F1B cuts the {graph.num_layers} blocks into "
                             f"pp*virtual_stages = {pp * virtual_stages} chunks, of at least one "
                             "block each but the first (embedding only) and the last (head "

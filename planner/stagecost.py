@@ -36,6 +36,7 @@ from meshplan.graph import OpGraph
 from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
                                     search_best)
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage
+from meshplan.schedules import Schedule
 
 NAME = "meshplan-inter"
 RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices differ ~0.5%)
@@ -200,7 +201,7 @@ class MegatronStageCost:
         acts_key = (key[0], key[1], replace(option, zero=0), mbs, self.engine)
         split = self._acts.get(acts_key)
         if split is None:
-            two = stage_cost(st, graph, self.hw, num_stages=2, schedule="gpipe", **kw)
+            two = stage_cost(st, graph, self.hw, num_stages=2, schedule=Schedule.GPIPE, **kw)
             acts1, acts_m = alone.memory.activations_gib, two.memory.activations_gib
             kept = (acts_m - acts1) / (m - 1) if m > 1 else acts1
             split = self._acts[acts_key] = (kept, acts1 - kept, two.comm_s - alone.comm_s)
@@ -336,9 +337,9 @@ def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace) -> Plan:
         return plan
     variants = []
     for schedule in space.schedules:
-        depths = space.virtual_stages if schedule == "interleaved-1f1b" else (1,)
+        depths = space.virtual_stages if schedule == Schedule.INTERLEAVED else (1,)
         for v in depths:
-            if schedule == "interleaved-1f1b" and (
+            if schedule == Schedule.INTERLEAVED and (
                     t.microbatches % p or any((st.layers[1] - st.layers[0]) % v
                                               for st in plan.stages)):
                 continue

@@ -53,7 +53,7 @@ from meshplan.support import lists_rank_groups
 from meshplan.graph import OpGraph
 from meshplan.tracing import WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
-from meshplan.schedules import Schedule
+from meshplan.schedules import Schedule, virtual_stages_for
 from meshplan.runtime.graph.parallelize import (data_parallel_axes, meta_copy, place_tensor,
                                           runnable_graph_module, sharded_over)
 from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
@@ -61,8 +61,8 @@ from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
 
-SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-             Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's classes
+TORCH_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+                   Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's classes (both engines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +97,7 @@ def pipeline_layout(plan: Plan) -> PipelineLayout:
     support.check_plan(plan)
     t, first = plan.training, plan.stages[0]
     return PipelineLayout(pp=support.pipeline_degree(plan),
-                          virtual_stages=t.virtual_stages if t.schedule == "interleaved-1f1b" else 1,
+                          virtual_stages=virtual_stages_for(t.schedule, t.virtual_stages),
                           stage_mesh_shape=tuple(first.mesh_shape),
                           axis_names=tuple(first.axis_names), microbatches=t.microbatches,
                           microbatch_batch=t.global_batch // t.microbatches)
@@ -505,7 +505,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
         stages.append(PipelineStage(module, piece.index, len(pieces), device,
                                     input_args=module.example_inputs(device),
                                     output_args=module.example_outputs(device), group=lane))
-    schedule_cls = SCHEDULES[plan.training.schedule]
+    schedule_cls = TORCH_SCHEDULES[plan.training.schedule]
     loss = _MicrobatchMean(layout.microbatches)
     if schedule_cls is ScheduleInterleaved1F1B:
         schedule = schedule_cls(stages, n_microbatches=layout.microbatches, loss_fn=loss,
@@ -831,7 +831,7 @@ def eval_pipeline(pm: PipelineModel, model: nn.Module, example_inputs: Sequence[
         stages.append(PipelineStage(module, piece.index, len(pieces), pm.device,
                                     input_args=module.example_inputs(pm.device),
                                     output_args=module.example_outputs(pm.device), group=lane))
-    cls = SCHEDULES[plan.training.schedule]
+    cls = TORCH_SCHEDULES[plan.training.schedule]
     schedule = cls(stages if cls is ScheduleInterleaved1F1B else stages[0],
                    n_microbatches=layout.microbatches)
     return EvalPipeline(schedule=schedule, stages=stages, lane=lane, device=pm.device)
