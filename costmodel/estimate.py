@@ -52,6 +52,7 @@ from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 from meshplan.schedules import Schedule
 from meshplan.support import lists_rank_groups
+from meshplan.vocabulary import Recompute
 
 ENGINES = ("graph", "modules")  # Plan.engine: meshplan's own runtimes
 # other stacks a plan can be priced for (``default_runtime``): what-if estimates of
@@ -444,7 +445,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     kept, working = prof.stage_bytes(stage.recompute,
                                      keep_matmuls_only=runtime.selective_keeps_matmuls,
                                      without_masks=runtime.causal_mask_skipped)
-    if fp8 is not None and stage.recompute != "full":  # fp8 inputs saved for the backward
+    if fp8 is not None and stage.recompute != Recompute.FULL:  # fp8 inputs saved for the backward
         kept -= fp8_model.saved_input_bytes_saved(graph, stage.ops, _split_of(stage, graph),
                                                   1.0 / m, fp8)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
@@ -495,9 +496,9 @@ def _recompute_s(ops: _OperatorPass, recompute: str,
     reruns every block operator's forward with its collectives; "selective" the attention
     core (Korthikanti et al. 2022, section 5), or, in the module engine, every block
     operator but the parameter matmuls (``RuntimeModel.selective_keeps_matmuls``)."""
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return ops.rec_full, ops.comm_layers_fwd
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         return (ops.rec_nonmatmul if runtime.selective_keeps_matmuls else ops.rec_sel), 0.0
     return 0.0, 0.0
 
@@ -518,7 +519,7 @@ def _tp_overlap_hidden_s(ops: _OperatorPass, recompute: str) -> float:
         return comm - max(comm / ops.tp, comm - matmuls) if comm > 0 else 0.0
 
     out = hidden(ops.tp_fwd, ops.mm_fwd) + hidden(ops.tp_bwd, ops.mm_bwd)
-    if recompute == "full":  # the recomputed forward's collectives overlap the same way
+    if recompute == Recompute.FULL:  # the recomputed forward's collectives overlap the same way
         out += hidden(ops.tp_layers_fwd, ops.mm_fwd)
     return out
 
@@ -757,7 +758,7 @@ def _per_use_zero3_s(syncs: list[GradSync], coll: CollectivePrices, runtime: Run
     sync = gather = 0.0
     units: set[int] = set()
     for s in syncs:
-        if recompute == "none":
+        if recompute == Recompute.NONE:
             sync += _bandwidth_s(coll, s.kind, s.grad_bytes, s.axis)
             gather += 2 * _bandwidth_s(coll, Collective.ALL_GATHER, s.weight_bytes, s.axis)
             units.add(s.layer)

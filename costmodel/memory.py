@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.schedules import Schedule
+from meshplan.vocabulary import Recompute
 
 GIB = 2.0 ** 30
 ADAM_MOMENT_BYTES = 8  # two fp32 moments (Kingma & Ba 2015)
@@ -229,18 +230,18 @@ class ActivationProfile:
                            boundary=_minus(self.boundary, self.mask_boundary),
                            mask_kept={}, mask_boundary={}).stage_bytes(
                 recompute, keep_matmuls_only=keep_matmuls_only)
-        if recompute == "selective" and keep_matmuls_only:
+        if recompute == Recompute.SELECTIVE and keep_matmuls_only:
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0) \
                 + sum(v for i, v in self.kept_matmuls.items() if i >= 0)
             working = max((v - self.kept_matmuls.get(i, 0.0) for i, v in self.kept.items()
                            if i >= 0), default=0.0)
             return kept, max(working, self.loss_working)
-        if recompute == "full":
+        if recompute == Recompute.FULL:
             # boundary[-1]: values shared by every block (the mask), kept once
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0)
             working = max((v for i, v in self.kept.items() if i >= 0), default=0.0)
             return kept, max(working, self.loss_working)
-        table = self.kept_selective if recompute == "selective" else self.kept
+        table = self.kept_selective if recompute == Recompute.SELECTIVE else self.kept
         return sum(table.values()), self.loss_working
 
 

@@ -34,8 +34,8 @@ class PipelineTime:
         return (self.step_s - self.busy_s) / self.step_s if self.step_s else 0.0
 
 
-def pipeline_step_time(stage_times: Sequence[float], microbatches: int, schedule: str = Schedule.ONE_F_ONE_B,
-                       virtual_stages: int = 1) -> PipelineTime:
+def pipeline_step_time(stage_times: Sequence[float], microbatches: int,
+                       schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1) -> PipelineTime:
     """Step time of the pipelined part of a training step (see the module docstring)."""
     if schedule not in SCHEDULES:
         raise PlanningError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")

@@ -25,6 +25,7 @@ from meshplan.support import (ESTIMATION_DTYPES, FP8_REFUSAL, check_plan, cp_deg
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 from meshplan.schedules import Schedule
+from meshplan.vocabulary import Recompute
 
 
 def default_dtype(mesh: Mesh) -> str:
@@ -197,7 +198,8 @@ def _engine_to_price(model: nn.Module | None, mesh: Mesh, dtype: str, engine: st
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
                 dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, microbatch_size: int = 1,
-                schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1, recompute: str = "none",
+                schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
+                recompute: str = Recompute.NONE,
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None,

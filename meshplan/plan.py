@@ -19,9 +19,9 @@ from pathlib import Path
 from meshplan.errors import PlanFileError
 from meshplan.placements import shard_dim
 from meshplan.schedules import SCHEDULES, Schedule
+from meshplan.vocabulary import RECOMPUTE, Recompute
 
 SCHEMA_VERSION = "meshplan.plan/v1"
-RECOMPUTE = ("none", "selective", "full")
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ class Stage:
     axis_names: tuple[str, ...]
     layers: tuple[int, int]  # [first, last) layer indices; embedding/head are layer -1
     nodes: tuple[str, str]  # first and last operator of the stage, graph order
-    recompute: str = "none"
+    recompute: str = Recompute.NONE
     zero: int = 0
     inputs: dict = field(default_factory=dict)  # graph input name -> placements
     params: dict = field(default_factory=dict)  # parameter name -> placements

@@ -8,8 +8,9 @@ keeps at most ``pp`` microbatches in flight (Narayanan et al. 2021, PipeDream-Fl
 2021, section 2.2). The runtime maps each name to a ``torch.distributed.pipelining``
 schedule class (``runtime/graph/pipeline.py``: ``TORCH_SCHEDULES``).
 
-A ``Schedule`` is a ``StrEnum`` (``vocabulary.PlanName``): a member equals its plan-file string (``Schedule.GPIPE ==
-"gpipe"``), so plan records keep plain strings and compare against members.
+A ``Schedule`` is a ``StrEnum`` (``vocabulary.PlanName``): a member equals its plan-file
+string (``Schedule.GPIPE == "gpipe"``), so plan records keep plain strings and compare
+against members.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ class Schedule(PlanName):
         try:
             return cls(text)
         except ValueError:
-            raise PlanningError(f"schedule={text!r}; choose one of {', '.join(SCHEDULES)}") from None
+            raise PlanningError(f"schedule={text!r}; choose one of "
+                                f"{', '.join(SCHEDULES)}") from None
 
 
 SCHEDULES = tuple(s.value for s in Schedule)  # ("gpipe", "1f1b", "interleaved-1f1b")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
+from meshplan.vocabulary import Recompute
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
@@ -212,7 +213,7 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
     cp = max(cps)
     if len(cps) > 1:
         return (f"stages have different cp degrees {sorted(cps)}; every stage needs the same",)
-    if cp > 1 and any(st.recompute == "selective" for st in plan.stages):
+    if cp > 1 and any(st.recompute == Recompute.SELECTIVE for st in plan.stages):
         return (f"recompute 'selective' with cp={cp}: the selective checkpoint's replay "
                 "diverges from the forward around the cp exchange (tests/"
                 "test_context_parallel.py); use recompute 'full' or 'none' with cp",)

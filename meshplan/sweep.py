@@ -29,8 +29,9 @@ from dataclasses import asdict, dataclass, replace
 from meshplan import support
 from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
-from meshplan.plan import RECOMPUTE, Plan
+from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
+from meshplan.vocabulary import RECOMPUTE
 
 SHOW_PROGRESS_AFTER_S = 2.0  # a progress bar only for sweeps a person waits on
 PLOT_FORMATS = (".png", ".svg", ".pdf")

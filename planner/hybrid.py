@@ -32,6 +32,7 @@ from meshplan.planner.simplest import error_margin, simplest_within
 from meshplan.planner.stagecost import RERANK_WITHIN, plan_hybrid
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES
+from meshplan.vocabulary import RECOMPUTE, Recompute
 
 # Microbatch sizes (sequences per data-parallel rank) the search tries by default: the
 # range Megatron-LM's published runs use (Narayanan et al. 2021, section 5: 1 to 8).
@@ -49,7 +50,7 @@ def search_space(*, microbatches: Sequence[int] | None = None,
     ``context_parallel`` lists the cp degrees tried (1: none), jointly with the rest."""
     return SearchSpace(
         schedules=tuple(schedules) if schedules else SCHEDULES,
-        recompute=tuple(recompute) if recompute else ("none", "selective", "full"),
+        recompute=tuple(recompute) if recompute else RECOMPUTE,
         zero=tuple(zero) if zero is not None else (0, 1, 2, 3),
         microbatches=tuple(microbatches) if microbatches else None,
         microbatch_sizes=None if microbatches else MICROBATCH_SIZES,
@@ -90,7 +91,7 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     if single_stage_ilp and (best is None or best.num_stages == 1):
         from meshplan.planner.singlestage import plan_single_stage
 
-        recompute = best.stages[0].recompute if best is not None else "none"
+        recompute = best.stages[0].recompute if best is not None else Recompute.NONE
         try:
             ilp_plan = plan_single_stage(graph, mesh, dtype=dtype, optimizer=optimizer,
                                          memory_limit_gib=limit, time_limit_s=time_limit_s,

@@ -49,6 +49,7 @@ from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError, gib
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
+from meshplan.vocabulary import RECOMPUTE
 from meshplan.planner.stagedp import (RangeClasses, bottleneck, bound_candidates, build_tables,
                                       cut)
 
@@ -84,7 +85,7 @@ class StageCostFn(Protocol):
 @dataclass(frozen=True, slots=True)
 class SearchSpace:
     schedules: tuple[str, ...] = SCHEDULES
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    recompute: tuple[str, ...] = RECOMPUTE
     zero: tuple[int, ...] = (0, 1, 2, 3)
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages when pp > 1; None: as zero
     microbatches: tuple[int, ...] | None = None  # None: every count that divides the batch
@@ -106,7 +107,7 @@ class SearchSpace:
                 raise PlanningError(f"schedule {s!r} is not known; choose from "
                                     f"{', '.join(Schedule)}")
         for r in self.recompute:
-            if r not in ("none", "selective", "full"):
+            if r not in RECOMPUTE:
                 raise PlanningError(f"recompute {r!r} is not known; choose none, selective, full")
         if not self.schedules or not self.recompute or not self.zero:
             raise PlanningError("schedules, recompute and zero each need at least one choice")
@@ -161,8 +162,8 @@ def in_flight(schedule: str, stage: int, stages: int, microbatches: int, virtual
                                  virtual_stages_for(schedule, virtual))
 
 
-def pipeline_time_s(stage_times: Sequence[float], microbatches: int, schedule: str = Schedule.ONE_F_ONE_B,
-                    virtual: int = 1) -> float:
+def pipeline_time_s(stage_times: Sequence[float], microbatches: int,
+                    schedule: str = Schedule.ONE_F_ONE_B, virtual: int = 1) -> float:
     """Pipelined forward/backward time of one step (costmodel.pipeline.pipeline_step_time)."""
     return pipeline_step_time(stage_times, microbatches, schedule, virtual).step_s
 
@@ -354,7 +355,7 @@ def relaxed_space(space: SearchSpace) -> SearchSpace:
     """The fastest per-microbatch choices only: no recompute if allowed (recompute adds
     forward work) and the lowest ZeRO stage (ZeRO-3 adds weight gathers). A cost function
     whose times grow this way (as the cost model's do) makes the bound valid."""
-    order = ("none", "selective", "full")
+    order = RECOMPUTE  # cheapest first
     return replace(space, recompute=(min(space.recompute, key=order.index),),
                    zero=(min(space.zero),),
                    pipeline_zero=space.pipeline_zero and (min(space.pipeline_zero),))

@@ -33,9 +33,9 @@ from meshplan.graph import OpGraph
 from meshplan.placements import placement_str
 from meshplan.planner.reshard import INF, AxisLinks
 from meshplan.planner.strategies import Strategy
+from meshplan.vocabulary import RECOMPUTE, Recompute
 
 NS = 1e9  # objective unit: 1 ns (integer costs for the solver)
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,7 @@ class StageOptions:
     memory_limit_gib: float | None = None  # None: the device's capacity
     dtype: str = "bf16"
     optimizer: str = "adam"
-    recompute: str = "none"  # none | selective (attention core) | full (whole layers)
+    recompute: str = Recompute.NONE  # none | selective (attention core) | full (whole layers)
     batch_fraction: float = 1.0  # microbatch size / traced global batch
     microbatches: int = 1  # microbatches of this stage per step (compute and edges repeat)
     inflight_microbatches: int = 1  # activations of this many microbatches are alive at once

@@ -30,6 +30,7 @@ from meshplan.planner.intra import Candidate, Group, StageProblem, warn_fallback
 from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
                                       output_grad, shard_factor)
 from meshplan.placements import P, R
+from meshplan.vocabulary import Recompute
 from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
                                          input_shapes, is_pointwise, keeps_partial, op_spec,
                                          replicated_strategy, tensor_of, tensor_placements)
@@ -207,20 +208,21 @@ class Pricer:
             split = st.work_split(mesh) if m == r else shard_factor(out, mesh)
             t = op_time(node, self.hw, o.dtype, split / bf)
             seq2 = m in self.seq_squared
-            again = (o.recompute == "full" and in_layer) or (o.recompute == "selective" and seq2)
+            again = (o.recompute == Recompute.FULL and in_layer) or (
+                o.recompute == Recompute.SELECTIVE and seq2)
             compute += t.total_s + (t.forward_s if again else 0.0)
             if m != r:  # follower fix-up: the producer's placement -> what this op consumes
                 prod = node.inputs[0]
                 nbytes = self._bytes(tensor_of(self.g, prod, node)) * bf
                 comm += edge_s(self.links, nbytes, self.placed[prod][a][1], ins[0],
                                output_grad(ins[0]) if self.needs_grad[m] else None)
-            if m in self.kept_roots and not (o.recompute == "selective" and seq2):
+            if m in self.kept_roots and not (o.recompute == Recompute.SELECTIVE and seq2):
                 b = sum(self._bytes(t_) for t_ in node.outputs) * bf / shard_factor(out, mesh)
                 kept += b
                 if self._is_layer_output(m):
                     boundary += b
         live = o.inflight_microbatches
-        if o.recompute == "full" and in_layer:
+        if o.recompute == Recompute.FULL and in_layer:
             # Megatron's full checkpointing: each layer keeps its output for the next layer;
             # the layer being recomputed holds its whole set once (costmodel/memory.py)
             act = boundary * count * live + kept

@@ -23,11 +23,12 @@ from meshplan.graph import OpGraph
 from meshplan.costmodel.memory import GIB
 from meshplan.planner.intra import (NS, StageOptions, build_problem, solve_stage, to_ilp)
 from meshplan.placements import placement_str
+from meshplan.vocabulary import Recompute
 
 
 def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = "bf16", optimizer: str = "adam",
                       memory_limit_gib: float | None = None, time_limit_s: float = 30.0,
-                      recompute: str = "none", backend: str = "cbc") -> Plan:
+                      recompute: str = Recompute.NONE, backend: str = "cbc") -> Plan:
     """The fastest single-stage plan that fits ``memory_limit_gib`` per device."""
     start = time.perf_counter()
     options = StageOptions(memory_limit_gib=memory_limit_gib, dtype=dtype, optimizer=optimizer,

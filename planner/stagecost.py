@@ -37,6 +37,7 @@ from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCos
                                     search_best)
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage
 from meshplan.schedules import Schedule
+from meshplan.vocabulary import Recompute
 
 NAME = "meshplan-inter"
 RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices differ ~0.5%)
@@ -171,7 +172,7 @@ class MegatronStageCost:
         if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp):
             return None
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
-                              option.sequence_parallel or option.recompute == "selective"):
+                              option.sequence_parallel or option.recompute == Recompute.SELECTIVE):
             return None  # no attention to split, or the layout's 2 x cp chunks do not divide
         if self.engine == "graph":  # the graph engine's runtime is the same with or without pp
             option = replace(option, pipelined=False)

@@ -39,6 +39,7 @@ from meshplan.runtime.modules import (_dp_cp_mesh, apply_ac, apply_fsdp, apply_t
                                       grad_norm, to_empty_keeping_ties)
 from meshplan.runtime.graph.pipeline import TORCH_SCHEDULES
 from meshplan.tracing import find_block_paths, next_token_loss
+from meshplan.vocabulary import Recompute
 
 _ROOT = "module."  # the stage wrapper's attribute in front of every FQN
 
@@ -320,7 +321,7 @@ class PipelineModuleEngine:
                 apply_tp(part, world[st.axis_names[tp]],
                          {k: s for k, s in styles.items() if k in names})
             record = plan.stages[cut.record]
-            if record.recompute != "none":
+            if record.recompute != Recompute.NONE:
                 apply_ac(part, record.recompute, blocks=container)
             if compile:
                 compile_blocks(part, container)

@@ -27,6 +27,7 @@ from meshplan.plan import Plan, Stage
 from meshplan.graph import CallSignature
 from meshplan.tracing import find_repeated_blocks, unflatten_call
 from meshplan.runtime.graph.parallelize import data_parallel_axes, meta_copy
+from meshplan.vocabulary import Recompute
 
 COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
@@ -399,7 +400,7 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
                 "while the plan means statistics over the whole microbatch (DECISIONS 18; the "
                 "graph engine computes those)")
     blocks, num = find_repeated_blocks(model)
-    if stage.recompute != "none" and not num:
+    if stage.recompute != Recompute.NONE and not num:
         return (f"recompute={stage.recompute} wraps each repeated block, but the model has no "
                 "nn.ModuleList or numbered nn.ModuleDict of blocks")
     styles, why = tp_styles(plan, model)

@@ -62,7 +62,7 @@ from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
 
 TORCH_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-                   Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's classes (both engines)
+                   Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's (both engines)
 
 
 @dataclass(frozen=True, slots=True)

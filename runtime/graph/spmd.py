@@ -52,6 +52,7 @@ from meshplan.runtime.graph.pipeline_split import written_attrs
 from meshplan.runtime.graph.placing import (Placer, check_executable, placement_texts,  # noqa: F401
                                       to_placements)  # (placement_texts, to_placements re-exported)
 from meshplan.runtime.graph.recompute import check_recompute, run_checkpointed, segments_for
+from meshplan.vocabulary import Recompute
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
     from torch.utils.checkpoint import _StopRecomputationError
@@ -83,7 +84,7 @@ class SPMDExecutor(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, ops: dict[str, OpPlacement], *,
-                 input_placements: Sequence[Sequence[str]] = (), recompute: str = "none",
+                 input_placements: Sequence[Sequence[str]] = (), recompute: str = Recompute.NONE,
                  block_prefix: str = "", dtype: str = "fp32", record: bool = False,
                  lowered: bool = True):
         super().__init__(gm)
@@ -275,7 +276,7 @@ class SPMDExecutor(fx.Interpreter):
     def _run_segments_once(self, run_node, checkpointed: bool):
         replay = run_node == self._replay_node
         for seg in self.segments:
-            if checkpointed and seg.layer >= 0 and self.recompute != "none":
+            if checkpointed and seg.layer >= 0 and self.recompute != Recompute.NONE:
                 run_checkpointed(self, seg, run_node, self.recompute)
                 continue
             frees = self._last_uses() if replay and len(self.segments) == 1 else {}
