@@ -35,7 +35,8 @@ class PipelineTime:
 
 
 def pipeline_step_time(stage_times: Sequence[float], microbatches: int,
-                       schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1) -> PipelineTime:
+                       schedule: str = Schedule.ONE_F_ONE_B,
+                       virtual_stages: int = 1) -> PipelineTime:
     """Step time of the pipelined part of a training step (see the module docstring)."""
     if schedule not in SCHEDULES:
         raise PlanningError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")

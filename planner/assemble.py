@@ -63,7 +63,8 @@ def check_batch_divides(global_batch: int, degree: int, what: str = "data-parall
 
 def training_config(graph: OpGraph, *, microbatches: int = 1, microbatch_size: int = 0,
                     dtype: str = "fp32", optimizer: str = "adam",
-                    schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1, sequence_parallel: bool = False) -> TrainingConfig:
+                    schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
+                    sequence_parallel: bool = False) -> TrainingConfig:
     batch, seq = batch_and_seq(graph)
     return TrainingConfig(global_batch=batch, seq_len=seq, microbatches=microbatches,
                           microbatch_size=microbatch_size, dtype=dtype, optimizer=optimizer,

@@ -61,8 +61,9 @@ from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
 
+# meshplan's schedule names -> torch's classes, for both engines
 TORCH_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-                   Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's (both engines)
+                   Schedule.INTERLEAVED: ScheduleInterleaved1F1B}
 
 
 @dataclass(frozen=True, slots=True)
