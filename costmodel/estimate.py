@@ -52,9 +52,8 @@ from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 from meshplan.schedules import Schedule
 from meshplan.support import lists_rank_groups
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import ENGINES, ComputeDtype, Engine, Recompute
 
-ENGINES = ("graph", "modules")  # Plan.engine: meshplan's own runtimes
 # other stacks a plan can be priced for (``default_runtime``): what-if estimates of
 # configurations those stacks run, whether or not meshplan's runtimes do
 STACKS = {"megatron": "Megatron-LM / NeMo (Megatron-Core with Transformer Engine)",
@@ -211,7 +210,7 @@ class RuntimeModel:
     fp8_recipe: str = "torchao-tensorwise"
     fp8_casts: str = "eager"
     fp8_all_gather: bool = False
-    engine: str = "graph"
+    engine: str = Engine.GRAPH
     backend: str = "nccl"
 
     def __post_init__(self):
@@ -231,7 +230,7 @@ class RuntimeModel:
                                 "fraction in [0, 1]; 1 hides every overlapped collective")
 
 
-def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
+def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
                     backend: str | None = None, pipeline: bool = False) -> RuntimeModel:
     """The runtime factors of the engine that executes the plan (``Plan.engine``) on its
     collective backend (default: gloo for CPU processes, NCCL for GPUs).
@@ -273,15 +272,15 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
         # scale-mask-softmax and P V through memory (no fused attention yet), gradients in one
         # contiguous buffer all-reduced after the pipeline flush, nothing overlapped: the
         # graph engine's terms with materialized attention (DECISIONS 55)
-        return replace(default_runtime(hw, engine="graph", backend=backend),
+        return replace(default_runtime(hw, engine=Engine.GRAPH, backend=backend),
                        attention="materialized", engine="megatron-2021")
     if engine == "torchtitan":
         # float8 (torchao): tensorwise scaling with the weights all-gathered in fp8
         # (``enable_fsdp_float8_all_gather``, as torchtitan's float8 runs are published)
-        return replace(default_runtime(hw, engine="modules", backend=backend,
+        return replace(default_runtime(hw, engine=Engine.MODULES, backend=backend,
                                        pipeline=pipeline), engine="torchtitan",
                        fp8_recipe="torchao-tensorwise", fp8_all_gather=True)
-    if engine == "modules" and pipeline:
+    if engine == Engine.MODULES and pipeline:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=True, sync_overlaps_backward=False,
@@ -290,7 +289,7 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
                             overlap_efficiency=overlap,
                             engine=engine, backend=backend)
-    if engine == "modules":
+    if engine == Engine.MODULES:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=False, sync_overlaps_backward=True,
@@ -601,12 +600,12 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
             # the full gradient, reduce-scattered once per step (the graph engine's ZeRO-2;
             # a module-engine pipeline stage at ZeRO-2 or 3, DECISIONS 61)
             g = numel * GRAD_BYTES
-        if dtype == "fp32" and dp > 1 and zero in (1, 2):
+        if dtype == ComputeDtype.FP32 and dp > 1 and zero in (1, 2):
             # the fp32 shard the optimizer steps, beside the full weights: the graph
             # engine's ZeRO-1/2 master, FSDP2's shard (under bf16: the master counted in
             # the optimizer column)
             w += numel * MASTER_BYTES / dp
-        elif dtype == "fp32" and dp > 1 and zero == 0 and runtime.fsdp_keeps_shards:
+        elif dtype == ComputeDtype.FP32 and dp > 1 and zero == 0 and runtime.fsdp_keeps_shards:
             w += numel * MASTER_BYTES  # replicate's whole-tensor shard beside the gathered copy
         weights, grads, opt = weights + w, grads + g, opt + o
         opt_numel += numel / (dp if zero >= 1 else 1)
@@ -617,7 +616,7 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
             outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
             mine = _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
                                runtime=runtime, cpa=cpa)
-            if dtype == "fp8" and runtime.fp8_all_gather and layer >= 0 \
+            if dtype == ComputeDtype.FP8 and runtime.fp8_all_gather and layer >= 0 \
                     and len(info.shape) == 2:  # a block linear's weight, gathered in fp8
                 mine = [replace(s, weight_bytes=s.weight_bytes / 2) for s in mine]
             syncs += mine
@@ -665,7 +664,7 @@ def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
             kind = Collective.ALL_REDUCE
         piece = cp if axis == dpa and synced_on_cp else 1
         out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * GRAD_BYTES / piece,
-                            weight_bytes=numel * (4 if dtype == "fp32" else 2) / piece,
+                            weight_bytes=numel * (4 if dtype == ComputeDtype.FP32 else 2) / piece,
                             layer=layer, uses=max(1, len(outs)), on_dp=on_dp,
                             per_use=axis == dpa and zero >= 3 and runtime.zero3_per_use))
     return out

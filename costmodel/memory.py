@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, replace
 
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.schedules import Schedule
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 GIB = 2.0 ** 30
 ADAM_MOMENT_BYTES = 8  # two fp32 moments (Kingma & Ba 2015)
@@ -81,7 +81,7 @@ def moment_bytes(optimizer: str) -> int:
 
 def state_bytes_per_param(dtype: str, optimizer: str) -> StateBytes:
     moments = moment_bytes(optimizer)
-    if dtype == "fp32":
+    if dtype == ComputeDtype.FP32:
         return StateBytes(weights=4, grads=GRAD_BYTES, optimizer=moments)
     return StateBytes(weights=2, grads=GRAD_BYTES, optimizer=MASTER_BYTES + moments)
 
@@ -110,7 +110,7 @@ def optimizer_traffic_s(numel: float, *, dtype: str, optimizer: str, hw) -> floa
 def zero3_buffer_bytes(largest_layer_numel: float, *, dtype: str, prefetch: int = 2) -> float:
     """Gathered full weights of the layers in flight under ZeRO-3: the layer computing and
     the one prefetched (torch FSDP's default backward prefetch keeps one layer ahead)."""
-    return prefetch * largest_layer_numel * (4 if dtype == "fp32" else 2)
+    return prefetch * largest_layer_numel * (4 if dtype == ComputeDtype.FP32 else 2)
 
 
 def grad_sync_buffer_bytes(bucket_bytes: float, local_grad_bytes: float) -> float:

@@ -43,6 +43,7 @@ import torch
 
 from meshplan.costmodel.comm import Collective, bytes_factor, latency_steps
 from meshplan.costmodel.hardware import HardwareProfile, load_preset
+from meshplan.vocabulary import ComputeDtype, Engine
 
 MATMUL_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768)
 ELEMENTWISE_NUMEL = (1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 22)
@@ -246,8 +247,9 @@ def _runtime_plan(meta, graph, world: int, batch: int, *,
     from meshplan.mesh import Mesh
 
     return manual_plan(meta, Mesh.local(world, profile=profile or load_preset("cpu-local")),
-                       graph=graph, dtype="fp32", dp=world, microbatch_size=batch // world,
-                       engine="graph")
+                       graph=graph, dtype=ComputeDtype.FP32, dp=world,
+                       microbatch_size=batch // world,
+                       engine=Engine.GRAPH)
 
 
 def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:

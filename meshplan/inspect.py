@@ -26,6 +26,7 @@ from meshplan.context import chunk_words
 from meshplan.placements import shard_dim
 from meshplan.plan import Plan, Stage
 from meshplan.support import cp_degree
+from meshplan.vocabulary import Engine
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.
@@ -256,7 +257,7 @@ def head_table(plan: Plan) -> Table:
     head.add_row("time breakdown", ", ".join(f"{k} {fmt_time(v)}" for k, v in p.breakdown.items()))
     head.add_row("runs on", "module engine (parallelize_module, fully_shard, checkpoint "
                  "wrappers" + (", torch.distributed.pipelining)" if plan.num_stages > 1
-                               else ")") if plan.engine == "modules" else
+                               else ")") if plan.engine == Engine.MODULES else
                  "graph engine (exported graph on DTensor)"
                  + (f": {plan.engine_note}" if plan.engine_note else ""))
     head.add_row("solver", f"{plan.solver.name}: {plan.solver.status}, gap {plan.solver.gap:.2%}, "

@@ -19,7 +19,7 @@ from pathlib import Path
 from meshplan.errors import PlanFileError
 from meshplan.placements import shard_dim
 from meshplan.schedules import SCHEDULES, Schedule
-from meshplan.vocabulary import RECOMPUTE, Recompute
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Engine, Recompute
 
 SCHEMA_VERSION = "meshplan.plan/v1"
 
@@ -121,8 +121,9 @@ class TrainingConfig:
     seq_len: int
     microbatches: int = 1
     microbatch_size: int = 0  # sequences per microbatch per data-parallel rank
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 (mixed precision with fp32 master weights) | fp8
-    # (fp8 GEMMs, bf16 elsewhere: estimation and export only, meshplan/support.py)
+    # fp32 | bf16 | fp16 (mixed precision with fp32 master weights) | fp8 (fp8 GEMMs, bf16
+    # elsewhere: estimation and export only, meshplan/support.py); vocabulary.ComputeDtype
+    dtype: str = ComputeDtype.FP32
     optimizer: str = "adam"
     schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
@@ -155,7 +156,7 @@ class Plan:
     # which runtime executes it: "modules" (PyTorch's composables: parallelize_module,
     # fully_shard, checkpoint wrappers; runtime/modules.py) where the plan is expressible
     # in them, else "graph" (the exported graph on DTensor; runtime/graph/parallelize.py)
-    engine: str = "graph"
+    engine: str = Engine.GRAPH
     engine_note: str = ""  # why the graph engine runs it, when the module engine cannot
     # Not written to the file: the traced graph the plan was made from (for estimate/explain)
     # and the wall-clock planning time (the file records the solver's deterministic time so

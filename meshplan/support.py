@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import (ENGINE_DTYPES, PRICED_ONLY_DTYPES, TRAINED_DTYPES, ComputeDtype,
+                                 Engine, Recompute)
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
-DTYPES = ("fp32", "bf16", "fp16")  # what meshplan's runtimes train in
-# priced for estimation and export only (costmodel/fp8.py): a plan may say it, and loads,
-# and a stack (engine='torchtitan' or 'megatron') prices it; meshplan's runtimes refuse it
-ESTIMATION_DTYPES = ("fp8",)
+# fp8 (vocabulary.PRICED_ONLY_DTYPES) is priced for estimation and export only
+# (costmodel/fp8.py): a plan may say it, and loads, and a stack (engine='torchtitan' or
+# 'megatron') prices it; meshplan's runtimes refuse it
 FP8_REFUSAL = ("dtype 'fp8' is priced for estimation and export; meshplan's runtimes train "
                "bf16/fp32; price it with engine='torchtitan' or 'megatron', or use dtype='bf16'")
 
@@ -44,7 +44,7 @@ class Candidate:
     global_batch: int = 1
     microbatch_size: int = 0
     zero: int = 0
-    dtype: str = "fp32"
+    dtype: str = ComputeDtype.FP32
     num_layers: int | None = None
     cp: int = 1  # context-parallel degree (meshplan/context.py)
     seq_len: int = 0  # 0 when unknown
@@ -114,11 +114,11 @@ def zero_rule(c: Candidate) -> tuple[str, ...]:
 def dtype_rule(c: Candidate) -> tuple[str, ...]:
     """fp16 needs loss scaling, which only the single-stage runtime does; fp8 is priced,
     not run."""
-    if c.dtype in ESTIMATION_DTYPES:
+    if c.dtype in PRICED_ONLY_DTYPES:
         return (FP8_REFUSAL,)
-    if c.dtype not in DTYPES:
-        return (f"dtype {c.dtype!r} is not one of {', '.join(DTYPES)}",)
-    if c.dtype == "fp16" and c.pp > 1:
+    if c.dtype not in TRAINED_DTYPES:
+        return (f"dtype {c.dtype!r} is not one of {', '.join(TRAINED_DTYPES)}",)
+    if c.dtype == ComputeDtype.FP16 and c.pp > 1:
         return ("dtype 'fp16' with pp > 1 needs loss scaling, which the pipeline runtime does "
                 "not do yet; use dtype 'bf16' or 'fp32' when pp > 1",)
     return ()
@@ -256,14 +256,14 @@ GRAPH_ONLY = (
 # what the module engine (runtime/modules.py, runtime/module_pipeline.py) computes in, one
 # stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
 # MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling
-MODULE_ENGINE_DTYPES = ("fp32", "bf16")
+MODULE_ENGINE_DTYPES = ENGINE_DTYPES[Engine.MODULES]
 
 
 def module_engine_dtype_rule(plan: Plan) -> tuple[str, ...]:
     """The module engine runs fp32 and bf16 plans, pipelines included (fp8: dtype_rule's
     one line, on either engine)."""
     t = plan.training
-    if plan.engine == "modules" and t.dtype not in MODULE_ENGINE_DTYPES + ESTIMATION_DTYPES:
+    if plan.engine == Engine.MODULES and t.dtype not in MODULE_ENGINE_DTYPES + PRICED_ONLY_DTYPES:
         return (f"engine 'modules' with dtype {t.dtype!r}: the module engine runs "
                 f"{' and '.join(MODULE_ENGINE_DTYPES)} (fp16 needs loss scaling); set engine "
                 "'graph' or dtype 'bf16'",)
@@ -358,10 +358,10 @@ def plan_problems(plan: Plan) -> tuple[str, ...]:
 def export_problems(plan: Plan) -> tuple[str, ...]:
     """Why ``plan`` cannot be read from a file: those of ``plan_problems``, except that a
     plan in an estimation-only dtype (fp8) loads when its layout would run in bf16."""
-    if plan.training.dtype in ESTIMATION_DTYPES:
+    if plan.training.dtype in PRICED_ONLY_DTYPES:
         from dataclasses import replace
 
-        plan = replace(plan, training=replace(plan.training, dtype="bf16"))
+        plan = replace(plan, training=replace(plan.training, dtype=ComputeDtype.BF16))
     return plan_problems(plan)
 
 

@@ -31,7 +31,7 @@ from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
-from meshplan.vocabulary import RECOMPUTE
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype
 
 SHOW_PROGRESS_AFTER_S = 2.0  # a progress bar only for sweeps a person waits on
 PLOT_FORMATS = (".png", ".svg", ".pdf")
@@ -61,7 +61,8 @@ def divisors(n: int) -> list[int]:
 
 def configurations(*, devices: int, devices_per_node: int, batch: int, layers: int,
                    heads: int, schedules=SCHEDULES,
-                   recompute=RECOMPUTE, zeros=(0, 1, 2, 3), dtype: str = "fp32") -> list[Config]:
+                   recompute=RECOMPUTE, zeros=(0, 1, 2, 3),
+                   dtype: str = ComputeDtype.FP32) -> list[Config]:
     """The space of the module docstring, less what the runtime cannot run
     (meshplan/support.py)."""
     out = []

@@ -59,6 +59,8 @@ class ComputeDtype(PlanName):
     FP8 = "fp8"
 
 
+DTYPES = tuple(d.value for d in ComputeDtype)  # every dtype a plan may name
+
 # what each of meshplan's runtimes trains in: the graph engine scales the fp16 loss
 # (runtime/graph/parallelize.py FP16_LOSS_SCALE); the module engine does no loss scaling,
 # so it runs fp32 and bf16 only (fully_shard's MixedPrecisionPolicy, autocast)

@@ -11,8 +11,8 @@ from meshplan.errors import PlanningError
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import ModelInfo, MeshInfo, OpPlacement, TrainingConfig
 from meshplan.schedules import Schedule
+from meshplan.vocabulary import DTYPES, ComputeDtype
 
-DTYPES = ("fp32", "bf16", "fp16", "fp8")  # fp8: priced, not run (meshplan/support.py)
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -62,7 +62,7 @@ def check_batch_divides(global_batch: int, degree: int, what: str = "data-parall
 
 
 def training_config(graph: OpGraph, *, microbatches: int = 1, microbatch_size: int = 0,
-                    dtype: str = "fp32", optimizer: str = "adam",
+                    dtype: str = ComputeDtype.FP32, optimizer: str = "adam",
                     schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
                     sequence_parallel: bool = False) -> TrainingConfig:
     batch, seq = batch_and_seq(graph)

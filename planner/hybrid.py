@@ -32,7 +32,7 @@ from meshplan.planner.simplest import error_margin, simplest_within
 from meshplan.planner.stagecost import RERANK_WITHIN, plan_hybrid
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES
-from meshplan.vocabulary import RECOMPUTE, Recompute
+from meshplan.vocabulary import RECOMPUTE, Engine, Recompute
 
 # Microbatch sizes (sequences per data-parallel rank) the search tries by default: the
 # range Megatron-LM's published runs use (Narayanan et al. 2021, section 5: 1 to 8).
@@ -62,7 +62,7 @@ def search_space(*, microbatches: Sequence[int] | None = None,
 def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
               memory_limit_gib: float | None = None, space: SearchSpace | None = None,
               time_limit_s: float = 30.0, single_stage_ilp: bool = True, cost=None,
-              engine: str = "graph", margin: float | None = None) -> Plan:
+              engine: str = Engine.GRAPH, margin: float | None = None) -> Plan:
     """The fastest plan of either search that fits ``memory_limit_gib`` per device, every
     candidate priced for ``engine`` (the runtime that will run it; the plan records it);
     then the simplest plan within ``margin`` of it (planner/simplest.py; None: the cost

@@ -49,7 +49,7 @@ from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError, gib
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
-from meshplan.vocabulary import RECOMPUTE
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype
 from meshplan.planner.stagedp import (RangeClasses, bottleneck, bound_candidates, build_tables,
                                       cut)
 
@@ -185,7 +185,7 @@ class Problem:
     # pipeline under ZeRO stage z: (p, dp, tp, z) -> GiB; shapes whose floor exceeds the
     # memory limit are skipped before any stage is priced
     weights_floor_gib: Callable | None = None
-    dtype: str = "fp32"  # what the runtime can run depends on it (meshplan/support.py)
+    dtype: str = ComputeDtype.FP32  # what the runtime can run depends on it (meshplan/support.py)
 
     @property
     def num_units(self) -> int:

@@ -33,7 +33,7 @@ from meshplan.graph import OpGraph
 from meshplan.placements import placement_str
 from meshplan.planner.reshard import INF, AxisLinks
 from meshplan.planner.strategies import Strategy
-from meshplan.vocabulary import RECOMPUTE, Recompute
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
 
 NS = 1e9  # objective unit: 1 ns (integer costs for the solver)
 
@@ -41,7 +41,7 @@ NS = 1e9  # objective unit: 1 ns (integer costs for the solver)
 @dataclass(frozen=True, slots=True)
 class StageOptions:
     memory_limit_gib: float | None = None  # None: the device's capacity
-    dtype: str = "bf16"
+    dtype: str = ComputeDtype.BF16
     optimizer: str = "adam"
     recompute: str = Recompute.NONE  # none | selective (attention core) | full (whole layers)
     batch_fraction: float = 1.0  # microbatch size / traced global batch

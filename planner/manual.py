@@ -45,7 +45,7 @@ from meshplan.planner.strategies import BATCH_NORMS
 from meshplan.schedules import Schedule, virtual_stages_for
 from meshplan.placements import shard_dim
 from meshplan.plan import Estimate, OpPlacement, Plan, SolverInfo, Stage
-from meshplan.vocabulary import RECOMPUTE, Recompute
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
 
 NAME = "manual"
 R = "R"
@@ -55,7 +55,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                       microbatch_size: int = 1, schedule: str = Schedule.ONE_F_ONE_B,
                       virtual_stages: int = 1, recompute: str = Recompute.NONE,
                       sequence_parallel: bool = False, zero: int = 0,
-                      dtype: str = "fp32", optimizer: str = "adam",
+                      dtype: str = ComputeDtype.FP32, optimizer: str = "adam",
                       vocab_parallel_cp: bool = False) -> Plan:
     """A Megatron-style plan (see the module docstring). ``vocab_parallel_cp``: keep the token
     embedding vocab-parallel under cp too, as Megatron-LM and torchtitan run it (a plan

@@ -30,7 +30,7 @@ from meshplan.planner.intra import Candidate, Group, StageProblem, warn_fallback
 from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
                                       output_grad, shard_factor)
 from meshplan.placements import P, R
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import ComputeDtype, Recompute
 from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
                                          input_shapes, is_pointwise, keeps_partial, op_spec,
                                          replicated_strategy, tensor_of, tensor_placements)
@@ -268,7 +268,7 @@ class Pricer:
                     div *= mesh[ax]
             copy_b = DTYPE_BYTES[o.dtype]
             # under fp32 the graph engine's ZeRO-1/2 master shard is a copy of its own
-            master_b = MASTER_BYTES if o.dtype != "fp32" or div > 1 else 0
+            master_b = MASTER_BYTES if o.dtype != ComputeDtype.FP32 or div > 1 else 0
             pbytes += n_store * (copy_b + master_b / div)
             if info.trainable:
                 gbytes += n_store * GRAD_BYTES

@@ -23,10 +23,11 @@ from meshplan.graph import OpGraph
 from meshplan.costmodel.memory import GIB
 from meshplan.planner.intra import (NS, StageOptions, build_problem, solve_stage, to_ilp)
 from meshplan.placements import placement_str
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 
-def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = "bf16", optimizer: str = "adam",
+def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = ComputeDtype.BF16,
+                      optimizer: str = "adam",
                       memory_limit_gib: float | None = None, time_limit_s: float = 30.0,
                       recompute: str = Recompute.NONE, backend: str = "cbc") -> Plan:
     """The fastest single-stage plan that fits ``memory_limit_gib`` per device."""

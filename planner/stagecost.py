@@ -37,7 +37,7 @@ from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCos
                                     search_best)
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage
 from meshplan.schedules import Schedule
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import Engine, Recompute
 
 NAME = "meshplan-inter"
 RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices differ ~0.5%)
@@ -60,7 +60,7 @@ class MegatronStageCost:
     exact_units = EXACT_UNITS
 
     def __init__(self, graph: OpGraph, units: tuple[LayerUnit, ...], hw: HardwareProfile, *,
-                 num_devices: int, dtype: str, optimizer: str, engine: str = "graph"):
+                 num_devices: int, dtype: str, optimizer: str, engine: str = Engine.GRAPH):
         self.graph, self.units, self.hw = graph, units, hw
         # the engine whose runtime prices every probe (costmodel.estimate.default_runtime):
         # the one that will run the plan, so the search optimises what runs
@@ -174,7 +174,7 @@ class MegatronStageCost:
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
                               option.sequence_parallel or option.recompute == Recompute.SELECTIVE):
             return None  # no attention to split, or the layout's 2 x cp chunks do not divide
-        if self.engine == "graph":  # the graph engine's runtime is the same with or without pp
+        if self.engine == Engine.GRAPH:  # its runtime is the same with or without pp
             option = replace(option, pipelined=False)
         key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
                self.engine)
@@ -284,7 +284,7 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
 def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                 memory_limit_gib: float | None = None, space: SearchSpace = SearchSpace(),
                 max_units: int | None = None, cost: MegatronStageCost | None = None,
-                engine: str = "graph", cap_s: float = float("inf")) -> Plan:
+                engine: str = Engine.GRAPH, cap_s: float = float("inf")) -> Plan:
     """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan,
     every price the one of ``engine``'s runtime (the plan records it). Pass ``cost`` to
     share its probes with other searches over the same graph and mesh. ``cap_s``: prune

@@ -276,7 +276,8 @@ class PipelineModuleEngine:
 
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):
-        from meshplan.runtime.module_plan import COMPUTE_DTYPES, _axes, check_model, tp_styles
+        from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
+        from meshplan.runtime.module_plan import _axes, check_model, tp_styles
 
         view = single_stage_view(plan)
         check_model(view, model)

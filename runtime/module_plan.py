@@ -27,9 +27,8 @@ from meshplan.plan import Plan, Stage
 from meshplan.graph import CallSignature
 from meshplan.tracing import find_repeated_blocks, unflatten_call
 from meshplan.runtime.graph.parallelize import data_parallel_axes, meta_copy
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import ENGINE_DTYPES, Engine, Recompute
 
-COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 # -- the plan as tensor-parallel styles (pure) -------------------------------------------------
@@ -358,7 +357,7 @@ def model_refusal(model: nn.Module, *, dtype: str, num_devices: int) -> str | No
         return (f"{drop}: eager modules draw DTensor's dropout masks (per-shard on CPU, "
                 "DTensor's own stream on GPU); the graph engine draws one process's masks, "
                 "the same under every single-stage plan")
-    if dtype not in COMPUTE_DTYPES:
+    if dtype not in ENGINE_DTYPES[Engine.MODULES]:
         return (f"dtype {dtype} needs loss scaling, which the module engine does not do; "
                 "use bf16 or fp32, or the graph engine")
     return None

@@ -43,7 +43,8 @@ from meshplan.plan import Plan
 from meshplan.runtime import loss_weights
 from meshplan.tracing import find_repeated_blocks, next_token_loss
 from meshplan.vocabulary import Recompute
-from meshplan.runtime.module_plan import (COMPUTE_DTYPES, _axes, _call, check_model,  # noqa: F401
+from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
+from meshplan.runtime.module_plan import (_axes, _call, check_model,  # noqa: F401
                                           module_engine_refusal, tp_styles)  # re-exported
 
 # Outputs `selective` recompute keeps: the parameter matmuls; attention scores, softmax and

@@ -33,6 +33,7 @@ from meshplan.errors import MeshplanError, NotSupportedError, PlanFileError
 from meshplan.plan import Plan
 from meshplan.runtime import loss_weights
 from meshplan.graph import CallSignature
+from meshplan.vocabulary import ENGINES, Engine
 from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph, flatten_call,
                                     unflatten_call)
 
@@ -102,7 +103,7 @@ class ParallelRun:
     # -- what the user's loop calls ------------------------------------------------------
     @property
     def engine_name(self) -> str:
-        return "graph"
+        return Engine.GRAPH
 
     def parameters(self) -> list[nn.Parameter]:
         """What a stock torch optimizer steps on this rank (DTensor shards; with ZeRO-1/2 the
@@ -465,7 +466,7 @@ class ModuleRun(ParallelRun):
 
     @property
     def engine_name(self) -> str:
-        return "modules"
+        return Engine.MODULES
 
     def parameters(self) -> list[nn.Parameter]:
         return self.engine.parameters()
@@ -572,13 +573,13 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         warnings.warn(f"this plan was made for {device} devices and runs on CPU processes: "
                       "its predicted step time and memory do not apply here", stacklevel=2)
     engine = engine or plan.engine
-    if engine not in ("graph", "modules"):
+    if engine not in ENGINES:
         raise PlanFileError(f"engine={engine!r} is not 'graph' or 'modules'")
-    if compile and engine != "modules":
+    if compile and engine != Engine.MODULES:
         raise NotSupportedError("compile=True runs on the module engine only; this plan runs "
                                 f"on the graph engine ({plan.engine_note or 'engine=graph'}); "
                                 "pass compile=False")
-    if engine == "modules":
+    if engine == Engine.MODULES:
         from meshplan.runtime.module_pipeline import PipelineModuleEngine
         from meshplan.runtime.modules import ModuleEngine
 

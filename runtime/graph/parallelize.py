@@ -39,6 +39,7 @@ from meshplan.plan import Plan, Stage
 from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
+from meshplan.vocabulary import ComputeDtype
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
 # keeps tiny gradients of small models above fp16's subnormal range; a step whose
@@ -302,7 +303,7 @@ class ParallelModel:
         if inputs[0].shape[0] % n:
             raise PlanFileError(f"batch of {inputs[0].shape[0]} sequences does not split into "
                                 f"{n} microbatches; use a batch divisible by {n}")
-        scale = FP16_LOSS_SCALE if self.plan.training.dtype == "fp16" else 1.0
+        scale = FP16_LOSS_SCALE if self.plan.training.dtype == ComputeDtype.FP16 else 1.0
         if labels is None:
             total = None
             for chunk in zip(*(x.chunk(n) for x in inputs)):
