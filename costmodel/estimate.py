@@ -53,6 +53,7 @@ from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePredictio
 from meshplan.schedules import Schedule
 from meshplan.support import lists_rank_groups
 from meshplan.vocabulary import ENGINES, ComputeDtype, Engine, Recompute
+from meshplan.placements import PARTIAL, REPLICATE, shard
 
 # other stacks a plan can be priced for (``default_runtime``): what-if estimates of
 # configurations those stacks run, whether or not meshplan's runtimes do
@@ -343,7 +344,7 @@ def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
     """How many pieces a tensor (or an operator's work) is cut into by these placements."""
     n = 1
     for axis, (pl, size) in enumerate(zip(placements, mesh_shape)):
-        if pl != "R" and axis != skip_axis:
+        if pl != REPLICATE and axis != skip_axis:
             n *= size
     return n
 
@@ -353,12 +354,12 @@ def reshard_collectives(src: str, dst: str, *, needs_grad: bool) -> tuple[str | 
     one axis. R->S is a local slice whose gradient is all-gathered."""
     if src == dst:
         return None, None
-    if src == "P":
-        if dst == "R":
+    if src == PARTIAL:
+        if dst == REPLICATE:
             return Collective.ALL_REDUCE, None
         return Collective.REDUCE_SCATTER, (Collective.ALL_GATHER if needs_grad else None)
     if src.startswith("S"):
-        if dst == "R":
+        if dst == REPLICATE:
             return Collective.ALL_GATHER, (Collective.REDUCE_SCATTER if needs_grad else None)
         if dst.startswith("S"):
             return Collective.ALL_TO_ALL, (Collective.ALL_TO_ALL if needs_grad else None)
@@ -374,7 +375,7 @@ def dp_axis(stage: Stage) -> int | None:
         return stage.axis_names.index("dp")
     for pl in stage.inputs.values():
         for axis, p in enumerate(pl):
-            if p == "S(0)":
+            if p == shard(0):
                 return axis
     return None
 
@@ -650,12 +651,13 @@ def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
     the updated (or ZeRO-3 gathered) weights come back the mirror way."""
     out = []
     cp = shape[cpa] if cpa is not None else 1
-    synced_on_cp = cpa is not None and any(o[cpa] != "R" and used[cpa] != "P"
+    synced_on_cp = cpa is not None and any(o[cpa] != REPLICATE and used[cpa] != PARTIAL
                                             for o, used in outs)
     for axis, size in enumerate(shape):
-        if size == 1 or not any(o[axis] != "R" and used[axis] != "P" for o, used in outs):
+        if size == 1 or not any(o[axis] != REPLICATE and used[axis] != PARTIAL
+                                for o, used in outs):
             continue
-        if placement[axis] != "R" and axis != dpa:
+        if placement[axis] != REPLICATE and axis != dpa:
             continue
         on_dp = axis == dpa or axis == cpa
         kind = Collective.REDUCE_SCATTER if (axis == cpa or (on_dp and zero >= 2)) \
@@ -1044,8 +1046,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                     continue
                 buf = nbytes / split_factor(src, shape, skip_axis=axis)
                 f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
-                if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == "R":
-                    gathered_kv = name in feeds_split or (op.output and op.output[axis] != "R")
+                if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == REPLICATE:
+                    gathered_kv = name in feeds_split or (
+                        op.output and op.output[axis] != REPLICATE)
                     b = None if not gathered_kv else \
                         Collective.REDUCE_SCATTER if cp_composable else Collective.ALL_REDUCE
                 on_tp = axis == tp_ax and node.layer >= 0
@@ -1059,8 +1062,8 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                     tb = coll(b, buf, axis)
                     comm_bwd += tb
                     tp_bwd += tb if on_tp else 0.0
-                if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
-                        and src[axis] == "R" and axis != cp_ax:
+                if grad and dst[axis] == REPLICATE and op.output and op.output[axis] != REPLICATE \
+                        and src[axis] == REPLICATE and axis != cp_ax:
                     tb = coll(Collective.ALL_REDUCE, buf, axis)
                     comm_bwd += tb
                     tp_bwd += tb if on_tp else 0.0
@@ -1107,7 +1110,7 @@ def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) 
             src = placement.get(node.inputs[k])
             if src:
                 inputs[k] = _set_axis(inputs[k], ax, src[ax])
-        out = op.output if op.output[ax] != "R" else _set_axis(op.output, ax, "S(0)")
+        out = op.output if op.output[ax] != REPLICATE else _set_axis(op.output, ax, shard(0))
         ops[name] = replace(op, inputs=tuple(inputs), output=out)
         placement[name] = out
     chunked = replace(stage, ops=ops)
@@ -1126,11 +1129,11 @@ def _feeds_split(stage: Stage, graph: OpGraph, axis: int) -> set[str]:
     out: set[str] = set()
     for name in reversed(list(stage.ops)):  # consumers come later in graph order
         op = stage.ops[name]
-        if not op.output or op.output[axis] != "R":
+        if not op.output or op.output[axis] != REPLICATE:
             continue
         for user in graph.users.get(name, ()):
             uop = stage.ops.get(user)
-            if uop is not None and uop.output and (uop.output[axis] != "R" or (
+            if uop is not None and uop.output and (uop.output[axis] != REPLICATE or (
                     user in out and graph.node(user).kind == OpKind.VIEW)):
                 out.add(name)
                 break

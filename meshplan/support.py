@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
+from meshplan.placements import shard
 from meshplan.vocabulary import (ENGINE_DTYPES, PRICED_ONLY_DTYPES, TRAINED_DTYPES, ComputeDtype,
                                  Engine, Recompute)
 
@@ -177,7 +178,7 @@ def data_parallel_degree(plan: Plan) -> int:
 def dp_axes(stage) -> tuple[int, ...]:
     if stage.inputs:
         first = next(iter(stage.inputs.values()))
-        return tuple(i for i, p in enumerate(first) if p == "S(0)")
+        return tuple(i for i, p in enumerate(first) if p == shard(0))
     return tuple(i for i, name in enumerate(stage.axis_names) if name == "dp")
 
 

@@ -12,6 +12,7 @@ from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import ModelInfo, MeshInfo, OpPlacement, TrainingConfig
 from meshplan.schedules import Schedule
 from meshplan.vocabulary import DTYPES, ComputeDtype
+from meshplan.placements import PARTIAL, REPLICATE
 
 OPTIMIZERS = ("adam", "sgd")
 
@@ -78,15 +79,15 @@ def propagate_batch_sharding(graph: OpGraph, batch_placement: tuple[str, ...],
     batch-sharded is batch-sharded (dim 0 of its output), a scalar reduction of a sharded
     value is partial, everything else is replicated."""
     ndim = len(batch_placement)
-    replicated = ("R",) * ndim
-    partial = tuple("P" if p != "R" else "R" for p in batch_placement)
+    replicated = (REPLICATE,) * ndim
+    partial = tuple(PARTIAL if p != REPLICATE else REPLICATE for p in batch_placement)
     state: dict[str, tuple[str, ...]] = {name: batch_placement for name, _ in graph.inputs}
     ops: dict[str, OpPlacement] = {}
     names = node_names if node_names is not None else tuple(n.name for n in graph.nodes)
     for name in names:
         node = graph.node(name)
         ins = tuple(state.get(i, replicated) for i in node.inputs)
-        sharded = any(p != replicated and "P" not in p for p in ins)
+        sharded = any(p != replicated and PARTIAL not in p for p in ins)
         out = node.out
         if sharded and out is not None and len(out.shape) == 0:
             pl = partial

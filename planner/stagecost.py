@@ -38,6 +38,7 @@ from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCos
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage
 from meshplan.schedules import Schedule
 from meshplan.vocabulary import Engine, Recompute
+from meshplan.placements import REPLICATE, shard
 
 NAME = "meshplan-inter"
 RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices differ ~0.5%)
@@ -127,7 +128,7 @@ class MegatronStageCost:
                option.cp)
         hit = self._stage_ops.get(key)
         if hit is None:
-            inputs = {name: ("S(0)", "R") for name, _ in self.graph.inputs}
+            inputs = {name: (shard(0), REPLICATE) for name, _ in self.graph.inputs}
             ops = {n: ops[n] for n in names}
             if option.cp > 1:  # the cp axis as planner/manual.py writes it
                 _, _, ops, _, inputs = with_cp_axis(

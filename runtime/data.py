@@ -24,6 +24,7 @@ import torch
 
 from meshplan.errors import SpecError
 from meshplan.plan import Plan
+from meshplan.placements import REPLICATE, shard
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -107,12 +108,12 @@ def rows_read_by(plan: Plan, rank: int) -> list[int]:
     if rank not in devices:  # a later pipeline stage: activations come from its peers
         return []
     coord = np.unravel_index(devices.index(rank), tuple(stage.mesh_shape))
-    placements = next(iter(stage.inputs.values()), ("R",) * len(stage.mesh_shape))
+    placements = next(iter(stage.inputs.values()), (REPLICATE,) * len(stage.mesh_shape))
     rows = torch.arange(plan.training.global_batch)
     mine = []
     for chunk in rows.chunk(max(plan.training.microbatches, 1)):
         for axis, placement in enumerate(placements):  # DTensor shards axis by axis
-            if placement == "S(0)":
+            if placement == shard(0):
                 chunk = chunk.chunk(stage.mesh_shape[axis])[coord[axis]] \
                     if coord[axis] < len(chunk.chunk(stage.mesh_shape[axis])) else chunk[:0]
         mine += chunk.tolist()

@@ -34,6 +34,7 @@ from meshplan.plan import Plan
 from meshplan.runtime import loss_weights
 from meshplan.graph import CallSignature
 from meshplan.vocabulary import ENGINES, Engine
+from meshplan.placements import REPLICATE, shard
 from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph, flatten_call,
                                     unflatten_call)
 
@@ -364,7 +365,7 @@ class ParallelRun:
 
     def _split_axes(self, rec: dict) -> list[int]:
         pl = self._placements.get(rec["name"], ())
-        return [a for a in self._dp_axes if a < len(pl) and pl[a] == "S(0)"]
+        return [a for a in self._dp_axes if a < len(pl) and pl[a] == shard(0)]
 
     def _local_shape(self, rec: dict) -> tuple[int, ...]:
         shape = list(rec["shape"])
@@ -435,7 +436,8 @@ class ParallelRun:
             ep = export_training_graph(model, meta, self.loss_fn, signature=sig, loss=False)
             gm = runnable_graph_module(ep, device_type=pm.mesh.device_type)
             install_params(gm, pm.params)
-            placements = [self._placements.get(r["name"], ("R",) * pm.mesh.ndim) for r in records]
+            placements = [self._placements.get(r["name"], (REPLICATE,) * pm.mesh.ndim)
+                          for r in records]
             # the plan's placements for the forward operators the eval graph shares with the
             # training graph (same node name and inputs): left to itself DTensor lays eval
             # batch norm out over channels (R, S(1)), which its conv rule then misreads

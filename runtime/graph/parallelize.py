@@ -40,6 +40,7 @@ from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 from meshplan.vocabulary import ComputeDtype
+from meshplan.placements import REPLICATE, shard
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
 # keeps tiny gradients of small models above fp16's subnormal range; a step whose
@@ -213,12 +214,12 @@ def data_parallel_axes(stage: Stage) -> tuple[int, ...]:
     if not stage.inputs:
         return ()
     first = next(iter(stage.inputs.values()))
-    return tuple(i for i, p in enumerate(first) if p == "S(0)")
+    return tuple(i for i, p in enumerate(first) if p == shard(0))
 
 
 def sharded_over(placements: Sequence[str], axes: Sequence[int]) -> tuple[str, ...]:
     """``placements`` with Replicate turned into S(0) on ``axes``: ZeRO's storage sharding."""
-    return tuple("S(0)" if i in axes and p == "R" else p for i, p in enumerate(placements))
+    return tuple(shard(0) if i in axes and p == REPLICATE else p for i, p in enumerate(placements))
 
 
 def storage_placements(stage: Stage, fqn: str) -> tuple[str, ...]:

@@ -60,6 +60,7 @@ from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
 from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
+from meshplan.placements import REPLICATE
 
 # meshplan's schedule names -> torch's classes, for both engines
 TORCH_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
@@ -578,7 +579,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
             names = aliases.get(fqn, [fqn])
             listed = [stage.params[n] for n in names if n in stage.params]
             if not listed and fqn in buffers:
-                listed = [("R",) * mesh.ndim]
+                listed = [(REPLICATE,) * mesh.ndim]
             elif listed:
                 listed = [_storage(stage, listed[0], plan)]
             if not listed:
@@ -657,12 +658,12 @@ def _placement_of(plan: Plan, name: str, values: dict, ndim: int) -> tuple[str, 
     """The planned placement of a value crossing a boundary: a graph input's placement in stage
     0, or the output placement its producing stage plans; replicated when the plan is silent."""
     if values[name].op == "placeholder":
-        return tuple(plan.stages[0].inputs.get(name, ("R",) * ndim))
+        return tuple(plan.stages[0].inputs.get(name, (REPLICATE,) * ndim))
     for st in plan.stages:
         op = st.ops.get(name)
         if op is not None and op.output:
             return tuple(op.output)
-    return ("R",) * ndim
+    return (REPLICATE,) * ndim
 
 
 def _tie_groups(model, plan: Plan, pieces: list[StageGraph], params: dict,
@@ -707,7 +708,7 @@ def _common(storages: set, axes) -> tuple[str, ...] | None:
     data-parallel axes replicated (what ZeRO-3 adds is undone; the rest must agree)."""
     if len(storages) <= 1:
         return None
-    plain = {tuple("R" if i in axes else p for i, p in enumerate(pl)) for pl in storages}
+    plain = {tuple(REPLICATE if i in axes else p for i, p in enumerate(pl)) for pl in storages}
     if len(plain) > 1:
         raise NotSupportedError(f"a tied parameter has placements {sorted(plain)} on different "
                                 "rank groups; give its copies one placement")
