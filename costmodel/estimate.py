@@ -381,7 +381,7 @@ def dp_axis(stage: Stage) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
-class StageCost:
+class StageBreakdown:
     """Costs of one stage: times per microbatch, once-per-step times, memory at its peak."""
 
     forward_s: float
@@ -405,7 +405,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                optimizer: str, microbatches: int = 1, num_stages: int = 1,
                schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1, seq_len: int = 0,
                processes_on_host: int = 1, runtime: RuntimeModel | None = None,
-               compute_contention: float | None = None, cache: dict | None = None) -> StageCost:
+               compute_contention: float | None = None,
+               cache: dict | None = None) -> StageBreakdown:
     """Costs of one stage. ``compute_contention`` (default: all ``processes_on_host``
     computing at once) slows the microbatch compute; the optimizer step, which every
     process runs at the same time, always takes the all-process contention.
@@ -456,7 +457,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                              grads_gib=params.grads_bytes / GIB,
                              optimizer_gib=params.optimizer_bytes / GIB,
                              activations_gib=acts / GIB, buffers_gib=buffers / GIB)
-    return StageCost(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
+    return StageBreakdown(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
                      comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
                      memory=memory)
 
@@ -1204,7 +1205,7 @@ def chunk_groups(plan: Plan) -> list[list[int]] | None:
     return [list(range(g, plan.num_stages, pp)) for g in range(pp)]
 
 
-def plan_pipeline_time(plan: Plan, costs: list[StageCost]) -> PipelineTime:
+def plan_pipeline_time(plan: Plan, costs: list[StageBreakdown]) -> PipelineTime:
     """The pipelined span of ``plan`` from its records' costs (``plan_stage_costs``)."""
     t = plan.training
     m = max(1, t.microbatches)
@@ -1216,7 +1217,7 @@ def plan_pipeline_time(plan: Plan, costs: list[StageCost]) -> PipelineTime:
                              max(c.microbatch_s for c in costs), m)
 
 
-def _summed(costs: list[StageCost], records) -> StageCost:
+def _summed(costs: list[StageBreakdown], records) -> StageBreakdown:
     """Per-microbatch times of a rank group's records added; once-per-step terms and
     memory are the group's (every record of a group carries them)."""
     first = costs[records[0]]
@@ -1239,7 +1240,7 @@ def rank_group_record(plan: Plan, records) -> Stage:
 
 
 def _chunked_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, groups, kw: dict,
-                   contention: float) -> list[StageCost]:
+                   contention: float) -> list[StageBreakdown]:
     """Costs of the records of an uneven interleaved plan. Times per chunk: each chunk
     priced as the pipeline stage it is (its own send/recv, pp x v stages). Memory,
     gradient sync and optimizer per rank group: the group's chunks priced as one record
@@ -1281,8 +1282,8 @@ CONTENTION_ITERATIONS = 4  # fixed-point passes; converged to < 1% on the accura
 
 def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
                      runtime: RuntimeModel | None = None,
-                     cache: dict | None = None) -> list[StageCost]:
-    """Every stage's StageCost, with compute slowed by the ranks that compute at once.
+                     cache: dict | None = None) -> list[StageBreakdown]:
+    """Every stage's StageBreakdown, with compute slowed by the ranks that compute at once.
 
     Start from all processes on the host computing at once (an upper bound), price the
     stages, count the ranks busy on average over the schedule's span

@@ -42,7 +42,7 @@ from meshplan.runtime import checkpoint
 from meshplan.runtime.data import TokenFile, rows_read_by
 from meshplan.runtime.grad_clip import clip_grad_norm_
 from meshplan.runtime.memory_probe import StepMemoryProbe, training_state_tensors
-from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
 from meshplan.specs import parse_model_spec
 from meshplan.tracing import flatten_call, unflatten_call
 from meshplan.vocabulary import Engine
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         check_call(plan, signature, args.model)
         rss_before = _rss_gib()
         pm = ModuleWorkerModel(model, plan, loss_fn, signature) if plan.engine == Engine.MODULES \
-            else parallelize(model, plan, flat0, loss_fn=loss_fn, signature=signature)
+            else parallelize_graph(model, plan, flat0, loss_fn=loss_fn, signature=signature)
         optimizer = make_optimizer(pm.optimizer_params(), plan, lr=args.lr)
         first = 0
         if checkpoint.latest_step(args.checkpoint_dir) is not None:

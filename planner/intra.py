@@ -62,7 +62,7 @@ class StageOptions:
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
+class GroupChoice:
     """One priced choice of one group: a strategy of its anchor, with or without ZeRO-3."""
 
     strategy: Strategy
@@ -80,7 +80,7 @@ class Candidate:
 class Group:
     anchor: str  # node name, or graph/stage input name for sources
     members: tuple[str, ...]  # anchor first, then its followers in graph order
-    candidates: tuple[Candidate, ...]
+    candidates: tuple[GroupChoice, ...]
     count: int  # how many identical groups (layers) this one stands for
     owned_params: tuple[str, ...]
     rule: str

@@ -26,7 +26,7 @@ from meshplan.costmodel.memory import (GIB, GRAD_BYTES, MASTER_BYTES, alias_root
                                        moment_bytes, optimizer_traffic_s, saved_inputs)
 from meshplan.plan import MemoryBreakdown
 from meshplan.graph import OpKind
-from meshplan.planner.intra import Candidate, Group, StageProblem, warn_fallbacks
+from meshplan.planner.intra import GroupChoice, Group, StageProblem, warn_fallbacks
 from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
                                       output_grad, shard_factor)
 from meshplan.placements import P, R
@@ -185,7 +185,8 @@ class Pricer:
 
     def _group(self, r, count, owned, owner):
         if r in self.sources:
-            cands = tuple(Candidate(s, False, 0.0, 0.0, 0.0, MemoryBreakdown(), ((),), (s.output,), ())
+            cands = tuple(GroupChoice(s, False, 0.0, 0.0, 0.0, MemoryBreakdown(), ((),),
+                                      (s.output,), ())
                           for s in self.strategies[r])
             return Group(r, (r,), cands, 1, (), "input", is_source=True)
         cands = []
@@ -294,7 +295,7 @@ class Pricer:
         micro = compute + fixups + gathers * count
         step = (sync_s + optim_s) * count
         comm = (fixups + gathers * count) * o.microbatches + sync_s * count
-        return Candidate(st, zero, micro, step, comm, mem, ins, out, tuple(storage))
+        return GroupChoice(st, zero, micro, step, comm, mem, ins, out, tuple(storage))
 
     def _bytes(self, meta) -> float:
         return meta.bytes * (self.scale if meta.dtype in _FLOAT else 1.0)

@@ -72,7 +72,7 @@ def _solver_estimate(sol, graph: OpGraph, mesh, training) -> Estimate:
 
 
 @dataclass(frozen=True, slots=True)
-class Alternative:
+class SolverAlternative:
     """One candidate of an operator's group, priced against the plan's other choices."""
 
     output: tuple[str, ...]  # the anchor's output placement
@@ -85,7 +85,7 @@ class Alternative:
     reason: str
 
 
-def alternatives(plan: Plan, node_name: str) -> tuple[Alternative, ...]:
+def alternatives(plan: Plan, node_name: str) -> tuple[SolverAlternative, ...]:
     """Every candidate the intra-op solver had for ``node_name``'s group, and why each lost.
 
     Needs ``plan.graph`` (plans made in this process, or pass it through ``replace``). Single-
@@ -128,7 +128,7 @@ def alternatives(plan: Plan, node_name: str) -> tuple[Alternative, ...]:
             delta = (total - base) / NS if base is not None else 0.0
             reason = f"slower by {delta * 1e3:.3f} ms" if delta > 0 else \
                 f"equal or faster alone ({delta * 1e3:.3f} ms) but not with the rest of the plan"
-        out.append(Alternative(
+        out.append(SolverAlternative(
             output=placement_str(c.strategy.output),
             inputs=tuple(placement_str(p) for p in c.strategy.inputs), zero3=c.zero3,
             time_s=(total / NS) if total is not None else float("inf"),

@@ -595,14 +595,14 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         if init_weights is not None:
             run.init_weights(init_weights)
         return run
-    from meshplan.runtime.graph.parallelize import parallelize as graph_parallelize
+    from meshplan.runtime.graph.parallelize import parallelize_graph
 
     sig, records = plan_call(plan)
     meta_inputs = tuple(torch.empty(r["shape"], dtype=_DTYPES.get(r["dtype"], torch.float32),
                                     device="meta") for r in records)
     uninitialized = {name for name, t in list(model.named_parameters(remove_duplicate=False))
                      + list(model.named_buffers(remove_duplicate=False)) if t.is_meta}
-    engine = graph_parallelize(model, plan, meta_inputs, loss_fn=loss_fn, signature=sig)
+    engine = parallelize_graph(model, plan, meta_inputs, loss_fn=loss_fn, signature=sig)
     run = ParallelRun(engine, plan, model, loss_fn=loss_fn, uninitialized=uninitialized)
     if init_weights is not None:
         run.init_weights(init_weights)

@@ -249,7 +249,7 @@ class ParallelModel:
     params: dict  # graph parameter/buffer name -> nn.Parameter(DTensor) / DTensor; ties share
     input_placements: list
     block_prefix: str = ""
-    program: object = None  # the TracedProgram, reusable by the next parallelize call
+    program: object = None  # the TracedProgram, reusable by the next parallelize_graph call
     masters: dict = field(default_factory=dict)  # ZeRO-1/2: id(param) -> sharded fp32 master
     last_stats: object = None
     lowered: bool = True  # run the lowered program (runtime/graph/lowering.py), not DTensor per op
@@ -427,7 +427,7 @@ class ParallelModel:
         return {name.removeprefix(WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
 
 
-def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
+def parallelize_graph(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
                 loss_fn=None, program: "TracedProgram | None" = None,
                 lowered: bool = True, signature=None) -> ParallelModel:
     """Place ``model`` (real weights, on CPU) on the current process group per ``plan``.
@@ -437,7 +437,8 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     ``lowered=False`` runs every operator on DTensor (the reference executor) instead of
     the lowered program (runtime/graph/lowering.py)."""
     if not dist.is_initialized():
-        raise RuntimeError("parallelize runs inside a torchrun worker: init_process_group first")
+        raise RuntimeError("parallelize_graph runs inside a torchrun worker: "
+                           "init_process_group first")
     support.check_plan(plan)  # what the runtime executes (meshplan/support.py)
     cp = support.cp_degree(plan.stages[0])
     if cp > 1 and plan.num_stages > 1 and plan.training.microbatch_size == 1:
