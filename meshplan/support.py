@@ -254,19 +254,18 @@ GRAPH_ONLY = (
      "torch's context_parallel shards SDPA with is_causal or no mask only (DECISIONS 74)"),
 )
 
-# what the module engine (runtime/modules.py, runtime/module_pipeline.py) computes in, one
-# stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
-# MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling
-MODULE_ENGINE_DTYPES = ENGINE_DTYPES[Engine.MODULES]
 
 
 def module_engine_dtype_rule(plan: Plan) -> tuple[str, ...]:
-    """The module engine runs fp32 and bf16 plans, pipelines included (fp8: dtype_rule's
-    one line, on either engine)."""
+    """The module engine (runtime/modules.py, runtime/module_pipeline.py) runs fp32 and bf16
+    plans, one stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
+    MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling (fp8:
+    dtype_rule's one line, on either engine)."""
     t = plan.training
-    if plan.engine == Engine.MODULES and t.dtype not in MODULE_ENGINE_DTYPES + PRICED_ONLY_DTYPES:
+    runs = ENGINE_DTYPES[Engine.MODULES]
+    if plan.engine == Engine.MODULES and t.dtype not in runs + PRICED_ONLY_DTYPES:
         return (f"engine 'modules' with dtype {t.dtype!r}: the module engine runs "
-                f"{' and '.join(MODULE_ENGINE_DTYPES)} (fp16 needs loss scaling); set engine "
+                f"{' and '.join(runs)} (fp16 needs loss scaling); set engine "
                 "'graph' or dtype 'bf16'",)
     return ()
 

@@ -26,7 +26,7 @@ from meshplan.errors import SpecError
 from meshplan.plan import Plan
 from meshplan.placements import REPLICATE, shard
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def window_starts(num_tokens: int, batch: int, seq: int, *, seed: int, step: int) -> torch.Tensor:
@@ -40,12 +40,12 @@ class TokenFile:
     """A flat binary file of token ids, memory-mapped; checks its size on opening."""
 
     def __init__(self, path: str, dtype: str = "uint16"):
-        if dtype not in DTYPES:
+        if dtype not in TOKEN_DTYPES:
             raise SpecError(f"--data-dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         if not os.path.isfile(path):
             raise SpecError(f"--data {path} does not exist or is not a file; pass a flat "
                             "binary of token ids (nanoGPT's train.bin)")
-        self.path, self.dtype = path, np.dtype(DTYPES[dtype])
+        self.path, self.dtype = path, np.dtype(TOKEN_DTYPES[dtype])
         size = os.path.getsize(path)
         if size == 0 or size % self.dtype.itemsize:
             raise SpecError(f"--data {path} has {size} bytes, not a positive multiple of "

@@ -44,7 +44,7 @@ class DataError(MeshplanError):
     hold the same data do not)."""
 
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+_TENSOR_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
            "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
            "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 
@@ -356,7 +356,7 @@ class ParallelRun:
                                 f"(data-parallel rank {self.dp_rank} of {self.dp_size}) "
                                 f"expects its shard of shape {list(expected)} of the global "
                                 f"{rec['shape']}")
-            if _DTYPES.get(rec["dtype"]) not in (None, x.dtype):
+            if _TENSOR_DTYPES.get(rec["dtype"]) not in (None, x.dtype):
                 raise DataError(f"{_label(rec)} has dtype {x.dtype}, the plan {rec['dtype']}")
         if not self._checked:
             self._checked = True
@@ -415,7 +415,7 @@ class ParallelRun:
             from meshplan.runtime.graph.pipeline import eval_pipeline
 
             sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
-            meta = tuple(torch.empty(r["shape"], dtype=_DTYPES[r["dtype"]], device="meta")
+            meta = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES[r["dtype"]], device="meta")
                          for r in records)
             self._forward = eval_pipeline(self.engine, self._pristine, meta, self._dp_axes,
                                           loss_fn=self.loss_fn, signature=sig)
@@ -430,7 +430,7 @@ class ParallelRun:
 
             pm = self.engine
             sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
-            meta = tuple(torch.empty(r["shape"], dtype=_DTYPES[r["dtype"]], device="meta")
+            meta = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES[r["dtype"]], device="meta")
                          for r in records)
             model = meta_copy(self._pristine).eval()
             ep = export_training_graph(model, meta, self.loss_fn, signature=sig, loss=False)
@@ -598,7 +598,7 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     from meshplan.runtime.graph.parallelize import parallelize_graph
 
     sig, records = plan_call(plan)
-    meta_inputs = tuple(torch.empty(r["shape"], dtype=_DTYPES.get(r["dtype"], torch.float32),
+    meta_inputs = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES.get(r["dtype"], torch.float32),
                                     device="meta") for r in records)
     uninitialized = {name for name, t in list(model.named_parameters(remove_duplicate=False))
                      + list(model.named_buffers(remove_duplicate=False)) if t.is_meta}
