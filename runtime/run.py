@@ -45,8 +45,9 @@ class DataError(MeshplanError):
 
 
 _TENSOR_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-           "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
+                  "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+                  "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+                  "bool": torch.bool}
 
 
 def plan_call(plan: Plan) -> tuple[CallSignature, list[dict]]:

@@ -323,7 +323,8 @@ def results(tmp_path_factory):
 def test_cp_matches_single_process(results, case):
     got = results[case]
     assert "error" not in got, got.get("traceback")
-    # run on the graph engine (runtime/graph/parallelize.parallelize_graph), whichever engine the plan names
+    # run on the graph engine (runtime/graph/parallelize.parallelize_graph), whichever engine
+    # the plan names
     assert got["axes"]["cp"] == CASES[case][1]["cp"]
     ref = reference(case)
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]),
