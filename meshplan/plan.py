@@ -19,9 +19,18 @@ from pathlib import Path
 from meshplan.errors import PlanFileError
 from meshplan.placements import shard_dim
 from meshplan.schedules import SCHEDULES, Schedule
-from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Engine, Recompute
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Engine, Recompute, plain
 
 SCHEMA_VERSION = "meshplan.plan/v1"
+
+
+def _hold_plain(record, *names: str) -> None:
+    """Records hold the plan file's plain strings: a vocabulary member passed in (a StrEnum
+    of meshplan/vocabulary.py or schedules.py) is stored as its value, so a record made in
+    code pickles, ``torch.save``s and loads with ``weights_only=True`` like one read from a
+    file."""
+    for name in names:
+        object.__setattr__(record, name, plain(getattr(record, name)))
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -88,6 +97,9 @@ class Stage:
     ops: dict = field(default_factory=dict)  # node name -> OpPlacement
     predicted: StagePrediction = field(default_factory=StagePrediction)
 
+    def __post_init__(self):
+        _hold_plain(self, "recompute")
+
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
@@ -129,6 +141,9 @@ class TrainingConfig:
     virtual_stages: int = 1
     sequence_parallel: bool = False
 
+    def __post_init__(self):
+        _hold_plain(self, "dtype", "schedule")
+
 
 @dataclass(frozen=True, slots=True)
 class SolverInfo:
@@ -163,6 +178,9 @@ class Plan:
     # that the same inputs give the same bytes).
     graph: object = field(default=None, compare=False, repr=False)
     wall_time_s: float = field(default=0.0, compare=False)
+
+    def __post_init__(self):
+        _hold_plain(self, "engine")
 
     # -- convenience -----------------------------------------------------------------------
     @property

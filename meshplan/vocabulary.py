@@ -14,11 +14,17 @@ from enum import StrEnum
 
 class PlanName(StrEnum):
     """A closed set of plan-file strings: a member equals, formats and reprs as its string
-    (``repr(Recompute.FULL) == "'full'"``), so a member that reaches a record or an error
-    message reads exactly as the plain string would."""
+    (``repr(Recompute.FULL) == "'full'"``), so an error message reads exactly as with the
+    plain string. Plan records store the plain string (``plain``): a member pickles as its
+    class, which ``torch.load(weights_only=True)`` refuses."""
 
     def __repr__(self) -> str:
         return repr(self.value)
+
+
+def plain(value):
+    """A member -> its plain string (what plan records hold); anything else unchanged."""
+    return value.value if isinstance(value, PlanName) else value
 
 
 class Recompute(PlanName):

@@ -105,7 +105,7 @@ class ParallelRun:
     # -- what the user's loop calls ------------------------------------------------------
     @property
     def engine_name(self) -> str:
-        return Engine.GRAPH
+        return Engine.GRAPH.value
 
     def parameters(self) -> list[nn.Parameter]:
         """What a stock torch optimizer steps on this rank (DTensor shards; with ZeRO-1/2 the
@@ -469,7 +469,7 @@ class ModuleRun(ParallelRun):
 
     @property
     def engine_name(self) -> str:
-        return Engine.MODULES
+        return Engine.MODULES.value
 
     def parameters(self) -> list[nn.Parameter]:
         return self.engine.parameters()

@@ -88,3 +88,27 @@ def test_no_vocabulary_literal_outside_its_homes():
     assert not c["shard_fstrings"], f"use placements.shard(d): {c['shard_fstrings']}"
     assert not c["local_constants"], f"use placements.REPLICATE/PARTIAL: {c['local_constants']}"
     assert not c["virtual"], f"use schedules.virtual_stages_for: {c['virtual']}"
+
+
+def test_records_hold_plain_strings_that_torch_load_reads(tmp_path):
+    """A plan made in code (members as defaults and arguments) holds the plain strings a
+    plan read from a file holds: torch.load(weights_only=True) refuses meshplan's enum
+    classes, so a worker's result or a checkpoint carrying plan.engine would not load
+    (test_context_parallel's workers failed so before this)."""
+    import torch
+
+    from meshplan.plan import Plan, Stage, TrainingConfig
+
+    t = TrainingConfig(global_batch=8, seq_len=4, schedule=Schedule.INTERLEAVED,
+                       dtype=ComputeDtype.BF16)
+    st = Stage(index=0, devices=(0,), mesh_shape=(1,), axis_names=("dp",), layers=(0, 1),
+               nodes=("a", "b"), recompute=Recompute.FULL)
+    values = {"dtype": t.dtype, "schedule": t.schedule, "recompute": st.recompute,
+              "default_dtype": TrainingConfig(global_batch=1, seq_len=1).dtype,
+              "default_recompute": Stage(index=0, devices=(0,), mesh_shape=(1,),
+                                         axis_names=("dp",), layers=(0, 1),
+                                         nodes=("a", "b")).recompute}
+    assert all(type(v) is str for v in values.values()), values
+    assert "engine" in Plan.__dataclass_fields__
+    torch.save(values, tmp_path / "v.pt")
+    assert torch.load(tmp_path / "v.pt", weights_only=True) == values
