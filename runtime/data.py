@@ -41,7 +41,7 @@ class TokenFile:
 
     def __init__(self, path: str, dtype: str = "uint16"):
         if dtype not in TOKEN_DTYPES:
-            raise SpecError(f"--data-dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+            raise SpecError(f"--data-dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
         if not os.path.isfile(path):
             raise SpecError(f"--data {path} does not exist or is not a file; pass a flat "
                             "binary of token ids (nanoGPT's train.bin)")

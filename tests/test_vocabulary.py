@@ -112,3 +112,13 @@ def test_records_hold_plain_strings_that_torch_load_reads(tmp_path):
     assert "engine" in Plan.__dataclass_fields__
     torch.save(values, tmp_path / "v.pt")
     assert torch.load(tmp_path / "v.pt", weights_only=True) == values
+
+
+def test_token_file_names_its_own_dtypes(tmp_path):
+    # runtime/data's token-file types are TOKEN_DTYPES (DTYPES names the compute dtypes);
+    # the refusal of another width names them (a NameError before its f-string was renamed)
+    from meshplan.errors import SpecError
+    from meshplan.runtime.data import TokenFile
+
+    with pytest.raises(SpecError, match="--data-dtype 'int8' is not one of uint16, uint32"):
+        TokenFile(str(tmp_path / "t.bin"), "int8")
