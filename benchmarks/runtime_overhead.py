@@ -64,7 +64,7 @@ def meshplan_step(args, variant: str, lowered: bool):
     from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.tracing import trace
-    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     spec = parse_model_spec(model_spec(args))
@@ -80,7 +80,7 @@ def meshplan_step(args, variant: str, lowered: bool):
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, args.batch, args.seq, seed=0, step=s)
                for s in range(args.steps + args.warmup)]
-    pm = parallelize(model, plan, (batches[0],), lowered=lowered)
+    pm = parallelize_graph(model, plan, (batches[0],), lowered=lowered)
     opt = make_optimizer(pm.optimizer_params(), pm.plan)
     losses = []
 
@@ -496,7 +496,7 @@ def graph_table(rows: list[dict]) -> list[str]:
     lines = ["# Runtime overhead: the graph engine vs hand-written torch.distributed", "",
              "meshplan runs the plan `meshplan plan --manual ...` writes with the lowered "
              "program (runtime/graph/lowering.py); the DTensor columns run the same plan with every "
-             "operator on DTensor (the reference executor, `parallelize(..., lowered=False)`). "
+             "operator on DTensor (the reference executor, `parallelize_graph(..., lowered=False)`). "
              "Hand-written: tp, zero3, dpxtp = torchtitan's composables by hand on the plan's "
              "(dp, tp) mesh (vocab-parallel embedding, Colwise q/k/v/gate/up, Rowwise o/down, "
              "lm_head Colwise gathering logits; fully_shard per block then the root); pipeline "

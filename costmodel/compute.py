@@ -39,10 +39,13 @@ from dataclasses import dataclass
 
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.graph import OpKind, OpNode
+from meshplan.vocabulary import ComputeDtype
 
 # fp8: the block linears' GEMMs in fp8 (costmodel/fp8.py), everything else bf16
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+DTYPE_NAMES = {ComputeDtype.FP32: "float32", ComputeDtype.BF16: "bfloat16",
+               ComputeDtype.FP16: "float16", ComputeDtype.FP8: "bfloat16"}
+DTYPE_BYTES = {ComputeDtype.FP32: 4, ComputeDtype.BF16: 2, ComputeDtype.FP16: 2,
+               ComputeDtype.FP8: 2}
 FREE_KINDS = (OpKind.VIEW, OpKind.CREATION)
 BACKWARD_FLOPS_FACTOR = {OpKind.MATMUL: 2.0, OpKind.ATTENTION: 2.5}  # sources in the docstring
 BACKWARD_BYTES_FACTOR = {OpKind.EMBEDDING: 1.0}  # everything else memory-bound: 2.0
@@ -82,7 +85,7 @@ def roofline_s(hw: HardwareProfile, flops: float, nbytes: float, dtype: str,
     return max(t_flops, t_bytes)
 
 
-def op_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp32", shard: int = 1, *,
+def op_time(node: OpNode, hw: HardwareProfile, dtype: str = ComputeDtype.FP32, shard: int = 1, *,
             contention: float = 1.0, causal: bool = False) -> OpTime:
     """Forward and backward time of ``node`` when ``shard`` devices split its work evenly.
 
@@ -134,7 +137,7 @@ def attention_dropout(node: OpNode) -> bool:
     return isinstance(p, (int, float)) and p > 0
 
 
-def materialized_attention_time(node: OpNode, hw: HardwareProfile, dtype: str = "fp16",
+def materialized_attention_time(node: OpNode, hw: HardwareProfile, dtype: str = ComputeDtype.FP16,
                                 shard: int = 1, *, contention: float = 1.0) -> OpTime:
     """An attention core that writes its b x heads x s x s scores and probabilities to
     memory, as attention ran before fused kernels (Megatron-LM 2021's ParallelAttention:

@@ -50,9 +50,11 @@ from meshplan.costmodel.pipeline import (PipelineTime, busy_ranks, chunked_step_
                                          pipeline_step_time)
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
+from meshplan.schedules import Schedule
 from meshplan.support import lists_rank_groups
+from meshplan.vocabulary import ENGINES, ComputeDtype, Engine, Recompute
+from meshplan.placements import PARTIAL, REPLICATE, shard
 
-ENGINES = ("graph", "modules")  # Plan.engine: meshplan's own runtimes
 # other stacks a plan can be priced for (``default_runtime``): what-if estimates of
 # configurations those stacks run, whether or not meshplan's runtimes do
 STACKS = {"megatron": "Megatron-LM / NeMo (Megatron-Core with Transformer Engine)",
@@ -209,7 +211,7 @@ class RuntimeModel:
     fp8_recipe: str = "torchao-tensorwise"
     fp8_casts: str = "eager"
     fp8_all_gather: bool = False
-    engine: str = "graph"
+    engine: str = Engine.GRAPH
     backend: str = "nccl"
 
     def __post_init__(self):
@@ -238,7 +240,7 @@ def plan_runtime(plan: Plan, hw: HardwareProfile) -> RuntimeModel:
     return runtime
 
 
-def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
+def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
                     backend: str | None = None, pipeline: bool = False) -> RuntimeModel:
     """The runtime factors of the engine that executes the plan (``Plan.engine``) on its
     collective backend (default: gloo for CPU processes, NCCL for GPUs).
@@ -280,15 +282,15 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
         # scale-mask-softmax and P V through memory (no fused attention yet), gradients in one
         # contiguous buffer all-reduced after the pipeline flush, nothing overlapped: the
         # graph engine's terms with materialized attention (DECISIONS 55)
-        return replace(default_runtime(hw, engine="graph", backend=backend),
+        return replace(default_runtime(hw, engine=Engine.GRAPH, backend=backend),
                        attention="materialized", engine="megatron-2021")
     if engine == "torchtitan":
         # float8 (torchao): tensorwise scaling with the weights all-gathered in fp8
         # (``enable_fsdp_float8_all_gather``, as torchtitan's float8 runs are published)
-        return replace(default_runtime(hw, engine="modules", backend=backend,
+        return replace(default_runtime(hw, engine=Engine.MODULES, backend=backend,
                                        pipeline=pipeline), engine="torchtitan",
                        fp8_recipe="torchao-tensorwise", fp8_all_gather=True)
-    if engine == "modules" and pipeline:
+    if engine == Engine.MODULES and pipeline:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=True, sync_overlaps_backward=False,
@@ -297,7 +299,7 @@ def default_runtime(hw: HardwareProfile, *, engine: str = "graph",
                             fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
                             overlap_efficiency=overlap,
                             engine=engine, backend=backend)
-    if engine == "modules":
+    if engine == Engine.MODULES:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
                             full_grad_accumulation=False, sync_overlaps_backward=True,
@@ -351,7 +353,7 @@ def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
     """How many pieces a tensor (or an operator's work) is cut into by these placements."""
     n = 1
     for axis, (pl, size) in enumerate(zip(placements, mesh_shape)):
-        if pl != "R" and axis != skip_axis:
+        if pl != REPLICATE and axis != skip_axis:
             n *= size
     return n
 
@@ -361,12 +363,12 @@ def reshard_collectives(src: str, dst: str, *, needs_grad: bool) -> tuple[str | 
     one axis. R->S is a local slice whose gradient is all-gathered."""
     if src == dst:
         return None, None
-    if src == "P":
-        if dst == "R":
+    if src == PARTIAL:
+        if dst == REPLICATE:
             return Collective.ALL_REDUCE, None
         return Collective.REDUCE_SCATTER, (Collective.ALL_GATHER if needs_grad else None)
     if src.startswith("S"):
-        if dst == "R":
+        if dst == REPLICATE:
             return Collective.ALL_GATHER, (Collective.REDUCE_SCATTER if needs_grad else None)
         if dst.startswith("S"):
             return Collective.ALL_TO_ALL, (Collective.ALL_TO_ALL if needs_grad else None)
@@ -382,13 +384,13 @@ def dp_axis(stage: Stage) -> int | None:
         return stage.axis_names.index("dp")
     for pl in stage.inputs.values():
         for axis, p in enumerate(pl):
-            if p == "S(0)":
+            if p == shard(0):
                 return axis
     return None
 
 
 @dataclass(frozen=True, slots=True)
-class StageCost:
+class StageBreakdown:
     """Costs of one stage: times per microbatch, once-per-step times, memory at its peak."""
 
     forward_s: float
@@ -410,9 +412,10 @@ class StageCost:
 
 def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                optimizer: str, microbatches: int = 1, num_stages: int = 1,
-               schedule: str = "1f1b", virtual_stages: int = 1, seq_len: int = 0,
+               schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1, seq_len: int = 0,
                processes_on_host: int = 1, runtime: RuntimeModel | None = None,
-               compute_contention: float | None = None, cache: dict | None = None) -> StageCost:
+               compute_contention: float | None = None,
+               cache: dict | None = None) -> StageBreakdown:
     """Costs of one stage. ``compute_contention`` (default: all ``processes_on_host``
     computing at once) slows the microbatch compute; the optimizer step, which every
     process runs at the same time, always takes the all-process contention.
@@ -452,7 +455,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     kept, working = prof.stage_bytes(stage.recompute,
                                      keep_matmuls_only=runtime.selective_keeps_matmuls,
                                      without_masks=runtime.causal_mask_skipped)
-    if fp8 is not None and stage.recompute != "full":  # fp8 inputs saved for the backward
+    if fp8 is not None and stage.recompute != Recompute.FULL:  # fp8 inputs saved for the backward
         kept -= fp8_model.saved_input_bytes_saved(graph, stage.ops, _split_of(stage, graph),
                                                   1.0 / m, fp8)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
@@ -463,7 +466,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                              grads_gib=params.grads_bytes / GIB,
                              optimizer_gib=params.optimizer_bytes / GIB,
                              activations_gib=acts / GIB, buffers_gib=buffers / GIB)
-    return StageCost(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
+    return StageBreakdown(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
                      comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
                      memory=memory)
 
@@ -503,9 +506,9 @@ def _recompute_s(ops: _OperatorPass, recompute: str,
     reruns every block operator's forward with its collectives; "selective" the attention
     core (Korthikanti et al. 2022, section 5), or, in the module engine, every block
     operator but the parameter matmuls (``RuntimeModel.selective_keeps_matmuls``)."""
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return ops.rec_full, ops.comm_layers_fwd
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         return (ops.rec_nonmatmul if runtime.selective_keeps_matmuls else ops.rec_sel), 0.0
     return 0.0, 0.0
 
@@ -526,7 +529,7 @@ def _tp_overlap_hidden_s(ops: _OperatorPass, recompute: str) -> float:
         return comm - max(comm / ops.tp, comm - matmuls) if comm > 0 else 0.0
 
     out = hidden(ops.tp_fwd, ops.mm_fwd) + hidden(ops.tp_bwd, ops.mm_bwd)
-    if recompute == "full":  # the recomputed forward's collectives overlap the same way
+    if recompute == Recompute.FULL:  # the recomputed forward's collectives overlap the same way
         out += hidden(ops.tp_layers_fwd, ops.mm_fwd)
     return out
 
@@ -542,7 +545,7 @@ def _p2p_s(stage: Stage, hw: HardwareProfile, p2p_bytes: float, *, num_stages: i
     hops = (2 if 0 < stage.index < num_stages - 1 else 1) * 2  # recv+send, fwd+bwd
     p2p = hops / 2 * collective_time_s(hw, Collective.SEND_RECV, p2p_bytes, 2,
                                        crosses_nodes=crosses)
-    if schedule == "interleaved-1f1b":
+    if schedule == Schedule.INTERLEAVED:
         p2p *= max(1, virtual_stages)
     return p2p
 
@@ -608,12 +611,12 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
             # the full gradient, reduce-scattered once per step (the graph engine's ZeRO-2;
             # a module-engine pipeline stage at ZeRO-2 or 3, DECISIONS 61)
             g = numel * GRAD_BYTES
-        if dtype == "fp32" and dp > 1 and zero in (1, 2):
+        if dtype == ComputeDtype.FP32 and dp > 1 and zero in (1, 2):
             # the fp32 shard the optimizer steps, beside the full weights: the graph
             # engine's ZeRO-1/2 master, FSDP2's shard (under bf16: the master counted in
             # the optimizer column)
             w += numel * MASTER_BYTES / dp
-        elif dtype == "fp32" and dp > 1 and zero == 0 and runtime.fsdp_keeps_shards:
+        elif dtype == ComputeDtype.FP32 and dp > 1 and zero == 0 and runtime.fsdp_keeps_shards:
             w += numel * MASTER_BYTES  # replicate's whole-tensor shard beside the gathered copy
         weights, grads, opt = weights + w, grads + g, opt + o
         opt_numel += numel / (dp if zero >= 1 else 1)
@@ -624,7 +627,7 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
             outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
             mine = _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
                                runtime=runtime, cpa=cpa)
-            if dtype == "fp8" and runtime.fp8_all_gather and layer >= 0 \
+            if dtype == ComputeDtype.FP8 and runtime.fp8_all_gather and layer >= 0 \
                     and len(info.shape) == 2:  # a block linear's weight, gathered in fp8
                 mine = [replace(s, weight_bytes=s.weight_bytes / 2) for s in mine]
             syncs += mine
@@ -658,12 +661,13 @@ def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
     the updated (or ZeRO-3 gathered) weights come back the mirror way."""
     out = []
     cp = shape[cpa] if cpa is not None else 1
-    synced_on_cp = cpa is not None and any(o[cpa] != "R" and used[cpa] != "P"
+    synced_on_cp = cpa is not None and any(o[cpa] != REPLICATE and used[cpa] != PARTIAL
                                             for o, used in outs)
     for axis, size in enumerate(shape):
-        if size == 1 or not any(o[axis] != "R" and used[axis] != "P" for o, used in outs):
+        if size == 1 or not any(o[axis] != REPLICATE and used[axis] != PARTIAL
+                                for o, used in outs):
             continue
-        if placement[axis] != "R" and axis != dpa:
+        if placement[axis] != REPLICATE and axis != dpa:
             continue
         on_dp = axis == dpa or axis == cpa
         kind = Collective.REDUCE_SCATTER if (axis == cpa or (on_dp and zero >= 2)) \
@@ -672,7 +676,7 @@ def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
             kind = Collective.ALL_REDUCE
         piece = cp if axis == dpa and synced_on_cp else 1
         out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * GRAD_BYTES / piece,
-                            weight_bytes=numel * (4 if dtype == "fp32" else 2) / piece,
+                            weight_bytes=numel * (4 if dtype == ComputeDtype.FP32 else 2) / piece,
                             layer=layer, uses=max(1, len(outs)), on_dp=on_dp,
                             per_use=axis == dpa and zero >= 3 and runtime.zero3_per_use))
     return out
@@ -765,7 +769,7 @@ def _per_use_zero3_s(syncs: list[GradSync], coll: CollectivePrices, runtime: Run
     sync = gather = 0.0
     units: set[int] = set()
     for s in syncs:
-        if recompute == "none":
+        if recompute == Recompute.NONE:
             sync += _bandwidth_s(coll, s.kind, s.grad_bytes, s.axis)
             gather += 2 * _bandwidth_s(coll, Collective.ALL_GATHER, s.weight_bytes, s.axis)
             units.add(s.layer)
@@ -1052,8 +1056,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                     continue
                 buf = nbytes / split_factor(src, shape, skip_axis=axis)
                 f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
-                if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == "R":
-                    gathered_kv = name in feeds_split or (op.output and op.output[axis] != "R")
+                if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == REPLICATE:
+                    gathered_kv = name in feeds_split or (
+                        op.output and op.output[axis] != REPLICATE)
                     b = None if not gathered_kv else \
                         Collective.REDUCE_SCATTER if cp_composable else Collective.ALL_REDUCE
                 on_tp = axis == tp_ax and node.layer >= 0
@@ -1067,8 +1072,8 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                     tb = coll(b, buf, axis)
                     comm_bwd += tb
                     tp_bwd += tb if on_tp else 0.0
-                if grad and dst[axis] == "R" and op.output and op.output[axis] != "R" \
-                        and src[axis] == "R" and axis != cp_ax:
+                if grad and dst[axis] == REPLICATE and op.output and op.output[axis] != REPLICATE \
+                        and src[axis] == REPLICATE and axis != cp_ax:
                     tb = coll(Collective.ALL_REDUCE, buf, axis)
                     comm_bwd += tb
                     tp_bwd += tb if on_tp else 0.0
@@ -1115,7 +1120,7 @@ def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) 
             src = placement.get(node.inputs[k])
             if src:
                 inputs[k] = _set_axis(inputs[k], ax, src[ax])
-        out = op.output if op.output[ax] != "R" else _set_axis(op.output, ax, "S(0)")
+        out = op.output if op.output[ax] != REPLICATE else _set_axis(op.output, ax, shard(0))
         ops[name] = replace(op, inputs=tuple(inputs), output=out)
         placement[name] = out
     chunked = replace(stage, ops=ops)
@@ -1134,11 +1139,11 @@ def _feeds_split(stage: Stage, graph: OpGraph, axis: int) -> set[str]:
     out: set[str] = set()
     for name in reversed(list(stage.ops)):  # consumers come later in graph order
         op = stage.ops[name]
-        if not op.output or op.output[axis] != "R":
+        if not op.output or op.output[axis] != REPLICATE:
             continue
         for user in graph.users.get(name, ()):
             uop = stage.ops.get(user)
-            if uop is not None and uop.output and (uop.output[axis] != "R" or (
+            if uop is not None and uop.output and (uop.output[axis] != REPLICATE or (
                     user in out and graph.node(user).kind == OpKind.VIEW)):
                 out.add(name)
                 break
@@ -1200,14 +1205,14 @@ def chunk_groups(plan: Plan) -> list[list[int]] | None:
     pp x v equal chunks are written so); None for every other plan."""
     t = plan.training
     v = t.virtual_stages
-    if t.schedule != "interleaved-1f1b" or v <= 1 or plan.num_stages <= v \
+    if t.schedule != Schedule.INTERLEAVED or v <= 1 or plan.num_stages <= v \
             or plan.num_stages % v or lists_rank_groups(plan):
         return None
     pp = plan.num_stages // v
     return [list(range(g, plan.num_stages, pp)) for g in range(pp)]
 
 
-def plan_pipeline_time(plan: Plan, costs: list[StageCost]) -> PipelineTime:
+def plan_pipeline_time(plan: Plan, costs: list[StageBreakdown]) -> PipelineTime:
     """The pipelined span of ``plan`` from its records' costs (``plan_stage_costs``)."""
     t = plan.training
     m = max(1, t.microbatches)
@@ -1219,7 +1224,7 @@ def plan_pipeline_time(plan: Plan, costs: list[StageCost]) -> PipelineTime:
                              max(c.microbatch_s for c in costs), m)
 
 
-def _summed(costs: list[StageCost], records) -> StageCost:
+def _summed(costs: list[StageBreakdown], records) -> StageBreakdown:
     """Per-microbatch times of a rank group's records added; once-per-step terms and
     memory are the group's (every record of a group carries them)."""
     first = costs[records[0]]
@@ -1242,13 +1247,13 @@ def rank_group_record(plan: Plan, records) -> Stage:
 
 
 def _chunked_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, groups, kw: dict,
-                   contention: float) -> list[StageCost]:
+                   contention: float) -> list[StageBreakdown]:
     """Costs of the records of an uneven interleaved plan. Times per chunk: each chunk
     priced as the pipeline stage it is (its own send/recv, pp x v stages). Memory,
     gradient sync and optimizer per rank group: the group's chunks priced as one record
     at the group's place in the schedule (in-flight microbatches of interleaved 1F1B over
     pp groups), copied to each of its chunks."""
-    chunk_kw = dict(kw, num_stages=plan.num_stages, schedule="1f1b", virtual_stages=1)
+    chunk_kw = dict(kw, num_stages=plan.num_stages, schedule=Schedule.ONE_F_ONE_B, virtual_stages=1)
     costs = [stage_cost(st, graph, hw, compute_contention=contention, **chunk_kw)
              for st in plan.stages]
     group_kw = dict(kw, num_stages=len(groups))
@@ -1284,8 +1289,8 @@ CONTENTION_ITERATIONS = 4  # fixed-point passes; converged to < 1% on the accura
 
 def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
                      runtime: RuntimeModel | None = None,
-                     cache: dict | None = None) -> list[StageCost]:
-    """Every stage's StageCost, with compute slowed by the ranks that compute at once.
+                     cache: dict | None = None) -> list[StageBreakdown]:
+    """Every stage's StageBreakdown, with compute slowed by the ranks that compute at once.
 
     Start from all processes on the host computing at once (an upper bound), price the
     stages, count the ranks busy on average over the schedule's span

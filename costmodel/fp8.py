@@ -59,6 +59,7 @@ from meshplan.costmodel.compute import OpTime
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
 from meshplan.graph import OpGraph, OpKind, OpNode
+from meshplan.vocabulary import ComputeDtype
 
 FP8_PEAK = "float8"  # DeviceSpec.peak_tflops key of the dense fp8 tensor-core peak
 # bytes moved per element of the cast tensor, one entry per kernel (bf16 in, fp8 out)
@@ -104,7 +105,7 @@ class Fp8Pricing:
 
 def fp8_pricing(dtype: str, runtime) -> Fp8Pricing | None:
     """The fp8 terms of ``runtime`` when the plan computes in fp8, else None."""
-    if dtype != "fp8":
+    if dtype != ComputeDtype.FP8:
         return None
     return Fp8Pricing(runtime.fp8_recipe, runtime.fp8_casts, runtime.fp8_all_gather)
 

@@ -42,6 +42,8 @@ import re
 from dataclasses import dataclass, field, replace
 
 from meshplan.graph import OpGraph, OpKind, OpNode
+from meshplan.schedules import Schedule
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 GIB = 2.0 ** 30
 ADAM_MOMENT_BYTES = 8  # two fp32 moments (Kingma & Ba 2015)
@@ -79,7 +81,7 @@ def moment_bytes(optimizer: str) -> int:
 
 def state_bytes_per_param(dtype: str, optimizer: str) -> StateBytes:
     moments = moment_bytes(optimizer)
-    if dtype == "fp32":
+    if dtype == ComputeDtype.FP32:
         return StateBytes(weights=4, grads=GRAD_BYTES, optimizer=moments)
     return StateBytes(weights=2, grads=GRAD_BYTES, optimizer=MASTER_BYTES + moments)
 
@@ -108,7 +110,7 @@ def optimizer_traffic_s(numel: float, *, dtype: str, optimizer: str, hw) -> floa
 def zero3_buffer_bytes(largest_layer_numel: float, *, dtype: str, prefetch: int = 2) -> float:
     """Gathered full weights of the layers in flight under ZeRO-3: the layer computing and
     the one prefetched (torch FSDP's default backward prefetch keeps one layer ahead)."""
-    return prefetch * largest_layer_numel * (4 if dtype == "fp32" else 2)
+    return prefetch * largest_layer_numel * (4 if dtype == ComputeDtype.FP32 else 2)
 
 
 def grad_sync_buffer_bytes(bucket_bytes: float, local_grad_bytes: float) -> float:
@@ -228,18 +230,18 @@ class ActivationProfile:
                            boundary=_minus(self.boundary, self.mask_boundary),
                            mask_kept={}, mask_boundary={}).stage_bytes(
                 recompute, keep_matmuls_only=keep_matmuls_only)
-        if recompute == "selective" and keep_matmuls_only:
+        if recompute == Recompute.SELECTIVE and keep_matmuls_only:
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0) \
                 + sum(v for i, v in self.kept_matmuls.items() if i >= 0)
             working = max((v - self.kept_matmuls.get(i, 0.0) for i, v in self.kept.items()
                            if i >= 0), default=0.0)
             return kept, max(working, self.loss_working)
-        if recompute == "full":
+        if recompute == Recompute.FULL:
             # boundary[-1]: values shared by every block (the mask), kept once
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0)
             working = max((v for i, v in self.kept.items() if i >= 0), default=0.0)
             return kept, max(working, self.loss_working)
-        table = self.kept_selective if recompute == "selective" else self.kept
+        table = self.kept_selective if recompute == Recompute.SELECTIVE else self.kept
         return sum(table.values()), self.loss_working
 
 
@@ -357,10 +359,10 @@ def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatch
                           virtual_stages: int = 1) -> float:
     """Microbatches whose activations stage ``stage`` holds at its peak (see module doc)."""
     m, p = microbatches, num_stages
-    if schedule == "gpipe" or p == 1:
+    if schedule == Schedule.GPIPE or p == 1:
         return float(m) if p > 1 else 1.0
     base = min(p - stage, m)
-    if schedule == "interleaved-1f1b" and virtual_stages > 1:
+    if schedule == Schedule.INTERLEAVED and virtual_stages > 1:
         return min(float(m), base * (1 + (p - 1) / (p * virtual_stages)))
     return float(base)
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshplan.errors import PlanningError
-from meshplan.schedules import SCHEDULES
+from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,8 @@ class PipelineTime:
         return (self.step_s - self.busy_s) / self.step_s if self.step_s else 0.0
 
 
-def pipeline_step_time(stage_times: Sequence[float], microbatches: int, schedule: str = "1f1b",
+def pipeline_step_time(stage_times: Sequence[float], microbatches: int,
+                       schedule: str = Schedule.ONE_F_ONE_B,
                        virtual_stages: int = 1) -> PipelineTime:
     """Step time of the pipelined part of a training step (see the module docstring)."""
     if schedule not in SCHEDULES:
@@ -42,7 +43,7 @@ def pipeline_step_time(stage_times: Sequence[float], microbatches: int, schedule
     if microbatches < 1 or not stage_times:
         raise PlanningError(f"microbatches={microbatches} and {len(stage_times)} stages: need "
                             "at least one of each")
-    v = virtual_stages if schedule == "interleaved-1f1b" else 1
+    v = virtual_stages_for(schedule, virtual_stages)
     t_max = max(stage_times)
     step = microbatches * t_max + (sum(stage_times) - t_max) / max(1, v)
     busy = microbatches * sum(stage_times) / len(stage_times)

@@ -20,15 +20,17 @@ from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.graph import OpGraph
 from meshplan.context import graph_engine_cp_refusal
-from meshplan.support import (ESTIMATION_DTYPES, FP8_REFUSAL, check_plan, cp_degree,
+from meshplan.support import (FP8_REFUSAL, check_plan, cp_degree,
                               plan_problems)
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
+from meshplan.schedules import Schedule
+from meshplan.vocabulary import PRICED_ONLY_DTYPES, ComputeDtype, Engine, Recompute
 
 
 def default_dtype(mesh: Mesh) -> str:
     """bf16 mixed precision on GPUs, fp32 on CPU processes (CPU bf16 matmuls are slow)."""
-    return "fp32" if mesh.hardware.device.name == "cpu" else "bf16"
+    return ComputeDtype.FP32 if mesh.hardware.device.name == "cpu" else ComputeDtype.BF16
 
 
 def as_mesh(mesh) -> Mesh:
@@ -131,7 +133,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     _check_context_parallel(context_parallel, mesh)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
-    if dtype in ESTIMATION_DTYPES:  # the search plans what meshplan's runtimes run
+    if dtype in PRICED_ONLY_DTYPES:  # the search plans what meshplan's runtimes run
         raise PlanningError(f"autoparallel: {FP8_REFUSAL} (manual_plan(..., engine=...))")
     if graph is None:
         check_example_call(model, example_inputs, example_targets, loss_fn)
@@ -159,13 +161,14 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     try:
         plan = choose_engine(plan_auto(graph, mesh, engine=searched, **kw), model, engine)
     except MemoryLimitError:
-        if searched == "graph" or engine == "modules":
+        if searched == Engine.GRAPH or engine == Engine.MODULES:
             raise
         # nothing fits as the module engine runs it (FSDP2's copies): the graph engine's
         # plans, priced as it runs them (DECISIONS 44)
-        plan = choose_engine(plan_auto(graph, mesh, engine="graph", **kw), model, "graph")
+        plan = choose_engine(plan_auto(graph, mesh, engine=Engine.GRAPH, **kw), model,
+                             Engine.GRAPH)
         plan = replace(plan, engine_note="no plan fits memory as the module engine runs it")
-        searched = "graph"
+        searched = Engine.GRAPH
     if plan.engine != searched:
         note = plan.engine_note
         plan = replace(plan_auto(graph, mesh, engine=plan.engine, **kw), engine_note=note)
@@ -177,10 +180,10 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
 def _engine_to_price(model: nn.Module | None, mesh: Mesh, dtype: str, engine: str) -> str:
     """The engine the search prices: "graph" when asked for or when the module engine
     refuses the model whatever the plan (runtime/module_plan.model_refusal)."""
-    if engine == "graph" or model is None:
-        return "graph"
-    if engine not in ENGINES:
-        raise PlanningError(f"engine={engine!r} is not one of {', '.join(ENGINES)}")
+    if engine == Engine.GRAPH or model is None:
+        return Engine.GRAPH
+    if engine not in ENGINE_CHOICES:
+        raise PlanningError(f"engine={engine!r} is not one of {', '.join(ENGINE_CHOICES)}")
     if engine in STACKS:
         raise PlanningError(f"engine={engine!r}: autoparallel searches for meshplan's own "
                             "engines ('auto', 'modules', 'graph'); price a layout as "
@@ -188,15 +191,16 @@ def _engine_to_price(model: nn.Module | None, mesh: Mesh, dtype: str, engine: st
     from meshplan.runtime.module_plan import model_refusal
 
     why = model_refusal(model, dtype=dtype, num_devices=mesh.num_devices)
-    if why and engine == "modules":
+    if why and engine == Engine.MODULES:
         raise NotSupportedError(f"engine='modules': {why}")
-    return "graph" if why else "modules"
+    return Engine.GRAPH if why else Engine.MODULES
 
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
                 dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, microbatch_size: int = 1,
-                schedule: str = "1f1b", virtual_stages: int = 1, recompute: str = "none",
+                schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
+                recompute: str = Recompute.NONE,
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None,
@@ -239,7 +243,7 @@ def _check_loss_rule(plan: Plan, loss_fn: Callable | None) -> None:
     (runtime/modules.py and module_pipeline.py refuse it in parallelize: cp_modules computes
     token cross entropy on each rank's sequence chunk)."""
     cp = cp_degree(plan.stages[0])
-    if loss_fn is not None and cp > 1 and plan.engine == "modules":
+    if loss_fn is not None and cp > 1 and plan.engine == Engine.MODULES:
         raise PlanningError(f"loss_fn with cp={cp} on the module engine: its cp computes token "
                             "cross entropy over labels (-100 ignored) on each rank's sequence "
                             "chunk; pass token targets without loss_fn, or plan with "
@@ -259,7 +263,9 @@ def _check_model_rules(plan: Plan, model: nn.Module | None) -> None:
         raise PlanningError(why)
 
 
-ENGINES = ("auto", "modules", "graph") + tuple(STACKS)
+# what autoparallel / manual_plan / estimate take as engine=: "auto" (the module engine where
+# it runs the plan), one of meshplan's engines, or a stack to price the plan as
+ENGINE_CHOICES = ("auto", Engine.MODULES, Engine.GRAPH) + tuple(STACKS)
 
 
 def priced_for_stack(plan: Plan, graph: OpGraph, stack: str, model: nn.Module | None = None) -> Plan:
@@ -286,30 +292,31 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
     """Record which runtime executes ``plan``: the module engine (PyTorch's composables)
     wherever the plan is expressible in it, the graph engine otherwise (with the reason).
     ``engine="graph"`` keeps the graph engine; ``"modules"`` insists on the module engine."""
-    if engine not in ENGINES:
-        raise PlanningError(f"engine={engine!r} is not one of {', '.join(ENGINES)}")
-    if engine == "graph" or model is None:
-        note = "chosen by the caller (engine='graph')" if engine == "graph" else \
+    if engine not in ENGINE_CHOICES:
+        raise PlanningError(f"engine={engine!r} is not one of {', '.join(ENGINE_CHOICES)}")
+    if engine == Engine.GRAPH or model is None:
+        note = "chosen by the caller (engine='graph')" if engine == Engine.GRAPH else \
             "planned from a graph without its model"
         why = graph_engine_cp_refusal(plan.graph, plan.training.sequence_parallel) \
             if cp_degree(plan.stages[0]) > 1 else None
         if why:
             raise NotSupportedError(f"cp on the graph engine ({note}): {why}; the module "
                                     "engine runs it: pass the model and engine='auto'")
-        return replace(plan, engine="graph", engine_note=note)
+        return replace(plan, engine=Engine.GRAPH, engine_note=note)
     from meshplan.runtime.module_plan import module_engine_refusal
 
     reason = module_engine_refusal(plan, model)
-    if reason and engine == "modules":
+    if reason and engine == Engine.MODULES:
         raise NotSupportedError(f"engine='modules': {reason}")
     if reason and cp_degree(plan.stages[0]) > 1:
         # context parallelism the graph engine cannot run either (meshplan/support.py)
         graph_why = graph_engine_cp_refusal(plan.graph, plan.training.sequence_parallel) or \
             next(iter(plan_problems(
-            replace(plan, engine="graph"))), None)
+            replace(plan, engine=Engine.GRAPH))), None)
         if graph_why:
             raise NotSupportedError(f"{reason} ({graph_why})")
-    return replace(plan, engine="graph" if reason else "modules", engine_note=reason or "")
+    return replace(plan, engine=Engine.GRAPH if reason else Engine.MODULES,
+                   engine_note=reason or "")
 
 
 def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
@@ -320,12 +327,12 @@ def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
     as the graph engine runs it stays on the graph engine (DECISIONS 44)."""
     from meshplan.costmodel.estimate import with_stage_predictions
 
-    if plan.engine == "graph":
+    if plan.engine == Engine.GRAPH:
         return plan
     priced = with_stage_predictions(plan, graph)
     if engine == "auto" and plan.predicted is not None and plan.predicted.fits \
             and not priced.predicted.fits:
-        return replace(plan, engine="graph", engine_note=(
+        return replace(plan, engine=Engine.GRAPH, engine_note=(
             f"the module engine needs {priced.predicted.peak_memory_gib:.1f} GiB per device "
             f"(its FSDP2 buffers and weight copies), over "
             f"{priced.predicted.memory_capacity_gib:.1f}"))

@@ -43,6 +43,7 @@ import torch
 
 from meshplan.costmodel.comm import Collective, bytes_factor, latency_steps
 from meshplan.costmodel.hardware import HardwareProfile, load_preset
+from meshplan.vocabulary import ComputeDtype, Engine
 
 MATMUL_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768)
 ELEMENTWISE_NUMEL = (1 << 10, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 22)
@@ -239,15 +240,16 @@ RUNTIME_STEPS = 6  # the first step (optimizer state allocation, warm-up) is not
 def _runtime_plan(meta, graph, world: int, batch: int, *,
                   profile: HardwareProfile | None = None):
     """The data-parallel plan a calibration run executes, for the engine that runs it (the
-    graph engine: ``parallelize`` of runtime/graph/parallelize.py), so that it is priced as that
-    engine (left to ``engine="auto"``, these small data-parallel plans would be priced as
+    graph engine: ``parallelize_graph``, runtime/graph/parallelize.py), so that it is priced
+    as that engine (left to ``engine="auto"``, these small data-parallel plans would be priced as
     the module engine, whose collectives overlap the backward)."""
     from meshplan.api import manual_plan
     from meshplan.mesh import Mesh
 
     return manual_plan(meta, Mesh.local(world, profile=profile or load_preset("cpu-local")),
-                       graph=graph, dtype="fp32", dp=world, microbatch_size=batch // world,
-                       engine="graph")
+                       graph=graph, dtype=ComputeDtype.FP32, dp=world,
+                       microbatch_size=batch // world,
+                       engine=Engine.GRAPH)
 
 
 def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
@@ -255,7 +257,7 @@ def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
     import torch.distributed as dist
 
     from meshplan.tracing import trace
-    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -271,7 +273,7 @@ def _runtime_worker(rank: int, world: int, port: int, graphs, queue) -> None:
         plan = _runtime_plan(meta, graph, world, batch)
         torch.manual_seed(0)
         model = spec.build("cpu")
-        pm = parallelize(model, plan, (synthetic_batch(model, batch, seq, seed=0, step=0),))
+        pm = parallelize_graph(model, plan, (synthetic_batch(model, batch, seq, seed=0, step=0),))
         opt = make_optimizer(pm.optimizer_params(), plan)
         times, compute = [], []
         for step in range(RUNTIME_STEPS):

@@ -15,6 +15,7 @@ import sys
 from meshplan.checks import (check_batch_and_seq, check_checkpoint_dir, check_model_for_run,
                              check_run_numbers, check_writable, plan_and_graph, recorded_spec)
 from meshplan.errors import MeshplanError, SpecError
+from meshplan.vocabulary import DTYPES, ENGINES, STACK_TARGETS, Engine
 
 EXIT_USER_ERROR = 2
 
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="global batch (sequences, or rows of a ModelBundle's examples)")
         p.add_argument("--seq", type=POSITIVE_INT, default=None, help="sequence length "
                        "(token models; a ModelBundle's examples fix it)")
-        p.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
+        p.add_argument("--dtype", choices=DTYPES, default=None,
                        help="fp8: priced and exported only (--for / --engine torchtitan|megatron)")
 
     p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
@@ -259,11 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "recompute=none,sp=0,zero=0")
     p.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None)
     p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0)
-    p.add_argument("--engine", choices=("auto", "modules", "graph", "torchtitan", "megatron"),
-                   default="auto", help="the runtime the plan names: auto picks the module "
-                   "engine (PyTorch's composables) where the plan is expressible in it; "
-                   "torchtitan / megatron price a --manual layout as that stack runs it")
-    p.add_argument("--for", dest="for_", choices=("torchtitan", "megatron"), default=None,
+    p.add_argument("--engine", choices=("auto",) + ENGINES + STACK_TARGETS, default="auto",
+                   help="the runtime the plan names: auto picks the module engine (PyTorch's "
+                   "composables) where the plan is expressible in it; torchtitan / megatron "
+                   "price a --manual layout as that stack runs it")
+    p.add_argument("--for", dest="for_", choices=STACK_TARGETS, default=None,
                    help="search only the layouts this stack runs, priced as it runs them; "
                    "then meshplan export plan.json --to TARGET")
     p.add_argument("--compile", action="store_true", help="with --for torchtitan: price and "
@@ -331,7 +332,7 @@ def _add_cost_commands(sub) -> None:
     p.add_argument("--batch", type=POSITIVE_INT, default=0, help="global batch, for --manual")
     p.add_argument("--seq", type=POSITIVE_INT, default=0, help="sequence length, for --manual "
                    "(token models)")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None)
+    p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
                    "recompute=none,sp=0,zero=0,vs=1")
     p.add_argument("--hardware", default="", help="re-price on this profile JSON (e.g. from "

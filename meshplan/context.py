@@ -31,7 +31,6 @@ from __future__ import annotations
 from meshplan.errors import NotSupportedError, PlanningError
 from meshplan.graph import OpGraph, OpKind
 
-R = "R"
 CP_AXIS = "cp"
 
 

@@ -24,7 +24,7 @@ from meshplan.costmodel.compute import DTYPE_BYTES, op_time
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, GRAD_BYTES, state_bytes_per_param
 from meshplan.errors import MeshplanError, PlanFileError, SpecError
-from meshplan.placements import shard_dim
+from meshplan.placements import PARTIAL, REPLICATE, is_shard, shard, shard_dim
 from meshplan.plan import Plan, Stage
 
 # Operator kinds worth explaining on their own: the ones that carry weights or most FLOPs.
@@ -118,18 +118,19 @@ def _styles(node, graph) -> list[tuple[str, str, str]]:
     """Per-axis choices: (word, output placement, weight placement)."""
     out = node.out
     ndim = len(out.shape) if out is not None else 0
-    styles = [("replicated", "R", "R")]
+    styles = [("replicated", REPLICATE, REPLICATE)]
     if ndim >= 1:
-        styles.append(("batch", "S(0)", "R"))
+        styles.append(("batch", shard(0), REPLICATE))
     w = _weight(node, graph) if str(node.kind) == "matmul" else None
     if w is not None and ndim >= 1:
         _, _, (din, dout) = w
-        styles.append(("column", f"S({ndim - 1})", f"S({dout})"))
-        styles.append(("row", "P", f"S({din})"))
+        styles.append(("column", shard(ndim - 1), shard(dout)))
+        styles.append(("row", PARTIAL, shard(din)))
     elif str(node.kind) == "embedding" and node.params:
-        styles.append(("vocab", "P", "S(0)"))
+        styles.append(("vocab", PARTIAL, shard(0)))
     if ndim >= 3:  # (batch, seq, hidden) activations; attention's (batch, heads, seq, dim)
-        styles.append(("heads" if str(node.kind) == "attention" else "sequence", "S(1)", "R"))
+        styles.append(("heads" if str(node.kind) == "attention" else "sequence", shard(1),
+                       REPLICATE))
     return styles
 
 
@@ -159,15 +160,15 @@ def price(node, graph, stage: Stage, hw: HardwareProfile, out_pl, w_pl, *, dtype
     mesh = stage.mesh_shape
     work_split = 1
     for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
-        if o != "R" or w != "R":
+        if o != REPLICATE or w != REPLICATE:
             work_split *= mesh[axis]
     compute = op_time(node, hw, dtype, work_split).total_s
     out_split = 1
     w_split = 1
     for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
-        if o.startswith("S("):
+        if is_shard(o):
             out_split *= mesh[axis]
-        if w != "R":
+        if w != REPLICATE:
             w_split *= mesh[axis]
     act_bytes = (node.out.numel if node.out is not None else 0) * DTYPE_BYTES[dtype] / out_split
     wnumel = sum(graph.param_map[p].numel for p in node.params if p in graph.param_map)
@@ -176,13 +177,13 @@ def price(node, graph, stage: Stage, hw: HardwareProfile, out_pl, w_pl, *, dtype
     for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
         n = mesh[axis]
         crosses, local = axis_link(stage.mesh_shape, axis, hw.devices_per_node, stage.devices[0])
-        if o == "S(0)" and w == "R" and node.params:  # data parallel: gradient all-reduce
+        if o == shard(0) and w == REPLICATE and node.params:  # data parallel: gradient all-reduce
             comm += collective_time_s(hw, Collective.ALL_REDUCE, GRAD_BYTES * wnumel / w_split, n,
                                       crosses_nodes=crosses, local_size=local)
-        elif o == "P":  # row-parallel: forward all-reduce of the partial output
+        elif o == PARTIAL:  # row-parallel: forward all-reduce of the partial output
             comm += collective_time_s(hw, Collective.ALL_REDUCE, act_bytes, n,
                                       crosses_nodes=crosses, local_size=local)
-        elif w != "R":  # column-parallel: backward all-reduce of the input gradient
+        elif w != REPLICATE:  # column-parallel: backward all-reduce of the input gradient
             in_bytes = act_bytes * (node.bytes_read / max(node.bytes_written, 1))
             comm += collective_time_s(hw, Collective.ALL_REDUCE, in_bytes, n,
                                       crosses_nodes=crosses, local_size=local)
@@ -192,8 +193,9 @@ def price(node, graph, stage: Stage, hw: HardwareProfile, out_pl, w_pl, *, dtype
 def _words(output: tuple[str, ...], stage: Stage) -> str:
     words = []
     for axis, p in enumerate(output):
-        if p != "R" and stage.mesh_shape[axis] > 1:
-            words.append(f"{'partial' if p == 'P' else f'dim {shard_dim(p)}'} over {stage.axis_names[axis]}")
+        if p != REPLICATE and stage.mesh_shape[axis] > 1:
+            what = "partial" if p == PARTIAL else f"dim {shard_dim(p)}"
+            words.append(f"{what} over {stage.axis_names[axis]}")
     return ", ".join(words) or "replicated"
 
 
@@ -252,14 +254,14 @@ def _candidate_rows(node, graph, stage, hw: HardwareProfile, t) -> list[list]:
     chosen_w = stage.params.get(w[0]) if w else None
     if chosen_w is None and node.params and node.params[0] in stage.params:
         chosen_w = stage.params[node.params[0]]
-    chosen_w = tuple(chosen_w) if chosen_w else ("R",) * len(stage.mesh_shape)
+    chosen_w = tuple(chosen_w) if chosen_w else (REPLICATE,) * len(stage.mesh_shape)
     styles = _styles(node, graph)
     axes = [i for i, s in enumerate(stage.mesh_shape) if s > 1]
     seen = set()
     rows = []
     for combo in itertools.product(styles, repeat=len(axes)):
-        out_pl = ["R"] * len(stage.mesh_shape)
-        w_pl = ["R"] * len(stage.mesh_shape)
+        out_pl = [REPLICATE] * len(stage.mesh_shape)
+        w_pl = [REPLICATE] * len(stage.mesh_shape)
         words = []
         for axis, (word, o, wp) in zip(axes, combo):
             out_pl[axis], w_pl[axis] = o, wp

@@ -23,9 +23,10 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.context import chunk_words
-from meshplan.placements import shard_dim
+from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
 from meshplan.plan import Plan, Stage
 from meshplan.support import cp_degree
+from meshplan.vocabulary import Engine
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.
@@ -113,10 +114,10 @@ def _style(param_pl: str, axis: int, consumer) -> str:
     if consumer is not None:
         node, out = consumer
         kind = str(node.kind)
-        opl = out[axis] if axis < len(out) else "R"
+        opl = out[axis] if axis < len(out) else REPLICATE
         ndim = len(node.out.shape) if node.out is not None else 0
         if kind == "matmul":
-            if opl == "P":
+            if opl == PARTIAL:
                 return "row-parallel"
             if ndim and shard_dim(opl) == ndim - 1:
                 return "column-parallel"
@@ -124,7 +125,7 @@ def _style(param_pl: str, axis: int, consumer) -> str:
             return "vocab-parallel"
         if kind == "embedding" and d == 1:
             return "hidden-parallel"
-    if param_pl == "P":
+    if param_pl == PARTIAL:
         return "partial sums"
     return f"weight split on dim {d}"
 
@@ -149,7 +150,7 @@ def param_styles(stage: Stage, graph=None) -> dict[int, dict[str, list[tuple[int
         if pname.endswith(".bias") and pname[:-5] + ".weight" in stage.params:
             continue  # the weight already says it
         for axis, p in enumerate(pl):
-            if p != "R" and stage.mesh_shape[axis] > 1:
+            if p != REPLICATE and stage.mesh_shape[axis] > 1:
                 item = (axis, _style(p, axis, consumers.get(pname)))
                 if item not in styles:
                     styles.append(item)
@@ -183,8 +184,8 @@ def _batch_words(stage: Stage) -> str:
     split: dict[str, list[str]] = {}
     for placements in list(stage.inputs.values())[:1]:
         for axis, p in enumerate(placements):
-            if stage.mesh_shape[axis] > 1 and p in ("S(0)", "S(1)"):
-                word = "batch" if p == "S(0)" else "sequence"
+            if stage.mesh_shape[axis] > 1 and p in (shard(0), shard(1)):
+                word = "batch" if p == shard(0) else "sequence"
                 split.setdefault(word, []).append(f"{axis} ({stage.axis_names[axis]})")
     if "cp" in stage.axis_names:  # the ids are R on cp; every activation's sequence is split
         axis = tuple(stage.axis_names).index("cp")
@@ -256,7 +257,7 @@ def head_table(plan: Plan) -> Table:
     head.add_row("time breakdown", ", ".join(f"{k} {fmt_time(v)}" for k, v in p.breakdown.items()))
     head.add_row("runs on", "module engine (parallelize_module, fully_shard, checkpoint "
                  "wrappers" + (", torch.distributed.pipelining)" if plan.num_stages > 1
-                               else ")") if plan.engine == "modules" else
+                               else ")") if plan.engine == Engine.MODULES else
                  "graph engine (exported graph on DTensor)"
                  + (f": {plan.engine_note}" if plan.engine_note else ""))
     head.add_row("solver", f"{plan.solver.name}: {plan.solver.status}, gap {plan.solver.gap:.2%}, "

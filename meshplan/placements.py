@@ -18,9 +18,24 @@ from meshplan.errors import PlanFileError
 
 PLACEMENT_RE = re.compile(r"^(R|P|S\((\d+)\))$")
 
+# the plan-file form, one string per mesh axis (printing: ``shard``; parsing: ``parse_placement``)
+REPLICATE = "R"  # DTensor Replicate(): every rank of the axis holds the whole tensor
+PARTIAL = "P"  # DTensor Partial("sum"): each rank holds an addend of the tensor
+
+# the planner's integer form
 R, P = -1, -2  # Replicate, Partial; a non-negative int d is Shard(d)
 
 Placement = tuple[int, ...]  # one entry per mesh axis
+
+
+def shard(dim: int) -> str:
+    """DTensor Shard(dim) in the plan-file form: 0 -> "S(0)"."""
+    return f"S({dim})"
+
+
+def is_shard(text: str) -> bool:
+    """"S(d)" -> True; "R" and "P" -> False."""
+    return text.startswith("S(")
 
 
 def parse_placement(text: str) -> tuple[str, int | None]:
@@ -38,4 +53,4 @@ def shard_dim(text: str) -> int | None:
 
 def placement_str(pl: Placement) -> tuple[str, ...]:
     """Planner integers -> plan strings, one per mesh axis: (-1, 0) -> ("R", "S(0)")."""
-    return tuple("R" if p == R else "P" if p == P else f"S({p})" for p in pl)
+    return tuple(REPLICATE if p == R else PARTIAL if p == P else shard(p) for p in pl)

@@ -18,10 +18,19 @@ from pathlib import Path
 
 from meshplan.errors import PlanFileError
 from meshplan.placements import shard_dim
-from meshplan.schedules import SCHEDULES
+from meshplan.schedules import SCHEDULES, Schedule
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Engine, Recompute, plain
 
 SCHEMA_VERSION = "meshplan.plan/v1"
-RECOMPUTE = ("none", "selective", "full")
+
+
+def _hold_plain(record, *names: str) -> None:
+    """Records hold the plan file's plain strings: a vocabulary member passed in (a StrEnum
+    of meshplan/vocabulary.py or schedules.py) is stored as its value, so a record made in
+    code pickles, ``torch.save``s and loads with ``weights_only=True`` like one read from a
+    file."""
+    for name in names:
+        object.__setattr__(record, name, plain(getattr(record, name)))
 
 
 # -- records ---------------------------------------------------------------------------------
@@ -81,12 +90,15 @@ class Stage:
     axis_names: tuple[str, ...]
     layers: tuple[int, int]  # [first, last) layer indices; embedding/head are layer -1
     nodes: tuple[str, str]  # first and last operator of the stage, graph order
-    recompute: str = "none"
+    recompute: str = Recompute.NONE
     zero: int = 0
     inputs: dict = field(default_factory=dict)  # graph input name -> placements
     params: dict = field(default_factory=dict)  # parameter name -> placements
     ops: dict = field(default_factory=dict)  # node name -> OpPlacement
     predicted: StagePrediction = field(default_factory=StagePrediction)
+
+    def __post_init__(self):
+        _hold_plain(self, "recompute")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,15 +133,19 @@ class TrainingConfig:
     seq_len: int
     microbatches: int = 1
     microbatch_size: int = 0  # sequences per microbatch per data-parallel rank
-    dtype: str = "fp32"  # fp32 | bf16 | fp16 (mixed precision with fp32 master weights) | fp8
-    # (fp8 GEMMs, bf16 elsewhere: estimation and export only, meshplan/support.py)
+    # fp32 | bf16 | fp16 (mixed precision with fp32 master weights) | fp8 (fp8 GEMMs, bf16
+    # elsewhere: estimation and export only, meshplan/support.py); vocabulary.ComputeDtype
+    dtype: str = ComputeDtype.FP32
     optimizer: str = "adam"
-    schedule: str = "1f1b"
+    schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     sequence_parallel: bool = False
     # the repeated blocks run under torch.compile (parallelize(..., compile=True) on the
     # module engine, torchtitan's compile.enable): priced so (costmodel/fusion.py)
     compiled: bool = False
+
+    def __post_init__(self):
+        _hold_plain(self, "dtype", "schedule")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,15 +174,18 @@ class Plan:
     # which runtime executes it: "modules" (PyTorch's composables: parallelize_module,
     # fully_shard, checkpoint wrappers; runtime/modules.py) where the plan is expressible
     # in them, else "graph" (the exported graph on DTensor; runtime/graph/parallelize.py);
-    # "torchtitan" or "megatron": a plan made for that stack (meshplan plan --for), priced
-    # as it runs it, run there after `meshplan export` (meshplan/stacks/)
-    engine: str = "graph"
+    # a Stack ("torchtitan", "megatron"): a plan made for that stack (meshplan plan --for),
+    # priced as it runs it, run there after `meshplan export` (meshplan/stacks/)
+    engine: str = Engine.GRAPH
     engine_note: str = ""  # why the graph engine runs it, when the module engine cannot
     # Not written to the file: the traced graph the plan was made from (for estimate/explain)
     # and the wall-clock planning time (the file records the solver's deterministic time so
     # that the same inputs give the same bytes).
     graph: object = field(default=None, compare=False, repr=False)
     wall_time_s: float = field(default=0.0, compare=False)
+
+    def __post_init__(self):
+        _hold_plain(self, "engine")
 
     # -- convenience -----------------------------------------------------------------------
     @property

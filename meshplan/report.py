@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from meshplan.inspect import fmt_mem, fmt_time, param_styles, summary_text
 from meshplan.plan import Plan, atomic_write
+from meshplan.schedules import Schedule
 
 # Okabe & Ito (2008) colour-blind-safe palette.
 BLUE, ORANGE, GREEN, PURPLE = "#0072B2", "#E69F00", "#009E73", "#CC79A7"
@@ -57,7 +58,7 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> li
     1F1B (and interleaved, drawn per physical stage) warms up with stages - stage - 1
     forwards, then alternates one forward and one backward (Narayanan et al. 2021)."""
     m = microbatches
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     warm = min(stages - stage - 1, m)
     order = [("F", i) for i in range(warm)]
@@ -151,7 +152,7 @@ def timeline_svg(plan: Plan) -> str:
     y = top + n * row + 14
     body.append(_text(left, y, "0"))
     body.append(_text(WIDTH - 20, y, fmt_time(end), "end"))
-    if plan.training.schedule == "interleaved-1f1b":
+    if plan.training.schedule == Schedule.INTERLEAVED:
         body.append(_text(WIDTH - 20, 14, f"interleaved ({plan.training.virtual_stages} chunks "
                           "per device) drawn per physical stage in 1F1B order", "end"))
     busy = sum(b.end_s - b.start_s for b in blocks)

@@ -16,14 +16,16 @@ from dataclasses import dataclass
 
 from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
-from meshplan.schedules import SCHEDULES
+from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
+from meshplan.placements import shard
+from meshplan.vocabulary import (ENGINE_DTYPES, PRICED_ONLY_DTYPES, STACK_TARGETS, TRAINED_DTYPES,
+                                 ComputeDtype, Engine, Recompute)
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
-DTYPES = ("fp32", "bf16", "fp16")  # what meshplan's runtimes train in
-# priced for estimation and export only (costmodel/fp8.py): a plan may say it, and loads,
-# and a stack (engine='torchtitan' or 'megatron') prices it; meshplan's runtimes refuse it
-ESTIMATION_DTYPES = ("fp8",)
+# fp8 (vocabulary.PRICED_ONLY_DTYPES) is priced for estimation and export only
+# (costmodel/fp8.py): a plan may say it, and loads, and a stack (engine='torchtitan' or
+# 'megatron') prices it; meshplan's runtimes refuse it
 FP8_REFUSAL = ("dtype 'fp8' is priced for estimation and export; meshplan's runtimes train "
                "bf16/fp32; price it with engine='torchtitan' or 'megatron', or use dtype='bf16'")
 
@@ -37,13 +39,13 @@ class Candidate:
 
     pp: int = 1
     dp: int = 1
-    schedule: str = "1f1b"
+    schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     microbatches: int = 1
     global_batch: int = 1
     microbatch_size: int = 0
     zero: int = 0
-    dtype: str = "fp32"
+    dtype: str = ComputeDtype.FP32
     num_layers: int | None = None
     cp: int = 1  # context-parallel degree (meshplan/context.py)
     seq_len: int = 0  # 0 when unknown
@@ -64,10 +66,10 @@ def virtual_stage_rule(c: Candidate) -> tuple[str, ...]:
     v = c.virtual_stages
     if v < 1:
         return (f"virtual_stages={v} must be at least 1",)
-    if v > 1 and c.schedule != "interleaved-1f1b":
+    if v > 1 and c.schedule != Schedule.INTERLEAVED:
         return (f"virtual_stages={v} needs schedule 'interleaved-1f1b', not {c.schedule!r}; "
                 "set virtual_stages=1",)
-    if c.schedule == "interleaved-1f1b" and c.pp > 1 and c.num_layers is not None and \
+    if c.schedule == Schedule.INTERLEAVED and c.pp > 1 and c.num_layers is not None and \
             c.num_layers % (c.pp * v):
         return (f"{c.num_layers} blocks do not split into pp x virtual_stages = {c.pp * v} "
                 f"equal chunks; choose virtual_stages with pp x virtual_stages dividing "
@@ -82,10 +84,10 @@ def microbatch_rule(c: Candidate) -> tuple[str, ...]:
     if b < 1 or c.global_batch % b:
         return (f"global batch {c.global_batch} is not divisible into {b} microbatches; "
                 "choose a divisor",)
-    if c.pp > 1 and c.schedule != "gpipe" and b < c.pp:
+    if c.pp > 1 and c.schedule != Schedule.GPIPE and b < c.pp:
         return (f"schedule {c.schedule!r} needs at least as many microbatches as pipeline "
                 f"rank groups: {b} < pp={c.pp}; use more microbatches or 'gpipe'",)
-    if c.pp > 1 and c.schedule == "interleaved-1f1b" and b % max(1, b // c.pp):
+    if c.pp > 1 and c.schedule == Schedule.INTERLEAVED and b % max(1, b // c.pp):
         return (f"interleaved 1F1B runs {b} microbatches in rounds of pp={c.pp}; {b} is not a "
                 f"multiple of its {b // c.pp} rounds; use a multiple of {c.pp}",)
     return ()
@@ -113,11 +115,11 @@ def zero_rule(c: Candidate) -> tuple[str, ...]:
 def dtype_rule(c: Candidate) -> tuple[str, ...]:
     """fp16 needs loss scaling, which only the single-stage runtime does; fp8 is priced,
     not run."""
-    if c.dtype in ESTIMATION_DTYPES:
+    if c.dtype in PRICED_ONLY_DTYPES:
         return (FP8_REFUSAL,)
-    if c.dtype not in DTYPES:
-        return (f"dtype {c.dtype!r} is not one of {', '.join(DTYPES)}",)
-    if c.dtype == "fp16" and c.pp > 1:
+    if c.dtype not in TRAINED_DTYPES:
+        return (f"dtype {c.dtype!r} is not one of {', '.join(TRAINED_DTYPES)}",)
+    if c.dtype == ComputeDtype.FP16 and c.pp > 1:
         return ("dtype 'fp16' with pp > 1 needs loss scaling, which the pipeline runtime does "
                 "not do yet; use dtype 'bf16' or 'fp32' when pp > 1",)
     return ()
@@ -150,7 +152,7 @@ def lists_rank_groups(plan: Plan) -> bool:
     """An interleaved plan written with one stage record per rank group (as planner/manual.py
     and planner/inter write it) rather than one per virtual stage."""
     n = len(plan.stages[0].devices)
-    return plan.training.schedule == "interleaved-1f1b" and \
+    return plan.training.schedule == Schedule.INTERLEAVED and \
         plan.num_stages * n == plan.num_devices and plan.training.virtual_stages > 1
 
 
@@ -176,7 +178,7 @@ def data_parallel_degree(plan: Plan) -> int:
 def dp_axes(stage) -> tuple[int, ...]:
     if stage.inputs:
         first = next(iter(stage.inputs.values()))
-        return tuple(i for i, p in enumerate(first) if p == "S(0)")
+        return tuple(i for i, p in enumerate(first) if p == shard(0))
     return tuple(i for i, name in enumerate(stage.axis_names) if name == "dp")
 
 
@@ -212,7 +214,7 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
     cp = max(cps)
     if len(cps) > 1:
         return (f"stages have different cp degrees {sorted(cps)}; every stage needs the same",)
-    if cp > 1 and any(st.recompute == "selective" for st in plan.stages):
+    if cp > 1 and any(st.recompute == Recompute.SELECTIVE for st in plan.stages):
         return (f"recompute 'selective' with cp={cp}: the selective checkpoint's replay "
                 "diverges from the forward around the cp exchange (tests/"
                 "test_context_parallel.py); use recompute 'full' or 'none' with cp",)
@@ -252,19 +254,18 @@ GRAPH_ONLY = (
      "torch's context_parallel shards SDPA with is_causal or no mask only (DECISIONS 74)"),
 )
 
-# what the module engine (runtime/modules.py, runtime/module_pipeline.py) computes in, one
-# stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
-# MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling
-MODULE_ENGINE_DTYPES = ("fp32", "bf16")
 
 
 def module_engine_dtype_rule(plan: Plan) -> tuple[str, ...]:
-    """The module engine runs fp32 and bf16 plans, pipelines included (fp8: dtype_rule's
-    one line, on either engine)."""
+    """The module engine (runtime/modules.py, runtime/module_pipeline.py) runs fp32 and bf16
+    plans, one stage or a pipeline: fp32, or bf16 with fp32 master weights (fully_shard's
+    MixedPrecisionPolicy, autocast without data parallelism); fp16 needs loss scaling (fp8:
+    dtype_rule's one line, on either engine)."""
     t = plan.training
-    if plan.engine == "modules" and t.dtype not in MODULE_ENGINE_DTYPES + ESTIMATION_DTYPES:
+    runs = ENGINE_DTYPES[Engine.MODULES]
+    if plan.engine == Engine.MODULES and t.dtype not in runs + PRICED_ONLY_DTYPES:
         return (f"engine 'modules' with dtype {t.dtype!r}: the module engine runs "
-                f"{' and '.join(MODULE_ENGINE_DTYPES)} (fp16 needs loss scaling); set engine "
+                f"{' and '.join(runs)} (fp16 needs loss scaling); set engine "
                 "'graph' or dtype 'bf16'",)
     return ()
 
@@ -291,7 +292,7 @@ def stage_layout_rule(plan: Plan) -> tuple[str, ...]:
     if plan.num_stages == 1:
         return ()
     t = plan.training
-    v = t.virtual_stages if t.schedule == "interleaved-1f1b" else 1
+    v = virtual_stages_for(t.schedule, t.virtual_stages)
     if not lists_rank_groups(plan) and plan.num_stages % v:
         return (f"{plan.num_stages} stages are not a multiple of virtual_stages={v}; an "
                 "interleaved plan has pp x virtual_stages stages",)
@@ -357,12 +358,12 @@ def plan_problems(plan: Plan) -> tuple[str, ...]:
 def export_problems(plan: Plan) -> tuple[str, ...]:
     """Why ``plan`` cannot be read from a file: those of ``plan_problems``, except that a
     plan in an estimation-only dtype (fp8) loads when its layout would run in bf16."""
-    if plan.engine in ("torchtitan", "megatron"):
+    if plan.engine in STACK_TARGETS:
         return ()  # a plan for another stack: its rules are checked by `meshplan export`
-    if plan.training.dtype in ESTIMATION_DTYPES:
+    if plan.training.dtype in PRICED_ONLY_DTYPES:
         from dataclasses import replace
 
-        plan = replace(plan, training=replace(plan.training, dtype="bf16"))
+        plan = replace(plan, training=replace(plan.training, dtype=ComputeDtype.BF16))
     return plan_problems(plan)
 
 

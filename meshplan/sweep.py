@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, replace
 from meshplan import support
 from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
-from meshplan.plan import RECOMPUTE, Plan
+from meshplan.plan import Plan
+from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype
 
 SHOW_PROGRESS_AFTER_S = 2.0  # a progress bar only for sweeps a person waits on
 PLOT_FORMATS = (".png", ".svg", ".pdf")
@@ -58,8 +60,9 @@ def divisors(n: int) -> list[int]:
 
 
 def configurations(*, devices: int, devices_per_node: int, batch: int, layers: int,
-                   heads: int, schedules=("gpipe", "1f1b", "interleaved-1f1b"),
-                   recompute=RECOMPUTE, zeros=(0, 1, 2, 3), dtype: str = "fp32") -> list[Config]:
+                   heads: int, schedules=SCHEDULES,
+                   recompute=RECOMPUTE, zeros=(0, 1, 2, 3),
+                   dtype: str = ComputeDtype.FP32) -> list[Config]:
     """The space of the module docstring, less what the runtime cannot run
     (meshplan/support.py)."""
     out = []
@@ -93,10 +96,10 @@ def _runs(pp, dp, mb, schedule, virtual, zero, batch, dtype, layers) -> bool:
 
 def _schedules(pp: int, layers: int, schedules) -> list[tuple[str, int]]:
     if pp == 1:
-        return [("1f1b", 1)]
-    out = [(s, 1) for s in schedules if s != "interleaved-1f1b"]
-    if "interleaved-1f1b" in schedules and layers % pp == 0:
-        out += [("interleaved-1f1b", v) for v in divisors(layers // pp) if v > 1]
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    out = [(s, 1) for s in schedules if s != Schedule.INTERLEAVED]
+    if Schedule.INTERLEAVED in schedules and layers % pp == 0:
+        out += [(Schedule.INTERLEAVED, v) for v in divisors(layers // pp) if v > 1]
     return out
 
 
@@ -106,7 +109,7 @@ def variant(base: Plan, c: Config) -> Plan:
     training = replace(t, microbatch_size=c.microbatch_size,
                        microbatches=t.global_batch // (c.dp * c.microbatch_size),
                        schedule=c.schedule,
-                       virtual_stages=c.virtual_stages if c.schedule == "interleaved-1f1b" else 1)
+                       virtual_stages=virtual_stages_for(c.schedule, c.virtual_stages))
     stages = tuple(replace(st, recompute=c.recompute, zero=c.zero) for st in base.stages)
     return replace(base, training=training, stages=stages)
 
@@ -175,7 +178,7 @@ def price_group(configs: list[Config], *, model, mesh, graph, dtype, optimizer) 
     batch = graph.inputs[0][1].shape[0]
     try:
         base = meshplan.manual_plan(model, mesh, graph=graph, dp=c0.dp, tp=c0.tp, pp=c0.pp,
-                                    microbatch_size=1, schedule="gpipe",  # variant() sets it
+                                    microbatch_size=1, schedule=Schedule.GPIPE,  # variant() sets it
                                     sequence_parallel=c0.sequence_parallel,
                                     zero=3 if c0.zero == 3 else 0, dtype=dtype,
                                     optimizer=optimizer)

@@ -42,9 +42,10 @@ from meshplan.runtime import checkpoint
 from meshplan.runtime.data import TokenFile, rows_read_by
 from meshplan.runtime.grad_clip import clip_grad_norm_
 from meshplan.runtime.memory_probe import StepMemoryProbe, training_state_tensors
-from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
 from meshplan.specs import parse_model_spec
 from meshplan.tracing import flatten_call, unflatten_call
+from meshplan.vocabulary import Engine
 
 
 def _rss_gib() -> float:
@@ -90,8 +91,8 @@ def main(argv=None) -> int:
         flat0, signature = flatten_call(loaded.call.inputs, loaded.call.targets)
         check_call(plan, signature, args.model)
         rss_before = _rss_gib()
-        pm = ModuleWorkerModel(model, plan, loss_fn, signature) if plan.engine == "modules" \
-            else parallelize(model, plan, flat0, loss_fn=loss_fn, signature=signature)
+        pm = ModuleWorkerModel(model, plan, loss_fn, signature) if plan.engine == Engine.MODULES \
+            else parallelize_graph(model, plan, flat0, loss_fn=loss_fn, signature=signature)
         optimizer = make_optimizer(pm.optimizer_params(), plan, lr=args.lr)
         first = 0
         if checkpoint.latest_step(args.checkpoint_dir) is not None:
@@ -300,7 +301,7 @@ def batch_source(args, plan: Plan, loaded, rank: int):
                         "otherwise; drop --data")
     tokens = TokenFile(args.data, args.data_dtype)
     tokens.check_batch(b, seq)
-    rows = rows_read_by(plan, rank) if plan.engine != "modules" else \
+    rows = rows_read_by(plan, rank) if plan.engine != Engine.MODULES else \
         ModuleWorkerModel.rows(plan, rank)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
 

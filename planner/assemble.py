@@ -10,8 +10,10 @@ from __future__ import annotations
 from meshplan.errors import PlanningError
 from meshplan.graph import OpGraph, OpKind
 from meshplan.plan import ModelInfo, MeshInfo, OpPlacement, TrainingConfig
+from meshplan.schedules import Schedule
+from meshplan.vocabulary import DTYPES, ComputeDtype
+from meshplan.placements import PARTIAL, REPLICATE
 
-DTYPES = ("fp32", "bf16", "fp16", "fp8")  # fp8: priced, not run (meshplan/support.py)
 OPTIMIZERS = ("adam", "sgd")
 
 
@@ -61,8 +63,9 @@ def check_batch_divides(global_batch: int, degree: int, what: str = "data-parall
 
 
 def training_config(graph: OpGraph, *, microbatches: int = 1, microbatch_size: int = 0,
-                    dtype: str = "fp32", optimizer: str = "adam", schedule: str = "1f1b",
-                    virtual_stages: int = 1, sequence_parallel: bool = False) -> TrainingConfig:
+                    dtype: str = ComputeDtype.FP32, optimizer: str = "adam",
+                    schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
+                    sequence_parallel: bool = False) -> TrainingConfig:
     batch, seq = batch_and_seq(graph)
     return TrainingConfig(global_batch=batch, seq_len=seq, microbatches=microbatches,
                           microbatch_size=microbatch_size, dtype=dtype, optimizer=optimizer,
@@ -76,15 +79,15 @@ def propagate_batch_sharding(graph: OpGraph, batch_placement: tuple[str, ...],
     batch-sharded is batch-sharded (dim 0 of its output), a scalar reduction of a sharded
     value is partial, everything else is replicated."""
     ndim = len(batch_placement)
-    replicated = ("R",) * ndim
-    partial = tuple("P" if p != "R" else "R" for p in batch_placement)
+    replicated = (REPLICATE,) * ndim
+    partial = tuple(PARTIAL if p != REPLICATE else REPLICATE for p in batch_placement)
     state: dict[str, tuple[str, ...]] = {name: batch_placement for name, _ in graph.inputs}
     ops: dict[str, OpPlacement] = {}
     names = node_names if node_names is not None else tuple(n.name for n in graph.nodes)
     for name in names:
         node = graph.node(name)
         ins = tuple(state.get(i, replicated) for i in node.inputs)
-        sharded = any(p != replicated and "P" not in p for p in ins)
+        sharded = any(p != replicated and PARTIAL not in p for p in ins)
         out = node.out
         if sharded and out is not None and len(out.shape) == 0:
             pl = partial

@@ -4,14 +4,11 @@ with the manual-plan propagator's ``map_view_dim``."""
 
 from __future__ import annotations
 
-from meshplan.context import R, value_shape
+from meshplan.context import value_shape
 from meshplan.graph import OpGraph, OpKind, OpNode
+from meshplan.placements import REPLICATE, shard, shard_dim
 
 # -- placements ----------------------------------------------------------------------------------
-
-def _sdim(p: str) -> int | None:
-    return int(p[2:-1]) if p.startswith("S(") else None
-
 
 _MOVABLE_VIEWS = ("unsqueeze", "expand", "reshape", "view", "transpose", "clone", "alias")
 
@@ -24,7 +21,7 @@ class CpPropagator:
         from meshplan.planner.manual import map_view_dim  # planner/manual imports this module
 
         self.g, self.seq, self._map = graph, seq_len, map_view_dim
-        self.state: dict[str, str] = {n: R for n, _ in graph.inputs}
+        self.state: dict[str, str] = {n: REPLICATE for n, _ in graph.inputs}
         self.records: dict[str, tuple[tuple[str, ...], str]] = {}
         # graph inputs (and their views) with a sequence dim: name -> that dim
         self.seeds = {n: 1 for n, m in graph.inputs if len(m.shape) >= 2 and m.shape[1] == seq_len}
@@ -47,7 +44,8 @@ class CpPropagator:
 
     def visit(self, node: OpNode) -> tuple[tuple[str, ...], str]:
         g = self.g
-        ins = [R if i in g.param_map else self.state.get(i, R) for i in node.inputs]
+        ins = [REPLICATE if i in g.param_map else self.state.get(i, REPLICATE)
+               for i in node.inputs]
         acts = [k for k, i in enumerate(node.inputs) if i not in g.param_map and i in self.state]
         out_shape = node.out.shape if node.out is not None else ()
         consumed = list(ins)
@@ -57,8 +55,8 @@ class CpPropagator:
                 e = self._view_dim(node, src, self.seeds[src])
                 if e is not None:
                     self.seeds[node.name] = e
-            split = [(k, _sdim(ins[k])) for k in acts if _sdim(ins[k]) is not None]
-            out = R
+            split = [(k, shard_dim(ins[k])) for k in acts if shard_dim(ins[k]) is not None]
+            out = REPLICATE
             if split:
                 k, d = split[0]
                 if "aten.stack" in node.target:
@@ -67,15 +65,15 @@ class CpPropagator:
                     args, _ = node.parsed_args()
                     dim = args[1] if len(args) > 1 and isinstance(args[1], int) else 0
                     dim = dim + len(out_shape) if dim < 0 else dim
-                    e = d if dim != d and all(_sdim(ins[j]) == d for j in acts) else None
+                    e = d if dim != d and all(shard_dim(ins[j]) == d for j in acts) else None
                 else:
                     e = self._view_dim(node, node.inputs[k], d)
                 if e is None:
-                    consumed = [R if j in acts else c for j, c in enumerate(consumed)]
+                    consumed = [REPLICATE if j in acts else c for j, c in enumerate(consumed)]
                 else:
-                    out = f"S({e})"
+                    out = shard(e)
             return self._done(node, consumed, out)
-        split = [(k, _sdim(ins[k])) for k in acts if _sdim(ins[k]) is not None]
+        split = [(k, shard_dim(ins[k])) for k in acts if shard_dim(ins[k]) is not None]
         if not split and node.kind == OpKind.ELEMENTWISE and len(out_shape) >= 2 and \
                 out_shape[-2:] == (self.seq, self.seq):
             # a seq x seq mask made from positions (queries x keys): each rank builds only
@@ -84,17 +82,17 @@ class CpPropagator:
                     value_shape(g, node.inputs[k])[-2] == self.seq]
             if rows:
                 d = len(value_shape(g, node.inputs[rows[0]])) - 2
-                consumed[rows[0]] = ins[rows[0]] = f"S({d})"
+                consumed[rows[0]] = ins[rows[0]] = shard(d)
                 split = [(rows[0], d)]
         if not split and node.kind not in (OpKind.CREATION, OpKind.LOSS):
             seeded = [k for k in acts if node.inputs[k] in self.seeds]
             if seeded:
                 k = seeded[0]
-                consumed[k] = f"S({self.seeds[node.inputs[k]]})"
+                consumed[k] = shard(self.seeds[node.inputs[k]])
                 ins[k] = consumed[k]
                 split = [(k, self.seeds[node.inputs[k]])]
         if not split:
-            return self._done(node, consumed, R)
+            return self._done(node, consumed, REPLICATE)
         if node.kind == OpKind.ATTENTION:
             return self._attention(node, ins, consumed)
         rank = len(out_shape)
@@ -110,33 +108,33 @@ class CpPropagator:
             gather = gather or d >= rank - 1
             if not gather:
                 for k in acts[1:]:
-                    consumed[k] = R
-                consumed[k0] = f"S({d0})"
-                return self._done(node, consumed, f"S({d})")
+                    consumed[k] = REPLICATE
+                consumed[k0] = shard(d0)
+                return self._done(node, consumed, shard(d))
         for k in acts:
             shape = value_shape(g, node.inputs[k])
             dk = d - (rank - len(shape)) if shift or node.kind == OpKind.ELEMENTWISE else d
             if gather:
-                consumed[k] = R
+                consumed[k] = REPLICATE
             elif 0 <= dk < len(shape) and shape[dk] == self.seq:
-                consumed[k] = f"S({dk})"
+                consumed[k] = shard(dk)
             elif 0 <= dk < len(shape) and shape[dk] != 1:
                 gather = True
         if gather:
-            consumed = [R if j in acts else c for j, c in enumerate(consumed)]
-            return self._done(node, consumed, R)
-        return self._done(node, consumed, f"S({d})")
+            consumed = [REPLICATE if j in acts else c for j, c in enumerate(consumed)]
+            return self._done(node, consumed, REPLICATE)
+        return self._done(node, consumed, shard(d))
 
     def _attention(self, node: OpNode, ins, consumed):
         q = value_shape(self.g, node.inputs[0])
-        if _sdim(ins[0]) != len(q) - 2:
-            return self._done(node, [R] * len(consumed), R)
-        consumed = [f"S({len(q) - 2})", R, R] + [R] * (len(consumed) - 3)
+        if shard_dim(ins[0]) != len(q) - 2:
+            return self._done(node, [REPLICATE] * len(consumed), REPLICATE)
+        consumed = [shard(len(q) - 2), REPLICATE, REPLICATE] + [REPLICATE] * (len(consumed) - 3)
         if len(node.inputs) > 3:
             m = value_shape(self.g, node.inputs[3])
             if len(m) >= 2 and m[-2] == self.seq:
-                consumed[3] = f"S({len(m) - 2})"
-        return self._done(node, consumed, f"S({len(node.out.shape) - 2})")
+                consumed[3] = shard(len(m) - 2)
+        return self._done(node, consumed, shard(len(node.out.shape) - 2))
 
     def _done(self, node: OpNode, consumed, out: str):
         self.state[node.name] = out
@@ -154,15 +152,16 @@ class CpPropagator:
                 users.setdefault(i, []).append(n.name)
         for name in names:
             node = g.node(name)
-            if node.kind != OpKind.ATTENTION or records[name][1] == R:
+            if node.kind != OpKind.ATTENTION or records[name][1] == REPLICATE:
                 continue
             for src in node.inputs[1:3]:
                 while src in records and g.node(src).kind == OpKind.VIEW and \
-                        len(users.get(src, ())) == 1 and records[src][1] != R and \
+                        len(users.get(src, ())) == 1 and records[src][1] != REPLICATE and \
                         any(k in g.node(src).target for k in _MOVABLE_VIEWS):
                     view = g.node(src)
-                    consumed = tuple(R if i == 0 else c for i, c in enumerate(records[src][0]))
-                    records[src] = (consumed, R)
+                    consumed = tuple(REPLICATE if i == 0 else c
+                                     for i, c in enumerate(records[src][0]))
+                    records[src] = (consumed, REPLICATE)
                     src = view.inputs[0]
         return {n: records[n] for n in names}
 

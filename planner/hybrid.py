@@ -31,6 +31,8 @@ from meshplan.planner.inter import SearchSpace
 from meshplan.planner.simplest import error_margin, simplest_within
 from meshplan.planner.stagecost import RERANK_WITHIN, plan_hybrid
 from meshplan.plan import Plan
+from meshplan.schedules import SCHEDULES
+from meshplan.vocabulary import RECOMPUTE, Engine, Recompute
 
 # Microbatch sizes (sequences per data-parallel rank) the search tries by default: the
 # range Megatron-LM's published runs use (Narayanan et al. 2021, section 5: 1 to 8).
@@ -47,8 +49,8 @@ def search_space(*, microbatches: Sequence[int] | None = None,
     merges bound candidates within 1% (the exact search, eps=0, is what tests check).
     ``context_parallel`` lists the cp degrees tried (1: none), jointly with the rest."""
     return SearchSpace(
-        schedules=tuple(schedules) if schedules else ("gpipe", "1f1b", "interleaved-1f1b"),
-        recompute=tuple(recompute) if recompute else ("none", "selective", "full"),
+        schedules=tuple(schedules) if schedules else SCHEDULES,
+        recompute=tuple(recompute) if recompute else RECOMPUTE,
         zero=tuple(zero) if zero is not None else (0, 1, 2, 3),
         microbatches=tuple(microbatches) if microbatches else None,
         microbatch_sizes=None if microbatches else MICROBATCH_SIZES,
@@ -60,7 +62,7 @@ def search_space(*, microbatches: Sequence[int] | None = None,
 def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
               memory_limit_gib: float | None = None, space: SearchSpace | None = None,
               time_limit_s: float = 30.0, single_stage_ilp: bool = True, cost=None,
-              engine: str = "graph", margin: float | None = None) -> Plan:
+              engine: str = Engine.GRAPH, margin: float | None = None) -> Plan:
     """The fastest plan of either search that fits ``memory_limit_gib`` per device, every
     candidate priced for ``engine`` (the runtime that will run it; the plan records it);
     then the simplest plan within ``margin`` of it (planner/simplest.py; None: the cost
@@ -89,7 +91,7 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     if single_stage_ilp and (best is None or best.num_stages == 1):
         from meshplan.planner.singlestage import plan_single_stage
 
-        recompute = best.stages[0].recompute if best is not None else "none"
+        recompute = best.stages[0].recompute if best is not None else Recompute.NONE
         try:
             ilp_plan = plan_single_stage(graph, mesh, dtype=dtype, optimizer=optimizer,
                                          memory_limit_gib=limit, time_limit_s=time_limit_s,

@@ -48,7 +48,8 @@ from meshplan.costmodel.memory import inflight_microbatches
 from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
 from meshplan.errors import MemoryLimitError, PlanningError, gib
-from meshplan.schedules import Schedule
+from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype
 from meshplan.planner.stagedp import (RangeClasses, bottleneck, bound_candidates, build_tables,
                                       cut)
 
@@ -83,8 +84,8 @@ class StageCostFn(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SearchSpace:
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
-    recompute: tuple[str, ...] = ("none", "selective", "full")
+    schedules: tuple[str, ...] = SCHEDULES
+    recompute: tuple[str, ...] = RECOMPUTE
     zero: tuple[int, ...] = (0, 1, 2, 3)
     pipeline_zero: tuple[int, ...] | None = None  # ZeRO stages when pp > 1; None: as zero
     microbatches: tuple[int, ...] | None = None  # None: every count that divides the batch
@@ -106,7 +107,7 @@ class SearchSpace:
                 raise PlanningError(f"schedule {s!r} is not known; choose from "
                                     f"{', '.join(Schedule)}")
         for r in self.recompute:
-            if r not in ("none", "selective", "full"):
+            if r not in RECOMPUTE:
                 raise PlanningError(f"recompute {r!r} is not known; choose none, selective, full")
         if not self.schedules or not self.recompute or not self.zero:
             raise PlanningError("schedules, recompute and zero each need at least one choice")
@@ -158,11 +159,11 @@ class PipelinePlan:
 def in_flight(schedule: str, stage: int, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Microbatches whose activations stage ``stage`` holds at its peak (costmodel.memory)."""
     return inflight_microbatches(schedule, stage, stages, microbatches,
-                                 virtual if schedule == Schedule.INTERLEAVED else 1)
+                                 virtual_stages_for(schedule, virtual))
 
 
-def pipeline_time_s(stage_times: Sequence[float], microbatches: int, schedule: str = "1f1b",
-                    virtual: int = 1) -> float:
+def pipeline_time_s(stage_times: Sequence[float], microbatches: int,
+                    schedule: str = Schedule.ONE_F_ONE_B, virtual: int = 1) -> float:
     """Pipelined forward/backward time of one step (costmodel.pipeline.pipeline_step_time)."""
     return pipeline_step_time(stage_times, microbatches, schedule, virtual).step_s
 
@@ -184,7 +185,7 @@ class Problem:
     # pipeline under ZeRO stage z: (p, dp, tp, z) -> GiB; shapes whose floor exceeds the
     # memory limit are skipped before any stage is priced
     weights_floor_gib: Callable | None = None
-    dtype: str = "fp32"  # what the runtime can run depends on it (meshplan/support.py)
+    dtype: str = ComputeDtype.FP32  # what the runtime can run depends on it (meshplan/support.py)
 
     @property
     def num_units(self) -> int:
@@ -304,11 +305,11 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
         if not _may_fit(problem, space, stages, mesh):
             continue
         loose = tables_for(problem.num_devices // stages, b, mesh,
-                           virtual if schedule == Schedule.INTERLEAVED else 1, sp, relaxed=True)
+                           virtual_stages_for(schedule, virtual), sp, relaxed=True)
         if loose is None:
             continue
         s0, _ = cut([(loose, 0.0, INF)] * stages, INF, INF)
-        v = virtual if schedule == Schedule.INTERLEAVED else 1
+        v = virtual_stages_for(schedule, virtual)
         bound = s0 / v + (b - 1 / v) * s0 / stages
         if np.isfinite(bound):
             bounded.append((bound, order, combo))
@@ -318,7 +319,7 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
             break
         schedule, stages, virtual, b, mesh, sp = combo
         tables = tables_for(problem.num_devices // stages, b, mesh,
-                            virtual if schedule == Schedule.INTERLEAVED else 1, sp)
+                            virtual_stages_for(schedule, virtual), sp)
         if tables is None:
             continue
         found = _search_combo(problem, space, tables, schedule, stages, virtual, b,
@@ -354,7 +355,7 @@ def relaxed_space(space: SearchSpace) -> SearchSpace:
     """The fastest per-microbatch choices only: no recompute if allowed (recompute adds
     forward work) and the lowest ZeRO stage (ZeRO-3 adds weight gathers). A cost function
     whose times grow this way (as the cost model's do) makes the bound valid."""
-    order = ("none", "selective", "full")
+    order = RECOMPUTE  # cheapest first
     return replace(space, recompute=(min(space.recompute, key=order.index),),
                    zero=(min(space.zero),),
                    pipeline_zero=space.pipeline_zero and (min(space.pipeline_zero),))
@@ -403,7 +404,7 @@ def _search_combo(problem, space, tables, schedule, stages, virtual, b, best_s, 
                   smallest_memory) -> PipelinePlan | None:
     positions = [(tables, in_flight(schedule, s, stages, b, virtual), problem.memory_limit_gib)
                  for s in range(stages)]
-    v = virtual if schedule == Schedule.INTERLEAVED else 1
+    v = virtual_stages_for(schedule, virtual)
 
     def run(t_max, u_max):
         runs[0] += 1
@@ -459,6 +460,6 @@ def _assemble(problem, tables, cuts, schedule, stages, virtual, b, positions) ->
     pipe = pipeline_step_time(times, b, str(schedule), virtual)
     tail = max(st.cost.step_s for st in out)
     return PipelinePlan(schedule=str(schedule), pipeline_degree=stages,
-                        virtual_stages=virtual if schedule == Schedule.INTERLEAVED else 1,
+                        virtual_stages=virtual_stages_for(schedule, virtual),
                         microbatches=b, stages=tuple(out), step_time_s=pipe.step_s + tail,
                         bubble_s=pipe.bubble_s, tail_s=tail)

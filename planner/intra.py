@@ -33,17 +33,17 @@ from meshplan.graph import OpGraph
 from meshplan.placements import placement_str
 from meshplan.planner.reshard import INF, AxisLinks
 from meshplan.planner.strategies import Strategy
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
 
 NS = 1e9  # objective unit: 1 ns (integer costs for the solver)
-RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True, slots=True)
 class StageOptions:
     memory_limit_gib: float | None = None  # None: the device's capacity
-    dtype: str = "bf16"
+    dtype: str = ComputeDtype.BF16
     optimizer: str = "adam"
-    recompute: str = "none"  # none | selective (attention core) | full (whole layers)
+    recompute: str = Recompute.NONE  # none | selective (attention core) | full (whole layers)
     batch_fraction: float = 1.0  # microbatch size / traced global batch
     microbatches: int = 1  # microbatches of this stage per step (compute and edges repeat)
     inflight_microbatches: int = 1  # activations of this many microbatches are alive at once
@@ -62,7 +62,7 @@ class StageOptions:
 
 
 @dataclass(frozen=True, slots=True)
-class Candidate:
+class GroupChoice:
     """One priced choice of one group: a strategy of its anchor, with or without ZeRO-3."""
 
     strategy: Strategy
@@ -80,7 +80,7 @@ class Candidate:
 class Group:
     anchor: str  # node name, or graph/stage input name for sources
     members: tuple[str, ...]  # anchor first, then its followers in graph order
-    candidates: tuple[Candidate, ...]
+    candidates: tuple[GroupChoice, ...]
     count: int  # how many identical groups (layers) this one stands for
     owned_params: tuple[str, ...]
     rule: str

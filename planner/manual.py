@@ -41,18 +41,19 @@ from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.planner.strategies import BATCH_NORMS
-from meshplan.schedules import SCHEDULES
-from meshplan.placements import shard_dim
-from meshplan.plan import RECOMPUTE, Estimate, OpPlacement, Plan, SolverInfo, Stage
+from meshplan.schedules import Schedule, virtual_stages_for
+from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
+from meshplan.plan import Estimate, OpPlacement, Plan, SolverInfo, Stage
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
 
 NAME = "manual"
-R = "R"
 
 
 def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
-                      microbatch_size: int = 1, schedule: str = "1f1b", virtual_stages: int = 1,
-                      recompute: str = "none", sequence_parallel: bool = False, zero: int = 0,
-                      dtype: str = "fp32", optimizer: str = "adam",
+                      microbatch_size: int = 1, schedule: str = Schedule.ONE_F_ONE_B,
+                      virtual_stages: int = 1, recompute: str = Recompute.NONE,
+                      sequence_parallel: bool = False, zero: int = 0,
+                      dtype: str = ComputeDtype.FP32, optimizer: str = "adam",
                       vocab_parallel_cp: bool = False, priced: bool = True) -> Plan:
     """A Megatron-style plan (see the module docstring). ``vocab_parallel_cp``: keep the token
     embedding vocab-parallel under cp too, as Megatron-LM and torchtitan run it (a plan
@@ -64,7 +65,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     # run them; priced with engine="megatron"); meshplan's runtimes refuse them
     # (support.context_parallel_plan_rule)
     training = training_config(graph, dtype=dtype, optimizer=optimizer, schedule=schedule,
-                               virtual_stages=virtual_stages if schedule == "interleaved-1f1b" else 1,
+                               virtual_stages=virtual_stages_for(schedule, virtual_stages),
                                sequence_parallel=bool(sequence_parallel and tp > 1),
                                microbatch_size=microbatch_size,
                                microbatches=graph.inputs[0][1].shape[0] // (dp * microbatch_size))
@@ -87,7 +88,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     for s, names in enumerate(groups):
         ops = {n: prop.visit(graph.node(n)) for n in names}
         params = {p: prop.storage(p) for p in stage_params(graph, names)}
-        inputs = {name: ("S(0)", R) for name, _ in graph.inputs}
+        inputs = {name: (shard(0), REPLICATE) for name, _ in graph.inputs}
         if cprop is not None:
             for n in names:
                 cprop.visit(graph.node(n))
@@ -124,8 +125,8 @@ def with_cp_axis(cp_records: dict, dp: int, cp: int, tp: int, ops: dict, params:
     shape = tuple((dp, cp, tp)[a] for a in keep)
     axes = tuple(("dp", "cp", "tp")[a] for a in keep)
     ops = {n: _with_cp(pl, *cp_records[n], keep) for n, pl in ops.items()}
-    params = {p: _keep(insert_cp(pl, R), keep) for p, pl in params.items()}
-    inputs = {name: _keep(insert_cp(pl, R), keep) for name, pl in inputs.items()}
+    params = {p: _keep(insert_cp(pl, REPLICATE), keep) for p, pl in params.items()}
+    inputs = {name: _keep(insert_cp(pl, REPLICATE), keep) for name, pl in inputs.items()}
     return shape, axes, ops, params, inputs
 
 
@@ -156,13 +157,12 @@ def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_st
     if cp > 1:
         check_cp_model(graph, cp, graph.inputs[0][1].shape[1] if
                        len(graph.inputs[0][1].shape) > 1 else 1)
-    if schedule not in SCHEDULES:
-        raise PlanningError(f"schedule={schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    Schedule.parse(schedule)
     if recompute not in RECOMPUTE:
         raise PlanningError(f"recompute={recompute!r}; choose one of {', '.join(RECOMPUTE)}")
     if zero not in (0, 1, 2, 3):
         raise PlanningError(f"zero={zero}; ZeRO stages are 0, 1, 2, 3")
-    if virtual_stages > 1 and schedule != "interleaved-1f1b":
+    if virtual_stages > 1 and schedule != Schedule.INTERLEAVED:
         raise PlanningError(f"virtual_stages={virtual_stages} needs schedule='interleaved-1f1b'")
     if pp > max(1, graph.num_layers):
         raise PlanningError(
@@ -170,7 +170,7 @@ def _check(graph, mesh, *, dp, tp, pp, cp, microbatch_size, schedule, virtual_st
             f"{graph.num_layers}" if graph.num_layers else
             f"pp={pp}: the model has no repeated blocks (an nn.ModuleList or numbered "
             "nn.ModuleDict of layers) to cut into pipeline stages; choose pp=1")
-    if schedule == "interleaved-1f1b" and graph.num_layers + 2 < pp * virtual_stages:
+    if schedule == Schedule.INTERLEAVED and graph.num_layers + 2 < pp * virtual_stages:
         raise PlanningError(f"interleaved 1F1B cuts the {graph.num_layers} blocks into "
                             f"pp*virtual_stages = {pp * virtual_stages} chunks, of at least one "
                             "block each but the first (embedding only) and the last (head "
@@ -347,7 +347,8 @@ class Propagator:
 
     def __init__(self, graph: OpGraph, *, dp: int, tp: int, sp: bool, seq_len: int, zero: int):
         self.g, self.dp, self.tp, self.sp, self.seq, self.zero = graph, dp, tp, sp, seq_len, zero
-        self.state: dict[str, tuple[str, str]] = {n: ("S(0)", R) for n, _ in graph.inputs}
+        self.state: dict[str, tuple[str, str]] = {n: (shard(0), REPLICATE)
+                                                  for n, _ in graph.inputs}
         self.consumed: dict[str, tuple[str, str]] = {}  # parameter -> placement ops read
         self.vocab = token_embedding_weights(graph, tp)
 
@@ -361,40 +362,41 @@ class Propagator:
         root = self.g.param_map[param].tied_to or param
         use = self.consumed.get(param) or next(
             (v for k, v in self.consumed.items() if (self.g.param_map[k].tied_to or k) == root),
-            (R, R))
-        tp_pl = "R" if use[1] == "P" else use[1]
-        dp_pl = R
+            (REPLICATE, REPLICATE))
+        tp_pl = REPLICATE if use[1] == PARTIAL else use[1]
+        dp_pl = REPLICATE
         if self.zero >= 3 and self.dp > 1:
             shape = self.g.param_map[param].shape
             taken = shard_dim(tp_pl) if shard_dim(tp_pl) is not None else -1
             for d, s in enumerate(shape):
                 if d != taken and s % self.dp == 0:
-                    dp_pl = f"S({d})"
+                    dp_pl = shard(d)
                     break
         return (dp_pl, tp_pl)
 
     def visit(self, node: OpNode) -> OpPlacement:
         g = self.g
-        ins = [self.state.get(i, (R, R)) if i not in g.param_map else (R, R) for i in node.inputs]
+        ins = [self.state.get(i, (REPLICATE, REPLICATE)) if i not in g.param_map
+               else (REPLICATE, REPLICATE) for i in node.inputs]
         is_param = [i in g.param_map for i in node.inputs]
         out_rank = len(node.out.shape) if node.out is not None else 0
         acts = [k for k, p in enumerate(is_param) if not p and node.inputs[k] in self.state]
         # dp axis: batch-split ops stay batch-split; scalars of a split batch are partial
-        dp_split = any(ins[k][0] != R for k in acts) and node.kind != OpKind.CREATION
-        dp_out = (("P" if out_rank == 0 else "S(0)") if dp_split else R)
+        dp_split = any(ins[k][0] != REPLICATE for k in acts) and node.kind != OpKind.CREATION
+        dp_out = ((PARTIAL if out_rank == 0 else shard(0)) if dp_split else REPLICATE)
         consumed = [list(p) for p in ins]
-        tp_out = R
+        tp_out = REPLICATE
         if is_batch_norm(node):
             # statistics of the global batch (SyncBatchNorm's): the input is gathered on
             # every axis and normalised whole, and each rank's consumers slice their batch
             # shard back (planner/strategies.py gives batch norm the same single strategy)
-            consumed = [[R, R] for _ in ins]
-            tp_out = R
+            consumed = [[REPLICATE, REPLICATE] for _ in ins]
+            tp_out = REPLICATE
         elif self.tp > 1 and node.kind != OpKind.CREATION:
             tp_out = self._tp_rule(node, ins, is_param, consumed, acts)
         for k, p in enumerate(is_param):
             if p:
-                self.consumed.setdefault(node.inputs[k], (R, consumed[k][1] if consumed[k][1] != "P" else "P"))
+                self.consumed.setdefault(node.inputs[k], (REPLICATE, consumed[k][1]))
         self.state[node.name] = (dp_out, tp_out)
         return OpPlacement(inputs=tuple(tuple(c) for c in consumed), output=(dp_out, tp_out))
 
@@ -402,92 +404,92 @@ class Propagator:
         shape = self._shape(node_in)
         if self.sp and len(shape) >= 2 and self.seq in shape[:2]:
             d = list(shape).index(self.seq)
-            consumed[k][1] = f"S({d})"
-            return f"S({d})"
-        consumed[k][1] = R
-        return R
+            consumed[k][1] = shard(d)
+            return shard(d)
+        consumed[k][1] = REPLICATE
+        return REPLICATE
 
     def _tp_rule(self, node: OpNode, ins, is_param, consumed, acts) -> str:
         kind = node.kind
         names = node.inputs
         if kind == OpKind.VIEW:
             if not acts:
-                return R
+                return REPLICATE
             src = ins[acts[0]][1]
-            if src == "P":
-                return "P"
+            if src == PARTIAL:
+                return PARTIAL
             if src.startswith("S") and splits_dim(node, self._shape(names[acts[0]]),
                                                    shard_dim(src)):
                 # DTensor gathers the dim it splits (GPT-2's fused q/k/v), and each chunk
                 # is sliced back to its shard by its consumer (R -> S is local)
-                consumed[acts[0]][1] = R
+                consumed[acts[0]][1] = REPLICATE
                 return src
             if src.startswith("S"):
                 d = map_view_dim(node, self._shape(names[acts[0]]), shard_dim(src))
                 if d is None:
-                    consumed[acts[0]][1] = R  # gather before an unmappable view
-                    return R
-                return f"S({d})"
-            return R
+                    consumed[acts[0]][1] = REPLICATE  # gather before an unmappable view
+                    return REPLICATE
+                return shard(d)
+            return REPLICATE
         # partial inputs are reduced at their first non-view consumer
         for k in acts:
-            if ins[k][1] == "P":
+            if ins[k][1] == PARTIAL:
                 ins[k] = (ins[k][0], self._resolve_partial(k, names[k], consumed))
         weights = [k for k, p in enumerate(is_param) if p and len(self.g.param_map[names[k]].shape) >= 2]
         if kind == OpKind.EMBEDDING and weights:
             w = names[weights[0]]
             if w in self.vocab:
-                consumed[weights[0]][1] = "S(0)"
-                return "P"
-            return R
+                consumed[weights[0]][1] = shard(0)
+                return PARTIAL
+            return REPLICATE
         if kind == OpKind.MATMUL and weights:
             return self._matmul(node, ins, is_param, consumed, acts, weights[0])
         split = [(k, ins[k][1]) for k in acts if ins[k][1].startswith("S")]
         if not split:
-            return R
+            return REPLICATE
         k0, pl = split[0]
         d = shard_dim(pl) + (len(node.out.shape) - len(self._shape(names[k0])) if node.out else 0)
         out_rank = len(node.out.shape) if node.out is not None else 0
         if kind == OpKind.LOSS:
             if shard_dim(pl) == len(self._shape(names[k0])) - 1:
-                consumed[k0][1] = R  # DTensor gathers the class dim (no loss-parallel)
-                return R
-            return "P"
+                consumed[k0][1] = REPLICATE  # DTensor gathers the class dim (no loss-parallel)
+                return REPLICATE
+            return PARTIAL
         if kind == OpKind.NORM and d == out_rank - 1:
             for k, _ in split:
-                consumed[k][1] = R
-            return R
+                consumed[k][1] = REPLICATE
+            return REPLICATE
         if kind == OpKind.REDUCTION and out_rank < len(self._shape(names[k0])):
-            return "P" if out_rank == 0 else pl
+            return PARTIAL if out_rank == 0 else pl
         # replicated full-size activations are sliced to match (R -> S is local)
         for k in acts:
-            if ins[k][1] == R and self._shape(names[k]) == node.out.shape:
-                consumed[k][1] = f"S({d})"
+            if ins[k][1] == REPLICATE and self._shape(names[k]) == node.out.shape:
+                consumed[k][1] = shard(d)
         for k, p in enumerate(is_param):
             if p and self.g.param_map[names[k]].shape and node.out is not None \
                     and len(self.g.param_map[names[k]].shape) == out_rank - d and d >= 0:
-                consumed[k][1] = "S(0)"
-        return f"S({d})" if 0 <= d < out_rank else R
+                consumed[k][1] = shard(0)
+        return shard(d) if 0 <= d < out_rank else REPLICATE
 
     def _matmul(self, node, ins, is_param, consumed, acts, wk) -> str:
         w = self.g.param_map[node.inputs[wk]]
         out_dim_of_weight = 0 if "linear" in node.target else 1  # nn.Linear (out, in); Conv1D (in, out)
         act = acts[0] if acts else None
-        act_pl = ins[act][1] if act is not None else R
+        act_pl = ins[act][1] if act is not None else REPLICATE
         out_rank = len(node.out.shape)
         bias = [k for k, p in enumerate(is_param) if p and len(self.g.param_map[node.inputs[k]].shape) == 1]
         if shard_dim(act_pl) == len(self._shape(node.inputs[act])) - 1:
-            consumed[wk][1] = f"S({1 - out_dim_of_weight})"  # row-parallel
+            consumed[wk][1] = shard(1 - out_dim_of_weight)  # row-parallel
             for k in bias:
-                consumed[k][1] = "P"
-            return "P"
+                consumed[k][1] = PARTIAL
+            return PARTIAL
         if node.out.shape[-1] % self.tp or w.shape[out_dim_of_weight] % self.tp:
             if act is not None:
-                consumed[act][1] = R
-            return R
+                consumed[act][1] = REPLICATE
+            return REPLICATE
         if act is not None:
-            consumed[act][1] = R  # column-parallel reads the full activation
-        consumed[wk][1] = f"S({out_dim_of_weight})"
+            consumed[act][1] = REPLICATE  # column-parallel reads the full activation
+        consumed[wk][1] = shard(out_dim_of_weight)
         for k in bias:
-            consumed[k][1] = "S(0)"
-        return f"S({out_rank - 1})"
+            consumed[k][1] = shard(0)
+        return shard(out_rank - 1)

@@ -26,10 +26,11 @@ from meshplan.costmodel.memory import (GIB, GRAD_BYTES, MASTER_BYTES, alias_root
                                        moment_bytes, optimizer_traffic_s, saved_inputs)
 from meshplan.plan import MemoryBreakdown
 from meshplan.graph import OpKind
-from meshplan.planner.intra import Candidate, Group, StageProblem, warn_fallbacks
+from meshplan.planner.intra import GroupChoice, Group, StageProblem, warn_fallbacks
 from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
                                       output_grad, shard_factor)
 from meshplan.placements import P, R
+from meshplan.vocabulary import ComputeDtype, Recompute
 from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
                                          input_shapes, is_pointwise, keeps_partial, op_spec,
                                          replicated_strategy, tensor_of, tensor_placements)
@@ -184,7 +185,8 @@ class Pricer:
 
     def _group(self, r, count, owned, owner):
         if r in self.sources:
-            cands = tuple(Candidate(s, False, 0.0, 0.0, 0.0, MemoryBreakdown(), ((),), (s.output,), ())
+            cands = tuple(GroupChoice(s, False, 0.0, 0.0, 0.0, MemoryBreakdown(), ((),),
+                                      (s.output,), ())
                           for s in self.strategies[r])
             return Group(r, (r,), cands, 1, (), "input", is_source=True)
         cands = []
@@ -207,20 +209,21 @@ class Pricer:
             split = st.work_split(mesh) if m == r else shard_factor(out, mesh)
             t = op_time(node, self.hw, o.dtype, split / bf)
             seq2 = m in self.seq_squared
-            again = (o.recompute == "full" and in_layer) or (o.recompute == "selective" and seq2)
+            again = (o.recompute == Recompute.FULL and in_layer) or (
+                o.recompute == Recompute.SELECTIVE and seq2)
             compute += t.total_s + (t.forward_s if again else 0.0)
             if m != r:  # follower fix-up: the producer's placement -> what this op consumes
                 prod = node.inputs[0]
                 nbytes = self._bytes(tensor_of(self.g, prod, node)) * bf
                 comm += edge_s(self.links, nbytes, self.placed[prod][a][1], ins[0],
                                output_grad(ins[0]) if self.needs_grad[m] else None)
-            if m in self.kept_roots and not (o.recompute == "selective" and seq2):
+            if m in self.kept_roots and not (o.recompute == Recompute.SELECTIVE and seq2):
                 b = sum(self._bytes(t_) for t_ in node.outputs) * bf / shard_factor(out, mesh)
                 kept += b
                 if self._is_layer_output(m):
                     boundary += b
         live = o.inflight_microbatches
-        if o.recompute == "full" and in_layer:
+        if o.recompute == Recompute.FULL and in_layer:
             # Megatron's full checkpointing: each layer keeps its output for the next layer;
             # the layer being recomputed holds its whole set once (costmodel/memory.py)
             act = boundary * count * live + kept
@@ -266,7 +269,7 @@ class Pricer:
                     div *= mesh[ax]
             copy_b = DTYPE_BYTES[o.dtype]
             # under fp32 the graph engine's ZeRO-1/2 master shard is a copy of its own
-            master_b = MASTER_BYTES if o.dtype != "fp32" or div > 1 else 0
+            master_b = MASTER_BYTES if o.dtype != ComputeDtype.FP32 or div > 1 else 0
             pbytes += n_store * (copy_b + master_b / div)
             if info.trainable:
                 gbytes += n_store * GRAD_BYTES
@@ -292,7 +295,7 @@ class Pricer:
         micro = compute + fixups + gathers * count
         step = (sync_s + optim_s) * count
         comm = (fixups + gathers * count) * o.microbatches + sync_s * count
-        return Candidate(st, zero, micro, step, comm, mem, ins, out, tuple(storage))
+        return GroupChoice(st, zero, micro, step, comm, mem, ins, out, tuple(storage))
 
     def _bytes(self, meta) -> float:
         return meta.bytes * (self.scale if meta.dtype in _FLOAT else 1.0)

@@ -22,6 +22,7 @@ from dataclasses import replace
 from meshplan.errors import MeshplanError
 from meshplan.plan import Plan
 from meshplan.planner.inter import SearchSpace, group_sizes
+from meshplan.vocabulary import Recompute
 
 # Median absolute step-time error of the cost model on 4 local gloo processes, the lowest of
 # three runs (17.8-25.6%): benchmarks/results/costmodel_accuracy_cpu.md (2026-11-25).
@@ -40,7 +41,7 @@ def error_margin(hw) -> float:
 def complexity(plan: Plan) -> tuple[int, int, int, int]:
     """(pipeline stages, largest ZeRO stage, stages with recompute, uses cp): lower is simpler."""
     return (plan.num_stages, max(st.zero for st in plan.stages),
-            sum(st.recompute != "none" for st in plan.stages),
+            sum(st.recompute != Recompute.NONE for st in plan.stages),
             int(any("cp" in st.axis_names for st in plan.stages)))
 
 
@@ -95,9 +96,9 @@ def simplest_within(fastest: Plan, space: SearchSpace, search: Callable[[SearchS
             break
     space = _at_most_zero(space, max(st.zero for st in chosen.stages))
     # 3. no recompute, 4. no context parallelism
-    for restricted in (replace(space, recompute=("none",)),
+    for restricted in (replace(space, recompute=(Recompute.NONE,)),
                        replace(space, context_parallel=(1,))):
-        if ("none" in space.recompute and restricted.recompute == ("none",)
+        if (Recompute.NONE in space.recompute and restricted.recompute == (Recompute.NONE,)
                 and complexity(chosen)[2]) or (restricted.context_parallel == (1,)
                                                and complexity(chosen)[3]):
             found = attempt(restricted)

@@ -23,11 +23,13 @@ from meshplan.graph import OpGraph
 from meshplan.costmodel.memory import GIB
 from meshplan.planner.intra import (NS, StageOptions, build_problem, solve_stage, to_ilp)
 from meshplan.placements import placement_str
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 
-def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = "bf16", optimizer: str = "adam",
+def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = ComputeDtype.BF16,
+                      optimizer: str = "adam",
                       memory_limit_gib: float | None = None, time_limit_s: float = 30.0,
-                      recompute: str = "none", backend: str = "cbc") -> Plan:
+                      recompute: str = Recompute.NONE, backend: str = "cbc") -> Plan:
     """The fastest single-stage plan that fits ``memory_limit_gib`` per device."""
     start = time.perf_counter()
     options = StageOptions(memory_limit_gib=memory_limit_gib, dtype=dtype, optimizer=optimizer,
@@ -70,7 +72,7 @@ def _solver_estimate(sol, graph: OpGraph, mesh, training) -> Estimate:
 
 
 @dataclass(frozen=True, slots=True)
-class Alternative:
+class SolverAlternative:
     """One candidate of an operator's group, priced against the plan's other choices."""
 
     output: tuple[str, ...]  # the anchor's output placement
@@ -83,7 +85,7 @@ class Alternative:
     reason: str
 
 
-def alternatives(plan: Plan, node_name: str) -> tuple[Alternative, ...]:
+def alternatives(plan: Plan, node_name: str) -> tuple[SolverAlternative, ...]:
     """Every candidate the intra-op solver had for ``node_name``'s group, and why each lost.
 
     Needs ``plan.graph`` (plans made in this process, or pass it through ``replace``). Single-
@@ -126,7 +128,7 @@ def alternatives(plan: Plan, node_name: str) -> tuple[Alternative, ...]:
             delta = (total - base) / NS if base is not None else 0.0
             reason = f"slower by {delta * 1e3:.3f} ms" if delta > 0 else \
                 f"equal or faster alone ({delta * 1e3:.3f} ms) but not with the rest of the plan"
-        out.append(Alternative(
+        out.append(SolverAlternative(
             output=placement_str(c.strategy.output),
             inputs=tuple(placement_str(p) for p in c.strategy.inputs), zero3=c.zero3,
             time_s=(total / NS) if total is not None else float("inf"),

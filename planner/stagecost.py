@@ -36,6 +36,9 @@ from meshplan.graph import OpGraph
 from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
                                     search_best)
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage
+from meshplan.schedules import Schedule
+from meshplan.vocabulary import Engine, Recompute
+from meshplan.placements import REPLICATE, shard
 
 NAME = "meshplan-inter"
 RERANK = 4  # best pipeline shapes priced in full before choosing (affine prices differ ~0.5%)
@@ -58,7 +61,7 @@ class MegatronStageCost:
     exact_units = EXACT_UNITS
 
     def __init__(self, graph: OpGraph, units: tuple[LayerUnit, ...], hw: HardwareProfile, *,
-                 num_devices: int, dtype: str, optimizer: str, engine: str = "graph"):
+                 num_devices: int, dtype: str, optimizer: str, engine: str = Engine.GRAPH):
         self.graph, self.units, self.hw = graph, units, hw
         # the engine whose runtime prices every probe (costmodel.estimate.default_runtime):
         # the one that will run the plan, so the search optimises what runs
@@ -125,7 +128,7 @@ class MegatronStageCost:
                option.cp)
         hit = self._stage_ops.get(key)
         if hit is None:
-            inputs = {name: ("S(0)", "R") for name, _ in self.graph.inputs}
+            inputs = {name: (shard(0), REPLICATE) for name, _ in self.graph.inputs}
             ops = {n: ops[n] for n in names}
             if option.cp > 1:  # the cp axis as planner/manual.py writes it
                 _, _, ops, _, inputs = with_cp_axis(
@@ -170,9 +173,9 @@ class MegatronStageCost:
         if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp):
             return None
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
-                              option.sequence_parallel or option.recompute == "selective"):
+                              option.sequence_parallel or option.recompute == Recompute.SELECTIVE):
             return None  # no attention to split, or the layout's 2 x cp chunks do not divide
-        if self.engine == "graph":  # the graph engine's runtime is the same with or without pp
+        if self.engine == Engine.GRAPH:  # its runtime is the same with or without pp
             option = replace(option, pipelined=False)
         key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
                self.engine)
@@ -200,7 +203,7 @@ class MegatronStageCost:
         acts_key = (key[0], key[1], replace(option, zero=0), mbs, self.engine)
         split = self._acts.get(acts_key)
         if split is None:
-            two = stage_cost(st, graph, self.hw, num_stages=2, schedule="gpipe", **kw)
+            two = stage_cost(st, graph, self.hw, num_stages=2, schedule=Schedule.GPIPE, **kw)
             acts1, acts_m = alone.memory.activations_gib, two.memory.activations_gib
             kept = (acts_m - acts1) / (m - 1) if m > 1 else acts1
             split = self._acts[acts_key] = (kept, acts1 - kept, two.comm_s - alone.comm_s)
@@ -282,7 +285,7 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
 def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                 memory_limit_gib: float | None = None, space: SearchSpace = SearchSpace(),
                 max_units: int | None = None, cost: MegatronStageCost | None = None,
-                engine: str = "graph", cap_s: float = float("inf")) -> Plan:
+                engine: str = Engine.GRAPH, cap_s: float = float("inf")) -> Plan:
     """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan,
     every price the one of ``engine``'s runtime (the plan records it). Pass ``cost`` to
     share its probes with other searches over the same graph and mesh. ``cap_s``: prune
@@ -336,9 +339,9 @@ def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace) -> Plan:
         return plan
     variants = []
     for schedule in space.schedules:
-        depths = space.virtual_stages if schedule == "interleaved-1f1b" else (1,)
+        depths = space.virtual_stages if schedule == Schedule.INTERLEAVED else (1,)
         for v in depths:
-            if schedule == "interleaved-1f1b" and (
+            if schedule == Schedule.INTERLEAVED and (
                     t.microbatches % p or any((st.layers[1] - st.layers[0]) % v
                                               for st in plan.stages)):
                 continue

@@ -24,8 +24,9 @@ import torch
 
 from meshplan.errors import SpecError
 from meshplan.plan import Plan
+from meshplan.placements import REPLICATE, shard
 
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
 
 def window_starts(num_tokens: int, batch: int, seq: int, *, seed: int, step: int) -> torch.Tensor:
@@ -39,12 +40,12 @@ class TokenFile:
     """A flat binary file of token ids, memory-mapped; checks its size on opening."""
 
     def __init__(self, path: str, dtype: str = "uint16"):
-        if dtype not in DTYPES:
-            raise SpecError(f"--data-dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        if dtype not in TOKEN_DTYPES:
+            raise SpecError(f"--data-dtype {dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
         if not os.path.isfile(path):
             raise SpecError(f"--data {path} does not exist or is not a file; pass a flat "
                             "binary of token ids (nanoGPT's train.bin)")
-        self.path, self.dtype = path, np.dtype(DTYPES[dtype])
+        self.path, self.dtype = path, np.dtype(TOKEN_DTYPES[dtype])
         size = os.path.getsize(path)
         if size == 0 or size % self.dtype.itemsize:
             raise SpecError(f"--data {path} has {size} bytes, not a positive multiple of "
@@ -107,12 +108,12 @@ def rows_read_by(plan: Plan, rank: int) -> list[int]:
     if rank not in devices:  # a later pipeline stage: activations come from its peers
         return []
     coord = np.unravel_index(devices.index(rank), tuple(stage.mesh_shape))
-    placements = next(iter(stage.inputs.values()), ("R",) * len(stage.mesh_shape))
+    placements = next(iter(stage.inputs.values()), (REPLICATE,) * len(stage.mesh_shape))
     rows = torch.arange(plan.training.global_batch)
     mine = []
     for chunk in rows.chunk(max(plan.training.microbatches, 1)):
         for axis, placement in enumerate(placements):  # DTensor shards axis by axis
-            if placement == "S(0)":
+            if placement == shard(0):
                 chunk = chunk.chunk(stage.mesh_shape[axis])[coord[axis]] \
                     if coord[axis] < len(chunk.chunk(stage.mesh_shape[axis])) else chunk[:0]
         mine += chunk.tolist()

@@ -26,21 +26,21 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      set_model_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
 
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
+from meshplan.schedules import virtual_stages_for
 from meshplan.runtime import cp_modules, loss_weights
 from meshplan.runtime.modules import (_dp_cp_mesh, apply_ac, apply_fsdp, apply_tp, clean_fqn,
                                       compile_blocks,
                                       grad_norm, to_empty_keeping_ties)
+from meshplan.runtime.graph.pipeline import TORCH_SCHEDULES
 from meshplan.tracing import find_block_paths, next_token_loss
+from meshplan.vocabulary import Recompute
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-             "interleaved-1f1b": ScheduleInterleaved1F1B}
 _ROOT = "module."  # the stage wrapper's attribute in front of every FQN
 
 
@@ -68,7 +68,7 @@ def single_stage_view(plan: Plan) -> Plan:
 
 def _layout(plan: Plan) -> tuple[int, int]:
     """(rank groups pp, virtual stages per group v)."""
-    v = plan.training.virtual_stages if plan.training.schedule == "interleaved-1f1b" else 1
+    v = virtual_stages_for(plan.training.schedule, plan.training.virtual_stages)
     return support.pipeline_degree(plan), v
 
 
@@ -204,7 +204,7 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     from meshplan.runtime.module_plan import _meta_inputs, module_engine_refusal
 
     t = plan.training
-    if t.schedule not in SCHEDULES:
+    if t.schedule not in TORCH_SCHEDULES:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
         return "pipeline stages on submeshes of different shapes"
@@ -276,7 +276,8 @@ class PipelineModuleEngine:
 
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):
-        from meshplan.runtime.module_plan import COMPUTE_DTYPES, _axes, check_model, tp_styles
+        from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
+        from meshplan.runtime.module_plan import _axes, check_model, tp_styles
 
         view = single_stage_view(plan)
         check_model(view, model)
@@ -321,7 +322,7 @@ class PipelineModuleEngine:
                 apply_tp(part, world[st.axis_names[tp]],
                          {k: s for k, s in styles.items() if k in names})
             record = plan.stages[cut.record]
-            if record.recompute != "none":
+            if record.recompute != Recompute.NONE:
                 apply_ac(part, record.recompute, blocks=container)
             if compile:
                 compile_blocks(part, container)
@@ -344,7 +345,7 @@ class PipelineModuleEngine:
         self.has_first = any(c.first for c in mine)
         self.has_last = any(c.last for c in mine)
         n = plan.training.microbatches
-        cls = SCHEDULES[plan.training.schedule]
+        cls = TORCH_SCHEDULES[plan.training.schedule]
         self.schedule = cls(self.stages if cls is ScheduleInterleaved1F1B else self.stages[0],
                             n_microbatches=n, loss_fn=self._loss)
         self._targets_mode = None

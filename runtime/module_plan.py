@@ -27,8 +27,9 @@ from meshplan.plan import Plan, Stage
 from meshplan.graph import CallSignature
 from meshplan.tracing import find_repeated_blocks, unflatten_call
 from meshplan.runtime.graph.parallelize import data_parallel_axes, meta_copy
+from meshplan.vocabulary import ENGINE_DTYPES, Engine, Recompute
+from meshplan.placements import PARTIAL, REPLICATE, is_shard, shard
 
-COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
 # -- the plan as tensor-parallel styles (pure) -------------------------------------------------
@@ -91,23 +92,24 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         if id(p) not in placed:
             return {}, f"the plan places no parameter {fqn}; re-plan this model"
         on_tp = placed[id(p)][tp]
-        if on_tp == "R":
+        if on_tp == REPLICATE:
             continue
         mname, mod, pname = owners[id(p)][0]
         weight = placed.get(id(getattr(mod, "weight", None)), ())
         bias = getattr(mod, "bias", None)
-        bias_tp = placed.get(id(bias), ("R",) * len(stage.mesh_shape))[tp] if bias is not None else None
-        w_tp = weight[tp] if weight else "R"
+        bias_tp = placed.get(id(bias), (REPLICATE,) * len(stage.mesh_shape))[tp] \
+            if bias is not None else None
+        w_tp = weight[tp] if weight else REPLICATE
         inner = bool(blocks) and mname.startswith(blocks + ".")
         style = None
-        if isinstance(mod, nn.Linear) and w_tp == "S(0)" and bias_tp in (None, "S(0)"):
+        if isinstance(mod, nn.Linear) and w_tp == shard(0) and bias_tp in (None, shard(0)):
             style = ColwiseParallel(**into) if inner \
                 else ColwiseParallel(**into, output_layouts=Replicate())
-        elif isinstance(mod, nn.Linear) and w_tp == "S(1)" and bias_tp in (None, "R"):
+        elif isinstance(mod, nn.Linear) and w_tp == shard(1) and bias_tp in (None, REPLICATE):
             style = RowwiseParallel(**seq)
-        elif isinstance(mod, nn.Embedding) and w_tp == "S(0)":
+        elif isinstance(mod, nn.Embedding) and w_tp == shard(0):
             style = RowwiseParallel(input_layouts=Replicate(), **seq)
-        elif isinstance(mod, nn.Embedding) and w_tp == "S(1)":
+        elif isinstance(mod, nn.Embedding) and w_tp == shard(1):
             style = ColwiseParallel(input_layouts=Replicate(), **(seq or dict(
                 output_layouts=Replicate())))
         if style is None:
@@ -357,7 +359,7 @@ def model_refusal(model: nn.Module, *, dtype: str, num_devices: int) -> str | No
         return (f"{drop}: eager modules draw DTensor's dropout masks (per-shard on CPU, "
                 "DTensor's own stream on GPU); the graph engine draws one process's masks, "
                 "the same under every single-stage plan")
-    if dtype not in COMPUTE_DTYPES:
+    if dtype not in ENGINE_DTYPES[Engine.MODULES]:
         return (f"dtype {dtype} needs loss scaling, which the module engine does not do; "
                 "use bf16 or fp32, or the graph engine")
     return None
@@ -381,15 +383,15 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     if why:
         return why
     for name, placements in stage.inputs.items():
-        if tp is not None and placements[tp] != "R":
+        if tp is not None and placements[tp] != REPLICATE:
             return (f"input {name} is {placements[tp]} on the tensor-parallel axis; the module "
                     "engine feeds every tensor-parallel rank the whole input")
     for fqn, placements in stage.params.items():
-        if dp is not None and stage.mesh_shape[dp] > 1 and placements[dp] != "R" \
-                and not (stage.zero >= 3 and placements[dp].startswith("S(")):
+        if dp is not None and stage.mesh_shape[dp] > 1 and placements[dp] != REPLICATE \
+                and not (stage.zero >= 3 and is_shard(placements[dp])):
             return (f"{fqn} is {placements[dp]} on the data-parallel axis; fully_shard keeps "
                     "parameters replicated or ZeRO-3-sharded there")
-        if "P" in placements:
+        if PARTIAL in placements:
             return f"{fqn} is stored Partial ({placements}); no composable stores a partial weight"
     norm = next((n for n, m in model.named_modules()
                  if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))), None)
@@ -399,7 +401,7 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
                 "while the plan means statistics over the whole microbatch (DECISIONS 18; the "
                 "graph engine computes those)")
     blocks, num = find_repeated_blocks(model)
-    if stage.recompute != "none" and not num:
+    if stage.recompute != Recompute.NONE and not num:
         return (f"recompute={stage.recompute} wraps each repeated block, but the model has no "
                 "nn.ModuleList or numbered nn.ModuleDict of blocks")
     styles, why = tp_styles(plan, model)

@@ -42,7 +42,9 @@ from meshplan.runtime import cp_modules
 from meshplan.plan import Plan
 from meshplan.runtime import loss_weights
 from meshplan.tracing import find_repeated_blocks, next_token_loss
-from meshplan.runtime.module_plan import (COMPUTE_DTYPES, _axes, _call, check_model,  # noqa: F401
+from meshplan.vocabulary import Recompute
+from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
+from meshplan.runtime.module_plan import (_axes, _call, check_model,  # noqa: F401
                                           module_engine_refusal, tp_styles)  # re-exported
 
 # Outputs `selective` recompute keeps: the parameter matmuls; attention scores, softmax and
@@ -62,7 +64,7 @@ def parallelize_model(model: nn.Module, *, mesh, dp_axis: str | None, tp_axis: s
     Returns whether FSDP wraps the model."""
     if tp_axis is not None and styles:
         apply_tp(model, mesh[tp_axis], styles)
-    if recompute != "none":
+    if recompute != Recompute.NONE:
         apply_ac(model, recompute)
     if compile:
         compile_blocks(model)
@@ -89,7 +91,7 @@ def apply_ac(model: nn.Module, recompute: str, *, blocks: str | None = None) -> 
     (found in ``model`` when not given)."""
     container = model.get_submodule(find_repeated_blocks(model)[0] if blocks is None else blocks)
     context_fn = partial(create_selective_checkpoint_contexts, _selective_policy) \
-        if recompute == "selective" else None
+        if recompute == Recompute.SELECTIVE else None
     for key, block in list(container.named_children()):
         wrapped = checkpoint_wrapper(block, context_fn=context_fn) if context_fn \
             else checkpoint_wrapper(block)

@@ -33,6 +33,8 @@ from meshplan.errors import MeshplanError, NotSupportedError, PlanFileError
 from meshplan.plan import Plan
 from meshplan.runtime import loss_weights
 from meshplan.graph import CallSignature
+from meshplan.vocabulary import ENGINES, Engine
+from meshplan.placements import REPLICATE, shard
 from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph, flatten_call,
                                     unflatten_call)
 
@@ -42,9 +44,10 @@ class DataError(MeshplanError):
     hold the same data do not)."""
 
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-           "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
+_TENSOR_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+                  "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+                  "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+                  "bool": torch.bool}
 
 
 def plan_call(plan: Plan) -> tuple[CallSignature, list[dict]]:
@@ -102,7 +105,7 @@ class ParallelRun:
     # -- what the user's loop calls ------------------------------------------------------
     @property
     def engine_name(self) -> str:
-        return "graph"
+        return Engine.GRAPH.value
 
     def parameters(self) -> list[nn.Parameter]:
         """What a stock torch optimizer steps on this rank (DTensor shards; with ZeRO-1/2 the
@@ -354,7 +357,7 @@ class ParallelRun:
                                 f"(data-parallel rank {self.dp_rank} of {self.dp_size}) "
                                 f"expects its shard of shape {list(expected)} of the global "
                                 f"{rec['shape']}")
-            if _DTYPES.get(rec["dtype"]) not in (None, x.dtype):
+            if _TENSOR_DTYPES.get(rec["dtype"]) not in (None, x.dtype):
                 raise DataError(f"{_label(rec)} has dtype {x.dtype}, the plan {rec['dtype']}")
         if not self._checked:
             self._checked = True
@@ -363,7 +366,7 @@ class ParallelRun:
 
     def _split_axes(self, rec: dict) -> list[int]:
         pl = self._placements.get(rec["name"], ())
-        return [a for a in self._dp_axes if a < len(pl) and pl[a] == "S(0)"]
+        return [a for a in self._dp_axes if a < len(pl) and pl[a] == shard(0)]
 
     def _local_shape(self, rec: dict) -> tuple[int, ...]:
         shape = list(rec["shape"])
@@ -413,7 +416,7 @@ class ParallelRun:
             from meshplan.runtime.graph.pipeline import eval_pipeline
 
             sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
-            meta = tuple(torch.empty(r["shape"], dtype=_DTYPES[r["dtype"]], device="meta")
+            meta = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES[r["dtype"]], device="meta")
                          for r in records)
             self._forward = eval_pipeline(self.engine, self._pristine, meta, self._dp_axes,
                                           loss_fn=self.loss_fn, signature=sig)
@@ -428,13 +431,14 @@ class ParallelRun:
 
             pm = self.engine
             sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
-            meta = tuple(torch.empty(r["shape"], dtype=_DTYPES[r["dtype"]], device="meta")
+            meta = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES[r["dtype"]], device="meta")
                          for r in records)
             model = meta_copy(self._pristine).eval()
             ep = export_training_graph(model, meta, self.loss_fn, signature=sig, loss=False)
             gm = runnable_graph_module(ep, device_type=pm.mesh.device_type)
             install_params(gm, pm.params)
-            placements = [self._placements.get(r["name"], ("R",) * pm.mesh.ndim) for r in records]
+            placements = [self._placements.get(r["name"], (REPLICATE,) * pm.mesh.ndim)
+                          for r in records]
             # the plan's placements for the forward operators the eval graph shares with the
             # training graph (same node name and inputs): left to itself DTensor lays eval
             # batch norm out over channels (R, S(1)), which its conv rule then misreads
@@ -465,7 +469,7 @@ class ModuleRun(ParallelRun):
 
     @property
     def engine_name(self) -> str:
-        return "modules"
+        return Engine.MODULES.value
 
     def parameters(self) -> list[nn.Parameter]:
         return self.engine.parameters()
@@ -577,13 +581,13 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         warnings.warn(f"this plan was made for {device} devices and runs on CPU processes: "
                       "its predicted step time and memory do not apply here", stacklevel=2)
     engine = engine or plan.engine
-    if engine not in ("graph", "modules"):
+    if engine not in ENGINES:
         raise PlanFileError(f"engine={engine!r} is not 'graph' or 'modules'")
-    if compile and engine != "modules":
+    if compile and engine != Engine.MODULES:
         raise NotSupportedError("compile=True runs on the module engine only; this plan runs "
                                 f"on the graph engine ({plan.engine_note or 'engine=graph'}); "
                                 "pass compile=False")
-    if engine == "modules":
+    if engine == Engine.MODULES:
         from meshplan.runtime.module_pipeline import PipelineModuleEngine
         from meshplan.runtime.modules import ModuleEngine
 
@@ -597,14 +601,14 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         if init_weights is not None:
             run.init_weights(init_weights)
         return run
-    from meshplan.runtime.graph.parallelize import parallelize as graph_parallelize
+    from meshplan.runtime.graph.parallelize import parallelize_graph
 
     sig, records = plan_call(plan)
-    meta_inputs = tuple(torch.empty(r["shape"], dtype=_DTYPES.get(r["dtype"], torch.float32),
+    meta_inputs = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES.get(r["dtype"], torch.float32),
                                     device="meta") for r in records)
     uninitialized = {name for name, t in list(model.named_parameters(remove_duplicate=False))
                      + list(model.named_buffers(remove_duplicate=False)) if t.is_meta}
-    engine = graph_parallelize(model, plan, meta_inputs, loss_fn=loss_fn, signature=sig)
+    engine = parallelize_graph(model, plan, meta_inputs, loss_fn=loss_fn, signature=sig)
     run = ParallelRun(engine, plan, model, loss_fn=loss_fn, uninitialized=uninitialized)
     if init_weights is not None:
         run.init_weights(init_weights)

@@ -127,7 +127,7 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
     from meshplan.mesh import Mesh
     from meshplan.runtime import checkpoint
     from meshplan.graph import CallSignature
-    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
 
     model_name, source, options = CASES[case]
     data = batches(model_name)
@@ -141,7 +141,7 @@ def run_case(case: str, checkpoint_dir: str) -> dict:
                                     **options)
 
     def place():
-        return parallelize(build(model_name), plan, (data[0], labels(data[0])),
+        return parallelize_graph(build(model_name), plan, (data[0], labels(data[0])),
                            loss_fn=loss_fn, signature=CallSignature(1, (), 1))
     pm = place()
     pipeline = plan.num_stages > 1

@@ -60,7 +60,7 @@ def run_case(case: str) -> dict:
 
     import meshplan
     from meshplan.mesh import Mesh
-    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
 
     spec, degrees = CASES[case]
     meta = build(spec, "meta")
@@ -69,7 +69,7 @@ def run_case(case: str) -> dict:
                                 **degrees)
     model = build(spec)
     data = batches(model)
-    pm = parallelize(model, plan, (data[0],))
+    pm = parallelize_graph(model, plan, (data[0],))
     opt = make_optimizer(pm.optimizer_params(), plan, lr=LR)
     losses, grads = [], {}
     for step, b in enumerate(data):
@@ -320,7 +320,8 @@ def results(tmp_path_factory):
 def test_cp_matches_single_process(results, case):
     got = results[case]
     assert "error" not in got, got.get("traceback")
-    # run on the graph engine (runtime.parallelize.parallelize), whichever engine the plan names
+    # run on the graph engine (runtime/graph/parallelize.parallelize_graph), whichever engine
+    # the plan names
     assert got["axes"]["cp"] == CASES[case][1]["cp"]
     # each step's loss, the last step's gradients (tied names once or under each name)
     from tests.harness.equivalence import assert_equivalent

@@ -134,7 +134,7 @@ def clip_worker(out: str) -> None:
 
     from meshplan.plan import Plan
     from meshplan.runtime.grad_clip import clip_grad_norm_, total_norm
-    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
     from meshplan.specs import parse_model_spec, synthetic_batch
 
     dist.init_process_group("gloo")
@@ -145,7 +145,7 @@ def clip_worker(out: str) -> None:
         torch.manual_seed(SEED)
         model = parse_model_spec(MODEL).build(device="cpu")
         batch = synthetic_batch(model, BATCH, SEQ, seed=SEED, step=0)
-        pm = parallelize(model, plan, (batch,))
+        pm = parallelize_graph(model, plan, (batch,))
         opt = make_optimizer(pm.optimizer_params(), plan)
         rec = {}
 

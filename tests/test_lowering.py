@@ -25,7 +25,7 @@ def run(lowered: bool) -> dict:
     from meshplan.planner.manual import build_manual_plan
     from meshplan.mesh import Mesh
     from meshplan.tracing import trace
-    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     spec = parse_model_spec(LLAMA)
@@ -34,7 +34,7 @@ def run(lowered: bool) -> dict:
     plan = build_manual_plan(graph, Mesh.local(2), dp=2)
     torch.manual_seed(0)
     model = spec.build(device="cpu")
-    pm = parallelize(model, plan, (synthetic_batch(model, 4, 32, seed=0, step=0),),
+    pm = parallelize_graph(model, plan, (synthetic_batch(model, 4, 32, seed=0, step=0),),
                      lowered=lowered)
     opt = make_optimizer(pm.optimizer_params(), pm.plan)
     losses, folded = [], []
@@ -61,7 +61,7 @@ def run_zero(level: int) -> dict:
     from meshplan.mesh import Mesh
     from meshplan.tracing import trace
     from meshplan.runtime.graph import zero
-    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
     from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 
     spec = parse_model_spec(LLAMA.replace("vocab_size=256", "vocab_size=255"))
@@ -70,7 +70,7 @@ def run_zero(level: int) -> dict:
     plan = build_manual_plan(graph, Mesh.local(2), dp=2, zero=level)
     torch.manual_seed(0)
     model = spec.build(device="cpu")
-    pm = parallelize(model, plan, (synthetic_batch(model, 4, 32, seed=0, step=0),))
+    pm = parallelize_graph(model, plan, (synthetic_batch(model, 4, 32, seed=0, step=0),))
     opt = make_optimizer(pm.optimizer_params(), pm.plan)
     flat = {"grads": 0, "gathers": 0}
     spied = (zero.reduce_scatter_grads, zero.gather_into_params)

@@ -11,7 +11,7 @@ compare them with the plain model in this process (tests/harness/equivalence.py'
 - the crashes users met at step 1: GPT-2 at dp=1,tp=4 with microbatches of one sequence,
   an automatic plan at batch 7 on 4 devices, Phi-3 at dp=2,tp=2 (uneven loss rows);
 - a tiny Llama at dp=2,tp=2 on the unlowered path (every operator on DTensor,
-  ``parallelize(..., lowered=False)``): the backward of its vocab-parallel embedding failed
+  ``parallelize_graph(..., lowered=False)``): the backward of its vocab-parallel embedding failed
   inside DTensor with "Redistribution from one partial type (P(sum)) to another (MaskP(...))
   is unsupported" (runtime/graph/placing.py ``Placer.settle``).
 """
@@ -43,7 +43,7 @@ CASES = {
     "phi3-dp2xtp2": (PHI3, 4, 16, "dp2xtp2"),  # 2 x 15 loss rows per dp rank
     "llama-dp2xtp2-dtensor": (LLAMA, 4, SEQ, "dp2xtp2"),
 }
-UNLOWERED = {"llama-dp2xtp2-dtensor"}  # run with parallelize(..., lowered=False)
+UNLOWERED = {"llama-dp2xtp2-dtensor"}  # run with parallelize_graph(..., lowered=False)
 
 
 class Attention(nn.Module):
@@ -114,7 +114,7 @@ def run_case(case: str) -> dict:
     import meshplan
     from meshplan.mesh import Mesh
     from meshplan.plan import Plan
-    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize
+    from meshplan.runtime.graph.parallelize import make_optimizer, parallelize_graph
 
     model_name, batch, seq, degrees = CASES[case]
     world = dist.get_world_size()
@@ -131,7 +131,7 @@ def run_case(case: str) -> dict:
                                     **LAYOUTS[degrees])
     model = build(model_name)
     data = batches(model, model_name, batch, seq)
-    pm = parallelize(model, plan, (data[0],), lowered=case not in UNLOWERED)
+    pm = parallelize_graph(model, plan, (data[0],), lowered=case not in UNLOWERED)
     opt = make_optimizer(pm.optimizer_params(), plan, lr=LR)
     losses, grads = [], {}
     for step, b in enumerate(data):

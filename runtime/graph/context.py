@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshplan.context import layout_order
-from meshplan.placements import shard_dim
+from meshplan.placements import PARTIAL, REPLICATE, shard_dim
 
 
 def cp_axis_of(mesh: DeviceMesh) -> int | None:
@@ -54,7 +54,7 @@ def move_cp(value: DTensor, current: tuple[str, ...], target: tuple[str, ...], a
     mesh = value.device_mesh
     cp = mesh.size(axis)
     mid = list(target)
-    mid[axis] = "R" if current[axis] == "P" else current[axis]
+    mid[axis] = REPLICATE if current[axis] == PARTIAL else current[axis]
     if tuple(mid) != tuple(current):  # the other axes first (and P -> R on cp)
         value = value.redistribute(mesh, to_placements(mid, mesh))
     if mid[axis].startswith("S"):  # off the layout: all-gather, then back to sequence order
@@ -73,6 +73,6 @@ def move_cp(value: DTensor, current: tuple[str, ...], target: tuple[str, ...], a
         placements = list(value.placements)
         placements[axis] = Shard(d)
         value = value.redistribute(mesh, placements)
-    elif target[axis] == "P":
+    elif target[axis] == PARTIAL:
         raise AssertionError("the cp axis never plans a Partial input")
     return value

@@ -21,6 +21,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from meshplan.runtime.graph import lowering
 from meshplan.runtime.graph.recompute import block_index
+from meshplan.vocabulary import Recompute
 
 
 class ParamGathers:
@@ -43,7 +44,7 @@ class ParamGathers:
         of the hoisted parameters become the gathered ones) and bucket them per block.
         Not under recompute, which re-gathers inside each block instead."""
         self.hoisted, self.bucket_of = {}, {}
-        if recompute != "none":
+        if recompute != Recompute.NONE:
             return
         nodes = list(graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}

@@ -39,6 +39,8 @@ from meshplan.plan import Plan, Stage
 from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
+from meshplan.vocabulary import ComputeDtype
+from meshplan.placements import REPLICATE, shard
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
 # keeps tiny gradients of small models above fp16's subnormal range; a step whose
@@ -212,12 +214,12 @@ def data_parallel_axes(stage: Stage) -> tuple[int, ...]:
     if not stage.inputs:
         return ()
     first = next(iter(stage.inputs.values()))
-    return tuple(i for i, p in enumerate(first) if p == "S(0)")
+    return tuple(i for i, p in enumerate(first) if p == shard(0))
 
 
 def sharded_over(placements: Sequence[str], axes: Sequence[int]) -> tuple[str, ...]:
     """``placements`` with Replicate turned into S(0) on ``axes``: ZeRO's storage sharding."""
-    return tuple("S(0)" if i in axes and p == "R" else p for i, p in enumerate(placements))
+    return tuple(shard(0) if i in axes and p == REPLICATE else p for i, p in enumerate(placements))
 
 
 def storage_placements(stage: Stage, fqn: str) -> tuple[str, ...]:
@@ -247,7 +249,7 @@ class ParallelModel:
     params: dict  # graph parameter/buffer name -> nn.Parameter(DTensor) / DTensor; ties share
     input_placements: list
     block_prefix: str = ""
-    program: object = None  # the TracedProgram, reusable by the next parallelize call
+    program: object = None  # the TracedProgram, reusable by the next parallelize_graph call
     masters: dict = field(default_factory=dict)  # ZeRO-1/2: id(param) -> sharded fp32 master
     last_stats: object = None
     lowered: bool = True  # run the lowered program (runtime/graph/lowering.py), not DTensor per op
@@ -302,7 +304,7 @@ class ParallelModel:
         if inputs[0].shape[0] % n:
             raise PlanFileError(f"batch of {inputs[0].shape[0]} sequences does not split into "
                                 f"{n} microbatches; use a batch divisible by {n}")
-        scale = FP16_LOSS_SCALE if self.plan.training.dtype == "fp16" else 1.0
+        scale = FP16_LOSS_SCALE if self.plan.training.dtype == ComputeDtype.FP16 else 1.0
         if labels is None:
             total = None
             for chunk in zip(*(x.chunk(n) for x in inputs)):
@@ -425,7 +427,7 @@ class ParallelModel:
         return {name.removeprefix(WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
 
 
-def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
+def parallelize_graph(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
                 loss_fn=None, program: "TracedProgram | None" = None,
                 lowered: bool = True, signature=None) -> ParallelModel:
     """Place ``model`` (real weights, on CPU) on the current process group per ``plan``.
@@ -435,7 +437,8 @@ def parallelize(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Ten
     ``lowered=False`` runs every operator on DTensor (the reference executor) instead of
     the lowered program (runtime/graph/lowering.py)."""
     if not dist.is_initialized():
-        raise RuntimeError("parallelize runs inside a torchrun worker: init_process_group first")
+        raise RuntimeError("parallelize_graph runs inside a torchrun worker: "
+                           "init_process_group first")
     support.check_plan(plan)  # what the runtime executes (meshplan/support.py)
     cp = support.cp_degree(plan.stages[0])
     if cp > 1 and plan.num_stages > 1 and plan.training.microbatch_size == 1:

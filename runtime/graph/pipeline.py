@@ -53,16 +53,18 @@ from meshplan.support import lists_rank_groups
 from meshplan.graph import OpGraph
 from meshplan.tracing import WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
-from meshplan.schedules import Schedule
+from meshplan.schedules import Schedule, virtual_stages_for
 from meshplan.runtime.graph.parallelize import (data_parallel_axes, meta_copy, place_tensor,
                                           runnable_graph_module, sharded_over)
 from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
 from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
+from meshplan.placements import REPLICATE
 
-SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-             Schedule.INTERLEAVED: ScheduleInterleaved1F1B}  # meshplan's names -> torch's classes
+# meshplan's schedule names -> torch's classes, for both engines
+TORCH_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+                   Schedule.INTERLEAVED: ScheduleInterleaved1F1B}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +99,7 @@ def pipeline_layout(plan: Plan) -> PipelineLayout:
     support.check_plan(plan)
     t, first = plan.training, plan.stages[0]
     return PipelineLayout(pp=support.pipeline_degree(plan),
-                          virtual_stages=t.virtual_stages if t.schedule == "interleaved-1f1b" else 1,
+                          virtual_stages=virtual_stages_for(t.schedule, t.virtual_stages),
                           stage_mesh_shape=tuple(first.mesh_shape),
                           axis_names=tuple(first.axis_names), microbatches=t.microbatches,
                           microbatch_batch=t.global_batch // t.microbatches)
@@ -505,7 +507,7 @@ def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[
         stages.append(PipelineStage(module, piece.index, len(pieces), device,
                                     input_args=module.example_inputs(device),
                                     output_args=module.example_outputs(device), group=lane))
-    schedule_cls = SCHEDULES[plan.training.schedule]
+    schedule_cls = TORCH_SCHEDULES[plan.training.schedule]
     loss = _MicrobatchMean(layout.microbatches)
     if schedule_cls is ScheduleInterleaved1F1B:
         schedule = schedule_cls(stages, n_microbatches=layout.microbatches, loss_fn=loss,
@@ -577,7 +579,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
             names = aliases.get(fqn, [fqn])
             listed = [stage.params[n] for n in names if n in stage.params]
             if not listed and fqn in buffers:
-                listed = [("R",) * mesh.ndim]
+                listed = [(REPLICATE,) * mesh.ndim]
             elif listed:
                 listed = [_storage(stage, listed[0], plan)]
             if not listed:
@@ -656,12 +658,12 @@ def _placement_of(plan: Plan, name: str, values: dict, ndim: int) -> tuple[str, 
     """The planned placement of a value crossing a boundary: a graph input's placement in stage
     0, or the output placement its producing stage plans; replicated when the plan is silent."""
     if values[name].op == "placeholder":
-        return tuple(plan.stages[0].inputs.get(name, ("R",) * ndim))
+        return tuple(plan.stages[0].inputs.get(name, (REPLICATE,) * ndim))
     for st in plan.stages:
         op = st.ops.get(name)
         if op is not None and op.output:
             return tuple(op.output)
-    return ("R",) * ndim
+    return (REPLICATE,) * ndim
 
 
 def _tie_groups(model, plan: Plan, pieces: list[StageGraph], params: dict,
@@ -706,7 +708,7 @@ def _common(storages: set, axes) -> tuple[str, ...] | None:
     data-parallel axes replicated (what ZeRO-3 adds is undone; the rest must agree)."""
     if len(storages) <= 1:
         return None
-    plain = {tuple("R" if i in axes else p for i, p in enumerate(pl)) for pl in storages}
+    plain = {tuple(REPLICATE if i in axes else p for i, p in enumerate(pl)) for pl in storages}
     if len(plain) > 1:
         raise NotSupportedError(f"a tied parameter has placements {sorted(plain)} on different "
                                 "rank groups; give its copies one placement")
@@ -831,7 +833,7 @@ def eval_pipeline(pm: PipelineModel, model: nn.Module, example_inputs: Sequence[
         stages.append(PipelineStage(module, piece.index, len(pieces), pm.device,
                                     input_args=module.example_inputs(pm.device),
                                     output_args=module.example_outputs(pm.device), group=lane))
-    cls = SCHEDULES[plan.training.schedule]
+    cls = TORCH_SCHEDULES[plan.training.schedule]
     schedule = cls(stages if cls is ScheduleInterleaved1F1B else stages[0],
                    n_microbatches=layout.microbatches)
     return EvalPipeline(schedule=schedule, stages=stages, lane=lane, device=pm.device)

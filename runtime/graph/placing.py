@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # private: no public name
 
 from meshplan.errors import NotSupportedError
-from meshplan.placements import parse_placement
+from meshplan.placements import PARTIAL, REPLICATE, parse_placement, shard
 from meshplan.plan import OpPlacement
 from meshplan.runtime.graph import context
 from meshplan.runtime.graph.pipeline_split import writes_in_place
@@ -36,10 +36,13 @@ def to_placements(texts: Sequence[str], mesh: DeviceMesh | None = None) -> list:
     a one-rank axis would crash at step 1."""
     out = []
     for axis, text in enumerate(texts):
-        kind, dim = parse_placement(text)
-        if kind == "S" and mesh is not None and mesh.size(axis) == 1:
-            kind = "R"
-        out.append(Replicate() if kind == "R" else Partial() if kind == "P" else Shard(dim))
+        _, dim = parse_placement(text)
+        if text == PARTIAL:
+            out.append(Partial())
+        elif text == REPLICATE or (mesh is not None and mesh.size(axis) == 1):
+            out.append(Replicate())
+        else:
+            out.append(Shard(dim))
     return out
 
 
@@ -51,11 +54,11 @@ def placement_texts(placements) -> tuple[str, ...]:
     out = []
     for p in placements:
         if isinstance(p, (Shard, _StridedShard)):
-            out.append(f"S({p.dim})")
+            out.append(shard(p.dim))
         elif isinstance(p, Partial):
-            out.append("P")
+            out.append(PARTIAL)
         else:
-            out.append("R")
+            out.append(REPLICATE)
     return tuple(out)
 
 
@@ -114,7 +117,8 @@ class Placer:
         current = placement_texts(value.placements)
         # R -> P is DTensor-internal (an addend such as a bias joining a partial sum once):
         # keep R there and let the operator's own strategy make it Partial.
-        target = tuple("R" if t == "P" and c == "R" else t for t, c in zip(plan.inputs[i], current))
+        target = tuple(REPLICATE if t == PARTIAL and c == REPLICATE else t
+                       for t, c in zip(plan.inputs[i], current))
         target = placement_texts(to_placements(target, self.mesh))  # one-rank axes: R
         if current == target:
             return value

@@ -21,8 +21,8 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from meshplan.errors import NotSupportedError
 from meshplan.runtime.graph.pipeline_split import writes_in_place, written_attrs
+from meshplan.vocabulary import RECOMPUTE, Recompute
 
-RECOMPUTE = ("none", "selective", "full")
 
 # Operators whose outputs `selective` recompute keeps: the matmuls of parameter layers
 # (linear/Conv1D lower to mm/addmm). Attention's bmm, softmax and pointwise ops are
@@ -80,7 +80,7 @@ def segments_for(gm: fx.GraphModule, recompute: str, block_prefix: str) -> list[
     """The segments the executor runs: one per block under recompute, else the whole graph.
     Refuses a block that updates buffers in place (it would update them twice)."""
     check_recompute(recompute)
-    if recompute == "none":
+    if recompute == Recompute.NONE:
         return [Segment(tuple(gm.graph.nodes))]
     segments = split_segments(gm, block_prefix)
     written = set(written_attrs(gm.graph, gm))
@@ -114,7 +114,7 @@ def run_checkpointed(interpreter: fx.Interpreter, seg: Segment, run_node, recomp
         finally:
             interpreter.env = saved
     context_fn = partial(create_selective_checkpoint_contexts, selective_policy) \
-        if recompute == "selective" else None
+        if recompute == Recompute.SELECTIVE else None
     kwargs = {"context_fn": context_fn} if context_fn else {}
     outs = checkpoint(block, *(interpreter.env[i] for i in seg.inputs), use_reentrant=False,
                       **kwargs)

@@ -52,6 +52,7 @@ from meshplan.runtime.graph.pipeline_split import written_attrs
 from meshplan.runtime.graph.placing import (Placer, check_executable, placement_texts,  # noqa: F401
                                       to_placements)  # (placement_texts, to_placements re-exported)
 from meshplan.runtime.graph.recompute import check_recompute, run_checkpointed, segments_for
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
     from torch.utils.checkpoint import _StopRecomputationError
@@ -59,7 +60,10 @@ except ImportError:  # pragma: no cover - older torch
     class _StopRecomputationError(Exception):
         pass
 
-COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# the dtype each of meshplan's dtypes computes in on a runtime (None: as stored, fp32); which
+# engine runs which: vocabulary.ENGINE_DTYPES
+COMPUTE_DTYPES = {ComputeDtype.FP32: None, ComputeDtype.BF16: torch.bfloat16,
+                  ComputeDtype.FP16: torch.float16}
 
 
 @dataclass
@@ -83,8 +87,8 @@ class SPMDExecutor(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule, mesh: DeviceMesh, ops: dict[str, OpPlacement], *,
-                 input_placements: Sequence[Sequence[str]] = (), recompute: str = "none",
-                 block_prefix: str = "", dtype: str = "fp32", record: bool = False,
+                 input_placements: Sequence[Sequence[str]] = (), recompute: str = Recompute.NONE,
+                 block_prefix: str = "", dtype: str = ComputeDtype.FP32, record: bool = False,
                  lowered: bool = True):
         super().__init__(gm)
         check_recompute(recompute)
@@ -275,7 +279,7 @@ class SPMDExecutor(fx.Interpreter):
     def _run_segments_once(self, run_node, checkpointed: bool):
         replay = run_node == self._replay_node
         for seg in self.segments:
-            if checkpointed and seg.layer >= 0 and self.recompute != "none":
+            if checkpointed and seg.layer >= 0 and self.recompute != Recompute.NONE:
                 run_checkpointed(self, seg, run_node, self.recompute)
                 continue
             frees = self._last_uses() if replay and len(self.segments) == 1 else {}
@@ -412,7 +416,7 @@ class SPMDExecutor(fx.Interpreter):
                                  src_data_rank=None)
 
 
-def stage_executor(gm: fx.GraphModule, mesh: DeviceMesh, stage, *, dtype: str = "fp32",
+def stage_executor(gm: fx.GraphModule, mesh: DeviceMesh, stage, *, dtype: str = ComputeDtype.FP32,
                    block_prefix: str = "", input_names: Sequence[str] = (),
                    lowered: bool = True) -> "SPMDExecutor":
     """The seam for runtime/graph/pipeline.py: the executor running ``gm`` as ``stage`` plans it.

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from meshplan.mesh import Mesh
 from meshplan.tracing import export_training_graph, graph_from_export
 from meshplan.runtime.graph.parallelize import (TracedProgram, make_optimizer, meta_copy,
-                                          parallelize)
+                                          parallelize_graph)
 from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 from tests.harness.variants import unpriced_plan, with_observed_ops, with_param_placements
 
@@ -95,7 +95,7 @@ def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps:
     torch.manual_seed(seed)
     model = spec.build(device="cpu")
     batches = [synthetic_batch(model, batch, seq, seed=seed, step=s) for s in range(steps)]
-    pm = parallelize(model, plan, (batches[0],), program=program)
+    pm = parallelize_graph(model, plan, (batches[0],), program=program)
     if not manual:
         with torch.no_grad():  # let DTensor choose every operator's placements once
             pm.loss(batches[0][: batch // plan.training.microbatches], record=True)
