@@ -1086,10 +1086,12 @@ def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) 
     it (``RuntimeModel.cp_composable``); unchanged without a cp axis or a tail."""
     if "cp" not in stage.axis_names:
         return stage
+    # the cache keeps the chunked operators only: stages that share ``stage.ops`` (every
+    # recompute and ZeRO choice of one range in the pipeline search) differ in the rest
     key = ("chunked-loss", id(stage.ops))
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] is stage.ops:
-        return hit[1]
+        return replace(stage, ops=hit[1])
     ax = stage.axis_names.index("cp")
     names = list(stage.ops)
     last_block = max((i for i, n in enumerate(names) if graph.node(n).layer >= 0), default=-1)
@@ -1109,10 +1111,9 @@ def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) 
         out = op.output if op.output[ax] != "R" else _set_axis(op.output, ax, "S(0)")
         ops[name] = replace(op, inputs=tuple(inputs), output=out)
         placement[name] = out
-    chunked = replace(stage, ops=ops)
     if cache is not None:
-        cache[key] = (stage.ops, chunked)
-    return chunked
+        cache[key] = (stage.ops, ops)
+    return replace(stage, ops=ops)
 
 
 def _set_axis(placements: tuple[str, ...], axis: int, value: str) -> tuple[str, ...]:

@@ -170,8 +170,12 @@ class MegatronStageCost:
         if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp):
             return None
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
-                              option.sequence_parallel or option.recompute == "selective"):
-            return None  # no attention to split, or the layout's 2 x cp chunks do not divide
+                              option.recompute == "selective" or
+                              (option.sequence_parallel and self.engine == "graph")):
+            # no attention to split, the layout's 2 x cp chunks do not divide, or what no
+            # runtime runs with cp (meshplan/support.py) or the graph engine does not
+            # (meshplan/context.graph_engine_cp_refusal: sequence parallelism)
+            return None
         if self.engine == "graph":  # the graph engine's runtime is the same with or without pp
             option = replace(option, pipelined=False)
         key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
