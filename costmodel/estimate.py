@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NAMES,
@@ -337,6 +338,7 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
                         engine="megatron", backend=backend)
 
 
+@lru_cache(maxsize=1 << 16)
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
                  skip_axis: int | None = None) -> int:
     """How many pieces a tensor (or an operator's work) is cut into by these placements."""

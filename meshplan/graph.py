@@ -12,7 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 
 class OpKind(StrEnum):
@@ -66,6 +66,18 @@ class ParamInfo:
         return n
 
 
+@lru_cache(maxsize=1 << 16)
+def _literal_args(args_repr: str) -> tuple[list, dict]:
+    """``args_repr`` parsed once per distinct string: the planners read the arguments of every
+    operator of every repeated block many times (the pipeline search walks the graph once
+    per tensor-parallel layout), and blocks repeat the same strings."""
+    try:
+        args, kwargs = ast.literal_eval(args_repr)
+        return list(args), dict(kwargs)
+    except (ValueError, SyntaxError, TypeError):
+        return [], {}
+
+
 @dataclass(frozen=True, slots=True)
 class OpNode:
     """One operator of the forward graph.
@@ -96,11 +108,8 @@ class OpNode:
     def parsed_args(self) -> tuple[list, dict]:
         """The call's arguments read back from ``args_repr`` (tensors appear as "%");
         ([], {}) when they do not parse."""
-        try:
-            args, kwargs = ast.literal_eval(self.args_repr)
-            return list(args), dict(kwargs)
-        except (ValueError, SyntaxError, TypeError):
-            return [], {}
+        args, kwargs = _literal_args(self.args_repr)
+        return list(args), dict(kwargs)
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,6 @@ ZeRO-3 stores each weight S(d) on dp (the first dim dp divides) and ops read it 
 
 from __future__ import annotations
 
-import ast
 import time
 from dataclasses import replace
 
@@ -283,10 +282,7 @@ def stage_params(graph: OpGraph, names) -> list[str]:
 # -- placement propagation ------------------------------------------------------------------
 
 def _args(node: OpNode) -> list:
-    try:
-        return list(ast.literal_eval(node.args_repr)[0])
-    except (ValueError, SyntaxError, IndexError):
-        return []
+    return node.parsed_args()[0]
 
 
 def _norm_dim(d, rank: int) -> int:
