@@ -390,7 +390,7 @@ class StageCost:
     comm_s: float  # exposed activation/p2p/ZeRO-3 communication per microbatch
     grad_sync_s: float  # exposed gradient sync, once per step
     optimizer_s: float
-    memory: MemoryBreakdown
+    memory: MemoryBreakdown | None  # None: priced with memory=False
 
     @property
     def microbatch_s(self) -> float:
@@ -405,8 +405,11 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                optimizer: str, microbatches: int = 1, num_stages: int = 1,
                schedule: str = "1f1b", virtual_stages: int = 1, seq_len: int = 0,
                processes_on_host: int = 1, runtime: RuntimeModel | None = None,
-               compute_contention: float | None = None, cache: dict | None = None) -> StageCost:
-    """Costs of one stage. ``compute_contention`` (default: all ``processes_on_host``
+               compute_contention: float | None = None, cache: dict | None = None,
+               memory: bool = True) -> StageCost:
+    """Costs of one stage. ``memory=False``: the times only, ``memory`` None (the pipeline
+    search's lower bounds price thousands of stages whose memory they never read; the
+    activation walk is a third of a stage's price). ``compute_contention`` (default: all ``processes_on_host``
     computing at once) slows the microbatch compute; the optimizer step, which every
     process runs at the same time, always takes the all-process contention.
 
@@ -439,6 +442,10 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                + traffic.gather_exposed_s + traffic.microbatch_s)
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs)
+    if not memory:
+        return StageCost(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
+                         comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
+                         memory=None)
 
     prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
                                     seq_len=seq_len, attention=runtime.attention, cache=cache)

@@ -193,8 +193,9 @@ class MegatronStageCost:
                                           pipeline=option.pipelined))
         graph = self.neighbourhood(first, last)
         alone = self._alone.get(key)
-        if alone is None:
-            alone = self._alone[key] = stage_cost(st, graph, self.hw, num_stages=1, **kw)
+        if alone is None or (need_memory and alone.memory is None):
+            alone = self._alone[key] = stage_cost(st, graph, self.hw, num_stages=1,
+                                                  memory=need_memory, **kw)
         if not need_memory:
             self._probes[(key, False)] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
             return self._probes[(key, False)]
