@@ -120,8 +120,10 @@ class MegatronStageCost:
             self._stage_params[span] = stage_params(self.graph, names)
         params = {p: params[p] for p in self._stage_params[span]}
         # the same operator and input dicts (by identity) for every recompute and ZeRO choice
-        # of one range and mesh: the cost model's memo is keyed on them
-        key = (names[0], names[-1], len(names), dp, tp, option.sequence_parallel and tp > 1,
+        # of one range and mesh: the cost model's memo is keyed on them. The operator rules
+        # do not read dp, and the cp layout only whether a dp axis exists (with_cp_axis
+        # leaves out one-rank axes), so one dict serves every dp > 1
+        key = (names[0], names[-1], len(names), dp > 1, tp, option.sequence_parallel and tp > 1,
                option.cp)
         hit = self._stage_ops.get(key)
         if hit is None:
