@@ -47,10 +47,15 @@ def test_probe_prices_each_recompute_and_zero_choice_of_a_cp_range(tiny_llama_h1
                                  dtype="bf16", optimizer="adam", engine="modules")
 
     shared = fresh()
-    options = [StageOption((2, 2), rc, z, False, 2) for rc in ("none", "full") for z in (0, 3)]
+    # (dp 2 and 4 share one operator dict: the rules do not read dp)
+    options = [StageOption((dp, 2), rc, z, False, 2) for dp in (2, 4)
+               for rc in ("none", "full") for z in (0, 3)]
     for option in options:
         assert shared.probe(0, 2, option, 1) == fresh().probe(0, 2, option, 1), option
-    none, full = (shared.probe(0, 2, o, 1) for o in options[::2])
+        # the bounds' time-only probe (no activation walk) gives the same time
+        assert fresh().probe(0, 2, option, 1, need_memory=False)[0] == \
+            shared.probe(0, 2, option, 1)[0]
+    none, full = (shared.probe(0, 2, o, 1) for o in options[:4:2])
     assert full[0] > none[0] and full[3] < none[3]  # recompute: more time, less kept
 
 
