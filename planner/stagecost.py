@@ -16,7 +16,8 @@ reports the difference.
 Probes per unit: one ``stage_cost`` as a single stage (times, tail, weights, activations of
 one microbatch plus the working set) and one as the first of two GPipe stages, whose extra
 in-flight microbatches separate kept activations from the working set and whose extra
-communication is one receive of the unit's input.
+communication is one receive of the unit's input. The search's lower bounds read times only:
+their probes skip the activation walk (``stage_cost(memory=False)``).
 """
 
 from __future__ import annotations
