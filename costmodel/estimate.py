@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NAMES,
@@ -348,6 +349,7 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
                         engine="megatron", backend=backend)
 
 
+@lru_cache(maxsize=1 << 16)
 def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
                  skip_axis: int | None = None) -> int:
     """How many pieces a tensor (or an operator's work) is cut into by these placements."""
@@ -399,7 +401,7 @@ class StageBreakdown:
     comm_s: float  # exposed activation/p2p/ZeRO-3 communication per microbatch
     grad_sync_s: float  # exposed gradient sync, once per step
     optimizer_s: float
-    memory: MemoryBreakdown
+    memory: MemoryBreakdown | None  # None: priced with memory=False
 
     @property
     def microbatch_s(self) -> float:
@@ -414,9 +416,11 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                optimizer: str, microbatches: int = 1, num_stages: int = 1,
                schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1, seq_len: int = 0,
                processes_on_host: int = 1, runtime: RuntimeModel | None = None,
-               compute_contention: float | None = None,
-               cache: dict | None = None) -> StageBreakdown:
-    """Costs of one stage. ``compute_contention`` (default: all ``processes_on_host``
+               compute_contention: float | None = None, cache: dict | None = None,
+               memory: bool = True) -> StageBreakdown:
+    """Costs of one stage. ``memory=False``: the times only, ``memory`` None (the pipeline
+    search's lower bounds price thousands of stages whose memory they never read; the
+    activation walk is a third of a stage's price). ``compute_contention`` (default: all ``processes_on_host``
     computing at once) slows the microbatch compute; the optimizer step, which every
     process runs at the same time, always takes the all-process contention.
 
@@ -449,6 +453,10 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                + traffic.gather_exposed_s + traffic.microbatch_s)
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs)
+    if not memory:
+        return StageCost(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
+                         comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
+                         memory=None)
 
     prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
                                     seq_len=seq_len, attention=runtime.attention, cache=cache)
@@ -1100,10 +1108,12 @@ def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) 
     it (``RuntimeModel.cp_composable``); unchanged without a cp axis or a tail."""
     if "cp" not in stage.axis_names:
         return stage
+    # the cache keeps the chunked operators only: stages that share ``stage.ops`` (every
+    # recompute and ZeRO choice of one range in the pipeline search) differ in the rest
     key = ("chunked-loss", id(stage.ops))
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] is stage.ops:
-        return hit[1]
+        return replace(stage, ops=hit[1])
     ax = stage.axis_names.index("cp")
     names = list(stage.ops)
     last_block = max((i for i, n in enumerate(names) if graph.node(n).layer >= 0), default=-1)
@@ -1123,10 +1133,9 @@ def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) 
         out = op.output if op.output[ax] != REPLICATE else _set_axis(op.output, ax, shard(0))
         ops[name] = replace(op, inputs=tuple(inputs), output=out)
         placement[name] = out
-    chunked = replace(stage, ops=ops)
     if cache is not None:
-        cache[key] = (stage.ops, chunked)
-    return chunked
+        cache[key] = (stage.ops, ops)
+    return replace(stage, ops=ops)
 
 
 def _set_axis(placements: tuple[str, ...], axis: int, value: str) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ import sys
 from meshplan.checks import (check_batch_and_seq, check_checkpoint_dir, check_model_for_run,
                              check_run_numbers, check_writable, plan_and_graph, recorded_spec)
 from meshplan.errors import MeshplanError, SpecError
-from meshplan.vocabulary import DTYPES, ENGINES, STACK_TARGETS, Engine
+from meshplan.vocabulary import ComputeDtype, DTYPES, ENGINES, STACK_TARGETS, Engine
 
 EXIT_USER_ERROR = 2
 
@@ -48,7 +48,7 @@ def cmd_plan(args) -> int:
     if args.for_:
         from meshplan.stacks.search import search_layouts
 
-        plan, _ = search_layouts(loaded.model, mesh, args.for_, graph=graph, dtype=args.dtype or "bf16",
+        plan, _ = search_layouts(loaded.model, mesh, args.for_, graph=graph, dtype=args.dtype or ComputeDtype.BF16,
                            compiled=args.compile)
     elif args.manual:
         plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,

@@ -8,12 +8,11 @@ change it behind each other's back.
 from __future__ import annotations
 
 import ast
-import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
 from enum import StrEnum
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 
 class OpKind(StrEnum):
@@ -67,6 +66,18 @@ class ParamInfo:
         return n
 
 
+@lru_cache(maxsize=1 << 16)
+def _literal_args(args_repr: str) -> tuple[list, dict]:
+    """``args_repr`` parsed once per distinct string: the planners read the arguments of every
+    operator of every repeated block many times (the pipeline search walks the graph once
+    per tensor-parallel layout), and blocks repeat the same strings."""
+    try:
+        args, kwargs = ast.literal_eval(args_repr)
+        return list(args), dict(kwargs)
+    except (ValueError, SyntaxError, TypeError):
+        return [], {}
+
+
 @dataclass(frozen=True, slots=True)
 class OpNode:
     """One operator of the forward graph.
@@ -97,19 +108,8 @@ class OpNode:
     def parsed_args(self) -> tuple[list, dict]:
         """The call's arguments read back from ``args_repr`` (tensors appear as "%");
         ([], {}) when they do not parse."""
-        args, kwargs = _parsed_args_repr(self.args_repr)
+        args, kwargs = _literal_args(self.args_repr)
         return list(args), dict(kwargs)
-
-
-@functools.lru_cache(maxsize=65536)
-def _parsed_args_repr(text: str) -> tuple[tuple, tuple]:
-    """``args_repr`` read back once per distinct text (the pricing of a sweep or a stack
-    search reads every operator's arguments thousands of times); callers get fresh copies."""
-    try:
-        args, kwargs = ast.literal_eval(text)
-        return tuple(args), tuple(dict(kwargs).items())
-    except (ValueError, SyntaxError, TypeError):
-        return (), ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ reports the difference.
 Probes per unit: one ``stage_cost`` as a single stage (times, tail, weights, activations of
 one microbatch plus the working set) and one as the first of two GPipe stages, whose extra
 in-flight microbatches separate kept activations from the working set and whose extra
-communication is one receive of the unit's input.
+communication is one receive of the unit's input. The search's lower bounds read times only:
+their probes skip the activation walk (``stage_cost(memory=False)``).
 """
 
 from __future__ import annotations
@@ -123,8 +124,10 @@ class MegatronStageCost:
             self._stage_params[span] = stage_params(self.graph, names)
         params = {p: params[p] for p in self._stage_params[span]}
         # the same operator and input dicts (by identity) for every recompute and ZeRO choice
-        # of one range and mesh: the cost model's memo is keyed on them
-        key = (names[0], names[-1], len(names), dp, tp, option.sequence_parallel and tp > 1,
+        # of one range and mesh: the cost model's memo is keyed on them. The operator rules
+        # do not read dp, and the cp layout only whether a dp axis exists (with_cp_axis
+        # leaves out one-rank axes), so one dict serves every dp > 1
+        key = (names[0], names[-1], len(names), dp > 1, tp, option.sequence_parallel and tp > 1,
                option.cp)
         hit = self._stage_ops.get(key)
         if hit is None:
@@ -173,9 +176,13 @@ class MegatronStageCost:
         if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp):
             return None
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
-                              option.sequence_parallel or option.recompute == Recompute.SELECTIVE):
-            return None  # no attention to split, or the layout's 2 x cp chunks do not divide
-        if self.engine == Engine.GRAPH:  # its runtime is the same with or without pp
+                              option.recompute == Recompute.SELECTIVE or
+                              (option.sequence_parallel and self.engine == Engine.GRAPH)):
+            # no attention to split, the layout's 2 x cp chunks do not divide, or what no
+            # runtime runs with cp (meshplan/support.py) or the graph engine does not
+            # (meshplan/context.graph_engine_cp_refusal: sequence parallelism)
+            return None
+        if self.engine == Engine.GRAPH:  # the graph engine's runtime is the same with or without pp
             option = replace(option, pipelined=False)
         key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
                self.engine)
@@ -192,8 +199,9 @@ class MegatronStageCost:
                                           pipeline=option.pipelined))
         graph = self.neighbourhood(first, last)
         alone = self._alone.get(key)
-        if alone is None:
-            alone = self._alone[key] = stage_cost(st, graph, self.hw, num_stages=1, **kw)
+        if alone is None or (need_memory and alone.memory is None):
+            alone = self._alone[key] = stage_cost(st, graph, self.hw, num_stages=1,
+                                                  memory=need_memory, **kw)
         if not need_memory:
             self._probes[(key, False)] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
             return self._probes[(key, False)]

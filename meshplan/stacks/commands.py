@@ -15,11 +15,12 @@ from meshplan.plan import Plan
 from meshplan.stacks.arch import ModelArch, arch_of_spec
 from meshplan.stacks.layout import StackLayout, check_expressible, layout_of
 from meshplan.stacks.search import TARGETS, target_module
+from meshplan.vocabulary import ComputeDtype
 
 SUFFIX = {"torchtitan": ".toml", "megatron": ".txt"}
 
 
-def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None, dtype: str = "bf16",
+def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None, dtype: str = ComputeDtype.BF16,
              compiled: bool = False, model_name: str = "") -> Plan:
     """The best plan the stack ``to`` ("torchtitan" or "megatron") runs for ``model`` on
     ``mesh``, searched over the layouts it accepts and priced as it runs them

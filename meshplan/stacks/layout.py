@@ -17,11 +17,13 @@ from dataclasses import dataclass, replace
 
 from meshplan.errors import NotSupportedError, SpecError
 from meshplan.plan import RECOMPUTE, Plan
-from meshplan.schedules import SCHEDULES
+from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.support import cp_degree, data_parallel_degree, lists_rank_groups, \
     pipeline_degree
+from meshplan.vocabulary import ComputeDtype
 
-DTYPES = ("fp32", "bf16", "fp8")  # what the stacks train in (fp16 + loss scaling: not exported)
+# what the stacks train in (fp16 needs loss scaling: not exported)
+STACK_DTYPES = (ComputeDtype.FP32, ComputeDtype.BF16, ComputeDtype.FP8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,13 +47,13 @@ class StackLayout:
     tp: int = 1
     cp: int = 1
     pp: int = 1
-    schedule: str = "1f1b"
+    schedule: str = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     microbatch_size: int = 1
     recompute: str = "none"
     sequence_parallel: bool = False
     zero: int = 0
-    dtype: str = "bf16"
+    dtype: str = ComputeDtype.BF16
     compiled: bool = False
     stage_layers: tuple[int, ...] = ()
 
@@ -66,8 +68,8 @@ class StackLayout:
             raise SpecError(f"recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
         if self.zero not in (0, 1, 2, 3):
             raise SpecError(f"zero={self.zero}: must be 0, 1, 2 or 3")
-        if self.dtype not in DTYPES:
-            raise SpecError(f"dtype {self.dtype!r}: the stacks train in {', '.join(DTYPES)}")
+        if self.dtype not in STACK_DTYPES:
+            raise SpecError(f"dtype {self.dtype!r}: the stacks train in {', '.join(STACK_DTYPES)}")
         if self.global_batch % (self.dp * self.microbatch_size):
             raise SpecError(f"global batch {self.global_batch} is not a multiple of dp "
                             f"{self.dp} x microbatch size {self.microbatch_size}")
@@ -83,7 +85,7 @@ class StackLayout:
 
     @property
     def chunks(self) -> int:
-        return self.pp * (self.virtual_stages if self.schedule == "interleaved-1f1b" else 1)
+        return self.pp * virtual_stages_for(self.schedule, self.virtual_stages)
 
     def layers_per_chunk(self, num_layers: int) -> tuple[int, ...]:
         """Blocks per pipeline chunk: ``stage_layers``, or the even split meshplan's
@@ -94,7 +96,7 @@ class StackLayout:
 
         n = self.chunks
         bounds = layer_bounds(num_layers, n) if num_layers % n == 0 or \
-            self.schedule != "interleaved-1f1b" else chunk_bounds(num_layers, n)
+            self.schedule != Schedule.INTERLEAVED else chunk_bounds(num_layers, n)
         return tuple(b - a for a, b in bounds)
 
     def manual_kwargs(self) -> dict:
@@ -110,7 +112,7 @@ class StackLayout:
                                     (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if v > 1]
         if self.pp > 1:
             parts.append(self.schedule + (f" x{self.virtual_stages}"
-                                          if self.schedule == "interleaved-1f1b" else ""))
+                                          if self.schedule == Schedule.INTERLEAVED else ""))
         parts += [f"mb{self.microbatch_size}", f"recompute {self.recompute}"]
         parts += ["SP"] if self.sequence_parallel else []
         parts += [f"ZeRO-{self.zero}"] if self.zero else []
@@ -150,16 +152,16 @@ def layout_of(plan: Plan, *, compiled: bool = False) -> StackLayout:
                      "re-plan with one recompute mode")
     zero = _one({st.zero for st in plan.stages}, "ZeRO stage", "re-plan with one ZeRO stage")
     pp = pipeline_degree(plan)
-    schedule = t.schedule if pp > 1 else "1f1b"
-    v = t.virtual_stages if schedule == "interleaved-1f1b" else 1
+    schedule = t.schedule if pp > 1 else Schedule.ONE_F_ONE_B
+    v = virtual_stages_for(schedule, t.virtual_stages)
     mb = t.microbatch_size or t.global_batch // (dp * max(t.microbatches, 1))
     if lists_rank_groups(plan):
         stage_layers = ()  # even interleaved chunks (planner/manual.py)
     else:
         stage_layers = tuple(st.layers[1] - st.layers[0] for st in plan.stages) if pp > 1 else ()
-    if t.dtype not in DTYPES:
+    if t.dtype not in STACK_DTYPES:
         raise NotSupportedError(f"dtype {t.dtype!r}: the exported stacks train in "
-                                f"{', '.join(DTYPES)} (fp16 needs loss scaling); re-plan with "
+                                f"{', '.join(STACK_DTYPES)} (fp16 needs loss scaling); re-plan with "
                                 "dtype='bf16'")
     layout = StackLayout(dp=dp, tp=tp, cp=cp, pp=pp, schedule=schedule, virtual_stages=v,
                          microbatch_size=mb, global_batch=t.global_batch, seq_len=t.seq_len,

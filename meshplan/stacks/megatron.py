@@ -27,6 +27,8 @@ from dataclasses import replace
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.stacks.arch import ModelArch
 from meshplan.stacks.layout import StackLayout
+from meshplan.schedules import Schedule
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 MEGATRON_VERSION = "0.16.1"  # megatron-core on PyPI = Megatron-LM tag core_v0.16.1
 MEGATRON_LM_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"  # tag core_v0.16.1
@@ -38,13 +40,13 @@ def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
     if L.compiled:
         out.append("compiled=True: Megatron-LM does not torch.compile its model (Transformer "
                    "Engine fuses its kernels instead); plan with compiled=False")
-    if L.pp > 1 and L.schedule not in ("1f1b", "interleaved-1f1b"):
+    if L.pp > 1 and L.schedule not in (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED):
         out.append(f"schedule {L.schedule!r}: Megatron-LM pipelines with 1F1B or interleaved "
                    "1F1B only; plan with schedule='1f1b' or 'interleaved-1f1b'")
-    if L.pp == 1 and L.schedule != "1f1b":
+    if L.pp == 1 and L.schedule != Schedule.ONE_F_ONE_B:
         out.append(f"schedule {L.schedule!r} with pp=1: there is no pipeline to schedule; "
                    "use schedule='1f1b'")
-    if L.pp > 1 and L.schedule == "interleaved-1f1b":
+    if L.pp > 1 and L.schedule == Schedule.INTERLEAVED:
         m = L.microbatches
         if L.virtual_stages < 2:
             out.append("interleaved-1f1b with virtual_stages=1 is Megatron's plain 1F1B; use "
@@ -155,7 +157,7 @@ def _split_fields(layout: StackLayout, num_layers: int) -> dict:
     embedding/loss accounting, first/last stage sizes, else an explicit layout string."""
     want = tuple(layout.layers_per_chunk(num_layers))
     pp = layout.pp
-    v = layout.virtual_stages if layout.schedule == "interleaved-1f1b" and pp > 1 else None
+    v = layout.virtual_stages if layout.schedule == Schedule.INTERLEAVED and pp > 1 else None
     if len(want) != pp * (v or 1) or sum(want) != num_layers or min(want) < 0:
         raise NotSupportedError(f"stage_layers {want}: need {pp * (v or 1)} chunks of "
                                 f"{num_layers} blocks in all; re-plan the split")
@@ -242,14 +244,14 @@ def to_megatron(layout: StackLayout, arch: ModelArch) -> str:
         if split.get(key):
             args.append((flag, None))
     args += [("--micro-batch-size", L.microbatch_size), ("--global-batch-size", L.global_batch)]
-    if L.dtype in ("bf16", "fp8"):
+    if L.dtype in (ComputeDtype.BF16, ComputeDtype.FP8):
         args.append(("--bf16", None))
-    if L.dtype == "fp8":
+    if L.dtype == ComputeDtype.FP8:
         args += [("--fp8-format", "hybrid"), ("--fp8-recipe", "tensorwise")]
-    if L.recompute == "selective":
-        args.append(("--recompute-granularity", "selective"))
-    elif L.recompute == "full":
-        args += [("--recompute-granularity", "full"), ("--recompute-method", "uniform"),
+    if L.recompute == Recompute.SELECTIVE:
+        args.append(("--recompute-granularity", Recompute.SELECTIVE))
+    elif L.recompute == Recompute.FULL:
+        args += [("--recompute-granularity", Recompute.FULL), ("--recompute-method", "uniform"),
                  ("--recompute-num-layers", 1)]
     if L.zero == 1:
         args.append(("--use-distributed-optimizer", None))
@@ -303,13 +305,13 @@ def nemo_overrides(layout: StackLayout, arch: ModelArch, *, devices_per_node: in
             f"recipe.data.seq_length = {L.seq_len}", f"{m}.seq_length = {L.seq_len}"]
     if L.cp > 1:
         out.append(f'{m}.cp_comm_type = "p2p"')
-    rec = {"none": (None, None, None), "selective": ("selective", None, None),
-           "full": ("full", "uniform", 1)}[L.recompute]
+    rec = {"none": (None, None, None), Recompute.SELECTIVE: (Recompute.SELECTIVE, None, None),
+           Recompute.FULL: (Recompute.FULL, "uniform", 1)}[L.recompute]
     out += [f"{m}.recompute_{k} = {v!r}" for k, v in
             zip(("granularity", "method", "num_layers"), rec)]
     out.append("recipe.trainer.plugins = " + {
-        "bf16": "bf16_mixed()", "fp8": "bf16_with_fp8_current_scaling_mixed()",
-        "fp32": 'run.Config(nl.MegatronMixedPrecision, precision="32")'}[L.dtype])
+        ComputeDtype.BF16: "bf16_mixed()", ComputeDtype.FP8: "bf16_with_fp8_current_scaling_mixed()",
+        ComputeDtype.FP32: 'run.Config(nl.MegatronMixedPrecision, precision="32")'}[L.dtype])
     if L.sequence_parallel:
         out.append("recipe.trainer.callbacks.append(run.Config(MegatronCommOverlapCallback, "
                    "tp_comm_overlap=True))")
@@ -451,7 +453,7 @@ def from_megatron(text: str, *, devices: int | None = None,
                        loss=loss, pp_layout=a["--pipeline-model-parallel-layout"])
     vp = len(chunks) // pp
     layout = StackLayout(
-        dp=dp, tp=tp, cp=cp, pp=pp, schedule="interleaved-1f1b" if vp > 1 else "1f1b",
+        dp=dp, tp=tp, cp=cp, pp=pp, schedule=Schedule.INTERLEAVED if vp > 1 else Schedule.ONE_F_ONE_B,
         virtual_stages=vp, microbatch_size=a["--micro-batch-size"],
         global_batch=a["--global-batch-size"] or a["--micro-batch-size"] * dp,
         seq_len=a["--seq-length"], recompute=_recompute(a, max(chunks)),
@@ -466,16 +468,16 @@ def from_megatron(text: str, *, devices: int | None = None,
 
 
 def _recompute(a: dict, most_layers: int) -> str:
-    granularity = "selective" if a["--recompute-activations"] else a["--recompute-granularity"]
+    granularity = Recompute.SELECTIVE if a["--recompute-activations"] else a["--recompute-granularity"]
     modules = a["--recompute-modules"]
-    if granularity == "selective" and modules not in (None, ["core_attn"]):
+    if granularity == Recompute.SELECTIVE and modules not in (None, ["core_attn"]):
         raise NotSupportedError(f"--recompute-modules {' '.join(modules)}: meshplan prices "
                                 "selective recompute of the attention core (core_attn)")
-    if granularity != "full":
+    if granularity != Recompute.FULL:
         return granularity or "none"
     method, n = a["--recompute-method"], a["--recompute-num-layers"]
     if (method, n) == ("uniform", 1) or (method == "block" and (n or 0) >= most_layers):
-        return "full"
+        return Recompute.FULL
     raise NotSupportedError(f"--recompute-method {method} --recompute-num-layers {n}: meshplan "
                             "prices full recompute of every layer (uniform 1, or block >= the "
                             "layers per chunk)")
@@ -483,9 +485,9 @@ def _recompute(a: dict, most_layers: int) -> str:
 
 def _dtype(a: dict) -> str:
     if a["--fp8-format"] is None:
-        return "bf16" if a["--bf16"] else "fp32"
+        return ComputeDtype.BF16 if a["--bf16"] else ComputeDtype.FP32
     if a["--fp8-recipe"] != "tensorwise" or not a["--bf16"]:
         raise NotSupportedError(f"--fp8-recipe {a['--fp8-recipe']}: meshplan prices fp8 as "
                                 "Transformer Engine's current scaling with bf16 "
                                 "(--bf16 --fp8-recipe tensorwise)")
-    return "fp8"
+    return ComputeDtype.FP8

@@ -47,13 +47,15 @@ from dataclasses import dataclass, replace
 from meshplan.errors import NotSupportedError, PlanningError
 from meshplan.plan import RECOMPUTE, Plan
 from meshplan.stacks.layout import StackLayout
+from meshplan.schedules import Schedule
+from meshplan.vocabulary import ComputeDtype
 
 TARGETS = ("torchtitan", "megatron")
 MIN_CP_TOKENS = 4096  # Llama 3 at 131K ran cp16: 8K tokens per rank (arXiv 2407.21783 3.3.2)
 MAX_MICROBATCH = 8
 VIRTUAL_STAGES = (2, 3, 4, 5, 6, 8)
-SCHEDULES = {"torchtitan": ("gpipe", "1f1b", "interleaved-1f1b"),
-             "megatron": ("1f1b", "interleaved-1f1b")}
+STACK_SCHEDULES = {"torchtitan": (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED),
+             "megatron": (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED)}
 ZEROS = {"torchtitan": (0, 3), "megatron": (0, 1)}  # DDP or FSDP2; DDP or distributed optimizer
 
 
@@ -69,7 +71,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(target: str, arch, *, devices: int, devices_per_node: int, global_batch: int,
-            seq_len: int, dtype: str = "bf16", compiled: bool = False,
+            seq_len: int, dtype: str = ComputeDtype.BF16, compiled: bool = False,
             recompute=RECOMPUTE) -> list[StackLayout]:
     """Every layout of the module docstring's space that ``target`` runs (recompute modes
     in the order the search prices them)."""
@@ -97,10 +99,10 @@ def layouts(target: str, arch, *, devices: int, devices_per_node: int, global_ba
 def _variants(target, arch, problems, base: dict, recompute) -> list[StackLayout]:
     dp, pp = base["dp"], base["pp"]
     local = base["global_batch"] // dp
-    scheds = [("1f1b", 1)] if pp == 1 else \
-        [(s, 1) for s in SCHEDULES[target] if s != "interleaved-1f1b"] + \
-        [("interleaved-1f1b", v) for v in VIRTUAL_STAGES
-         if "interleaved-1f1b" in SCHEDULES[target] and _even_chunks(arch.layers, pp * v)]
+    scheds = [(Schedule.ONE_F_ONE_B, 1)] if pp == 1 else \
+        [(s, 1) for s in STACK_SCHEDULES[target] if s != Schedule.INTERLEAVED] + \
+        [(Schedule.INTERLEAVED, v) for v in VIRTUAL_STAGES
+         if Schedule.INTERLEAVED in STACK_SCHEDULES[target] and _even_chunks(arch.layers, pp * v)]
     zeros = ZEROS[target] if dp * base["cp"] > 1 else (0,)
     out = []
     for mb in (m for m in _divisors(local) if m <= MAX_MICROBATCH):
@@ -130,8 +132,8 @@ def state_floor_gib(layout: StackLayout, param_count: int, dtype: str) -> float:
     bytes of fp32 master weights and Adam moments sharded over dp x cp from ZeRO-1, the
     gradient (4 bytes, fp32 reduction) sharded from ZeRO-2, the working copy from ZeRO-3."""
     shard = layout.dp * layout.cp
-    work = 4 if dtype == "fp32" else 2
-    state = 12 if dtype != "fp32" else 8  # fp32 trains without a separate master copy
+    work = 4 if dtype == ComputeDtype.FP32 else 2
+    state = 12 if dtype != ComputeDtype.FP32 else 8  # fp32 trains without a separate master copy
     z = layout.zero
     per_param = (work / shard if z >= 3 else work) + (4 / shard if z >= 2 else 4) + \
         (state / shard if z >= 1 else state)
@@ -147,7 +149,7 @@ class Priced:
     mfu: float
 
 
-def search_layouts(model, mesh, target: str, *, graph, dtype: str = "bf16",
+def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype.BF16,
                    compiled: bool = False, arch=None, progress=None,
                    exhaustive: bool = False) -> tuple[Plan, list[Priced]]:
     """The best plan ``target`` runs for ``model`` on ``mesh`` (module docstring), and the
@@ -174,7 +176,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = "bf16",
     for lay in space:
         if not exhaustive and state_floor_gib(lay, graph.param_count, dtype) > cap:
             continue
-        uneven = lay.schedule == "interleaved-1f1b" and arch.layers % lay.chunks
+        uneven = lay.schedule == Schedule.INTERLEAVED and arch.layers % lay.chunks
         key = (lay.dp, lay.tp, lay.cp, lay.pp, lay.zero == 3,
                (lay.virtual_stages if uneven else 0))
         groups.setdefault(key, []).append(lay)
@@ -246,7 +248,7 @@ def _variant(base: Plan, lay: StackLayout) -> Plan:
     t = base.training
     training = replace(t, microbatch_size=lay.microbatch_size, microbatches=lay.microbatches,
                        schedule=lay.schedule,
-                       virtual_stages=lay.virtual_stages if lay.schedule == "interleaved-1f1b"
+                       virtual_stages=lay.virtual_stages if lay.schedule == Schedule.INTERLEAVED
                        else 1)
     stages = tuple(replace(st, recompute=lay.recompute, zero=lay.zero) for st in base.stages)
     return replace(base, training=training, stages=stages)
