@@ -454,7 +454,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs)
     if not memory:
-        return StageCost(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
+        return StageBreakdown(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
                          comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
                          memory=None)
 
