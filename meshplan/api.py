@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from meshplan.costmodel.estimate import STACKS, estimate_plan
-from meshplan.errors import MemoryLimitError, MeshplanError, NotSupportedError, PlanningError
+from meshplan.errors import MemoryLimitError, NotSupportedError, PlanningError
 from meshplan.mesh import Mesh
 from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space

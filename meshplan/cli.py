@@ -15,7 +15,7 @@ import sys
 from meshplan.checks import (check_batch_and_seq, check_checkpoint_dir, check_model_for_run,
                              check_run_numbers, check_writable, plan_and_graph, recorded_spec)
 from meshplan.errors import MeshplanError, SpecError
-from meshplan.vocabulary import ComputeDtype, DTYPES, ENGINES, STACK_TARGETS, Engine
+from meshplan.vocabulary import ComputeDtype, DTYPES, ENGINES, STACK_TARGETS
 
 EXIT_USER_ERROR = 2
 
