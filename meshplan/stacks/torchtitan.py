@@ -37,7 +37,7 @@ import math
 import tomllib
 from dataclasses import dataclass, replace
 
-from meshplan.errors import NotSupportedError, SpecError
+from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.stacks.arch import ModelArch
 from meshplan.stacks.layout import StackLayout
 
@@ -185,7 +185,10 @@ def _pipeline_problems(L: StackLayout, arch: ModelArch, flavor: Flavor | None) -
         out.append(f"virtual_stages={L.virtual_stages} with {L.schedule}: torchtitan's "
                    "single-stage schedules run one stage per rank; set virtual_stages=1")
     if not out:
-        counts = L.layers_per_chunk(arch.layers)
+        try:
+            counts = L.layers_per_chunk(arch.layers)
+        except MeshplanError as exc:  # more chunks than the even split can fill
+            return [f"stage split of {arch.layers} layers into {L.chunks} chunks: {exc}"]
         if len(counts) != L.chunks or sum(counts) != arch.layers or \
                 any(c == 0 for c in counts[1:-1]) or min(counts) < 0:
             out.append(f"stage split {list(counts)}: torchtitan needs {L.chunks} chunks of "
