@@ -6,7 +6,10 @@ MODE ``mesh``: ``ConfigManager().parse_args(["--job.config_file", JOB])``, ``Par
 (its validation) and ``ParallelDims.build_mesh`` on torch's fake process group of WORLD ranks
 (this process is rank 0), then the meshes' sizes checked by torchtitan's
 ``_validate_meshes``. Prints one JSON line with the parsed config and the resolved degrees.
-MODE ``init``: also builds torchtitan's ``Trainer`` (model on meta, pipeline split,
+MODE ``flavors`` (JOB and WORLD unused): each dense llama3 / qwen3 flavor built on the meta
+device by torchtitan's own model classes, its dimensions read off the weights, and
+torchtitan's default pipeline split (``generate_llm_fqn_per_model_part``) for a grid of
+stage counts. MODE ``init``: also builds torchtitan's ``Trainer`` (model on meta, pipeline split,
 TP / CP / activation checkpointing / FSDP, weights, optimizer) with ``comm.mode =
 "fake_backend"``; ``steps``: and runs two training steps (``Trainer.train_step``).
 
@@ -32,12 +35,15 @@ torch._utils._get_available_device_type = lambda: "cpu"
 
 
 def _load_torchtitan(full: bool):
+    if "torchtitan" in sys.modules:
+        return
     if full or importlib.util.find_spec("triton") is not None:
         import torchtitan  # noqa: F401
         return
     spec = importlib.util.find_spec("torchtitan")
     pkg = types.ModuleType("torchtitan")  # its __init__ only imports float8 (-> triton)
     pkg.__path__ = list(spec.submodule_search_locations)
+    pkg.__spec__ = spec
     sys.modules["torchtitan"] = pkg
 
 
@@ -105,7 +111,46 @@ def _trainer(cfg, steps: int) -> dict:
             "grad_accumulation": trainer.gradient_accumulation_steps}
 
 
+def flavors() -> None:
+    from torchtitan.distributed.pipeline_parallel import generate_llm_fqn_per_model_part
+    from torchtitan.protocols import train_spec
+
+    dims = {}
+    for name in ("llama3", "qwen3"):
+        spec = train_spec.get_train_spec(name)
+        for flavor, args in spec.model_args.items():
+            if getattr(args, "moe_enabled", False) or getattr(args, "attn_type", "sdpa") != "sdpa":
+                continue
+            with torch.device("meta"):
+                model = spec.model_cls(args)
+            block = model.layers["0"]
+            att = block.attention
+            dims[f"{name}/{flavor}"] = dict(
+                hidden=model.tok_embeddings.weight.shape[1],
+                vocab=model.tok_embeddings.weight.shape[0],
+                layers=len(model.layers), ffn_hidden=block.feed_forward.w1.weight.shape[0],
+                head_dim=att.head_dim, heads=att.wq.weight.shape[0] // att.head_dim,
+                kv_heads=att.wk.weight.shape[0] // att.head_dim,
+                rope_theta=float(args.rope_theta), norm_eps=float(args.norm_eps),
+                max_positions=args.max_seq_len,
+                tied_embeddings=bool(getattr(args, "enable_weight_tying", False)))
+    splits = {}
+    for stages in (2, 3, 4, 8, 16):
+        for layers, first, last in ((32, 1, 1), (126, 1, 1), (80, 2, 3), (6, 1, 1)):
+            try:
+                parts = generate_llm_fqn_per_model_part(stages, layers, first, last)
+            except ValueError:
+                continue
+            counts = [sum(m.startswith("layers.") for m in part) for part in parts]
+            splits[f"{stages},{layers},{first},{last}"] = counts
+    print("RESULT " + json.dumps({"flavors": dims, "splits": splits}))
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "flavors":
+        _load_torchtitan(full=True)
+        flavors()
+        sys.exit()
     mode, pairs = sys.argv[1], sys.argv[2:]
     assert mode == "mesh" or len(pairs) == 2, "one Trainer per process"
     for i in range(0, len(pairs), 2):

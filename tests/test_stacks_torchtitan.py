@@ -188,6 +188,9 @@ def test_import_refusals_in_one_line(toml, words):
 CASES = {  # name: (preset, layout) on H100 nodes; Llama 3 paper Table 4 shapes, scaled down
     "8B-8": ("llama3.1-8b", StackLayout(dp=8, global_batch=32, seq_len=8192, microbatch_size=4,
                                         recompute="selective", zero=3)),
+    "8B-8-fp8-compiled": ("llama3.1-8b", StackLayout(dp=8, global_batch=32, seq_len=8192,
+                                                     microbatch_size=4, recompute="selective",
+                                                     zero=3, dtype="fp8", compiled=True)),
     "70B-64": ("llama3.1-70b", StackLayout(dp=8, tp=8, global_batch=64, seq_len=8192,
                                            microbatch_size=8, recompute="full",
                                            sequence_parallel=True, zero=3)),
@@ -274,6 +277,8 @@ def test_exported_job_accepted_by_torchtitan(case, torchtitan_reads):
     assert t["global_batch_size"] % (t["local_batch_size"] * layout.dp) == 0  # Trainer's
     assert got["meshes"].get("tp", 1) == layout.tp and got["meshes"].get("pp", 1) == layout.pp
     assert got["meshes"].get("fsdp", 1) == layout.dp * layout.cp  # FSDP over dp_shard x cp
+    assert ("quantize.linear.float8" in cfg["model"]["converters"]) == (layout.dtype == "fp8")
+    assert cfg["compile"]["enable"] == layout.compiled
     back, _ = from_torchtitan(_toml_of(cfg), devices=layout.devices)
     assert back == layout
 
@@ -323,3 +328,25 @@ def test_torchtitan_trainer_dry_run(kw, mode, tmp_path):
     assert got["model_parts"] == (2 if layout.pp > 1 else 1)
     assert got["steps"] == (2 if mode == "steps" else 0)
     assert got["grad_accumulation"] == (layout.microbatches if layout.pp == 1 else 1)
+
+
+@pytest.mark.skipif(not (HAS_TORCHTITAN and HAS_TRITON),
+                    reason="torchtitan's model modules import triton (MoE kernels)")
+def test_flavor_table_and_split_rule_are_torchtitans(tmp_path):
+    """FLAVORS is torchtitan 0.2.2's dense SDPA flavors, dimensions read off its own models
+    built on meta; default_split is its generate_llm_fqn_per_model_part."""
+    proc = subprocess.run([sys.executable, str(WORKER), "flavors"], capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    ours = {f"{name}/{flavor}": arch for (name, flavor), arch in FLAVORS.items()}
+    assert set(got["flavors"]) == set(ours)
+    for key, dims in got["flavors"].items():
+        arch = ours[key]
+        assert {k: getattr(arch, k) for k in dims} == dims, key
+    assert got["splits"]
+    for key, counts in got["splits"].items():
+        stages, layers, first, last = map(int, key.split(","))
+        assert list(default_split(stages, layers, first, last)) == counts, key
