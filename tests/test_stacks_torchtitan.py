@@ -138,6 +138,7 @@ def _one_line(exc_info) -> str:
     (dict(seq_len=8200), "tp x 2 x cp = 16"),
     (dict(pp=2, schedule="interleaved-1f1b", virtual_stages=1, global_batch=16),
      "virtual_stages=1"),
+    (dict(dp=1, tp=8, pp=8, dtype="bf16", global_batch=8), "maybe_enable_amp"),
 ])
 def test_refusals_in_one_line(change, words):
     arch = arch_of_spec("llama3.1-70b")
@@ -158,10 +159,21 @@ def test_more_chunks_than_layers_is_a_problem_not_a_crash():
     assert len(found) == 1 and "12 chunks" in found[0] and "\n" not in found[0]
 
 
+def test_qwen3_has_no_pipeline():
+    layout = StackLayout(dp=2, pp=2, global_batch=8, seq_len=64, zero=3)
+    found = problems(layout, FLAVORS[("qwen3", "debugmodel")])
+    assert found == ("pp=2 for qwen3: torchtitan 0.2.2's qwen3 train spec has no pipelining_fn; "
+                     "use pp=1 (or a Llama)",)
+
+
 def test_unknown_flavor_refused_in_one_line():
+    """A model torchtitan has no flavor for is priced (``problems`` checks the layout only,
+    as ``plan --for torchtitan`` searches any Llama) but not exported."""
     arch = replace(arch_of_spec("llama3.1-8b"), layers=30)
+    layout = StackLayout(dp=8, global_batch=8, seq_len=4096, zero=3)
+    assert problems(layout, arch) == ()
     with pytest.raises(NotSupportedError) as exc:
-        to_torchtitan(StackLayout(dp=8, global_batch=8, seq_len=4096, zero=3), arch)
+        to_torchtitan(layout, arch)
     assert "matches no torchtitan 0.2.2 flavor" in _one_line(exc)
     with pytest.raises(SpecError) as exc:
         from_torchtitan("[model]\nname = \"llama3\"\nflavor = \"7B\"\n", devices=8)
@@ -171,7 +183,8 @@ def test_unknown_flavor_refused_in_one_line():
 @pytest.mark.parametrize("toml, words", [
     ("[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = 4\n",
      "HSDP"),
-    ("[parallelism]\npipeline_parallel_degree = 2\npipeline_parallel_schedule = \"ZBVZeroBubble\"\n",
+    ("[parallelism]\npipeline_parallel_degree = 2\n"
+     "pipeline_parallel_schedule = \"ZBVZeroBubble\"\n",
      "ZBVZeroBubble"),
     ("[activation_checkpoint]\nmode = \"memory_budget\"\n", "memory_budget"),
     ("[training]\ndtype = \"bfloat16\"\n", "bfloat16"),
@@ -269,7 +282,8 @@ def test_exported_job_accepted_by_torchtitan(case, torchtitan_reads):
     got = torchtitan_reads[case]
     cfg = got["config"]
     p, t = cfg["parallelism"], cfg["training"]
-    assert (cfg["model"]["name"], cfg["model"]["flavor"]) == ("llama3", preset.split("-")[1].upper())
+    flavor = preset.split("-")[1].upper()
+    assert (cfg["model"]["name"], cfg["model"]["flavor"]) == ("llama3", flavor)
     assert got["dp_shard"] * p["data_parallel_replicate_degree"] == layout.dp
     assert (p["tensor_parallel_degree"], p["context_parallel_degree"],
             p["pipeline_parallel_degree"]) == (layout.tp, layout.cp, layout.pp)

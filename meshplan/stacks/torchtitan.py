@@ -77,7 +77,7 @@ FLAVORS: dict[tuple[str, str], ModelArch] = {
     ("qwen3", "14B"): _qwen3(5120, 40, 40, 17408, False),
     ("qwen3", "32B"): _qwen3(5120, 64, 64, 25600, False),
 }
-PIPELINED = ("llama3",)  # train specs with a pipelining_fn (qwen3's is None in 0.2.2)
+PIPELINED = ("llama",)  # families whose train spec has a pipelining_fn (qwen3's is None)
 
 # torchtitan 0.2.2's JobConfig defaults (config/job_config.py) for every key read here
 DEFAULTS = {
@@ -116,17 +116,17 @@ def flavor_of(arch: ModelArch) -> Flavor | None:
 
 
 def _flavor_names() -> str:
-    return "; ".join(f"{n}: " + ", ".join(f for m, f in FLAVORS if m == n) for n in ("llama3", "qwen3"))
+    return "; ".join(f"{n}: " + ", ".join(f for m, f in FLAVORS if m == n)
+                     for n in ("llama3", "qwen3"))
 
 
 def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
-    """What torchtitan 0.2.2 cannot run of ``layout`` for ``arch``, one line each."""
+    """What torchtitan 0.2.2 cannot run of ``layout`` for ``arch``, one line each.
+
+    The model's own dimensions are not checked here (``plan --for torchtitan`` prices any
+    Llama / Qwen3): ``to_torchtitan`` refuses a model that matches none of torchtitan's
+    flavors (``flavor_problem``)."""
     out = []
-    flavor = flavor_of(arch)
-    if flavor is None:
-        out.append(f"model {arch.words()}: matches no torchtitan {TORCHTITAN_VERSION} flavor "
-                   f"({_flavor_names()}); torchtitan builds models from its flavor tables only: "
-                   "plan a model with one of these dimensions")
     L, dpcp = layout, layout.dp * layout.cp
     if L.zero == 1:
         out.append("zero=1 (optimizer state only): torchtitan shards with FSDP2 (ZeRO-3, or "
@@ -163,20 +163,29 @@ def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
         out.append(f"seq_len {L.seq_len} is not a multiple of tp x 2 x cp = {divisor} "
                    "(torchtitan's seq_len_divisor for sequence and context parallelism); "
                    f"use a multiple of {divisor}")
-    out += _pipeline_problems(L, arch, flavor)
+    out += _pipeline_problems(L, arch)
     return tuple(out)
 
 
-def _pipeline_problems(L: StackLayout, arch: ModelArch, flavor: Flavor | None) -> list[str]:
+def flavor_problem(arch: ModelArch) -> str | None:
+    """One line when ``arch`` matches none of torchtitan 0.2.2's flavors, else None."""
+    if flavor_of(arch) is not None:
+        return None
+    return (f"model {arch.words()}: matches no torchtitan {TORCHTITAN_VERSION} flavor "
+            f"({_flavor_names()}); torchtitan builds models from its flavor tables only: "
+            "plan a model with one of these dimensions, or add a flavor to torchtitan")
+
+
+def _pipeline_problems(L: StackLayout, arch: ModelArch) -> list[str]:
     out = []
     if L.pp == 1:
         if L.schedule != "1f1b" or L.virtual_stages != 1 or L.stage_layers:
             out.append(f"schedule {L.schedule} x{L.virtual_stages} or a stage split with pp=1: "
                        "nothing is pipelined; use schedule='1f1b', virtual_stages=1, no split")
         return out
-    if flavor is not None and flavor.name not in PIPELINED:
-        out.append(f"pp={L.pp} for {flavor.name}: torchtitan {TORCHTITAN_VERSION}'s {flavor.name} "
-                   "train spec has no pipelining_fn; use pp=1 (or a llama3 flavor)")
+    if arch.family not in PIPELINED:
+        out.append(f"pp={L.pp} for {arch.family}: torchtitan {TORCHTITAN_VERSION}'s "
+                   f"{arch.family} train spec has no pipelining_fn; use pp=1 (or a Llama)")
     if L.schedule == "interleaved-1f1b" and L.virtual_stages < 2:
         out.append(f"interleaved-1f1b with virtual_stages={L.virtual_stages}: torchtitan's "
                    "multi-stage schedules need >= 2 stages per rank; use 1f1b or "
@@ -223,9 +232,9 @@ def _toml(value) -> str:
 def to_torchtitan(layout: StackLayout, arch: ModelArch) -> str:
     """torchtitan 0.2.2 TOML job config of ``layout``; NotSupportedError with the first of
     ``problems`` when torchtitan cannot run it."""
-    found = problems(layout, arch)
-    if found:
-        raise NotSupportedError(found[0])
+    found = (flavor_problem(arch),) + problems(layout, arch)
+    if any(found):
+        raise NotSupportedError(next(p for p in found if p))
     L, flavor = layout, flavor_of(arch)
     fsdp = L.zero in (2, 3)
     pipelined = L.pp > 1
