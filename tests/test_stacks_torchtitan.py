@@ -258,6 +258,40 @@ def _toml_of(config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+PUBLISHED_DIR = Path(__file__).parent.parent / "benchmarks" / "stack_configs" / "torchtitan"
+PUBLISHED = {  # benchmarks/stack_configs/torchtitan/*.toml: devices, layout as meshplan reads it
+    "llama3.1_8b_8gpu": (8, "dp8 mb2 recompute selective ZeRO-3 bf16"),
+    "llama3.1_70b_64gpu": (64, "dp8 tp8 mb8 recompute full SP ZeRO-3 bf16"),
+    "llama3.1_405b_1024gpu": (1024, "dp16 tp8 pp8 interleaved-1f1b x2 mb1 recompute full SP "
+                                    "ZeRO-2 fp8 compiled"),
+    "llama3.1_405b_131k_16384gpu": (16384, "dp64 tp8 cp4 pp8 1f1b mb1 recompute full SP ZeRO-2 "
+                                           "fp8 compiled"),
+}
+
+
+@pytest.mark.parametrize("stem", list(PUBLISHED))
+def test_published_configs_read(stem):
+    """torchtitan's published runs (benchmarks/stack_configs/torchtitan/) read as layouts;
+    without module_fqns_per_model_part the split is torchtitan's default (embedding and
+    head counted as a layer each: 405B interleaved on 8 ranks -> 7, 8 x 14, 7)."""
+    devices, words = PUBLISHED[stem]
+    layout, arch = from_torchtitan((PUBLISHED_DIR / f"{stem}.toml").read_text(), devices=devices)
+    assert layout.words() == words and layout.devices == devices
+    if stem == "llama3.1_405b_1024gpu":
+        assert layout.layers_per_chunk(arch.layers) == (7,) + (8,) * 14 + (7,)
+        assert layout.microbatches == 32
+
+
+def test_unregistered_float8_name_refused():
+    """torchtitan v0.2.2's own llama3_405b.toml names the converter "float8", which 0.2.2's
+    registry does not hold."""
+    text = (PUBLISHED_DIR / "llama3.1_405b_1024gpu.toml").read_text().replace(
+        'converters = ["quantize.linear.float8"]', 'converters = ["float8"]')
+    with pytest.raises(NotSupportedError) as exc:
+        from_torchtitan(text, devices=1024)
+    assert "'quantize.linear.float8'" in _one_line(exc)
+
+
 needs_torchtitan = pytest.mark.skipif(not HAS_TORCHTITAN,
                                       reason="torchtitan not installed (pip install -e .[stacks])")
 
@@ -268,8 +302,10 @@ def torchtitan_reads(tmp_path_factory):
     one worker process."""
     jobs = [(to_torchtitan(layout, arch_of_spec(preset)), layout.devices)
             for preset, layout in CASES.values()] + [("", 8)]
+    jobs += [((PUBLISHED_DIR / f"{stem}.toml").read_text(), devices)
+             for stem, (devices, _) in PUBLISHED.items()]
     results = _run_worker(tmp_path_factory.mktemp("torchtitan"), "mesh", jobs)
-    return dict(zip([*CASES, "defaults"], results))
+    return dict(zip([*CASES, "defaults", *PUBLISHED], results))
 
 
 @needs_torchtitan
@@ -294,6 +330,20 @@ def test_exported_job_accepted_by_torchtitan(case, torchtitan_reads):
     assert ("quantize.linear.float8" in cfg["model"]["converters"]) == (layout.dtype == "fp8")
     assert cfg["compile"]["enable"] == layout.compiled
     back, _ = from_torchtitan(_toml_of(cfg), devices=layout.devices)
+    assert back == layout
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("stem", list(PUBLISHED))
+def test_published_configs_accepted_by_torchtitan(stem, torchtitan_reads):
+    """The published-run files are valid torchtitan 0.2.2 jobs (ConfigManager, ParallelDims,
+    meshes) and torchtitan's parsed config reads back as the layout meshplan read."""
+    devices, words = PUBLISHED[stem]
+    got = torchtitan_reads[stem]
+    layout, _ = from_torchtitan((PUBLISHED_DIR / f"{stem}.toml").read_text(), devices=devices)
+    assert got["dp_shard"] == layout.dp
+    assert got["meshes"].get("fsdp", 1) == layout.dp * layout.cp
+    back, _ = from_torchtitan(_toml_of(got["config"]), devices=devices)
     assert back == layout
 
 

@@ -443,6 +443,10 @@ def _recompute_of(g) -> str:
 def _dtype_of(g) -> str:
     converters = g("model", "converters")
     converters = converters.split(",") if isinstance(converters, str) else list(converters)
+    if "float8" in converters:
+        raise NotSupportedError("model.converters 'float8': torchtitan 0.2.2 registers the "
+                                f"float8 converter as {FLOAT8!r} (building 'float8' fails with "
+                                f"a KeyError); write {FLOAT8!r}")
     if FLOAT8 not in converters:
         return "fp32" if g("training", "mixed_precision_param") == "float32" else "bf16"
     section = "quantize.linear.float8"
