@@ -188,6 +188,13 @@ def test_unknown_flavor_refused_in_one_line():
      "ZBVZeroBubble"),
     ("[activation_checkpoint]\nmode = \"memory_budget\"\n", "memory_budget"),
     ("[training]\ndtype = \"bfloat16\"\n", "bfloat16"),
+    ("[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 4\n"
+     "module_fqns_per_model_part = [[\"tok_embeddings\", \"layers.0\"], "
+     "[\"layers.1\", \"norm\", \"output\"]]\n[training]\nlocal_batch_size = 8\n"
+     "global_batch_size = 32\n", "places 2 of the 6 layers"),
+    ("[parallelism]\npipeline_parallel_degree = 2\ndata_parallel_shard_degree = 4\n"
+     "module_fqns_per_model_part = [[\"layers.0\", \"tok_embeddings\"], "
+     "[\"layers.1\", \"norm\", \"output\"]]\n", "chunk 0 (layers.0, tok_embeddings)"),
 ])
 def test_import_refusals_in_one_line(toml, words):
     toml += "" if "activation" in toml else "[activation_checkpoint]\nmode = \"none\"\n"

@@ -320,7 +320,8 @@ def _split_of_fqns(parts: list) -> tuple[int, ...]:
                                                 range(expect, expect + len(layers))]
         want += ["norm", "output"] * (j == len(parts) - 1)
         if list(part) != want:
-            raise NotSupportedError(f"module_fqns_per_model_part chunk {j} {part}: meshplan "
+            raise NotSupportedError(f"module_fqns_per_model_part chunk {j} "
+                                    f"({', '.join(part[:3])}{', ...' * (len(part) > 3)}): meshplan "
                                     "reads contiguous layers, the embedding first and norm + "
                                     "output last; write the split in that form")
         counts.append(len(layers))
@@ -412,6 +413,10 @@ def _pipeline_of(g, pp: int, arch: ModelArch, local: int, per_rank: int):
     multi = schedule == "interleaved-1f1b"
     if fqns is not None:
         counts = _split_of_fqns(fqns)
+        if sum(counts) != arch.layers:
+            raise NotSupportedError(f"module_fqns_per_model_part places {sum(counts)} of the "
+                                    f"{arch.layers} layers (torchtitan drops the others); "
+                                    "list every layer once")
     else:
         first, last = g(P, "pipeline_parallel_first_stage_less_layers"), \
             g(P, "pipeline_parallel_last_stage_less_layers")
