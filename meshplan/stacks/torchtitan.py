@@ -1,0 +1,463 @@
+"""A plan as a torchtitan job: the TOML file ``torchtitan.train`` reads, and back.
+
+plan -> ``layout_of`` -> **to_torchtitan** -> job.toml -> ``torchrun -m torchtitan.train``;
+job.toml -> **from_torchtitan** -> ``StackLayout`` -> ``manual_plan`` -> estimate.
+
+Written for torchtitan 0.2.2, the last release whose jobs are TOML files read by
+``torchtitan.config.ConfigManager`` (0.3.0 moved to Python config registries with CLI
+overrides). ``problems`` states what torchtitan 0.2.2 runs, read from its own code (paths
+relative to its package):
+
+- data parallel: FSDP2 over ``dp_shard x cp`` (``distributed/parallel_dims.py``: "we always
+  assume that when cp is used, FSDP is also applied") is ZeRO-3, or ZeRO-2 with
+  ``fsdp_reshard_after_forward = "never"`` (``apply_fsdp``; its "default" reshards without a
+  pipeline and keeps the gathered weights with one); DDP (``data_parallel_replicate_degree``)
+  is ZeRO-0 and only alone (``apply_ddp``: "DDP has not supported > 1D parallelism"); no
+  ZeRO-1. Mixed precision goes through ``fully_shard`` (bf16 parameters, fp32 reduce), or
+  autocast under DDP / one device; with TP or PP but no FSDP it is off
+  (``distributed/utils.py maybe_enable_amp``).
+- tensor parallel: ``apply_tp`` always shards the norms over the sequence (SequenceParallel)
+  and splits wq/wk/wv by heads; ``seq_len`` must divide by ``tp x 2 x cp``
+  (``ParallelDims.seq_len_divisor``, asserted in ``parallelize_llama``).
+- context parallel: SDPA with the head-tail load balancer (the default flavors; FlexAttention
+  flavors take "ptrr"), sharding over ``cp`` ranks.
+- pipeline: ``get_schedule_class`` names (GPipe, 1F1B single-stage; Interleaved1F1B with
+  >= 2 stages per rank, looped: stage j on rank j % pp); the split as
+  ``module_fqns_per_model_part`` (exact; without it ``generate_llm_fqn_per_model_part``
+  splits ``n_layers + first/last_stage_less_layers`` evenly); qwen3 has no pipelining.
+- fp8: the ``quantize.linear.float8`` converter, tensorwise, weights all-gathered in fp8,
+  output head left in bf16 (as ``costmodel/fp8.py`` and the torchtitan engine profile price
+  it); activation checkpointing none / selective per op / full; ``[compile]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass, replace
+
+from meshplan.errors import MeshplanError, NotSupportedError, SpecError
+from meshplan.stacks.arch import ModelArch
+from meshplan.stacks.layout import StackLayout
+
+TORCHTITAN_VERSION = "0.2.2"
+FLOAT8 = "quantize.linear.float8"  # registered name (components/quantization/float8.py)
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+RECOMPUTE_MODES = {"none": "none", "selective": "selective", "full": "full"}
+
+
+def _llama3(dim, layers, heads, kv, ffn, vocab=128256) -> ModelArch:
+    return ModelArch(family="llama", hidden=dim, ffn_hidden=ffn, layers=layers, heads=heads,
+                     kv_heads=kv, head_dim=dim // heads, vocab=vocab, max_positions=131072,
+                     rope_theta=500000.0, norm_eps=1e-5)
+
+
+def _qwen3(dim, layers, heads, ffn, tied, vocab=151936) -> ModelArch:
+    return ModelArch(family="qwen3", hidden=dim, ffn_hidden=ffn, layers=layers, heads=heads,
+                     kv_heads=8, head_dim=128, vocab=vocab, max_positions=4096,
+                     rope_theta=1000000.0, norm_eps=1e-6, tied_embeddings=tied)
+
+
+# torchtitan 0.2.2's dense flavors (models/llama3/__init__.py llama3_args, models/qwen3/
+# __init__.py qwen3_args). llama3's FFN width is its FeedForward rule: int(2/3 * 4 dim),
+# times ffn_dim_multiplier, rounded up to multiple_of (8B: 1.3, 1024 -> 14336; 70B: 1.3,
+# 4096 -> 28672; 405B: 1.2, 4096 -> 53248; debugmodel: 256 -> 768, n_kv_heads = n_heads).
+# max_positions: the flavor's max_seq_len (torchtitan replaces it with training.seq_len).
+FLAVORS: dict[tuple[str, str], ModelArch] = {
+    ("llama3", "debugmodel"): _llama3(256, 6, 16, 16, 768, vocab=2048),
+    ("llama3", "8B"): _llama3(4096, 32, 32, 8, 14336),
+    ("llama3", "70B"): _llama3(8192, 80, 64, 8, 28672),
+    ("llama3", "405B"): _llama3(16384, 126, 128, 8, 53248),
+    ("qwen3", "debugmodel"): _qwen3(256, 8, 16, 3072, True, vocab=2048),
+    ("qwen3", "0.6B"): _qwen3(1024, 28, 16, 3072, True),
+    ("qwen3", "1.7B"): _qwen3(2048, 28, 16, 6144, True),
+    ("qwen3", "4B"): _qwen3(2560, 36, 32, 9728, True),
+    ("qwen3", "8B"): _qwen3(4096, 36, 32, 12288, False),
+    ("qwen3", "14B"): _qwen3(5120, 40, 40, 17408, False),
+    ("qwen3", "32B"): _qwen3(5120, 64, 64, 25600, False),
+}
+PIPELINED = ("llama",)  # families whose train spec has a pipelining_fn (qwen3's is None)
+
+# torchtitan 0.2.2's JobConfig defaults (config/job_config.py) for every key read here
+DEFAULTS = {
+    "model": {"name": "llama3", "flavor": "debugmodel", "converters": []},
+    "training": {"local_batch_size": 8, "global_batch_size": -1, "seq_len": 2048,
+                 "dtype": "float32", "mixed_precision_param": "bfloat16",
+                 "mixed_precision_reduce": "float32", "enable_cpu_offload": False},
+    "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
+                    "fsdp_reshard_after_forward": "default", "tensor_parallel_degree": 1,
+                    "pipeline_parallel_degree": 1, "module_fqns_per_model_part": None,
+                    "pipeline_parallel_first_stage_less_layers": 1,
+                    "pipeline_parallel_last_stage_less_layers": 1,
+                    "pipeline_parallel_layers_per_stage": None,
+                    "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_schedule_csv": "",
+                    "pipeline_parallel_microbatch_size": 1, "context_parallel_degree": 1,
+                    "context_parallel_load_balancer": "headtail", "expert_parallel_degree": 1},
+    "activation_checkpoint": {"mode": "selective", "selective_ac_option": "2"},
+    "compile": {"enable": False, "components": ["model", "loss"]},
+    "float8": {"enable_fsdp_float8_all_gather": False,
+               "precompute_float8_dynamic_scale_for_fsdp": False, "recipe_name": None},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Flavor:
+    name: str  # torchtitan model.name: "llama3" | "qwen3"
+    flavor: str
+
+
+def flavor_of(arch: ModelArch) -> Flavor | None:
+    """torchtitan's flavor with ``arch``'s dimensions (max_positions aside), or None."""
+    for (name, flavor), known in FLAVORS.items():
+        if replace(known, max_positions=arch.max_positions) == arch:
+            return Flavor(name, flavor)
+    return None
+
+
+def _flavor_names() -> str:
+    return "; ".join(f"{n}: " + ", ".join(f for m, f in FLAVORS if m == n)
+                     for n in ("llama3", "qwen3"))
+
+
+def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
+    """What torchtitan 0.2.2 cannot run of ``layout`` for ``arch``, one line each.
+
+    The model's own dimensions are not checked here (``plan --for torchtitan`` prices any
+    Llama / Qwen3): ``to_torchtitan`` refuses a model that matches none of torchtitan's
+    flavors (``flavor_problem``)."""
+    out = []
+    L, dpcp = layout, layout.dp * layout.cp
+    if L.zero == 1:
+        out.append("zero=1 (optimizer state only): torchtitan shards with FSDP2 (ZeRO-3, or "
+                   "ZeRO-2 with fsdp_reshard_after_forward='never') or replicates with DDP; "
+                   "re-plan with zero=2 or 3 (meshplan plan --for torchtitan)")
+    if L.zero == 0 and L.cp > 1:
+        out.append(f"zero=0 with cp={L.cp}: torchtitan always applies FSDP over dp_shard x cp "
+                   "when cp > 1; re-plan with zero=3 (or 2)")
+    elif L.zero == 0 and L.dp > 1 and L.tp * L.pp > 1:
+        out.append(f"zero=0 (DDP) over dp={L.dp} with tp={L.tp}, pp={L.pp}: torchtitan's "
+                   "apply_ddp refuses DDP beside other parallelisms ('DDP has not supported > "
+                   "1D parallelism'); re-plan with zero=3 (or 2)")
+    if L.zero in (2, 3) and dpcp == 1:
+        out.append(f"zero={L.zero} over dp x cp = 1: torchtitan applies FSDP only when "
+                   "dp_shard x cp > 1, so nothing is sharded; set zero=0 (the same run)")
+    if L.dtype != "fp32" and dpcp == 1 and L.tp * L.pp > 1:
+        out.append(f"dtype {L.dtype} with dp x cp = 1 and tp={L.tp}, pp={L.pp}: torchtitan "
+                   "applies mixed precision through fully_shard, and disables it under TP/PP "
+                   "without FSDP (maybe_enable_amp); use dp or cp > 1 with zero=3, or fp32")
+    if L.tp > 1 and not L.sequence_parallel:
+        out.append(f"tp={L.tp} without sequence parallelism: torchtitan's apply_tp always "
+                   "shards the norms over the sequence; set sequence_parallel=True")
+    if L.tp == 1 and L.sequence_parallel:
+        out.append("sequence_parallel with tp=1: there is no tensor-parallel group to shard "
+                   "the sequence over; set sequence_parallel=False")
+    if arch.heads % L.tp or arch.kv_heads % L.tp:
+        ok = [t for t in range(1, arch.kv_heads + 1)
+              if arch.heads % t == 0 and arch.kv_heads % t == 0]
+        out.append(f"tp={L.tp} must divide the attention heads ({arch.heads}) and kv heads "
+                   f"({arch.kv_heads}): torchtitan splits wq/wk/wv by heads; choose tp in "
+                   f"{{{', '.join(map(str, ok))}}}")
+    divisor = L.tp * 2 * L.cp
+    if L.seq_len % divisor:
+        out.append(f"seq_len {L.seq_len} is not a multiple of tp x 2 x cp = {divisor} "
+                   "(torchtitan's seq_len_divisor for sequence and context parallelism); "
+                   f"use a multiple of {divisor}")
+    out += _pipeline_problems(L, arch)
+    return tuple(out)
+
+
+def flavor_problem(arch: ModelArch) -> str | None:
+    """One line when ``arch`` matches none of torchtitan 0.2.2's flavors, else None."""
+    if flavor_of(arch) is not None:
+        return None
+    return (f"model {arch.words()}: matches no torchtitan {TORCHTITAN_VERSION} flavor "
+            f"({_flavor_names()}); torchtitan builds models from its flavor tables only: "
+            "plan a model with one of these dimensions, or add a flavor to torchtitan")
+
+
+def _pipeline_problems(L: StackLayout, arch: ModelArch) -> list[str]:
+    out = []
+    if L.pp == 1:
+        if L.schedule != "1f1b" or L.virtual_stages != 1 or L.stage_layers:
+            out.append(f"schedule {L.schedule} x{L.virtual_stages} or a stage split with pp=1: "
+                       "nothing is pipelined; use schedule='1f1b', virtual_stages=1, no split")
+        return out
+    if arch.family not in PIPELINED:
+        out.append(f"pp={L.pp} for {arch.family}: torchtitan {TORCHTITAN_VERSION}'s "
+                   f"{arch.family} train spec has no pipelining_fn; use pp=1 (or a Llama)")
+    if L.schedule == "interleaved-1f1b" and L.virtual_stages < 2:
+        out.append(f"interleaved-1f1b with virtual_stages={L.virtual_stages}: torchtitan's "
+                   "multi-stage schedules need >= 2 stages per rank; use 1f1b or "
+                   "virtual_stages >= 2")
+    if L.schedule != "interleaved-1f1b" and L.virtual_stages != 1:
+        out.append(f"virtual_stages={L.virtual_stages} with {L.schedule}: torchtitan's "
+                   "single-stage schedules run one stage per rank; set virtual_stages=1")
+    if not out:
+        try:
+            counts = L.layers_per_chunk(arch.layers)
+        except MeshplanError as exc:  # more chunks than the even split can fill
+            return [f"stage split of {arch.layers} layers into {L.chunks} chunks: {exc}"]
+        if len(counts) != L.chunks or sum(counts) != arch.layers or \
+                any(c == 0 for c in counts[1:-1]) or min(counts) < 0:
+            out.append(f"stage split {list(counts)}: torchtitan needs {L.chunks} chunks of "
+                       f"{arch.layers} layers in all, none but the first or last empty; "
+                       "re-plan the split")
+    return out
+
+
+def _fqns(counts: tuple[int, ...]) -> list[list[str]]:
+    parts, start = [], 0
+    for j, n in enumerate(counts):
+        part = ["tok_embeddings"] if j == 0 else []
+        part += [f"layers.{i}" for i in range(start, start + n)]
+        part += ["norm", "output"] if j == len(counts) - 1 else []
+        parts.append(part)
+        start += n
+    return parts
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    if value and isinstance(value[0], list):  # the split: one chunk a line
+        return "[\n" + "".join(f"  {_toml(v)},\n" for v in value) + "]"
+    return "[" + ", ".join(_toml(v) for v in value) + "]"
+
+
+def to_torchtitan(layout: StackLayout, arch: ModelArch) -> str:
+    """torchtitan 0.2.2 TOML job config of ``layout``; NotSupportedError with the first of
+    ``problems`` when torchtitan cannot run it."""
+    found = (flavor_problem(arch),) + problems(layout, arch)
+    if any(found):
+        raise NotSupportedError(next(p for p in found if p))
+    L, flavor = layout, flavor_of(arch)
+    fsdp = L.zero in (2, 3)
+    pipelined = L.pp > 1
+    if L.zero == 3:
+        reshard = "always" if pipelined else "default"
+    else:
+        reshard = "never" if fsdp else "default"
+    local = L.global_batch // L.dp if pipelined else L.microbatch_size
+    sections = {
+        "job": {"description": f"meshplan plan {L.words()}, written for torchtitan "
+                               f"{TORCHTITAN_VERSION}"},
+        "model": {"name": flavor.name, "flavor": flavor.flavor}
+        | ({"converters": [FLOAT8]} if L.dtype == "fp8" else {}),
+        "training": {"local_batch_size": local, "global_batch_size": L.global_batch,
+                     "seq_len": L.seq_len, "dtype": "float32",
+                     "mixed_precision_param": "float32" if L.dtype == "fp32" else "bfloat16",
+                     "mixed_precision_reduce": "float32"},
+        "parallelism": {"data_parallel_replicate_degree": 1 if fsdp else L.dp,
+                        "data_parallel_shard_degree": L.dp if fsdp else 1,
+                        "fsdp_reshard_after_forward": reshard,
+                        "tensor_parallel_degree": L.tp, "context_parallel_degree": L.cp}
+        | ({"context_parallel_load_balancer": "headtail"} if L.cp > 1 else {})
+        | {"pipeline_parallel_degree": L.pp}
+        | ({"pipeline_parallel_schedule": SCHEDULE_NAMES[L.schedule],
+            "pipeline_parallel_microbatch_size": L.microbatch_size,
+            "module_fqns_per_model_part": _fqns(L.layers_per_chunk(arch.layers))}
+           if pipelined else {}),
+        "activation_checkpoint": {"mode": RECOMPUTE_MODES[L.recompute]}
+        | ({"selective_ac_option": "op"} if L.recompute == "selective" else {}),
+        "compile": {"enable": L.compiled, "components": ["model", "loss"]},
+    }
+    if L.dtype == "fp8":
+        sections["quantize.linear.float8"] = {
+            "enable_fsdp_float8_all_gather": True,
+            "precompute_float8_dynamic_scale_for_fsdp": True, "filter_fqns": ["output"]}
+    lines = [f"# torchtitan {TORCHTITAN_VERSION} job config written by meshplan "
+             f"({L.devices} devices: torchrun --nproc_per_node ... -m torchtitan.train "
+             "--job.config_file THIS_FILE).",
+             "# torchtitan >= 0.3 reads Python config registries, not TOML: port the keys "
+             "below by hand."]
+    for name, keys in sections.items():
+        lines += ["", f"[{name}]"] + [f"{k} = {_toml(v)}" for k, v in keys.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _get(doc: dict, section: str, key: str):
+    table = doc
+    for part in section.split("."):
+        table = table.get(part, {}) if isinstance(table, dict) else {}
+    defaults = DEFAULTS["float8" if section == "quantize.linear.float8" else section]
+    return table.get(key, defaults[key]) if isinstance(table, dict) else defaults[key]
+
+
+def default_split(num_stages: int, num_layers: int, first_less: int, last_less: int):
+    """Layers per stage as torchtitan 0.2.2 splits them without module_fqns_per_model_part
+    (pipeline_parallel.py generate_llm_fqn_per_model_part): the embedding counts as
+    ``first_less`` layers, norm + output as ``last_less``, and ``n_layers`` plus both are
+    dealt out evenly, the remainder to the first stages."""
+    if num_stages == 1:
+        return (num_layers,)
+    effective = num_layers + first_less + last_less
+    per, extra = divmod(effective, num_stages)
+    if per == 0 or first_less > per or last_less > per:
+        raise SpecError(f"pipeline split of {num_layers} layers (+{first_less} +{last_less}) "
+                        f"into {num_stages} stages: torchtitan refuses it (an empty stage, or "
+                        "a first/last weight above the layers per stage); set "
+                        "module_fqns_per_model_part")
+    counts, left = [], num_layers
+    for j in range(num_stages):
+        n = per + (j < extra) - (first_less if j == 0 else 0) - \
+            (last_less if j == num_stages - 1 else 0)
+        n = max(0, min(n, left))
+        counts.append(n)
+        left -= n
+    return tuple(counts)
+
+
+def _split_of_fqns(parts: list) -> tuple[int, ...]:
+    counts, expect = [], 0
+    for j, part in enumerate(parts):
+        layers = [p for p in part if p.startswith("layers.")]
+        want = ["tok_embeddings"] * (j == 0) + [f"layers.{i}" for i in
+                                                range(expect, expect + len(layers))]
+        want += ["norm", "output"] * (j == len(parts) - 1)
+        if list(part) != want:
+            raise NotSupportedError(f"module_fqns_per_model_part chunk {j} "
+                                    f"({', '.join(part[:3])}{', ...' * (len(part) > 3)}): meshplan "
+                                    "reads contiguous layers, the embedding first and norm + "
+                                    "output last; write the split in that form")
+        counts.append(len(layers))
+        expect += len(layers)
+    return tuple(counts)
+
+
+def from_torchtitan(text: str, *, devices: int | None = None) -> tuple[StackLayout, ModelArch]:
+    """The layout and model of a torchtitan 0.2.2 TOML job config; keys it lacks take
+    torchtitan's JobConfig defaults. ``devices`` resolves ``data_parallel_shard_degree = -1``."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"torchtitan job config: not TOML ({exc})") from None
+    g = lambda section, key: _get(doc, section, key)  # noqa: E731
+    name, flavor = g("model", "name"), g("model", "flavor")
+    arch = FLAVORS.get((name, flavor))
+    if arch is None:
+        raise SpecError(f"torchtitan model {name!r} flavor {flavor!r}: not one of torchtitan "
+                        f"{TORCHTITAN_VERSION}'s dense flavors ({_flavor_names()}); give one of "
+                        "these or plan the model from its transformers spec")
+    P = "parallelism"
+    rep, shard = g(P, "data_parallel_replicate_degree"), g(P, "data_parallel_shard_degree")
+    tp, cp, pp = g(P, "tensor_parallel_degree"), g(P, "context_parallel_degree"), \
+        g(P, "pipeline_parallel_degree")
+    if shard == -1:
+        if devices is None:
+            raise SpecError("data_parallel_shard_degree = -1 takes the devices left over: pass "
+                            "the device count (--devices / the mesh)")
+        shard = devices // (rep * tp * cp * pp)
+    if devices is not None and rep * shard * tp * cp * pp != devices:
+        raise SpecError(f"replicate {rep} x shard {shard} x tp {tp} x cp {cp} x pp {pp} != "
+                        f"{devices} devices (torchtitan's ParallelDims check); fix the degrees")
+    unsupported = [
+        (rep > 1 and shard > 1, f"HSDP (replicate {rep} x shard {shard}): meshplan's layouts "
+                                "shard over all of dp; use one of the two"),
+        (g(P, "expert_parallel_degree") > 1, "expert parallelism: the export covers dense models"),
+        (bool(g(P, "pipeline_parallel_schedule_csv")), "a pipeline schedule from a csv file"),
+        (g("training", "enable_cpu_offload"), "FSDP CPU offload"),
+        (g("training", "dtype") != "float32", "training.dtype bfloat16 (no fp32 master "
+                                              "weights); meshplan prices mixed precision"),
+        (cp > 1 and g(P, "context_parallel_load_balancer") != "headtail",
+         "context parallelism without the head-tail load balancer (meshplan prices it)"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise NotSupportedError(f"torchtitan config: {what}; not expressible as a meshplan "
+                                    "layout")
+    fsdp = shard * cp > 1
+    if fsdp:
+        reshard = g(P, "fsdp_reshard_after_forward")
+        zero = {"always": 3, "never": 2}.get(reshard, 2 if pp > 1 else 3)
+    else:
+        zero = 0
+    dp = rep * shard
+    local = g("training", "local_batch_size")
+    global_batch = g("training", "global_batch_size")
+    global_batch = local * dp if global_batch < 0 else global_batch
+    seq_len = g("training", "seq_len")
+    schedule, v, mb, stage_layers = "1f1b", 1, local, ()
+    if pp > 1:
+        schedule, v, mb, stage_layers = _pipeline_of(g, pp, arch, local, global_batch // dp)
+    layout = StackLayout(dp=dp, tp=tp, cp=cp, pp=pp, schedule=schedule, virtual_stages=v,
+                         microbatch_size=mb, global_batch=global_batch, seq_len=seq_len,
+                         recompute=_recompute_of(g), sequence_parallel=tp > 1, zero=zero,
+                         dtype=_dtype_of(g), compiled=bool(g("compile", "enable") and
+                                                           "model" in g("compile", "components")),
+                         stage_layers=stage_layers)
+    if stage_layers and replace(layout, stage_layers=()).layers_per_chunk(arch.layers) == \
+            stage_layers:
+        layout = replace(layout, stage_layers=())
+    return layout, arch
+
+
+def _pipeline_of(g, pp: int, arch: ModelArch, local: int, per_rank: int):
+    P = "parallelism"
+    names = {k.lower(): k for k in SCHEDULE_NAMES.values()}
+    given = g(P, "pipeline_parallel_schedule")
+    if given.lower() not in names:
+        raise NotSupportedError(f"pipeline schedule {given!r}: meshplan prices "
+                                f"{', '.join(SCHEDULE_NAMES.values())}; choose one of these")
+    schedule = {v: k for k, v in SCHEDULE_NAMES.items()}[names[given.lower()]]
+    if local != per_rank:
+        raise NotSupportedError(f"local_batch_size {local} with pp={pp} and "
+                                f"{per_rank // local} gradient accumulation steps: meshplan's "
+                                "layout runs the whole per-rank batch through one pipeline "
+                                f"flush; set local_batch_size = {per_rank}")
+    fqns = g(P, "module_fqns_per_model_part")
+    multi = schedule == "interleaved-1f1b"
+    if fqns is not None:
+        counts = _split_of_fqns(fqns)
+        if sum(counts) != arch.layers:
+            raise NotSupportedError(f"module_fqns_per_model_part places {sum(counts)} of the "
+                                    f"{arch.layers} layers (torchtitan drops the others); "
+                                    "list every layer once")
+    else:
+        first, last = g(P, "pipeline_parallel_first_stage_less_layers"), \
+            g(P, "pipeline_parallel_last_stage_less_layers")
+        per = g(P, "pipeline_parallel_layers_per_stage")
+        stages = math.ceil((arch.layers + first + last) / per) if per else pp * (2 if multi else 1)
+        counts = default_split(stages, arch.layers, first, last)
+    if len(counts) % pp or (len(counts) // pp != 1) != multi or (multi and len(counts) < 2 * pp):
+        raise NotSupportedError(f"{len(counts)} pipeline chunks on pp={pp} with {given}: "
+                                "torchtitan runs one per rank for GPipe/1F1B, >= 2 per rank for "
+                                "Interleaved1F1B; fix the split")
+    return schedule, len(counts) // pp, g(P, "pipeline_parallel_microbatch_size"), counts
+
+
+def _recompute_of(g) -> str:
+    mode = g("activation_checkpoint", "mode")
+    option = str(g("activation_checkpoint", "selective_ac_option"))
+    if mode == "selective" and option == "1":
+        return "full"  # every block checkpointed whole (_apply_layer_sac, ac_freq 1)
+    if mode == "selective" and option != "op":
+        raise NotSupportedError(f"activation_checkpoint selective_ac_option {option!r} (every "
+                                f"{option}th block): meshplan's layouts recompute every block "
+                                "alike; use 'op', mode 'full' or 'none'")
+    if mode not in RECOMPUTE_MODES:
+        raise NotSupportedError(f"activation_checkpoint mode {mode!r}: meshplan prices none, "
+                                "selective (op) and full; use one of these")
+    return mode
+
+
+def _dtype_of(g) -> str:
+    converters = g("model", "converters")
+    converters = converters.split(",") if isinstance(converters, str) else list(converters)
+    if "float8" in converters:
+        raise NotSupportedError("model.converters 'float8': torchtitan 0.2.2 registers the "
+                                f"float8 converter as {FLOAT8!r} (building 'float8' fails with "
+                                f"a KeyError); write {FLOAT8!r}")
+    if FLOAT8 not in converters:
+        return "fp32" if g("training", "mixed_precision_param") == "float32" else "bf16"
+    section = "quantize.linear.float8"
+    if g(section, "recipe_name") not in (None, "tensorwise") or \
+            not g(section, "enable_fsdp_float8_all_gather"):
+        raise NotSupportedError("float8 other than tensorwise with fp8 all-gather: meshplan "
+                                "prices torchtitan's float8 as tensorwise with "
+                                "enable_fsdp_float8_all_gather; set those")
+    return "fp8"
