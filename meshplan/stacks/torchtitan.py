@@ -40,11 +40,13 @@ from dataclasses import dataclass, replace
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.stacks.arch import ModelArch
 from meshplan.stacks.layout import StackLayout
+from meshplan.schedules import Schedule
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 TORCHTITAN_VERSION = "0.2.2"
 FLOAT8 = "quantize.linear.float8"  # registered name (components/quantization/float8.py)
-SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
-RECOMPUTE_MODES = {"none": "none", "selective": "selective", "full": "full"}
+SCHEDULE_NAMES = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED: "Interleaved1F1B"}
+RECOMPUTE_MODES = {Recompute.NONE: Recompute.NONE, Recompute.SELECTIVE: Recompute.SELECTIVE, Recompute.FULL: Recompute.FULL}
 
 
 def _llama3(dim, layers, heads, kv, ffn, vocab=128256) -> ModelArch:
@@ -94,7 +96,7 @@ DEFAULTS = {
                     "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_schedule_csv": "",
                     "pipeline_parallel_microbatch_size": 1, "context_parallel_degree": 1,
                     "context_parallel_load_balancer": "headtail", "expert_parallel_degree": 1},
-    "activation_checkpoint": {"mode": "selective", "selective_ac_option": "2"},
+    "activation_checkpoint": {"mode": Recompute.SELECTIVE, "selective_ac_option": "2"},
     "compile": {"enable": False, "components": ["model", "loss"]},
     "float8": {"enable_fsdp_float8_all_gather": False,
                "precompute_float8_dynamic_scale_for_fsdp": False, "recipe_name": None},
@@ -142,7 +144,7 @@ def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
     if L.zero in (2, 3) and dpcp == 1:
         out.append(f"zero={L.zero} over dp x cp = 1: torchtitan applies FSDP only when "
                    "dp_shard x cp > 1, so nothing is sharded; set zero=0 (the same run)")
-    if L.dtype != "fp32" and dpcp == 1 and L.tp * L.pp > 1:
+    if L.dtype != ComputeDtype.FP32 and dpcp == 1 and L.tp * L.pp > 1:
         out.append(f"dtype {L.dtype} with dp x cp = 1 and tp={L.tp}, pp={L.pp}: torchtitan "
                    "applies mixed precision through fully_shard, and disables it under TP/PP "
                    "without FSDP (maybe_enable_amp); use dp or cp > 1 with zero=3, or fp32")
@@ -179,18 +181,18 @@ def flavor_problem(arch: ModelArch) -> str | None:
 def _pipeline_problems(L: StackLayout, arch: ModelArch) -> list[str]:
     out = []
     if L.pp == 1:
-        if L.schedule != "1f1b" or L.virtual_stages != 1 or L.stage_layers:
+        if L.schedule != Schedule.ONE_F_ONE_B or L.virtual_stages != 1 or L.stage_layers:
             out.append(f"schedule {L.schedule} x{L.virtual_stages} or a stage split with pp=1: "
                        "nothing is pipelined; use schedule='1f1b', virtual_stages=1, no split")
         return out
     if arch.family not in PIPELINED:
         out.append(f"pp={L.pp} for {arch.family}: torchtitan {TORCHTITAN_VERSION}'s "
                    f"{arch.family} train spec has no pipelining_fn; use pp=1 (or a Llama)")
-    if L.schedule == "interleaved-1f1b" and L.virtual_stages < 2:
+    if L.schedule == Schedule.INTERLEAVED and L.virtual_stages < 2:
         out.append(f"interleaved-1f1b with virtual_stages={L.virtual_stages}: torchtitan's "
                    "multi-stage schedules need >= 2 stages per rank; use 1f1b or "
                    "virtual_stages >= 2")
-    if L.schedule != "interleaved-1f1b" and L.virtual_stages != 1:
+    if L.schedule != Schedule.INTERLEAVED and L.virtual_stages != 1:
         out.append(f"virtual_stages={L.virtual_stages} with {L.schedule}: torchtitan's "
                    "single-stage schedules run one stage per rank; set virtual_stages=1")
     if not out:
@@ -247,10 +249,10 @@ def to_torchtitan(layout: StackLayout, arch: ModelArch) -> str:
         "job": {"description": f"meshplan plan {L.words()}, written for torchtitan "
                                f"{TORCHTITAN_VERSION}"},
         "model": {"name": flavor.name, "flavor": flavor.flavor}
-        | ({"converters": [FLOAT8]} if L.dtype == "fp8" else {}),
+        | ({"converters": [FLOAT8]} if L.dtype == ComputeDtype.FP8 else {}),
         "training": {"local_batch_size": local, "global_batch_size": L.global_batch,
                      "seq_len": L.seq_len, "dtype": "float32",
-                     "mixed_precision_param": "float32" if L.dtype == "fp32" else "bfloat16",
+                     "mixed_precision_param": "float32" if L.dtype == ComputeDtype.FP32 else "bfloat16",
                      "mixed_precision_reduce": "float32"},
         "parallelism": {"data_parallel_replicate_degree": 1 if fsdp else L.dp,
                         "data_parallel_shard_degree": L.dp if fsdp else 1,
@@ -263,10 +265,10 @@ def to_torchtitan(layout: StackLayout, arch: ModelArch) -> str:
             "module_fqns_per_model_part": _fqns(L.layers_per_chunk(arch.layers))}
            if pipelined else {}),
         "activation_checkpoint": {"mode": RECOMPUTE_MODES[L.recompute]}
-        | ({"selective_ac_option": "op"} if L.recompute == "selective" else {}),
+        | ({"selective_ac_option": "op"} if L.recompute == Recompute.SELECTIVE else {}),
         "compile": {"enable": L.compiled, "components": ["model", "loss"]},
     }
-    if L.dtype == "fp8":
+    if L.dtype == ComputeDtype.FP8:
         sections["quantize.linear.float8"] = {
             "enable_fsdp_float8_all_gather": True,
             "precompute_float8_dynamic_scale_for_fsdp": True, "filter_fqns": ["output"]}
@@ -381,7 +383,7 @@ def from_torchtitan(text: str, *, devices: int | None = None) -> tuple[StackLayo
     global_batch = g("training", "global_batch_size")
     global_batch = local * dp if global_batch < 0 else global_batch
     seq_len = g("training", "seq_len")
-    schedule, v, mb, stage_layers = "1f1b", 1, local, ()
+    schedule, v, mb, stage_layers = Schedule.ONE_F_ONE_B, 1, local, ()
     if pp > 1:
         schedule, v, mb, stage_layers = _pipeline_of(g, pp, arch, local, global_batch // dp)
     layout = StackLayout(dp=dp, tp=tp, cp=cp, pp=pp, schedule=schedule, virtual_stages=v,
@@ -410,7 +412,7 @@ def _pipeline_of(g, pp: int, arch: ModelArch, local: int, per_rank: int):
                                 "layout runs the whole per-rank batch through one pipeline "
                                 f"flush; set local_batch_size = {per_rank}")
     fqns = g(P, "module_fqns_per_model_part")
-    multi = schedule == "interleaved-1f1b"
+    multi = schedule == Schedule.INTERLEAVED
     if fqns is not None:
         counts = _split_of_fqns(fqns)
         if sum(counts) != arch.layers:
@@ -433,9 +435,9 @@ def _pipeline_of(g, pp: int, arch: ModelArch, local: int, per_rank: int):
 def _recompute_of(g) -> str:
     mode = g("activation_checkpoint", "mode")
     option = str(g("activation_checkpoint", "selective_ac_option"))
-    if mode == "selective" and option == "1":
-        return "full"  # every block checkpointed whole (_apply_layer_sac, ac_freq 1)
-    if mode == "selective" and option != "op":
+    if mode == Recompute.SELECTIVE and option == "1":
+        return Recompute.FULL  # every block checkpointed whole (_apply_layer_sac, ac_freq 1)
+    if mode == Recompute.SELECTIVE and option != "op":
         raise NotSupportedError(f"activation_checkpoint selective_ac_option {option!r} (every "
                                 f"{option}th block): meshplan's layouts recompute every block "
                                 "alike; use 'op', mode 'full' or 'none'")
@@ -453,11 +455,11 @@ def _dtype_of(g) -> str:
                                 f"float8 converter as {FLOAT8!r} (building 'float8' fails with "
                                 f"a KeyError); write {FLOAT8!r}")
     if FLOAT8 not in converters:
-        return "fp32" if g("training", "mixed_precision_param") == "float32" else "bf16"
+        return ComputeDtype.FP32 if g("training", "mixed_precision_param") == "float32" else ComputeDtype.BF16
     section = "quantize.linear.float8"
     if g(section, "recipe_name") not in (None, "tensorwise") or \
             not g(section, "enable_fsdp_float8_all_gather"):
         raise NotSupportedError("float8 other than tensorwise with fp8 all-gather: meshplan "
                                 "prices torchtitan's float8 as tensorwise with "
                                 "enable_fsdp_float8_all_gather; set those")
-    return "fp8"
+    return ComputeDtype.FP8
