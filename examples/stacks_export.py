@@ -9,7 +9,7 @@ What a user of those stacks does with meshplan (docs/torchtitan.md, docs/megatro
    ``pretrain_gpt.py`` arguments);
 3. ``meshplan.import_plan(file, target, mesh)``: a configuration file read back and priced.
 ``--check`` asserts that the file read back is the same layout with the same prediction.
-The model is a small Llama (random weights, nothing downloaded) on two 8-GPU H100 nodes,
+The model is a small Llama (torchtitan's debug flavor, random weights, nothing downloaded) on two 8-GPU H100 nodes,
 planned on the meta device: no GPU is needed.
 """
 
@@ -23,9 +23,11 @@ import torch
 import meshplan
 from meshplan.specs import parse_model_spec
 
-SPEC = ("transformers:llama?hidden_size=512&intermediate_size=1536&num_hidden_layers=8"
-        "&num_attention_heads=8&num_key_value_heads=4&vocab_size=4096"
-        "&max_position_embeddings=4096")
+# the dimensions of torchtitan's llama3 "debugmodel" flavor: an export to torchtitan names a
+# flavor it ships (llama3 8B / 70B / 405B, qwen3 ...); use llama3.1-8b etc. for real runs
+SPEC = ("transformers:llama?hidden_size=256&intermediate_size=768&num_hidden_layers=6"
+        "&num_attention_heads=16&num_key_value_heads=16&vocab_size=2048"
+        "&max_position_embeddings=131072&rope_theta=500000&rms_norm_eps=1e-05")
 BATCH, SEQ = 32, 4096
 
 

@@ -40,3 +40,15 @@ def test_factories_example_plans_every_factory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "convnet: meshplan plan" in proc.stdout
     assert "encoder_decoder: meshplan plan" in proc.stdout
+
+
+def test_stacks_export_example_reads_back_what_it_wrote(tmp_path):
+    """examples/stacks_export.py: plan --for torchtitan and megatron, export, import: the same
+    layouts and predictions come back (its --check asserts them)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "stacks_export.py"), "--check",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "read back: same layouts, same predictions" in proc.stdout
+    assert (tmp_path / "torchtitan.toml").exists() and (tmp_path / "megatron.txt").exists()

@@ -5,9 +5,10 @@ import pytest
 
 from meshplan.cli import main
 
-M = ("transformers:llama?hidden_size=128&intermediate_size=384&num_hidden_layers=4"
-     "&num_attention_heads=4&num_key_value_heads=2&vocab_size=1024"
-     "&max_position_embeddings=8192")
+# torchtitan's llama3 "debugmodel" flavor (an export names a flavor torchtitan ships)
+M = ("transformers:llama?hidden_size=256&intermediate_size=768&num_hidden_layers=6"
+     "&num_attention_heads=16&num_key_value_heads=16&vocab_size=2048"
+     "&max_position_embeddings=131072&rope_theta=500000&rms_norm_eps=1e-05")
 PLAN = ["plan", "--model", M, "--mesh", "dgx-h100:nodes=1", "--batch", "16", "--seq", "8192"]
 
 
