@@ -48,8 +48,9 @@ def cmd_plan(args) -> int:
     if args.for_:
         from meshplan.stacks.search import search_layouts
 
-        plan, _ = search_layouts(loaded.model, mesh, args.for_, graph=graph, dtype=args.dtype or ComputeDtype.BF16,
-                           compiled=args.compile)
+        plan, _ = search_layouts(loaded.model, mesh, args.for_, graph=graph,
+                                 dtype=args.dtype or ComputeDtype.BF16, compiled=args.compile,
+                                 time_limit_s=args.time_limit_s)
     elif args.manual:
         plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,
                                     dtype=args.dtype, engine=args.engine,
@@ -259,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
                    "recompute=none,sp=0,zero=0")
     p.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None)
-    p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0)
+    p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0, help="the solver's limit; "
+                   "with --for, the layout search keeps the best found after this long")
     p.add_argument("--engine", choices=("auto",) + ENGINES + STACK_TARGETS, default="auto",
                    help="the runtime the plan names: auto picks the module engine (PyTorch's "
                    "composables) where the plan is expressible in it; torchtitan / megatron "

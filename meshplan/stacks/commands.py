@@ -20,12 +20,15 @@ from meshplan.vocabulary import ComputeDtype
 SUFFIX = {"torchtitan": ".toml", "megatron": ".txt"}
 
 
-def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None, dtype: str = ComputeDtype.BF16,
-             compiled: bool = False, model_name: str = "") -> Plan:
+def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None,
+             dtype: str = ComputeDtype.BF16, compiled: bool = False, model_name: str = "",
+             time_limit_s: float | None = None) -> Plan:
     """The best plan the stack ``to`` ("torchtitan" or "megatron") runs for ``model`` on
     ``mesh``, searched over the layouts it accepts and priced as it runs them
     (meshplan/stacks/search.py); ``plan.engine`` names the stack. Export it with
-    ``export_plan``. ``compiled``: torchtitan's torch.compile, priced and exported."""
+    ``export_plan``. ``compiled``: torchtitan's torch.compile, priced and exported.
+    ``time_limit_s``: keep the best found when the search runs longer (the plan's
+    ``solver.status`` says how many layouts were left unpriced)."""
     from meshplan.api import as_mesh
     from meshplan.stacks.search import search_layouts
     from meshplan.tracing import trace
@@ -33,7 +36,8 @@ def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None, dtype: str 
     mesh = as_mesh(mesh)
     if graph is None:
         graph = trace(model, example_inputs, model_name=model_name or type(model).__name__)
-    return search_layouts(model, mesh, to, graph=graph, dtype=dtype, compiled=compiled)[0]
+    return search_layouts(model, mesh, to, graph=graph, dtype=dtype, compiled=compiled,
+                          time_limit_s=time_limit_s)[0]
 
 
 def export_plan(plan: Plan, to: str, *, model_spec: str = "", graph=None) -> str:

@@ -151,10 +151,14 @@ class Priced:
 
 def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype.BF16,
                    compiled: bool = False, arch=None, progress=None,
-                   exhaustive: bool = False) -> tuple[Plan, list[Priced]]:
+                   exhaustive: bool = False,
+                   time_limit_s: float | None = None) -> tuple[Plan, list[Priced]]:
     """The best plan ``target`` runs for ``model`` on ``mesh`` (module docstring), and the
     priced layouts; PlanningError (one line) when none fits. ``exhaustive`` prices every
-    layout, without the prunings (the test that they drop nothing compares the two)."""
+    layout, without the prunings (the test that they drop nothing compares the two).
+    ``time_limit_s``: stop pricing new placement groups after this long and keep the best
+    found so far; the plan's solver status then says how many layouts were left unpriced
+    (the plan is the best found, not proven the best)."""
     from meshplan.costmodel.estimate import default_runtime, estimate_plan
     from meshplan.planner.manual import build_manual_plan
     from meshplan.planner.simplest import error_margin
@@ -186,7 +190,13 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     best: tuple[float, StackLayout, Plan] | None = None
     bounded = 0
     margin = error_margin(hw)
-    for i, (key, lays) in enumerate(sorted(groups.items(), key=lambda kv: _promise(kv[0]))):
+    ordered = sorted(groups.items(), key=lambda kv: _promise(kv[0]))
+    unpriced = 0
+    for i, (key, lays) in enumerate(ordered):
+        if time_limit_s is not None and best is not None and \
+                time.perf_counter() - start > time_limit_s:
+            unpriced = sum(len(g) for _, g in ordered[i:])
+            break
         first = lays[0]
         base = build_manual_plan(graph, mesh, **{**first.manual_kwargs(), "recompute": "none"},
                                  vocab_parallel_cp=True, optimizer="adam", priced=False)
@@ -229,10 +239,13 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     runner = "" if fastest.layout == chosen.layout else \
         (f"{fastest.layout.words()} ({1 - fastest.step_time_s / chosen.step_time_s:.1%} "
          f"faster, within the {margin:.1%} margin)")
+    stopped = (f"; stopped at the {time_limit_s:g} s time limit with {unpriced} layouts "
+               "unpriced: the best found, not proven the best") if unpriced else ""
     solver = replace(plan.solver, name=f"meshplan.stacks.search ({target})",
                      status=f"best of the {len(space)} layouts {target} runs: {len(priced)} "
                             f"priced, {bounded} bounded by their compute, "
-                            f"{len(space) - len(priced) - bounded} by memory or recompute",
+                            f"{len(space) - len(priced) - bounded - unpriced} by memory or "
+                            f"recompute{stopped}",
                      margin=margin, runner_up=runner)
     return replace(plan, solver=solver, wall_time_s=time.perf_counter() - start), priced
 
