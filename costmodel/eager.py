@@ -15,7 +15,8 @@ the kernels one by one, a pure function of the OpGraph:
   PyTorch). Explicit casts in the user's code (``x.float()``, ``.to(x.dtype)``, ``type_as``)
   show in an fp32 trace as casts to float32: one that reads a narrower value is an upcast
   (RMSNorm's ``x.float()``); one that reads fp32 casts back to the dtype the chain came from
-  (``.to(input_dtype)``). Elementwise results take the widest float input (PyTorch's type
+  (``.to(input_dtype)``), or, for a value that depends on no input or weight (a rotary
+  position table), to the activations' dtype (``cos.to(x.dtype)``). Elementwise results take the widest float input (PyTorch's type
   promotion), reductions and views their input's, matmuls and attention the compute dtype.
 - **forward kernels**: one per non-view operator over the bytes it reads and writes at
   those dtypes; a cast that changes the dtype and a ``cat`` copy (views in the trace, free
@@ -153,6 +154,7 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
     weights = 4 if precision == "autocast" else compute
     size: dict[str, int] = {}
     origin: dict[str, int] = {}  # the dtype a value had before an explicit upcast
+    data = graph.data_nodes
     for p in graph.params:
         size[p.name] = origin[p.name] = weights if _is_float(p.dtype) else \
             max(1, _meta_itemsize(p.dtype))
@@ -177,6 +179,8 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
                 b = o = 2
             elif src < _meta_itemsize(out.dtype):
                 b, o = _meta_itemsize(out.dtype), src  # x.float(): an upcast
+            elif floats[0] not in data:  # a position table cast to the activations' dtype
+                b = o = weights
             else:
                 b = o = origin[floats[0]]  # .to(x.dtype) of an fp32 value: cast back
         else:
