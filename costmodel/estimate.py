@@ -1018,20 +1018,36 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
+    kernels = _cached_eager_kernels(cache, graph, dtype, eager, m, compiled) if eager else None
     result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
                             causal=causal, cp_composable=cp_composable, compiled=compiled, fp8=fp8,
-                            eager=eager)
+                            kernels=kernels)
     if cache is not None:
         cache[key] = result
     return result
 
 
+def _cached_eager_kernels(cache: dict | None, graph: OpGraph, dtype: str, precision: str,
+                          m: int, compiled: bool) -> dict:
+    """``eager.eager_kernels`` of every operator of the graph (a stage reads its own): one
+    walk per graph, dtype, precision and microbatch count, kept in ``cache``."""
+    key = ("eager-kernels", id(graph), dtype, precision, m, compiled)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    kernels = eager_kernels(graph, [n.name for n in graph.nodes], dtype=dtype,
+                            precision=precision, microbatches=m, compiled=compiled)
+    if cache is not None:
+        cache[key] = (graph, kernels)
+    return kernels
+
+
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
                    contention: float, coll, attention: str = "flash", *,
                    causal: bool = False, cp_composable: bool = False,
-                   compiled: bool = False, fp8=None, eager: str = "") -> _OperatorPass:
-    """``eager``: the mixed precision eager kernels run under (``RuntimeModel.eager_kernels``,
-    costmodel/eager.py), "" to price every operator with ``compute.op_time``."""
+                   compiled: bool = False, fp8=None, kernels: dict | None = None) -> _OperatorPass:
+    """``kernels``: each operator's eager kernels (``RuntimeModel.eager_kernels``,
+    costmodel/eager.py), None to price every operator with ``compute.op_time``."""
     names = list(stage.ops)
     # the graph engine drops a causal mask only where queries and keys are the same length:
     # not under its context parallelism, where each rank's queries are a chunk of the
@@ -1058,8 +1074,6 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     feeds_split = _feeds_split(stage, graph, cp_ax) if cp_ax is not None else set()
     consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
     fused = fused_by_member(graph, names) if compiled else {}  # torch.compile's kernels
-    kernels = eager_kernels(graph, names, dtype=dtype, precision=eager, microbatches=m,
-                            compiled=compiled) if eager else None
     for name in names:
         node = graph.node(name)
         op = stage.ops[name]
