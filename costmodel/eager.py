@@ -32,8 +32,10 @@ the kernels one by one, a pure function of the OpGraph:
   ``slice`` a zero fill of the input's size and a copy (``slice_backward``);
   ``repeat_interleave`` a ``sum``; activations, softmax and casts one kernel;
 - **gradient accumulation**: autograd sums the gradients of a value read by k operators
-  that carry gradients with k - 1 ``add`` kernels (``InputBuffer::add``); a weight's
-  gradient is added into ``.grad`` on every microbatch after the first (``AccumulateGrad``).
+  that carry gradients with k - 1 ``add`` kernels (``InputBuffer::add``), priced at the
+  readers after the first (so that a stage, or a range of layers the pipeline search
+  prices on a graph cut after it, pays the sums of what it reads); a weight's gradient is
+  added into ``.grad`` on every microbatch after the first (``AccumulateGrad``).
 - **the loss**: the engines upcast the logits before the cross entropy (meshplan's
   ``ModuleEngine._loss``, torchtitan's ``cross_entropy_loss``: ``pred.float()``), so the
   loss runs ``log_softmax`` and its backward on fp32 logits, and ``nll_loss_backward`` fills
@@ -154,12 +156,17 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
     weights = 4 if precision == "autocast" else compute
     size: dict[str, int] = {}
     origin: dict[str, int] = {}  # the dtype a value had before an explicit upcast
-    data = graph.data_nodes
+    data = set(graph.data_nodes | _outside(graph))
+    for node in graph.nodes:  # what depends on an activation made before a cut
+        if node.name not in data and any(i in data for i in node.inputs):
+            data.add(node.name)
     for p in graph.params:
         size[p.name] = origin[p.name] = weights if _is_float(p.dtype) else \
             max(1, _meta_itemsize(p.dtype))
     for name, meta in graph.inputs:
         size[name] = origin[name] = 4 if _is_float(meta.dtype) else _meta_itemsize(meta.dtype)
+    for name in _outside(graph):  # a block activation before a cut: the embedding's dtype
+        size[name] = origin[name] = weights
     for node in graph.nodes:
         out = node.out
         if out is None:
@@ -207,7 +214,29 @@ def _dtype_of(graph: OpGraph, name: str) -> str:
         return out.dtype if out is not None else ""
     if name in graph.param_map:
         return graph.param_map[name].dtype
-    return next((m.dtype for n, m in graph.inputs if n == name), "")
+    # a value made outside a cut graph (planner/stagecost.py prices ranges of layers on the
+    # graph around them): the block activation a traced fp32 graph carries
+    return next((m.dtype for n, m in graph.inputs if n == name), "float32")
+
+
+def _outside(graph: OpGraph) -> set[str]:
+    """Values operators read that the graph does not hold: made before a cut."""
+    inputs = {n for n, _ in graph.inputs}
+    return {i for node in graph.nodes for i in node.inputs
+            if i not in graph and i not in graph.param_map and i not in inputs}
+
+
+def _carrying_grads(graph: OpGraph, outside: set[str]) -> frozenset[str]:
+    """``OpGraph.grad_nodes``, with the activations made before a cut carrying gradients."""
+    if not outside:
+        return graph.grad_nodes
+    out = set(outside)
+    trainable = {p.name for p in graph.params if p.trainable}
+    for n in graph.nodes:
+        if n.kind != OpKind.CREATION and any(i in trainable or i in out for i in n.inputs) \
+                and any(_is_float(o.dtype) for o in n.outputs):
+            out.add(n.name)
+    return frozenset(out)
 
 
 def _numel(graph: OpGraph, name: str) -> int:
@@ -233,7 +262,7 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
     inputs = effective_inputs(graph)
     size = element_bytes(graph, dtype=dtype, precision=precision, inputs=inputs)
     compute = DTYPE_BYTES.get(dtype, 4)
-    grads = graph.grad_nodes
+    grads = _carrying_grads(graph, _outside(graph))
     trainable = {p.name for p in graph.params if p.trainable}
     users = effective_users(graph, inputs)
 
@@ -252,7 +281,8 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
             continue
         in_compiled = compiled and node.layer >= 0
         fwd, bwd = ([], []) if in_compiled else \
-            _operator_kernels(graph, node, inputs[name], size, nbytes, needs_grad)
+            _operator_kernels(graph, node, inputs[name], size, nbytes, needs_grad,
+                              name in grads)
         wf, wb, acc, weight = [], [], [], ""
         if node.kind in (OpKind.MATMUL, OpKind.ATTENTION) and precision == "autocast" \
                 and compute < 4:
@@ -275,11 +305,12 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
                     acc.append(Kernel(2 * g * (microbatches - 1) / microbatches,
                                       g * (microbatches - 1) / microbatches))
                     weight = weight or i
-        # autograd sums the gradients of a value read by several operators
-        if name in grads:
-            k = sum(1 for u in users.get(name, ()) if u in grads)
-            if k > 1 and not in_compiled:
-                bwd += [Kernel(2 * nbytes(name), nbytes(name))] * (k - 1)
+        # autograd sums the gradients of a value read by several operators: one add for
+        # every reader after the first
+        if name in grads and not in_compiled:
+            for i in dict.fromkeys(inputs[name]):
+                if i in grads and next(u for u in users[i] if u in grads) != name:
+                    bwd.append(Kernel(2 * nbytes(i), nbytes(i)))
         if fwd or bwd or wf or wb or acc:
             out[name] = EagerOp(tuple(fwd), tuple(bwd), tuple(wf), tuple(wb), tuple(acc),
                                 weight)
@@ -287,13 +318,12 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
 
 
 def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], size: dict,
-                      nbytes, needs_grad) -> tuple[list[Kernel], list[Kernel]]:
+                      nbytes, needs_grad, back: bool) -> tuple[list[Kernel], list[Kernel]]:
     """(forward, backward) kernels of one operator's own work (module docstring)."""
     t = node.target
     o = nbytes(node.name)
     ins = [i for i in inputs if i in size]
     floats = [i for i in ins if _is_float(_dtype_of(graph, i))]
-    back = node.name in graph.grad_nodes
     grad_ins = [i for i in floats if needs_grad(i)] if back else []
     if node.kind in (OpKind.MATMUL, OpKind.ATTENTION, OpKind.EMBEDDING, OpKind.CREATION):
         return [], []  # priced by op_time (FLOPs / their own kernels)

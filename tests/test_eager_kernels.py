@@ -57,10 +57,10 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self):
+    def __init__(self, layers=2):
         super().__init__()
         self.embed = nn.Embedding(V, D)
-        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.layers = nn.ModuleList(Block() for _ in range(layers))
         self.norm = RMSNorm()
         self.head = nn.Linear(D, V, bias=False)
 
@@ -137,8 +137,8 @@ def _captured(precision: str):
 
 
 def _modelled(graph, precision: str):
-    """The second block's kernels as eager.py counts them, with the gradient sum at the
-    block's input (the first block's output, read by the norm and the residual)."""
+    """The second block's kernels as eager.py counts them (the gradient sum at the block's
+    input, the first block's output read by the norm and the residual, at its reader)."""
     ek = eager_kernels(graph, [n.name for n in graph.nodes], dtype="bf16", precision=precision)
     fwd, bwd = [], []
     for name, op in ek.items():
@@ -146,8 +146,6 @@ def _modelled(graph, precision: str):
         if layer == 1:
             fwd += op.forward + op.weight_forward
             bwd += op.backward + op.weight_backward
-    first = [n.name for n in graph.nodes if n.layer == 0][-1]
-    bwd += ek[first].backward[-1:]  # its one sum: the first block's own backward is not here
     as_ints = lambda ks: sorted((round(k.read_bytes), round(k.written_bytes)) for k in ks)
     return as_ints(fwd), as_ints(bwd)
 
@@ -178,15 +176,20 @@ def test_residual_reads_the_value_not_its_upcast(tiny):
 
 
 def test_gradient_sums_and_loss_closed_form(tiny):
-    """A value read by k operators that carry gradients costs k - 1 adds in the backward;
+    """A value read by k operators that carry gradients costs k - 1 adds in the backward,
+    at its readers after the first;
     the loss runs on fp32 logits: cast, log_softmax (and a small nll) forward; fill,
     log_softmax backward, cast back."""
     ek = eager_kernels(tiny, [n.name for n in tiny.nodes], dtype="bf16", precision="fsdp")
     q = next(n for n in tiny.nodes if n.layer == 0 and n.params
              and n.params[0].endswith("q.weight"))
     e = q.out.numel * 2
-    # q feeds q * cos and the two slices: two sums of its size
-    assert ek[q.name].backward == (Kernel(2 * e, e), Kernel(2 * e, e))
+    # q feeds the two slices and q * cos: two sums of its size, at the second and third
+    readers = [u for u in tiny.users[q.name]]
+    assert len(readers) == 3
+    assert q.name not in ek
+    for u in readers[1:]:
+        assert ek[u].backward.count(Kernel(2 * e, e)) == 1
     loss = next(n for n in tiny.nodes if n.kind.value == "loss")
     n = B * (S - 1) * V  # the shifted logits
     assert ek[loss.name].forward == (Kernel(2 * n, 4 * n), Kernel(4 * n, 4 * n),
@@ -287,3 +290,25 @@ def test_fsdp_copy_out_on_the_compute_stream(tiny):
 def test_unknown_mixed_precision_is_refused():
     with pytest.raises(PlanningError, match="mixed_precision='amp'"):
         replace(default_runtime(load_preset("dgx-h100")), mixed_precision="amp")
+
+
+@pytest.mark.parametrize("precision", ["fsdp", "autocast"])
+def test_a_range_cut_from_the_graph_prices_as_in_the_whole(precision):
+    """The pipeline search prices a range of layers on the graph cut around it (the
+    operators before the blocks and the range: planner/stagecost.py ``neighbourhood``); the
+    range's kernels are those of the whole graph (before: the cut lost the dtype, the
+    gradients and the gradient sums of the activation entering the range, and the search's
+    objective missed meshplan.estimate's by 1-2%, tests/test_one_pricer.py)."""
+    from meshplan.graph import OpGraph
+    with torch.device("meta"):
+        model = TinyLM(layers=3)
+    graph = trace(model, (torch.zeros(B, S, dtype=torch.long, device="meta"),))
+    first_block = next(i for i, n in enumerate(graph.nodes) if n.layer >= 0)
+    keep = {n.name for n in graph.nodes[:first_block]} | \
+        {n.name for n in graph.nodes if n.layer in (1, 2)}  # the range (2) and the one before
+    cut = OpGraph(nodes=tuple(n for n in graph.nodes if n.name in keep), params=graph.params,
+                  inputs=graph.inputs, output=graph.output,
+                  layer_fingerprints=graph.layer_fingerprints, block_module=graph.block_module)
+    names = [n.name for n in graph.nodes if n.layer == 2]
+    whole = eager_kernels(graph, names, dtype="bf16", precision=precision)
+    assert eager_kernels(cut, names, dtype="bf16", precision=precision) == whole
