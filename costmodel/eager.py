@@ -220,10 +220,14 @@ def _dtype_of(graph: OpGraph, name: str) -> str:
 
 
 def _outside(graph: OpGraph) -> set[str]:
-    """Values operators read that the graph does not hold: made before a cut."""
+    """Activations block operators read that the graph does not hold: made before a cut.
+    Buffers are read by their module path too (neither operators nor parameters); a
+    traced value's name is an identifier (``add_3``), a buffer of a submodule is dotted
+    (``layers.0.attn.bias``)."""
     inputs = {n for n, _ in graph.inputs}
-    return {i for node in graph.nodes for i in node.inputs
-            if i not in graph and i not in graph.param_map and i not in inputs}
+    return {i for node in graph.nodes if node.layer >= 0 for i in node.inputs
+            if i not in graph and i not in graph.param_map and i not in inputs
+            and "." not in i}
 
 
 def _carrying_grads(graph: OpGraph, outside: set[str]) -> frozenset[str]:
