@@ -145,7 +145,8 @@ def main() -> int:
                      f"{r['published_gib'] if r['published_gib'] is not None else '-'} | "
                      f"{r['peak_memory_gib']} | {r['breakdown_s']} |")
     text = ("# Cost model vs torchtitan's published FSDP runs\n\n"
-            "FSDP (ZeRO-3) over all GPUs, bf16 with fp32 reduction, AdamW, no Float8; eager, "
+            "FSDP (ZeRO-3) over all GPUs, bf16 with fp32 reduction, AdamW, no Float8; eager "
+            "(every kernel eager PyTorch launches priced one by one: costmodel/eager.py), "
             "except the rows marked compiled (torch.compile per block, priced with "
             "`meshplan.estimate(plan, compiled=True)`: costmodel/fusion.py). H100 rows: preset h100-96gb-hbm2e (96 GB HBM2e, "
             f"500 W), pytorch/torchtitan {H100}. A100 rows: preset dgx-a100-80gb, "

@@ -38,6 +38,9 @@ from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
 from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NAMES,
                                         attention_saved_bytes, contention_factor,
                                         materialized_attention_time, op_time, OpTime)
+from meshplan.costmodel.eager import (MEMORY_BOUND, PRECISIONS, EagerOp, eager_kernels,
+                                      eager_time, fsdp_copy_out_bytes, kernels_time_s,
+                                      Kernel)
 from meshplan.costmodel.fusion import fused_by_member, fused_time
 from meshplan.costmodel import fp8 as fp8_model
 from meshplan.costmodel.hardware import HardwareProfile
@@ -181,6 +184,21 @@ class RuntimeModel:
       and reduction operators between matmuls fuse into one kernel each, priced on their
       external bytes once (costmodel/fusion.py); False: eager, every operator its own
       kernel reading and writing HBM (``compute.op_time``).
+    eager_kernels: operators outside torch.compile's fused kernels are priced as the kernels
+      eager PyTorch launches for them (costmodel/eager.py: dtypes as they run, autocast's
+      casts, autograd's backward kernels and gradient sums, the loss on fp32 logits) and,
+      with ``mixed_precision="fsdp"`` where FSDP2 wraps the stage, FSDP2's all-gather
+      copy-out on the compute stream (``eager.fsdp_copy_out_bytes``). On for meshplan's
+      engines and torchtitan on GPUs; off for Megatron-LM / NeMo, whose Transformer Engine
+      and hand-fused kernels (fused layer norm, bias-GeLU, scale-mask-softmax, RoPE) run
+      the elementwise work in few kernels, priced one kernel per operator
+      (``compute.op_time``), and off on CPU hosts, whose per-operator costs ``meshplan
+      calibrate`` fits on ``op_time``'s terms.
+    mixed_precision: how a bf16/fp16 run holds its weights eagerly: "autocast" (fp32
+      weights, ``torch.autocast`` casting matmul and attention inputs: meshplan's graph
+      engine, runtime/graph/spmd.py) or "fsdp" (FSDP2's ``MixedPrecisionPolicy`` gathers
+      bf16 weights: torchtitan, and meshplan's module engine where FSDP wraps the stage,
+      autocast where it does not, runtime/modules.py ``_autocast``).
     fp8_recipe, fp8_casts, fp8_all_gather: how the stack runs a ``dtype="fp8"`` plan
       (costmodel/fp8.py): the scaling recipe ("torchao-tensorwise", "torchao-rowwise",
       "te-current"), its cast kernels ("eager", "fused", "cast-transpose") and whether
@@ -212,6 +230,8 @@ class RuntimeModel:
     fp8_recipe: str = "torchao-tensorwise"
     fp8_casts: str = "eager"
     fp8_all_gather: bool = False
+    eager_kernels: bool = False
+    mixed_precision: str = "autocast"
     engine: str = Engine.GRAPH
     backend: str = "nccl"
 
@@ -227,6 +247,10 @@ class RuntimeModel:
             raise PlanningError(f"attention={self.attention!r} is not one of "
                                 f"{', '.join(ATTENTION_KERNELS)}; \"flash\" for fused attention "
                                 "kernels, \"materialized\" where the s x s scores go to memory")
+        if self.mixed_precision not in PRECISIONS:
+            raise PlanningError(f"mixed_precision={self.mixed_precision!r} is not one of "
+                                f"{', '.join(PRECISIONS)}; \"autocast\" for fp32 weights "
+                                "under torch.autocast, \"fsdp\" for FSDP2's bf16 weights")
         if not 0.0 <= self.overlap_efficiency <= 1.0:
             raise PlanningError(f"overlap_efficiency={self.overlap_efficiency!r} is not a "
                                 "fraction in [0, 1]; 1 hides every overlapped collective")
@@ -276,6 +300,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
         backend = "gloo" if hw.device.host_cores > 0 or hw.device.name == "cpu" else "nccl"
     gloo = backend == "gloo"
     overlap = 0.0 if gloo else 1.0
+    # eager kernels priced one by one on GPUs (RuntimeModel.eager_kernels)
+    eager = hw.device.host_cores <= 0 and hw.device.name != "cpu"
     if engine == "megatron":
         return megatron_runtime(backend=backend, overlap=overlap)
     if engine == "megatron-2021":
@@ -284,7 +310,7 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
         # contiguous buffer all-reduced after the pipeline flush, nothing overlapped: the
         # graph engine's terms with materialized attention (DECISIONS 55)
         return replace(default_runtime(hw, engine=Engine.GRAPH, backend=backend),
-                       attention="materialized", engine="megatron-2021")
+                       attention="materialized", eager_kernels=False, engine="megatron-2021")
     if engine == "torchtitan":
         # float8 (torchao): tensorwise scaling with the weights all-gathered in fp8
         # (``enable_fsdp_float8_all_gather``, as torchtitan's float8 runs are published)
@@ -298,8 +324,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
                             reduce_scatter_per_microbatch=False, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
                             fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
-                            overlap_efficiency=overlap,
-                            engine=engine, backend=backend)
+                            overlap_efficiency=overlap, eager_kernels=eager,
+                            mixed_precision="fsdp", engine=engine, backend=backend)
     if engine == Engine.MODULES:
         return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                             reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
@@ -307,12 +333,13 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
                             reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
                             causal_mask_skipped=True, causal_attention=True,
                             fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
-                            overlap_efficiency=overlap,
-                            engine=engine, backend=backend)
+                            overlap_efficiency=overlap, eager_kernels=eager,
+                            mixed_precision="fsdp", engine=engine, backend=backend)
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
                         full_grad_accumulation=True, causal_attention=True,
-                        overlap_efficiency=overlap, engine=engine, backend=backend)
+                        overlap_efficiency=overlap, eager_kernels=eager,
+                        mixed_precision="autocast", engine=engine, backend=backend)
 
 
 def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeModel:
@@ -440,15 +467,16 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                 runtime.backend, runtime.attention,
                                 causal=runtime.causal_attention,
                                 cp_composable=runtime.cp_composable, compiled=runtime.compiled,
-                                fp8=fp8)
+                                fp8=fp8, eager=_eager_precision(stage, runtime))
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
+    copy_fwd, copy_bwd = _fsdp_copy_out_s(stage, graph, hw, dtype, runtime, contention)
     tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
     params = parameter_walk(stage, graph, ops.consumer_out, dtype=dtype, optimizer=optimizer,
                             runtime=runtime)
-    traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd,
-                               backward_s=ops.bwd, recompute_s=recompute)
+    traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd + copy_fwd,
+                               backward_s=ops.bwd + copy_bwd, recompute_s=recompute)
     comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p
                + traffic.gather_exposed_s + traffic.microbatch_s)
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
@@ -474,9 +502,53 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                              grads_gib=params.grads_bytes / GIB,
                              optimizer_gib=params.optimizer_bytes / GIB,
                              activations_gib=acts / GIB, buffers_gib=buffers / GIB)
-    return StageBreakdown(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
+    return StageBreakdown(forward_s=ops.fwd + copy_fwd, backward_s=ops.bwd + copy_bwd,
+                          recompute_s=recompute,
                      comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
                      memory=memory)
+
+
+def _fsdp_active(stage: Stage, runtime: RuntimeModel) -> bool:
+    """Whether FSDP2 wraps the stage in an engine whose mixed precision is FSDP2's: the
+    module engine and torchtitan apply ``fully_shard`` where the dp (x cp) mesh has more
+    than one rank (runtime/modules.py ``parallelize_model``)."""
+    if runtime.mixed_precision != "fsdp":
+        return False
+    shape, names = stage.mesh_shape, stage.axis_names
+    size = 1
+    for axis in ("dp", "cp"):
+        if axis in names:
+            size *= shape[names.index(axis)]
+    return size > 1
+
+
+def _eager_precision(stage: Stage, runtime: RuntimeModel) -> str:
+    """The mixed precision the stage's eager kernels run under, "" when they are priced
+    one kernel per operator (``RuntimeModel.eager_kernels`` off)."""
+    if not runtime.eager_kernels:
+        return ""
+    return "fsdp" if _fsdp_active(stage, runtime) else "autocast"
+
+
+def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str,
+                     runtime: RuntimeModel, contention: float) -> tuple[float, float]:
+    """(forward, backward) seconds per microbatch of FSDP2's all-gather copy-out on the
+    compute stream (``eager.fsdp_copy_out_bytes``), one copy per FSDP unit (the blocks and
+    the root) and gather: before the forward, and again before the backward where ZeRO-3
+    resharded the weights after the forward."""
+    if not runtime.eager_kernels or stage.zero < 1 or not _fsdp_active(stage, runtime):
+        return 0.0, 0.0
+    shape, dpa = stage.mesh_shape, dp_axis(stage)
+    units: dict[int, float] = {}
+    for pname, pl in stage.params.items():
+        info = graph.param_map.get(pname)
+        if info is None or (info.tied_to is not None and info.tied_to in stage.params):
+            continue
+        layer = _param_layer(pname, graph)
+        units[layer] = units.get(layer, 0.0) + info.numel / split_factor(pl, shape, skip_axis=dpa)
+    one = sum(kernels_time_s([Kernel(0.0, fsdp_copy_out_bytes(n, dtype=dtype, passes=1))],
+                             hw, 1.0) for n in units.values()) * contention
+    return one, (one if stage.zero >= 3 else 0.0)
 
 
 class CollectivePrices:
@@ -958,26 +1030,45 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
                           dtype: str, m: int, contention: float, coll,
                           backend: str = "nccl", attention: str = "flash", *,
                           causal: bool = False, cp_composable: bool = False,
-                          compiled: bool = False, fp8=None) -> _OperatorPass:
+                          compiled: bool = False, fp8=None, eager: str = "") -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets). ``causal``: attention
     that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend, attention, causal, cp_composable, compiled, fp8)
+           contention, id(hw), backend, attention, causal, cp_composable, compiled, fp8, eager)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
+    kernels = _cached_eager_kernels(cache, graph, dtype, eager, m, compiled) if eager else None
     result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
-                            causal=causal, cp_composable=cp_composable, compiled=compiled, fp8=fp8)
+                            causal=causal, cp_composable=cp_composable, compiled=compiled, fp8=fp8,
+                            kernels=kernels)
     if cache is not None:
         cache[key] = result
     return result
 
 
+def _cached_eager_kernels(cache: dict | None, graph: OpGraph, dtype: str, precision: str,
+                          m: int, compiled: bool) -> dict:
+    """``eager.eager_kernels`` of every operator of the graph (a stage reads its own): one
+    walk per graph, dtype, precision and microbatch count, kept in ``cache``."""
+    key = ("eager-kernels", id(graph), dtype, precision, m, compiled)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    kernels = eager_kernels(graph, [n.name for n in graph.nodes], dtype=dtype,
+                            precision=precision, microbatches=m, compiled=compiled)
+    if cache is not None:
+        cache[key] = (graph, kernels)
+    return kernels
+
+
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
                    contention: float, coll, attention: str = "flash", *,
                    causal: bool = False, cp_composable: bool = False,
-                   compiled: bool = False, fp8=None) -> _OperatorPass:
+                   compiled: bool = False, fp8=None, kernels: dict | None = None) -> _OperatorPass:
+    """``kernels``: each operator's eager kernels (``RuntimeModel.eager_kernels``,
+    costmodel/eager.py), None to price every operator with ``compute.op_time``."""
     names = list(stage.ops)
     # the graph engine drops a causal mask only where queries and keys are the same length:
     # not under its context parallelism, where each rank's queries are a chunk of the
@@ -1017,6 +1108,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
         elif group is not None:  # priced once, at its first fusible operator
             t = fused_time(group, hw, dtype, split_factor(op.output, shape) * m,
                            contention=contention) if name == group.lead else OpTime(0.0, 0.0)
+        elif kernels is not None and node.kind in MEMORY_BOUND + (OpKind.VIEW, OpKind.LOSS):
+            t = eager_time(kernels.get(name, EagerOp()), hw, split_factor(op.output, shape) * m,
+                           contention=contention)
         elif attention == "materialized" and node.kind == OpKind.ATTENTION:
             t = materialized_attention_time(node, hw, dtype, split_factor(op.output, shape) * m,
                                             contention=contention)
@@ -1026,6 +1120,14 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                         causal=node.kind == OpKind.ATTENTION and (
                             len(node.inputs) > 3 and alias_root(node.inputs[3], graph) in masks
                             or _user_causal(node) and (cp_composable or cp_ax is None)))
+        if kernels is not None and name in kernels and node.kind not in \
+                MEMORY_BOUND + (OpKind.VIEW, OpKind.LOSS):  # autocast's casts, .grad sums
+            extra = kernels[name]
+            w = node.inputs.index(extra.weight) if extra.weight in node.inputs else -1
+            wsplit = split_factor(op.inputs[w], shape) if 0 <= w < len(op.inputs) else 1
+            e = eager_time(extra, hw, split_factor(op.output, shape) * m, wsplit,
+                           contention=contention)
+            t = OpTime(t.forward_s + e.forward_s, t.backward_s + e.backward_s)
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:

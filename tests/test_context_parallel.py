@@ -246,8 +246,15 @@ def test_cost_of_the_exchange_and_the_split_work_closed_form():
         expect += collective_time_s(hw, Collective.ALL_GATHER, nbytes, 8)
         if out.shape[-1] != 256:  # K or V, not the logits (vocabulary 256)
             expect += collective_time_s(hw, Collective.ALL_REDUCE, nbytes, 8)
+    # one kernel per operator (compute.op_time), the closed form below; the eager kernels
+    # (costmodel/eager.py) split the same way (tests/test_eager_kernels.py)
+    from dataclasses import replace
+
+    from meshplan.costmodel.estimate import default_runtime
+
+    runtime = replace(default_runtime(hw), eager_kernels=False)
     cost = stage_cost(st, graph, hw, dtype="bf16", optimizer="adam", seq_len=64,
-                      processes_on_host=8)
+                      processes_on_host=8, runtime=runtime)
     assert cost.comm_s == pytest.approx(expect, rel=1e-9)
     # compute: every operator split on cp is charged 1/8 of its work (the layout makes the
     # causal attention work of the ranks equal, test_layout_...), the others whole

@@ -9,6 +9,7 @@ import torch
 
 import meshplan
 from meshplan.costmodel.compute import op_time, roofline_s
+from meshplan.costmodel.eager import eager_kernels, eager_time
 from meshplan.costmodel.fusion import fusion_groups, fused_time
 from meshplan.costmodel.hardware import load_preset
 from meshplan.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
@@ -95,7 +96,8 @@ SPEC = "transformers:gpt2?n_layer=2&n_embd=256&n_head=4&vocab_size=256&n_positio
 def test_estimate_compiled_prices_fewer_bytes_than_eager():
     """The public API: ``meshplan.estimate(plan, compiled=True)`` (before: no such argument,
     eager and compiled priced alike). Only forward and backward change, and by exactly the
-    eager price of the fused operators less the fused kernels' price."""
+    eager kernels of the blocks (costmodel/eager.py: one GPU, no FSDP, so autocast) less
+    what the compiled blocks still launch (autocast's weight casts) and the fused kernels."""
     model = parse_model_spec(SPEC).build("meta")
     graph = trace(model, example_inputs(model, 8, 512))
     mesh = meshplan.Mesh.from_dict({"shape": [1], "hardware": "dgx-h100", "name": "h100:1"})
@@ -107,8 +109,12 @@ def test_estimate_compiled_prices_fewer_bytes_than_eager():
     groups = fusion_groups(graph, [n.name for n in graph.nodes])
     assert groups  # GPT-2's blocks: layer norms, GELU chains, residual adds
     m = plan.training.microbatches  # each microbatch runs every kernel on 1/m of the batch
-    saved = m * (sum(op_time(graph.node(n), hw, "bf16", m).total_s for gr in groups
-                     for n in gr.members)
+    names = [n.name for n in graph.nodes]
+    kernels = {c: eager_kernels(graph, names, dtype="bf16", precision="autocast",
+                                microbatches=m, compiled=c) for c in (False, True)}
+    launched = {c: sum(eager_time(op, hw, m).total_s for op in k.values())
+                for c, k in kernels.items()}
+    saved = m * (launched[False] - launched[True]
                  - sum(fused_time(gr, hw, "bf16", m).total_s for gr in groups))
     assert saved > 0
     got = (eager.breakdown["forward"] + eager.breakdown["backward"]

@@ -1,0 +1,453 @@
+"""Eager execution: the kernels PyTorch launches for each operator when nothing fuses them.
+
+trace -> **cost** -> solve -> run. ``compute.op_time`` prices a memory-bound operator as one
+kernel over its traced bytes (fp32, scaled to the compute dtype) forward and twice that
+backward. Eager PyTorch under mixed precision launches more than that, and measured on one
+H200 the difference is most of the non-GEMM time (benchmarks/results/compile_check.md: the
+eager step's elementwise and reduction kernels took 121 ms where that rule priced 44 ms;
+2,208 elementwise kernels where the trace has 392 elementwise operators). This module counts
+the kernels one by one, a pure function of the OpGraph:
+
+- **dtypes as they run** (``element_bytes``). The trace is fp32; eager bf16 runs keep the
+  weights in bf16 (FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)``, precision "fsdp") or
+  in fp32 with ``torch.autocast`` casting the inputs of matmuls and attention to bf16
+  (precision "autocast": meshplan's graph engine, its module engine without FSDP, plain
+  PyTorch). Explicit casts in the user's code (``x.float()``, ``.to(x.dtype)``, ``type_as``)
+  show in an fp32 trace as casts to float32: one that reads a narrower value is an upcast
+  (RMSNorm's ``x.float()``); one that reads fp32 casts back to the dtype the chain came from
+  (``.to(input_dtype)``), or, for a value that depends on no input or weight (a rotary
+  position table), to the activations' dtype (``cos.to(x.dtype)``). Elementwise results take the widest float input (PyTorch's type
+  promotion), reductions and views their input's, matmuls and attention the compute dtype.
+- **forward kernels**: one per non-view operator over the bytes it reads and writes at
+  those dtypes; a cast that changes the dtype and a ``cat`` copy (views in the trace, free
+  in ``op_time``); under autocast, a cast kernel for each fp32 input of a matmul or
+  attention, weights included (once per microbatch: autocast caches a leaf's cast).
+- **backward kernels** from PyTorch's derivative formulas (tools/autograd/derivatives.yaml,
+  torch 2.13; each rule checked against the kernels autograd dispatches in
+  tests/test_eager_kernels.py): ``mul`` one product per input needing a gradient, then a
+  ``sum`` where that input was broadcast and a cast where its dtype is narrower than the
+  product's; ``add``/``sub`` nothing for a same-shape input (``sub``: a ``neg``); ``pow`` and
+  ``rsqrt`` three kernels (``pow``, ``mul`` by the scalar, ``mul`` by the gradient); ``mean``
+  one ``div`` writing the input's size; ``sum``, ``cat`` and views none (expand, narrow);
+  ``slice`` a zero fill of the input's size and a copy (``slice_backward``);
+  ``repeat_interleave`` a ``sum``; activations, softmax and casts one kernel;
+- **gradient accumulation**: autograd sums the gradients of a value read by k operators
+  that carry gradients with k - 1 ``add`` kernels (``InputBuffer::add``), priced at the
+  readers after the first (so that a stage, or a range of layers the pipeline search
+  prices on a graph cut after it, pays the sums of what it reads); a weight's gradient is
+  added into ``.grad`` on every microbatch after the first (``AccumulateGrad``).
+- **the loss**: the engines upcast the logits before the cross entropy (meshplan's
+  ``ModuleEngine._loss``, torchtitan's ``cross_entropy_loss``: ``pred.float()``), so the
+  loss runs ``log_softmax`` and its backward on fp32 logits, and ``nll_loss_backward`` fills
+  an fp32 gradient of the logits' size before ``_log_softmax_backward_data``.
+
+Each kernel is priced on the roofline over its bytes plus the device's fixed cost per
+launch (``kernel_latency_s + framework_overhead_s``), as ``op_time`` prices one.
+Stacks whose kernels are fused by hand (Megatron-Core with Transformer Engine) keep
+``op_time``'s pricing: ``RuntimeModel.eager_kernels`` is off for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, roofline_s
+from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.graph import OpGraph, OpKind, OpNode
+
+PRECISIONS = ("autocast", "fsdp")  # RuntimeModel.mixed_precision
+MEMORY_BOUND = (OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION,
+                OpKind.OTHER)
+FLOAT = ("float", "bfloat")
+_CASTS = ("aten.to.", "aten._to_copy", "aten.type_as")
+_ACTIVATIONS = ("silu", "gelu", "tanh", "sigmoid", "relu", "exp", "softmax", "threshold",
+                "elu", "softplus", "hardswish", "mish", "erf")
+_POWS = ("aten.pow.Tensor_Scalar", "aten.rsqrt", "aten.reciprocal", "aten.sqrt")
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One launched kernel: bytes read and written for the whole traced batch."""
+
+    read_bytes: float
+    written_bytes: float
+
+    @property
+    def bytes(self) -> float:
+        return self.read_bytes + self.written_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class EagerOp:
+    """The kernels one operator launches eagerly. ``forward``/``backward`` move activations
+    (split like the operator's work); ``weight_forward``/``weight_backward`` move the
+    parameter it reads (autocast's weight cast and its backward), split like the weight,
+    once per microbatch; ``accumulate`` adds a weight's gradient into ``.grad``
+    (microbatches after the first)."""
+
+    forward: tuple[Kernel, ...] = ()
+    backward: tuple[Kernel, ...] = ()
+    weight_forward: tuple[Kernel, ...] = ()
+    weight_backward: tuple[Kernel, ...] = ()
+    accumulate: tuple[Kernel, ...] = ()
+    weight: str = ""  # the parameter the weight kernels move
+
+    @property
+    def kernels(self) -> int:
+        return len(self.forward) + len(self.backward) + len(self.weight_forward) \
+            + len(self.weight_backward)
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(FLOAT)
+
+
+def _is_cast(node: OpNode) -> bool:
+    return node.target.startswith(_CASTS)
+
+
+def effective_inputs(graph: OpGraph) -> dict[str, tuple[str, ...]]:
+    """Each operator's inputs as eager PyTorch passes them. In an fp32 trace ``x.float()``
+    returns ``x`` itself, so the export records the cast's node wherever the code reads
+    ``x`` afterwards: the residual add after a norm that upcasts reads the cast. Where the
+    cast reads a value made outside its module (the module's input: ``x.float()`` at the
+    top of a norm's forward), a reader outside that module read ``x``, and gets the cast's
+    input here; a cast of a value the module made (``.to(x.dtype)`` on its result) is what
+    the module returns."""
+    out = {}
+    for node in graph.nodes:
+        resolved = []
+        for i in node.inputs:
+            for _ in range(8):
+                src = graph.node(i) if i in graph else None
+                if src is None or not _is_cast(src) or not src.inputs or not src.module_path \
+                        or src.out is None or _dtype_of(graph, src.inputs[0]) != src.out.dtype \
+                        or _inside(node.module_path, src.module_path) \
+                        or _inside(_module_of(graph, src.inputs[0]), src.module_path):
+                    break
+                i = src.inputs[0]
+            resolved.append(i)
+        out[node.name] = tuple(resolved)
+    return out
+
+
+def _module_of(graph: OpGraph, name: str) -> str:
+    return graph.node(name).module_path if name in graph else ""
+
+
+def _inside(path: str, module: str) -> bool:
+    return path == module or path.startswith(module + ".")
+
+
+def effective_users(graph: OpGraph, inputs: dict) -> dict[str, tuple[str, ...]]:
+    users: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        for i in dict.fromkeys(inputs[node.name]):
+            users.setdefault(i, []).append(node.name)
+    return {k: tuple(v) for k, v in users.items()}
+
+
+def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
+                  inputs: dict | None = None) -> dict[str, int]:
+    """Bytes per element of every value (nodes, parameters, graph inputs) as eager PyTorch
+    holds it in a ``dtype`` run under ``precision`` (module docstring)."""
+    inputs = effective_inputs(graph) if inputs is None else inputs
+    compute = DTYPE_BYTES.get(dtype, 4)
+    weights = 4 if precision == "autocast" else compute
+    size: dict[str, int] = {}
+    origin: dict[str, int] = {}  # the dtype a value had before an explicit upcast
+    data = set(graph.data_nodes | _outside(graph))
+    for node in graph.nodes:  # what depends on an activation made before a cut
+        if node.name not in data and any(i in data for i in node.inputs):
+            data.add(node.name)
+    for p in graph.params:
+        size[p.name] = origin[p.name] = weights if _is_float(p.dtype) else \
+            max(1, _meta_itemsize(p.dtype))
+    for name, meta in graph.inputs:
+        size[name] = origin[name] = 4 if _is_float(meta.dtype) else _meta_itemsize(meta.dtype)
+    for name in _outside(graph):  # a block activation before a cut: the embedding's dtype
+        size[name] = origin[name] = weights
+    for node in graph.nodes:
+        out = node.out
+        if out is None:
+            continue
+        floats = [i for i in inputs[node.name] if i in size and _is_float(_dtype_of(graph, i))]
+        if not _is_float(out.dtype):
+            b = o = _meta_itemsize(out.dtype)
+        elif node.kind in (OpKind.MATMUL, OpKind.ATTENTION):
+            b = o = compute
+        elif node.kind == OpKind.EMBEDDING:
+            b = o = weights
+        elif node.kind == OpKind.CREATION or not floats:
+            b = o = _meta_itemsize(out.dtype)
+        elif _is_cast(node):
+            src = size[floats[0]]
+            if out.dtype in ("bfloat16", "float16"):
+                b = o = 2
+            elif src < _meta_itemsize(out.dtype):
+                b, o = _meta_itemsize(out.dtype), src  # x.float(): an upcast
+            elif floats[0] not in data:  # a position table cast to the activations' dtype
+                b = o = weights
+            else:
+                b = o = origin[floats[0]]  # .to(x.dtype) of an fp32 value: cast back
+        else:
+            b = max(size[i] for i in floats)
+            o = min(origin[i] for i in floats if size[i] == b)
+            if node.kind == OpKind.SOFTMAX and "float32" in node.args_repr:
+                b = 4  # softmax(..., dtype=torch.float32)
+        size[node.name], origin[node.name] = b, min(o, b)
+    return size
+
+
+def _meta_itemsize(dtype: str) -> int:
+    for key, n in (("float64", 8), ("int64", 8), ("float32", 4), ("int32", 4),
+                   ("bfloat16", 2), ("float16", 2), ("int16", 2), ("bool", 1), ("int8", 1),
+                   ("uint8", 1), ("float8", 1)):
+        if dtype.startswith(key):
+            return n
+    return 4
+
+
+def _dtype_of(graph: OpGraph, name: str) -> str:
+    if name in graph:
+        out = graph.node(name).out
+        return out.dtype if out is not None else ""
+    if name in graph.param_map:
+        return graph.param_map[name].dtype
+    # a value made outside a cut graph (planner/stagecost.py prices ranges of layers on the
+    # graph around them): the block activation a traced fp32 graph carries
+    return next((m.dtype for n, m in graph.inputs if n == name), "float32")
+
+
+def _outside(graph: OpGraph) -> set[str]:
+    """Activations block operators read that the graph does not hold: made before a cut.
+    Buffers are read by their module path too (neither operators nor parameters); a
+    traced value's name is an identifier (``add_3``), a buffer of a submodule is dotted
+    (``layers.0.attn.bias``)."""
+    inputs = {n for n, _ in graph.inputs}
+    return {i for node in graph.nodes if node.layer >= 0 for i in node.inputs
+            if i not in graph and i not in graph.param_map and i not in inputs
+            and "." not in i}
+
+
+def _carrying_grads(graph: OpGraph, outside: set[str]) -> frozenset[str]:
+    """``OpGraph.grad_nodes``, with the activations made before a cut carrying gradients."""
+    if not outside:
+        return graph.grad_nodes
+    out = set(outside)
+    trainable = {p.name for p in graph.params if p.trainable}
+    for n in graph.nodes:
+        if n.kind != OpKind.CREATION and any(i in trainable or i in out for i in n.inputs) \
+                and any(_is_float(o.dtype) for o in n.outputs):
+            out.add(n.name)
+    return frozenset(out)
+
+
+def _numel(graph: OpGraph, name: str) -> int:
+    if name in graph:
+        out = graph.node(name).out
+        return out.numel if out is not None else 0
+    if name in graph.param_map:
+        return graph.param_map[name].numel
+    return next((m.numel for n, m in graph.inputs if n == name), 0)
+
+
+def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
+                  microbatches: int = 1, compiled: bool = False) -> dict[str, EagerOp]:
+    """The kernels each operator of ``names`` launches eagerly (module docstring).
+    ``compiled``: the repeated blocks run under torch.compile (costmodel/fusion.py prices
+    their fused kernels): their operators launch nothing here but autocast's weight casts
+    (a cast of a parameter is a kernel of its own in the compiled graph) and the ``.grad``
+    sums; the operators outside the blocks run eagerly."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}; "
+                         "\"autocast\" for fp32 weights under torch.autocast, \"fsdp\" for "
+                         "FSDP2's bf16 parameters")
+    inputs = effective_inputs(graph)
+    size = element_bytes(graph, dtype=dtype, precision=precision, inputs=inputs)
+    compute = DTYPE_BYTES.get(dtype, 4)
+    grads = _carrying_grads(graph, _outside(graph))
+    trainable = {p.name for p in graph.params if p.trainable}
+    users = effective_users(graph, inputs)
+
+    def nbytes(name: str) -> float:
+        return _numel(graph, name) * size.get(name, 4)
+
+    def needs_grad(name: str) -> bool:
+        return name in grads or name in trainable
+
+    out: dict[str, EagerOp] = {}
+    for name in names:
+        if name not in graph:
+            continue
+        node = graph.node(name)
+        if node.out is None:
+            continue
+        in_compiled = compiled and node.layer >= 0
+        fwd, bwd = ([], []) if in_compiled else \
+            _operator_kernels(graph, node, inputs[name], size, nbytes, needs_grad,
+                              name in grads)
+        wf, wb, acc, weight = [], [], [], ""
+        if node.kind in (OpKind.MATMUL, OpKind.ATTENTION) and precision == "autocast" \
+                and compute < 4:
+            for i in dict.fromkeys(inputs[name]):
+                if i in size and _is_float(_dtype_of(graph, i)) and size[i] > compute:
+                    n = _numel(graph, i)
+                    cast_f, cast_b = Kernel(n * size[i], n * compute), \
+                        Kernel(n * compute, n * size[i])
+                    if i in graph.param_map:  # autocast's cached weight cast
+                        wf.append(cast_f)
+                        wb += [cast_b] if needs_grad(i) else []
+                        weight = i
+                    elif not in_compiled:  # inductor fuses an activation's cast
+                        fwd.append(cast_f)
+                        bwd += [cast_b] if needs_grad(i) else []
+        if microbatches > 1 and node.kind in (OpKind.MATMUL, OpKind.EMBEDDING):
+            for i in node.inputs:
+                if i in trainable:  # AccumulateGrad adds into .grad after the first
+                    g = graph.param_map[i].numel * size[i]
+                    acc.append(Kernel(2 * g * (microbatches - 1) / microbatches,
+                                      g * (microbatches - 1) / microbatches))
+                    weight = weight or i
+        # autograd sums the gradients of a value read by several operators: one add for
+        # every reader after the first
+        if name in grads and not in_compiled:
+            for i in dict.fromkeys(inputs[name]):
+                if i in grads and next(u for u in users[i] if u in grads) != name:
+                    bwd.append(Kernel(2 * nbytes(i), nbytes(i)))
+        if fwd or bwd or wf or wb or acc:
+            out[name] = EagerOp(tuple(fwd), tuple(bwd), tuple(wf), tuple(wb), tuple(acc),
+                                weight)
+    return out
+
+
+def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], size: dict,
+                      nbytes, needs_grad, back: bool) -> tuple[list[Kernel], list[Kernel]]:
+    """(forward, backward) kernels of one operator's own work (module docstring)."""
+    t = node.target
+    o = nbytes(node.name)
+    ins = [i for i in inputs if i in size]
+    floats = [i for i in ins if _is_float(_dtype_of(graph, i))]
+    grad_ins = [i for i in floats if needs_grad(i)] if back else []
+    if node.kind in (OpKind.MATMUL, OpKind.ATTENTION, OpKind.EMBEDDING, OpKind.CREATION):
+        return [], []  # priced by op_time (FLOPs / their own kernels)
+    if node.kind == OpKind.LOSS:
+        return _loss_kernels(graph, ins, size, nbytes, back)
+    if node.kind == OpKind.VIEW:
+        if _is_cast(node) and floats and size[floats[0]] != size[node.name]:
+            return [Kernel(nbytes(floats[0]), o)], \
+                [Kernel(o, nbytes(floats[0]))] if grad_ins else []
+        if t.startswith("aten.cat"):
+            return [Kernel(sum(nbytes(i) for i in ins), o)], []
+        if t.startswith(("aten.slice", "aten.select", "aten.narrow")) and grad_ins:
+            return [], [Kernel(0.0, nbytes(grad_ins[0])), Kernel(o, o)]
+        if t.startswith("aten.expand") and grad_ins and _numel(graph, grad_ins[0]) < \
+                _numel(graph, node.name):
+            return [], [Kernel(o, nbytes(grad_ins[0]))]
+        return [], []
+    if node.kind not in MEMORY_BOUND:
+        return [], []
+    fwd = [Kernel(sum(nbytes(i) for i in ins), o)]
+    if "dropout" in t:  # bernoulli_ mask, div_ by keep probability, mul
+        fwd = [Kernel(0.0, o), Kernel(o, o), Kernel(2 * o, o)]
+    if not grad_ins:
+        return fwd, []
+    n_out = _numel(graph, node.name)
+    bwd: list[Kernel] = []
+
+    def reduce_or_cast(i: str, produced: float) -> list[Kernel]:
+        """A gradient computed at the output's size and dtype, brought to the input's."""
+        if _numel(graph, i) < n_out:
+            return [Kernel(produced, nbytes(i))]  # sum over the broadcast dims
+        if size[i] < size[node.name]:
+            return [Kernel(produced, nbytes(i))]  # cast to the input's dtype
+        return []
+
+    if t.startswith(("aten.add.", "aten.sub.", "aten.rsub.")):
+        for k, i in enumerate(floats):
+            if i not in grad_ins:
+                continue
+            if t.startswith("aten.sub.") and k == 1 or t.startswith("aten.rsub.") and k == 0:
+                bwd.append(Kernel(o, o))  # neg
+            bwd += reduce_or_cast(i, o)
+    elif t.startswith(("aten.mul.Tensor", "aten.div.Tensor")) and len(floats) == 2:
+        for k, i in enumerate(floats):
+            if i not in grad_ins:
+                continue
+            other = floats[1 - k]
+            bwd.append(Kernel(o + nbytes(other), o))  # grad * other (or / other)
+            if t.startswith("aten.div.") and k == 1:  # -grad * self / other**2
+                bwd += [Kernel(o, o), Kernel(2 * o, o), Kernel(2 * o, o)]
+            bwd += reduce_or_cast(i, o)
+    elif t.startswith(_POWS):
+        i = grad_ins[0]
+        x = nbytes(i)
+        bwd += [Kernel(x, x), Kernel(x, x), Kernel(o + x, x)]
+    elif t.startswith("aten.mean"):
+        bwd.append(Kernel(o, nbytes(grad_ins[0])))  # div of the expanded gradient
+    elif t.startswith(("aten.sum", "aten.clone", "aten.contiguous", "aten.alias")):
+        pass  # expand / pass-through: no kernel
+    elif t.startswith("aten.repeat_interleave"):
+        bwd.append(Kernel(o, nbytes(grad_ins[0])))  # sum over the repeats
+    elif any(a in t for a in _ACTIVATIONS) or "dropout" in t or t.startswith(
+            ("aten.mul.Scalar", "aten.div.Scalar", "aten.neg", "aten.where",
+             "aten.masked_fill")):
+        for i in grad_ins:
+            saved = o if any(a in t for a in _ACTIVATIONS) or "dropout" in t else 0.0
+            bwd.append(Kernel(o + saved, nbytes(i)))
+    elif node.kind == OpKind.NORM:  # fused layer/rms norm: grad input, then weight grads
+        x = nbytes(floats[0])
+        bwd += [Kernel(o + x, x), Kernel(o + x, sum(nbytes(i) for i in floats[1:]))]
+    else:  # a memory-bound operator without a rule: op_time's, twice the forward's bytes
+        moved = sum(nbytes(i) for i in ins) + o
+        bwd.append(Kernel(moved, moved))
+    return fwd, bwd
+
+
+def _loss_kernels(graph: OpGraph, inputs: list[str], size: dict, nbytes,
+                  back: bool) -> tuple[list[Kernel], list[Kernel]]:
+    """Cross entropy on logits the engine upcast to fp32 (module docstring)."""
+    logits = next((i for i in inputs if i in size and _is_float(_dtype_of(graph, i))),
+                  None)
+    if logits is None:
+        return [], []
+    x, n = nbytes(logits), _numel(graph, logits)
+    f32 = 4.0 * n
+    cast = size[logits] < 4
+    fwd = ([Kernel(x, f32)] if cast else []) + [Kernel(f32, f32), Kernel(f32 / 1e3, 4.0)]
+    if not back:
+        return fwd, []
+    bwd = [Kernel(0.0, f32), Kernel(2 * f32, f32)] + ([Kernel(f32, x)] if cast else [])
+    return fwd, bwd
+
+
+def kernels_time_s(kernels, hw: HardwareProfile, shard: float) -> float:
+    """Roofline over each kernel's bytes (split ``shard`` ways) plus one launch each."""
+    fixed = hw.device.kernel_latency_s + hw.device.framework_overhead_s
+    return sum(roofline_s(hw, 0.0, k.bytes / shard, "bf16") + fixed for k in kernels)
+
+
+def eager_time(op: EagerOp, hw: HardwareProfile, shard: float, weight_shard: float = 1.0, *,
+               contention: float = 1.0) -> OpTime:
+    """Forward and backward seconds of ``op``'s kernels: activations split ``shard`` ways
+    (devices x microbatches), the weight's ``weight_shard`` ways (its own split, whole
+    every microbatch)."""
+    forward = kernels_time_s(op.forward, hw, shard) + kernels_time_s(op.weight_forward, hw,
+                                                                     weight_shard)
+    backward = kernels_time_s(op.backward, hw, shard) \
+        + kernels_time_s(op.weight_backward, hw, weight_shard) \
+        + sum(roofline_s(hw, 0.0, k.bytes / weight_shard, "bf16") for k in op.accumulate) \
+        + len(op.accumulate) * (hw.device.kernel_latency_s + hw.device.framework_overhead_s)
+    return OpTime(forward * contention, backward * contention)
+
+
+def fsdp_copy_out_bytes(weight_numel: float, *, dtype: str, passes: int) -> float:
+    """Bytes FSDP2's all-gather copy-out moves on the compute stream per microbatch:
+    ``foreach_all_gather_copy_out`` (torch.distributed.fsdp._fully_shard._fsdp_collectives)
+    reads the gathered flat buffer and writes every unsharded parameter, in the parameter
+    dtype, once per all-gather (``passes``: 2 when the weights are resharded after the
+    forward and gathered again for the backward, ZeRO-3; 1 otherwise). The copy-in
+    (cast of the fp32 shard and its copy into the all-gather buffer) and the gradients'
+    ``_chunk_cat`` into the reduce-scatter buffer run on FSDP2's side streams, beside the
+    compute, and are not counted."""
+    return passes * 2 * weight_numel * DTYPE_BYTES.get(dtype, 4)
