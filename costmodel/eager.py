@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, roofline_s
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.graph import OpGraph, OpKind, OpNode
+from meshplan.vocabulary import ComputeDtype
 
 PRECISIONS = ("autocast", "fsdp")  # RuntimeModel.mixed_precision
 MEMORY_BOUND = (OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION,
@@ -424,7 +425,7 @@ def _loss_kernels(graph: OpGraph, inputs: list[str], size: dict, nbytes,
 def kernels_time_s(kernels, hw: HardwareProfile, shard: float) -> float:
     """Roofline over each kernel's bytes (split ``shard`` ways) plus one launch each."""
     fixed = hw.device.kernel_latency_s + hw.device.framework_overhead_s
-    return sum(roofline_s(hw, 0.0, k.bytes / shard, "bf16") + fixed for k in kernels)
+    return sum(roofline_s(hw, 0.0, k.bytes / shard, ComputeDtype.BF16) + fixed for k in kernels)
 
 
 def eager_time(op: EagerOp, hw: HardwareProfile, shard: float, weight_shard: float = 1.0, *,
@@ -436,7 +437,7 @@ def eager_time(op: EagerOp, hw: HardwareProfile, shard: float, weight_shard: flo
                                                                      weight_shard)
     backward = kernels_time_s(op.backward, hw, shard) \
         + kernels_time_s(op.weight_backward, hw, weight_shard) \
-        + sum(roofline_s(hw, 0.0, k.bytes / weight_shard, "bf16") for k in op.accumulate) \
+        + sum(roofline_s(hw, 0.0, k.bytes / weight_shard, ComputeDtype.BF16) for k in op.accumulate) \
         + len(op.accumulate) * (hw.device.kernel_latency_s + hw.device.framework_overhead_s)
     return OpTime(forward * contention, backward * contention)
 

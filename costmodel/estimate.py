@@ -482,9 +482,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs)
     if not memory:
-        return StageBreakdown(forward_s=ops.fwd, backward_s=ops.bwd, recompute_s=recompute,
-                         comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
-                         memory=None)
+        return StageBreakdown(forward_s=ops.fwd + copy_fwd, backward_s=ops.bwd + copy_bwd,
+                              recompute_s=recompute, comm_s=comm_mb,
+                              grad_sync_s=traffic.step_s, optimizer_s=optimizer_s, memory=None)
 
     prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
                                     seq_len=seq_len, attention=runtime.attention, cache=cache)
