@@ -107,8 +107,8 @@ def compare(*dirs: str) -> None:
               f"{p4.step_time_s * 1e3:.1f} ms and {p4.peak_memory_gib:.1f} GiB, on `{preset}`. "
               "Step times: median of steps 3-10 [min, max]; peak: torch.cuda.max_memory_allocated. "
               "Compiled rows are priced with `meshplan.estimate(plan, compiled=True)` (the fusion pass), eager rows are the plan's own prediction.", "",
-              "| run | measured ms [min, max] | predicted / measured | peak GiB | predicted "
-              "GiB / measured |", "|---|---:|---:|---:|---:|"]
+              "| run | measured ms [min, max] | each run's median ms | predicted / measured | "
+              "peak GiB | predicted GiB / measured |", "|---|---:|---:|---:|---:|---:|"]
     rows = {}
     for key, label, est in (
             ("plain_eager", "plain PyTorch, eager (autocast bf16, fused AdamW), 1 x 4", None),
@@ -126,12 +126,19 @@ def compare(*dirs: str) -> None:
                      "predicted_gib": est.peak_memory_gib if est else None}
         pred = (f"{est.step_time_s / med:.3f}", f"{est.peak_memory_gib / peak_gib:.3f}") \
             if est else ("", "")
-        lines.append(f"| {label} | {med * 1e3:.1f} [{lo * 1e3:.1f}, {hi * 1e3:.1f}] | {pred[0]} | "
+        # the same section measured by several runs (a repeat on a fresh machine): their spread
+        each = [_steps(r["sections"][key])[0] for r in raws
+                if "result" in r["sections"].get(key, {})]
+        rows[key]["each_run_median_s"] = each
+        lines.append(f"| {label} | {med * 1e3:.1f} [{lo * 1e3:.1f}, {hi * 1e3:.1f}] | "
+                     f"{', '.join(f'{e * 1e3:.1f}' for e in each)} | {pred[0]} | "
                      f"{peak_gib:.1f} | {pred[1]} |")
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "gpu_check.md"), "w") as f:
+    # the H200's record keeps its first name; other GPUs get their own files
+    name = "gpu_check" if preset == "dgx-h200" else f"gpu_check_{short}"
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    with open(os.path.join(RESULTS, "gpu_check.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump({"device": device, "torch": raws[-1]["torch"], "preset": preset,
                    "steps": rows, "sections": sections}, f, indent=1)
     print("\n".join(lines))
