@@ -10,6 +10,7 @@ and sequence; the chosen plan is exported with ``meshplan.export_plan`` to
 ``benchmarks/results/stack_exports/``. All on the ``dgx-h100`` preset.
 
 Run: python benchmarks/stack_exports.py [--only NAME] [--target torchtitan|megatron]
+[--time-limit-s 300] (each search keeps the best found after that long and says so)
 Writes benchmarks/results/stack_exports.{md,json} (a partial run prints only).
 """
 
@@ -42,7 +43,8 @@ RUNS = (
 )
 
 
-def _row(name: str, target: str, spec: str, gpus: int, stem: str) -> dict | None:
+def _row(name: str, target: str, spec: str, gpus: int, stem: str,
+         time_limit_s: float | None) -> dict | None:
     path = os.path.join(CONFIGS, target, stem + SUFFIX[target])
     if not os.path.exists(path):
         return None
@@ -54,7 +56,8 @@ def _row(name: str, target: str, spec: str, gpus: int, stem: str) -> dict | None
     model = parse_model_spec(spec).build(device="meta")
     ours, priced = search_layouts(model, mesh, target, graph=theirs.graph,
                                   dtype=theirs.training.dtype,
-                                  compiled=theirs.training.compiled)
+                                  compiled=theirs.training.compiled,
+                                  time_limit_s=time_limit_s)
     search_s = time.perf_counter() - start
     ours = ours.with_spec(spec)
     out_dir = os.path.join(OUT, "stack_exports")
@@ -80,6 +83,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="runs whose name contains this")
     ap.add_argument("--target", choices=("torchtitan", "megatron"), default=None)
+    ap.add_argument("--time-limit-s", type=float, default=300.0, help="each search keeps the "
+                    "best found after this long (its status says how many it left unpriced)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
@@ -89,7 +94,7 @@ def main() -> int:
         for target in ("torchtitan", "megatron"):
             if args.target and target != args.target:
                 continue
-            row = _row(name, target, spec, gpus, stem)
+            row = _row(name, target, spec, gpus, stem, args.time_limit_s)
             if row is None:
                 print(f"{name} / {target}: no published configuration in {CONFIGS}")
                 continue
