@@ -418,3 +418,22 @@ def test_a_meshplan_plan_exports_and_comes_back(tiny_llama_h100):
     assert "--tp-comm-overlap" in text and "--use-distributed-optimizer" in text
     assert from_megatron(text) == (layout, arch)
     assert (layout.dp, layout.tp, layout.pp, layout.microbatches) == (2, 2, 2, 4)
+
+
+def test_benchmark_exports_accepted_by_megatron_core():
+    """The argument files benchmarks/stack_exports.py wrote for `plan --for megatron` (the
+    files the results table cites) build megatron-core's own configs, which validate them,
+    and split the layers as the file's layout says."""
+    pytest.importorskip("megatron.core")
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                    / "stack_exports").glob("*.meshplan.txt"))
+    if not files:
+        pytest.skip("run benchmarks/stack_exports.py first")
+    for f in files:
+        layout, arch = from_megatron(f.read_text())
+        cfg, ddp, opt = megatron_configs(f.read_text())
+        assert megatron_chunks(cfg) == layout.layers_per_chunk(arch.layers), f.name
+        assert (cfg.tensor_model_parallel_size, cfg.context_parallel_size,
+                cfg.pipeline_model_parallel_size) == (layout.tp, layout.cp, layout.pp), f.name

@@ -421,3 +421,23 @@ def test_flavor_table_and_split_rule_are_torchtitans(tmp_path):
     for key, counts in got["splits"].items():
         stages, layers, first, last = map(int, key.split(","))
         assert list(default_split(stages, layers, first, last)) == counts, key
+
+
+BENCH_EXPORTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "stack_exports"
+
+
+@needs_torchtitan
+def test_benchmark_exports_accepted_by_torchtitan(tmp_path):
+    """The TOMLs benchmarks/stack_exports.py wrote for `plan --for torchtitan` (the files the
+    results table cites) pass torchtitan's ConfigManager, ParallelDims and build_mesh, and
+    read back as the layout meshplan wrote."""
+    files = sorted(BENCH_EXPORTS.glob("*.meshplan.toml"))
+    if not files:
+        pytest.skip("run benchmarks/stack_exports.py first")
+    jobs = []
+    for f in files:
+        layout, _ = from_torchtitan(f.read_text())  # an export names every degree
+        jobs.append((f.read_text(), layout.devices))
+    for f, got, (_, devices) in zip(files, _run_worker(tmp_path, "mesh", jobs), jobs):
+        back, _ = from_torchtitan(_toml_of(got["config"]), devices=devices)
+        assert back == from_torchtitan(f.read_text(), devices=devices)[0], f.name
