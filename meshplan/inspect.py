@@ -26,7 +26,7 @@ from meshplan.context import chunk_words
 from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
 from meshplan.plan import Plan, Stage
 from meshplan.support import cp_degree
-from meshplan.vocabulary import Engine
+from meshplan.vocabulary import STACK_TARGETS, Engine
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.
@@ -255,11 +255,16 @@ def head_table(plan: Plan) -> Table:
                  f"{p.memory_capacity_gib:.1f} GiB ({_pct(p.peak_memory_gib, p.memory_capacity_gib)})"
                  + ("" if p.fits else f"  DOES NOT FIT: {p.overflow}"))
     head.add_row("time breakdown", ", ".join(f"{k} {fmt_time(v)}" for k, v in p.breakdown.items()))
-    head.add_row("runs on", "module engine (parallelize_module, fully_shard, checkpoint "
-                 "wrappers" + (", torch.distributed.pipelining)" if plan.num_stages > 1
-                               else ")") if plan.engine == Engine.MODULES else
-                 "graph engine (exported graph on DTensor)"
-                 + (f": {plan.engine_note}" if plan.engine_note else ""))
+    if plan.engine in STACK_TARGETS:
+        runs_on = (f"{plan.engine}, after `meshplan export PLAN --to {plan.engine}`"
+                   + (f" ({plan.engine_note})" if plan.engine_note else ""))
+    elif plan.engine == Engine.MODULES:
+        runs_on = "module engine (parallelize_module, fully_shard, checkpoint wrappers" + \
+            (", torch.distributed.pipelining)" if plan.num_stages > 1 else ")")
+    else:
+        runs_on = "graph engine (exported graph on DTensor)" + \
+            (f": {plan.engine_note}" if plan.engine_note else "")
+    head.add_row("runs on", runs_on)
     head.add_row("solver", f"{plan.solver.name}: {plan.solver.status}, gap {plan.solver.gap:.2%}, "
                  f"{plan.solver.time_s:.2f} s (deterministic)")
     for note in plan.solver.notes:

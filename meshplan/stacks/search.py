@@ -242,6 +242,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     stopped = (f"; stopped at the {time_limit_s:g} s time limit with {unpriced} layouts "
                "unpriced: the best found, not proven the best") if unpriced else ""
     solver = replace(plan.solver, name=f"meshplan.stacks.search ({target})",
+                     objective_s=plan.predicted.step_time_s,
                      status=f"best of the {len(space)} layouts {target} runs: {len(priced)} "
                             f"priced, {bounded} bounded by their compute, "
                             f"{len(space) - len(priced) - bounded - unpriced} by memory or "
