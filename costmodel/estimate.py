@@ -1048,18 +1048,38 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
     return result
 
 
+# the last walks, across estimates that share no cache (the search's final pricing of each
+# candidate plan): (id(graph), dtype, precision, m, compiled) -> (graph, kernels)
+_EAGER_WALKS: dict = {}
+_EAGER_WALKS_KEPT = 64
+
+
 def _cached_eager_kernels(cache: dict | None, graph: OpGraph, dtype: str, precision: str,
                           m: int, compiled: bool) -> dict:
     """``eager.eager_kernels`` of every operator of the graph (a stage reads its own): one
-    walk per graph, dtype, precision and microbatch count, kept in ``cache``."""
+    walk per graph, dtype, precision and microbatch count, kept in ``cache``. A graph cut
+    from a whole one (``OpGraph.whole``: the pipeline search's neighbourhoods, which eager.py
+    prices as on the whole graph) reads the whole graph's walk: one walk, not one per range."""
+    graph = graph.whole or graph
     key = ("eager-kernels", id(graph), dtype, precision, m, compiled)
-    hit = cache.get(key) if cache is not None else None
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    kernels = eager_kernels(graph, [n.name for n in graph.nodes], dtype=dtype,
-                            precision=precision, microbatches=m, compiled=compiled)
+    for store in (cache, _EAGER_WALKS):
+        hit = store.get(key) if store is not None else None
+        if hit is not None and hit[0] is graph:
+            return hit[1]
+    if m > 2:  # only ``.grad`` accumulation depends on m, as (m - 1) / m: scale m = 2's walk
+        scale = 2 * (m - 1) / m
+        two = _cached_eager_kernels(cache, graph, dtype, precision, 2, compiled)
+        kernels = {name: replace(op, accumulate=tuple(
+            Kernel(k.read_bytes * scale, k.written_bytes * scale) for k in op.accumulate))
+            if op.accumulate else op for name, op in two.items()}
+    else:
+        kernels = eager_kernels(graph, [n.name for n in graph.nodes], dtype=dtype,
+                                precision=precision, microbatches=m, compiled=compiled)
     if cache is not None:
         cache[key] = (graph, kernels)
+    if len(_EAGER_WALKS) >= _EAGER_WALKS_KEPT:
+        _EAGER_WALKS.clear()
+    _EAGER_WALKS[key] = (graph, kernels)
     return kernels
 
 

@@ -150,6 +150,9 @@ class OpGraph:
     block_module: str = ""  # module path prefix of the repeated blocks, e.g. "m.transformer.h"
     model_name: str = ""
     signature: CallSignature | None = None  # None: every input is a positional model argument
+    # the graph this one was cut from (the pipeline search's neighbourhoods,
+    # planner/stagecost.py), whose per-operator analyses hold for the cut's operators
+    whole: "OpGraph | None" = field(default=None, compare=False, repr=False)
     _index: dict = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):

@@ -238,7 +238,7 @@ class MegatronStageCost:
             self._neighbourhoods[key] = OpGraph(
                 nodes=tuple(n for n in g.nodes if n.name in keep), params=g.params,
                 inputs=g.inputs, output=g.output, layer_fingerprints=g.layer_fingerprints,
-                block_module=g.block_module, model_name=g.model_name)
+                block_module=g.block_module, model_name=g.model_name, whole=g.whole or g)
         return self._neighbourhoods[key]
 
     def range_cost(self, first: int, last: int, option: StageOption, mbs: int, *,

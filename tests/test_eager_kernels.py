@@ -312,3 +312,28 @@ def test_a_range_cut_from_the_graph_prices_as_in_the_whole(precision):
     names = [n.name for n in graph.nodes if n.layer == 2]
     whole = eager_kernels(graph, names, dtype="bf16", precision=precision)
     assert eager_kernels(cut, names, dtype="bf16", precision=precision) == whole
+
+
+def test_cached_walk_scales_accumulation_with_the_microbatch_count(tiny):
+    """The estimate's cache derives m > 2 from one walk (only ``.grad`` accumulation reads m,
+    as (m - 1) / m): the same kernels as walking at m, for every operator; and a graph cut
+    from the whole reads the whole graph's walk."""
+    import dataclasses
+
+    from meshplan.costmodel.estimate import _cached_eager_kernels
+
+    graph = tiny
+    names = [n.name for n in graph.nodes]
+    cache: dict = {}
+    for m in (1, 2, 3, 7):
+        walked = eager_kernels(graph, names, dtype="bf16", precision="autocast", microbatches=m)
+        cached = _cached_eager_kernels(cache, graph, "bf16", "autocast", m, False)
+        assert set(walked) <= set(cached)
+        for name, op in walked.items():
+            got = cached[name]
+            assert got.forward == op.forward and got.backward == op.backward, name
+            assert [pytest.approx((k.read_bytes, k.written_bytes)) for k in op.accumulate] == \
+                [(k.read_bytes, k.written_bytes) for k in got.accumulate], name
+    cut = dataclasses.replace(graph, nodes=graph.nodes[: len(graph.nodes) // 2], whole=graph)
+    assert _cached_eager_kernels(cache, cut, "bf16", "autocast", 3, False) is \
+        _cached_eager_kernels(cache, graph, "bf16", "autocast", 3, False)
