@@ -171,6 +171,10 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     space = layouts(target, arch, devices=mesh.num_devices,
                     devices_per_node=mesh.devices_per_node, global_batch=batch, seq_len=seq,
                     dtype=dtype, compiled=compiled)
+    if not space and compiled and target == "megatron":
+        raise PlanningError("--compile with --for megatron: Megatron-LM does not run "
+                            "torch.compile (its fused kernels are priced without it); drop "
+                            "--compile")
     if not space:
         raise PlanningError(f"no layout of {arch.words()} on {mesh.num_devices} devices "
                             f"(batch {batch}, seq {seq}) is one {target} runs; change the "
