@@ -46,8 +46,10 @@ def cmd_plan(args) -> int:
         raise SpecError("--for TARGET searches the layouts the stack runs; --manual gives one: "
                         "drop one (price a hand-written layout with --manual --engine TARGET)")
     if args.for_:
+        from meshplan.stacks.commands import check_plan_for_args
         from meshplan.stacks.search import search_layouts
 
+        check_plan_for_args(args, loaded.model)
         plan, _ = search_layouts(loaded.model, mesh, args.for_, graph=graph,
                                  dtype=args.dtype or ComputeDtype.BF16, compiled=args.compile,
                                  time_limit_s=args.time_limit_s)
@@ -96,6 +98,10 @@ def cmd_run(args) -> int:
     if args.metrics_out:
         check_writable(args.metrics_out)
     plan = Plan.from_json(args.plan)
+    if plan.engine in STACK_TARGETS:
+        raise SpecError(f"{args.plan} was made for {plan.engine} (meshplan plan --for "
+                        f"{plan.engine}): run it there after `meshplan export {args.plan} --to "
+                        f"{plan.engine}`, or plan without --for to run it with meshplan")
     args.model = recorded_spec(plan, args.plan, args.model)
     loaded = check_model_for_run(plan, args.model, data=bool(args.data))
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank,

@@ -44,8 +44,36 @@ def test_export_refuses_what_the_stack_cannot_express(tmp_path, capsys):
     (["estimate", "--from", "megatron", "missing.txt"], "--mesh"),
     (["estimate", "--from", "deepspeed", "x.txt", "--mesh", "dgx-h100"], "deepspeed"),
     (PLAN + ["--for", "megatron", "--manual", "dp=8"], "--manual"),
+    (PLAN + ["--for", "megatron", "--memory-limit-gib", "40"], "--memory-limit-gib"),
+    (PLAN + ["--for", "megatron", "--engine", "torchtitan"], "--engine torchtitan"),
+    (PLAN + ["--for", "torchtitan", "--dtype", "fp16"], "fp16 needs loss scaling"),
+    (PLAN + ["--for", "megatron", "--compile"], "does not run torch.compile"),
 ])
 def test_bad_input_is_one_line(argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+def test_a_typo_in_an_imported_file_is_one_line(tmp_path, capsys):
+    """A misspelt key or flag would price the stack's default without a word: refused, with
+    the spelling meant; a value of the wrong type too."""
+    plan = tmp_path / "plan.json"
+    assert main(PLAN + ["--for", "megatron", "-o", str(plan)]) == 0
+    assert main(PLAN + ["--for", "torchtitan", "-o", str(tmp_path / "t.json")]) == 0
+    assert main(["export", str(plan), "--to", "megatron", "-o", str(tmp_path / "a.txt")]) == 0
+    assert main(["export", str(tmp_path / "t.json"), "--to", "torchtitan",
+                 "-o", str(tmp_path / "j.toml")]) == 0
+    capsys.readouterr()
+    args = (tmp_path / "a.txt").read_text().replace("--global-batch-size", "--global-batch-sise")
+    (tmp_path / "b.txt").write_text(args)
+    toml = (tmp_path / "j.toml").read_text()
+    (tmp_path / "k.toml").write_text(toml.replace("seq_len", "seq_lenn"))
+    (tmp_path / "l.toml").write_text(toml.replace("seq_len = 8192", 'seq_len = "8192"'))
+    for target, f, words in (("megatron", "b.txt", "did you mean --global-batch-size"),
+                             ("torchtitan", "k.toml", "did you mean seq_len"),
+                             ("torchtitan", "l.toml", "seq_len = '8192': expected int")):
+        assert main(["estimate", "--from", target, str(tmp_path / f), "--mesh",
+                     "dgx-h100:nodes=1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err

@@ -149,11 +149,39 @@ def cmd_export(args) -> int:
     return 0
 
 
+def check_plan_for_args(args, model) -> None:
+    """``plan --for TARGET``'s options that the stack search does not take, and a model an
+    export could not name, refused in one line before the search."""
+    from meshplan.stacks.layout import STACK_DTYPES
+
+    if args.memory_limit_gib is not None:
+        raise SpecError("--memory-limit-gib with --for: the stack search keeps each device's "
+                        "own memory (the mesh's); drop it, or plan with a mesh of that memory")
+    if args.engine not in ("auto", args.for_):
+        raise SpecError(f"--engine {args.engine} with --for {args.for_}: the plan is priced as "
+                        f"{args.for_} runs it; drop --engine")
+    if args.dtype and args.dtype not in STACK_DTYPES:
+        raise SpecError(f"--dtype {args.dtype} with --for {args.for_}: the stacks are planned "
+                        f"in {', '.join(STACK_DTYPES)} (fp16 needs loss scaling); use bf16")
+    if args.for_ == "torchtitan":
+        from meshplan.stacks.arch import arch_of_model
+        from meshplan.stacks.torchtitan import flavor_problem
+
+        why = flavor_problem(arch_of_model(model))
+        if why:
+            raise SpecError(f"--for torchtitan: {why}")
+
+
 def cmd_estimate_from(args, print_estimate) -> int:
     """``meshplan estimate --from TARGET FILE --mesh M [--model SPEC] [--compare] [-o]``."""
     from meshplan.specs import parse_mesh_spec
 
     target, path = args.from_
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq),
+                        ("--manual", args.manual), ("plan", args.plan)):
+        if value:
+            raise SpecError(f"{flag} with --from {target}: the file sets the layout, batch and "
+                            f"sequence; drop {flag}")
     if target not in TARGETS:
         raise SpecError(f"--from {target}: the stacks read are {', '.join(TARGETS)}")
     if not args.mesh:

@@ -20,6 +20,7 @@ scaling (``--fp8-format hybrid --fp8-recipe tensorwise``; costmodel/fp8.py ``te-
 
 from __future__ import annotations
 
+import difflib
 import re
 import shlex
 from dataclasses import replace
@@ -374,6 +375,13 @@ def _read_args(text: str) -> tuple[dict, int | None]:
             given[flag] = [value] if eq else []
         elif flag is not None:
             given[flag].append(w)
+    known = set(_VALUE_FLAGS) | set(_LIST_FLAGS) | set(_BOOL_FLAGS)
+    for name in given:
+        # a flag meshplan does not read may be any of Megatron's hundreds (--lr, --data-path):
+        # only one spelled like a flag it reads is refused (a typo would price the default)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if name not in known and close:
+            raise SpecError(f"{name}: not a Megatron-LM flag; did you mean {close[0]}?")
     args: dict = {}
     for name, (kind, default) in _VALUE_FLAGS.items():
         vals = given.get(name)

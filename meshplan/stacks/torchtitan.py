@@ -32,6 +32,7 @@ relative to its package):
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import tomllib
@@ -282,12 +283,58 @@ def to_torchtitan(layout: StackLayout, arch: ModelArch) -> str:
     return "\n".join(lines) + "\n"
 
 
+# every key of the sections meshplan reads, as torchtitan 0.2.2's JobConfig dataclasses
+# (torchtitan/config/job_config.py) declare them: a key outside is one torchtitan refuses
+JOB_KEYS = {
+    "model": ("converters", "flavor", "hf_assets_path", "name", "print_after_conversion",
+              "tokenizer_path"),
+    "training": ("dataloader", "dataset", "dataset_path", "dtype", "enable_cpu_offload",
+                 "gc_debug", "gc_freq", "global_batch_size", "local_batch_size", "max_norm",
+                 "mixed_precision_param", "mixed_precision_reduce", "seq_len", "steps"),
+    "parallelism": ("context_parallel_degree", "context_parallel_load_balancer",
+                    "context_parallel_rotate_method", "data_parallel_replicate_degree",
+                    "data_parallel_shard_degree", "disable_loss_parallel",
+                    "enable_async_tensor_parallel", "expert_parallel_comm_backend",
+                    "expert_parallel_degree", "expert_tensor_parallel_degree",
+                    "fsdp_reshard_after_forward", "module_fqns_per_model_part",
+                    "pipeline_parallel_degree", "pipeline_parallel_expert_parallel_overlap",
+                    "pipeline_parallel_first_stage_less_layers",
+                    "pipeline_parallel_last_stage_less_layers",
+                    "pipeline_parallel_layers_per_stage", "pipeline_parallel_microbatch_size",
+                    "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
+                    "tensor_parallel_degree"),
+    "activation_checkpoint": ("debug", "determinism_check", "early_stop", "memory_budget",
+                              "mode", "per_op_sac_force_recompute_mm_shapes_by_fqns",
+                              "preserve_rng_state", "selective_ac_option",
+                              "visualize_memory_budget_pareto"),
+    "compile": ("backend", "components", "enable"),
+    "float8": ("emulate", "enable_fsdp_float8_all_gather", "filter_fqns",
+               "precompute_float8_dynamic_scale_for_fsdp", "recipe_name"),
+}
+
+
 def _get(doc: dict, section: str, key: str):
     table = doc
     for part in section.split("."):
         table = table.get(part, {}) if isinstance(table, dict) else {}
     defaults = DEFAULTS["float8" if section == "quantize.linear.float8" else section]
-    return table.get(key, defaults[key]) if isinstance(table, dict) else defaults[key]
+    if not isinstance(table, dict):
+        return defaults[key]
+    # a misspelt key would price torchtitan's default without a word (torchtitan refuses it)
+    keys = JOB_KEYS["float8" if section == "quantize.linear.float8" else section]
+    for given in table:
+        if given not in keys and not isinstance(table[given], dict):
+            close = difflib.get_close_matches(given, keys, n=1, cutoff=0.6)
+            raise SpecError(f"torchtitan job config [{section}] {given}: not a torchtitan "
+                            f"{TORCHTITAN_VERSION} key" +
+                            (f"; did you mean {close[0]}?" if close else ""))
+    value, default = table.get(key, defaults[key]), defaults[key]
+    want = next((t for t in (bool, str, int, float, list) if isinstance(default, t)), None)
+    if key in table and want is not None and not isinstance(value, want) \
+            and not (want is float and isinstance(value, int)):
+        raise SpecError(f"torchtitan job config [{section}] {key} = {value!r}: expected "
+                        f"{want.__name__} (torchtitan's default {default!r})")
+    return value
 
 
 def default_split(num_stages: int, num_layers: int, first_less: int, last_less: int):
