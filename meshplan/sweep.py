@@ -104,7 +104,8 @@ def _schedules(pp: int, layers: int, schedules) -> list[tuple[str, int]]:
 
 
 def variant(base: Plan, c: Config) -> Plan:
-    """``base`` (built for ``c.placement_key``) with the rest of ``c`` written in."""
+    """``base`` (built for ``c.placement_key``) with the rest of ``c`` written in; ``c`` is a
+    Config or any layout with its fields (meshplan/stacks/search.py's StackLayout)."""
     t = base.training
     training = replace(t, microbatch_size=c.microbatch_size,
                        microbatches=t.global_batch // (c.dp * c.microbatch_size),

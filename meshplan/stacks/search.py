@@ -162,6 +162,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     from meshplan.costmodel.estimate import default_runtime, estimate_plan
     from meshplan.planner.manual import build_manual_plan
     from meshplan.planner.simplest import error_margin
+    from meshplan.sweep import variant  # a group's base plan with a layout's fields
     from meshplan.stacks.arch import arch_of_model
 
     start = time.perf_counter()
@@ -191,7 +192,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     priced: list[Priced] = []
     runtimes = {pp: replace(default_runtime(hw, engine=target, pipeline=pp > 1),
                             compiled=compiled) for pp in {k[3] for k in groups}}
-    best: tuple[float, StackLayout, Plan] | None = None
+    best: float | None = None  # the fastest fitting step so far
     bounded = 0
     margin = error_margin(hw)
     ordered = sorted(groups.items(), key=lambda kv: _promise(kv[0]))
@@ -213,10 +214,10 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
             if not exhaustive and (shape in skip or (shape[1:], lay.recompute) in overflows):
                 continue
             if not exhaustive and best is not None and \
-                    floor.get(lay.microbatch_size, 0.0) >= best[0] * (1 + margin):
+                    floor.get(lay.microbatch_size, 0.0) >= best * (1 + margin):
                 bounded += 1
                 continue
-            est = estimate_plan(_variant(base, lay), graph, hw=hw, runtime=runtimes[lay.pp],
+            est = estimate_plan(variant(base, lay), graph, hw=hw, runtime=runtimes[lay.pp],
                                 cache=cache)
             priced.append(Priced(lay, est.step_time_s, est.fits, est.peak_memory_gib, est.mfu))
             if lay.recompute == "none":
@@ -227,8 +228,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
                 overflows.add((shape[1:], lay.recompute))
             if est.fits:
                 skip.add(shape)
-                if best is None or est.step_time_s < best[0]:
-                    best = (est.step_time_s, lay, None)
+                best = est.step_time_s if best is None else min(best, est.step_time_s)
         if progress:
             progress(i + 1, len(groups))
     if best is None:
@@ -237,7 +237,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
             "; every layout's parameters and optimizer state alone exceed it"
         raise PlanningError(f"no layout {target} runs fits {cap:.0f} GiB per device{more}: add "
                             "devices, lower the batch or the sequence")
-    chosen = _simplest([p for p in priced if p.fits], best[0], margin)
+    chosen = _simplest([p for p in priced if p.fits], best, margin)
     plan = _built(model, mesh, graph, target, chosen.layout, compiled)
     fastest = min((p for p in priced if p.fits), key=lambda p: p.step_time_s)
     runner = "" if fastest.layout == chosen.layout else \
@@ -260,16 +260,6 @@ def _promise(key: tuple) -> tuple:
     tensor and context parallelism), so that the compute bound prunes more."""
     dp, tp, cp, pp, zero3, _ = key
     return (pp, tp * cp, zero3)
-
-
-def _variant(base: Plan, lay: StackLayout) -> Plan:
-    t = base.training
-    training = replace(t, microbatch_size=lay.microbatch_size, microbatches=lay.microbatches,
-                       schedule=lay.schedule,
-                       virtual_stages=lay.virtual_stages if lay.schedule == Schedule.INTERLEAVED
-                       else 1)
-    stages = tuple(replace(st, recompute=lay.recompute, zero=lay.zero) for st in base.stages)
-    return replace(base, training=training, stages=stages)
 
 
 def _complexity(lay: StackLayout) -> tuple:

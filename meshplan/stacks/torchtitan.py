@@ -42,12 +42,11 @@ from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.stacks.arch import ModelArch
 from meshplan.stacks.layout import StackLayout
 from meshplan.schedules import Schedule
-from meshplan.vocabulary import ComputeDtype, Recompute
+from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
 
 TORCHTITAN_VERSION = "0.2.2"
 FLOAT8 = "quantize.linear.float8"  # registered name (components/quantization/float8.py)
 SCHEDULE_NAMES = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED: "Interleaved1F1B"}
-RECOMPUTE_MODES = {Recompute.NONE: Recompute.NONE, Recompute.SELECTIVE: Recompute.SELECTIVE, Recompute.FULL: Recompute.FULL}
 
 
 def _llama3(dim, layers, heads, kv, ffn, vocab=128256) -> ModelArch:
@@ -265,7 +264,7 @@ def to_torchtitan(layout: StackLayout, arch: ModelArch) -> str:
             "pipeline_parallel_microbatch_size": L.microbatch_size,
             "module_fqns_per_model_part": _fqns(L.layers_per_chunk(arch.layers))}
            if pipelined else {}),
-        "activation_checkpoint": {"mode": RECOMPUTE_MODES[L.recompute]}
+        "activation_checkpoint": {"mode": L.recompute}
         | ({"selective_ac_option": "op"} if L.recompute == Recompute.SELECTIVE else {}),
         "compile": {"enable": L.compiled, "components": ["model", "loss"]},
     }
@@ -488,7 +487,7 @@ def _recompute_of(g) -> str:
         raise NotSupportedError(f"activation_checkpoint selective_ac_option {option!r} (every "
                                 f"{option}th block): meshplan's layouts recompute every block "
                                 "alike; use 'op', mode 'full' or 'none'")
-    if mode not in RECOMPUTE_MODES:
+    if mode not in RECOMPUTE:  # torchtitan's mode names are meshplan's
         raise NotSupportedError(f"activation_checkpoint mode {mode!r}: meshplan prices none, "
                                 "selective (op) and full; use one of these")
     return mode
