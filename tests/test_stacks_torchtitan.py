@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from meshplan.errors import NotSupportedError, SpecError
 from meshplan.stacks import StackLayout, arch_of_spec
-from meshplan.stacks.torchtitan import (DEFAULTS, FLAVORS, default_split, flavor_of,
-                                        from_torchtitan, problems, to_torchtitan)
+from meshplan.stacks.torchtitan import default_split, from_torchtitan, problems, to_torchtitan
+from meshplan.stacks.torchtitan_flavors import DEFAULTS, FLAVORS, flavor_of
 
 HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
 HAS_TRITON = importlib.util.find_spec("triton") is not None
