@@ -282,8 +282,8 @@ def priced_for_stack(plan: Plan, graph: OpGraph, stack: str, model: nn.Module | 
     runtime = default_runtime(hw, engine=stack, pipeline=plan.num_stages > 1)
     problems = plan_problems(plan)
     ours = (f"meshplan's runtimes cannot run it ({problems[0]})" if problems else
-            "meshplan's runtimes run this layout (manual_plan with engine='auto' says which "
-            "engine, from the model)")
+            "meshplan can run this layout too: make the plan with engine='auto' "
+            "(plan --engine auto) to run it with meshplan.parallelize")
     plan = with_stage_predictions(replace(plan, engine=stack), graph, runtime=runtime)
     return replace(plan, engine_note=f"priced as {STACKS[stack]} runs it; {ours}")
 
