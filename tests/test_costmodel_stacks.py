@@ -123,7 +123,7 @@ def test_nemo_layout_sequence_parallel_inside_tp_with_cp(tiny_llama_h100):
     assert with_sp.predicted.memory.activations_gib < without.predicted.memory.activations_gib
     # meshplan's runtimes run NeMo's layout (the module engine: torch's context_parallel with
     # SP inside TP); selective recompute with cp they cannot, and the note says so
-    assert "meshplan's runtimes run this layout" in with_sp.engine_note
+    assert "meshplan can run this layout too" in with_sp.engine_note
     selective = meshplan.manual_plan(model, mesh, sequence_parallel=True, recompute="selective",
                                      **kw)
     assert "runtimes cannot run it (recompute 'selective' with cp=2" in selective.engine_note
