@@ -41,6 +41,10 @@ Sources (every row in SWEEPS names its own):
   Megatron-DeepSpeed with full activation checkpointing, bf16 and ZeRO stage 1 as that
   slurm script (assumed for the experiments; the page does not list every flag). Jean Zay's
   inter-node network is not the DGX preset's; nothing here models it.
+- torchtitan, pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5: Llama
+  3.1 405B on 512 H100s (96 GB HBM2e, 500 W), FSDP 8 TP 8 PP 8, 1F1B vs Interleaved 1F1B,
+  TPS per GPU as published; the job files in benchmarks/stack_configs/torchtitan/ are
+  imported and priced as torchtitan runs them (`meshplan.import_plan`).
 
 Not used: Narayanan et al. 2021's Figures 12-16 (TP vs PP, PP vs DP, microbatch size,
 interleaving) are bar charts; no reading of them was made here.
@@ -66,6 +70,9 @@ from megatron_published import MEGATRON_2021, gpt_graph, megatron_plan  # noqa: 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KORTHIKANTI = "Korthikanti et al. 2022, arXiv 2205.05198"
 BLOOM = ("bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md")
+TORCHTITAN_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 5 "
+                   "(3D parallelism, Llama 3.1 405B, 512 H100s)")
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stack_configs")
 TERMS = ("forward", "backward", "recompute", "comm", "bubble", "optimizer")
 
 
@@ -82,6 +89,7 @@ class Config:
     v: int = 1
     recompute: str = "full"
     sp: bool = False
+    file: str = ""  # a stack sweep's configuration, under benchmarks/stack_configs/<stack>/
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,10 @@ class Sweep:
     # more model settings (megatron_published.MEGATRON_2021: Megatron-LM's fused bias-GeLU
     # and dropout 0.1, which Korthikanti et al. ran); "": transformers' GPT-2 defaults
     config: str = ""
+    # a stack's sweep ("torchtitan"): each configuration is that stack's own job file,
+    # imported and priced as the stack runs it (meshplan.import_plan) on ``preset``
+    stack: str = ""
+    preset: str = "dgx-a100-80gb"
 
 
 def _t5(size: str, gpus: int, tp: int, pp: int, mb: int, v: int, full: float, present: float,
@@ -114,6 +126,14 @@ def _t5(size: str, gpus: int, tp: int, pp: int, mb: int, v: int, full: float, pr
                          v=v, recompute="full"),
                   Config("SP + selective", gpus, tp, pp, mb, present, f"{row}, present work",
                          v=v, recompute="selective", sp=True)), config=MEGATRON_2021)
+
+
+def _titan_t5(schedule: str, tps: float) -> Config:
+    """torchtitan Table 5 (Llama 3.1 405B, 512 H100s): one schedule's row, measured as GPU
+    milliseconds per token (1000 / TPS per GPU; lower is better)."""
+    return Config(schedule, 512, 8, 8, 1, round(1000 / tps, 3),
+                  f"Table 5, {schedule} row ({tps:g} TPS/GPU)",
+                  file=f"table5_405b_512gpu_{schedule.lower().replace(' ', '')}.toml")
 
 
 def _bloom(dp: int, tp: int, pp: int, mb: int, secs: float, where: str) -> Config:
@@ -186,6 +206,15 @@ SWEEPS: tuple[Sweep, ...] = (
            _bloom(8, 4, 12, 4, 102.27, "row 5")),
           note="BLOOM balanced 70 layers + 2 embeddings over 12 stages; manual_plan splits "
                "the graph its own way"),
+    # torchtitan's 3D run of Llama 3.1 405B on 512 H100s (96 GB HBM2e, 500 W): FSDP 8 TP 8
+    # PP 8, local batch 32, global 256, seq 8192, full AC, compile, Float8, async TP; the two
+    # schedules (job files in benchmarks/stack_configs/torchtitan/, async TP left out of both)
+    Sweep("torchtitan-405b-t5", 126, 16384, 128, 128256, 8192, 256, "fp8", 3,
+          "GPU ms per token (1000 / TPS per GPU)", TORCHTITAN_H100,
+          (_titan_t5("1F1B", 100), _titan_t5("Interleaved1F1B", 128)),
+          stack="torchtitan", preset="h100-96gb-hbm2e",
+          note="measured TPS/GPU read at the 90th iteration; predicted as torchtitan 0.2.2 runs "
+               "the job file (the published run used its December 2024 code)"),
 )
 
 
@@ -235,7 +264,14 @@ def regret(predicted, measured, allowed=None) -> float:
 # ---- pricing ------------------------------------------------------------------------------
 
 def price(sweep: Sweep, config: Config, model, graph):
-    """The configuration as a manual plan, priced by the cost model (the planner's path)."""
+    """The configuration as a manual plan, priced by the cost model (the planner's path); a
+    stack sweep's configuration is its job file, imported as that stack runs it."""
+    if sweep.stack:
+        import meshplan
+        from meshplan.stacks.commands import import_plan
+
+        mesh = meshplan.Mesh.preset(sweep.preset, nodes=config.gpus // 8)
+        return import_plan(os.path.join(CONFIGS, sweep.stack, config.file), sweep.stack, mesh)
     return megatron_plan(model, graph, gpus=config.gpus, tp=config.tp, pp=config.pp,
                          mb=config.mb, v=config.v, recompute=config.recompute,
                          sequence_parallel=config.sp, dtype=sweep.dtype, zero=sweep.zero,
@@ -245,10 +281,15 @@ def price(sweep: Sweep, config: Config, model, graph):
 def rank_sweep(sweep: Sweep, model, graph) -> dict:
     rows = []
     for c in sweep.configs:
-        est = price(sweep, c, model, graph).predicted
+        plan = price(sweep, c, model, graph)
+        est = plan.predicted
+        # a stack's job file sets its own interleaving and recompute: read them off the plan
+        v = plan.training.virtual_stages if sweep.stack else c.v
+        recompute = plan.stages[0].recompute if sweep.stack else c.recompute
+        sp = plan.training.sequence_parallel if sweep.stack else c.sp
         rows.append({"label": c.label, "gpus": c.gpus, "dp": c.gpus // (c.tp * c.pp),
-                     "tp": c.tp, "pp": c.pp, "mb": c.mb, "v": c.v, "recompute": c.recompute,
-                     "sp": c.sp, "measured": c.measured, "source": c.source,
+                     "tp": c.tp, "pp": c.pp, "mb": c.mb, "v": v, "recompute": recompute,
+                     "sp": sp, "measured": c.measured, "source": c.source,
                      "predicted_s": est.step_time_s, "fits": est.fits,
                      "peak_gib": round(est.peak_memory_gib, 1),
                      "breakdown_s": {k: est.breakdown.get(k, 0.0) for k in TERMS}})
@@ -261,6 +302,7 @@ def rank_sweep(sweep: Sweep, model, graph) -> dict:
     counts = pair_counts(pred, meas)
     return {"sweep": sweep.name, "unit": sweep.unit, "source": sweep.source,
             "note": sweep.note, "batch": sweep.batch, "dtype": sweep.dtype, "zero": sweep.zero,
+            "stack": sweep.stack, "preset": sweep.preset,
             "model": f"{sweep.layers} layers, hidden {sweep.hidden}, {sweep.heads} heads, "
                      f"vocabulary {sweep.vocab}, sequence {sweep.seq}",
             "rows": rows, "pairs": n * (n - 1) // 2, "counts": counts,
@@ -331,7 +373,9 @@ def microbatch_pairs(results: list[dict]) -> list[dict]:
 def report(results: list[dict], total: dict, seconds: float) -> str:
     lines = ["# Ranking check: predicted vs measured order of published sweeps (issue 14)", "",
              "Every configuration a hand-written plan (`meshplan.manual_plan`) on the DGX A100 "
-             "80GB preset, priced by the cost model as the planner prices plans. tau-b: "
+             "80GB preset (a stack's sweep: its own job files, imported with "
+             "`meshplan.import_plan` on the preset of its hardware), priced by the cost model "
+             "as the planner prices plans. tau-b: "
              "Kendall's tau-b between predicted step time and measured time. Regret: "
              "measured(predicted-best) / measured-best - 1. Pooled tau-b counts the pairs "
              "inside each sweep only.", "",
@@ -373,11 +417,12 @@ def report(results: list[dict], total: dict, seconds: float) -> str:
         lines.append("")
     for r in results:
         lines += [f"## {r['sweep']}", "",
-                  f"{r['model']}; global batch {r['batch']}, {r['dtype']}, ZeRO {r['zero']}. "
+                  f"{r['model']}; global batch {r['batch']}, {r['dtype']}, ZeRO {r['zero']}"
+                  f"{'; ' + r['stack'] + ' job files on ' + r['preset'] if r['stack'] else ''}. "
                   f"Measured: {r['unit']}. Source: {r['source']}."
                   + (f" Note: {r['note']}." if r["note"] else ""), "",
                   "| config | dp | tp | pp | mb | v | recompute | SP | measured | rank | "
-                  "predicted s | rank | fits 80 GB (peak GiB) | fwd / bwd / recompute / comm / "
+                  "predicted s | rank | fits (peak GiB) | fwd / bwd / recompute / comm / "
                   "bubble / optimizer s | source row |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for w in r["rows"]:
@@ -421,6 +466,8 @@ def main(argv=None) -> int:
     for sweep in (s for s in SWEEPS if s.name in chosen):
         key = (sweep.layers, sweep.hidden, sweep.heads, sweep.vocab, sweep.seq, sweep.batch,
                sweep.config)
+        if sweep.stack:
+            graphs[key] = (None, None)  # each job file names its model; import_plan traces it
         if key not in graphs:
             model, graph, _ = gpt_graph(sweep.layers, sweep.hidden, sweep.heads, sweep.batch,
                                         vocab=sweep.vocab, seq=sweep.seq, name=sweep.name,

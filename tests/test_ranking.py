@@ -146,3 +146,19 @@ def test_published_sweep_korthikanti_table4_keeps_its_order(ranking):
     assert len(r["rows"]) == 5
     assert r["tau_b"] >= 0.6, r["discordant"]
     assert r["regret"] == 0.0 and r["predicted_best"] == r["measured_best"]
+
+
+def test_stack_sweeps_job_files_lay_out_their_rows(ranking):
+    """A stack sweep's row says dp/tp/pp; its job file (what is priced) must lay out the same."""
+    from meshplan.stacks.commands import read_config
+
+    stack_sweeps = [s for s in ranking.SWEEPS if s.stack]
+    assert stack_sweeps, "the ranking keeps one sweep of a stack's own job files"
+    for sweep in stack_sweeps:
+        for c in sweep.configs:
+            layout, arch = read_config(os.path.join(ranking.CONFIGS, sweep.stack, c.file),
+                                       sweep.stack, devices=c.gpus)
+            assert (layout.devices, layout.tp, layout.pp, layout.dp) == \
+                (c.gpus, c.tp, c.pp, c.gpus // (c.tp * c.pp)), (sweep.name, c.label)
+            assert layout.global_batch == sweep.batch and layout.seq_len == sweep.seq
+            assert arch.layers == sweep.layers and arch.hidden == sweep.hidden
