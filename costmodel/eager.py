@@ -42,7 +42,24 @@ the kernels one by one, a pure function of the OpGraph:
   an fp32 gradient of the logits' size before ``_log_softmax_backward_data``.
 
 Each kernel is priced on the roofline over its bytes plus the device's fixed cost per
-launch (``kernel_latency_s + framework_overhead_s``), as ``op_time`` prices one.
+launch (``kernel_latency_s + framework_overhead_s``), as ``op_time`` prices one, at the
+bandwidth of its **path** (``Kernel.path``, ``device.memory_paths``). PyTorch's CUDA
+elementwise loop takes its vectorized kernel only when every operand is contiguous and of
+the result's dtype (ATen native/cuda/CUDALoops.cuh, ``gpu_kernel_impl``); otherwise it runs
+the unrolled kernel with dtype casts or the strided one with an offset per dimension
+(``elementwise_kernel<128, 2>``), which reach 30-80% of the contiguous rate, measured on H100
+and H200 (benchmarks/results/eager_kernels_gpu.md). Each kernel takes the slowest path that
+applies, in the measured order: ``strided`` (an operand that is not dense, a slice of the
+last dimension, or a permuted operand (a transpose) beside a broadcast or a differently laid
+out one: the rotary embedding on the transposed q and k), ``upcast`` (a bf16 -> fp32 cast,
+and the backward of a downcast), ``broadcast`` (an operand with fewer elements than the
+result: RMSNorm's ``x * rsqrt`` and ``x * weight``, the backward of ``mean``),
+``mixed_dtype`` (float operands of different widths: an fp32 norm output times a bf16
+weight); a gradient summed over leading broadcast dimensions (a weight's gradient from a
+broadcast product, GQA's ``expand`` backward) is a ``reduction``, slice_backward's zero
+fill and copy a ``slice_backward``; everything else (same-dtype contiguous operands, fp32
+-> bf16 casts, reductions over the last dimension, fused norms, the loss's fp32 kernels,
+gradient sums) ``contiguous``.
 Stacks whose kernels are fused by hand (Megatron-Core with Transformer Engine) keep
 ``op_time``'s pricing: ``RuntimeModel.eager_kernels`` is off for them.
 """
@@ -66,12 +83,25 @@ _ACTIVATIONS = ("silu", "gelu", "tanh", "sigmoid", "relu", "exp", "softmax", "th
 _POWS = ("aten.pow.Tensor_Scalar", "aten.rsqrt", "aten.reciprocal", "aten.sqrt")
 
 
+# the paths an eager elementwise kernel takes (module docstring, "paths"), slowest first
+CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE = \
+    "contiguous", "strided", "upcast", "broadcast", "mixed_dtype"
+REDUCTION, SLICE_BACKWARD = "reduction", "slice_backward"
+PATHS = (CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE, REDUCTION, SLICE_BACKWARD)
+_PERMUTES = ("aten.transpose", "aten.permute", "aten.t.", "aten.swapaxes", "aten.movedim")
+_SLICES = ("aten.slice", "aten.select", "aten.narrow")
+_RESHAPES = ("aten.reshape", "aten.flatten", "aten.view", "aten._unsafe_view")
+
+
 @dataclass(frozen=True, slots=True)
 class Kernel:
-    """One launched kernel: bytes read and written for the whole traced batch."""
+    """One launched kernel: bytes read and written for the whole traced batch, and the path
+    PyTorch runs it on (``PATHS``; its bandwidth is ``device.memory_paths[path]`` of the
+    contiguous rate)."""
 
     read_bytes: float
     written_bytes: float
+    path: str = CONTIGUOUS
 
     @property
     def bytes(self) -> float:
@@ -231,6 +261,82 @@ def _outside(graph: OpGraph) -> set[str]:
             and "." not in i}
 
 
+def layouts(graph: OpGraph, inputs: dict | None = None) -> dict[str, str]:
+    """How eager PyTorch lays out each value: "contiguous"; "permuted" (dense with its
+    dimensions in another order: a transpose of a contiguous value, and an elementwise
+    result whose full-size operands are all permuted, since TensorIterator gives the result
+    its operands' layout); "strided" (not dense: a slice that narrows the last dimension).
+    A reshape of a permuted or strided value copies it (contiguous); other views and casts
+    keep their input's layout; every other operator writes a contiguous result."""
+    inputs = effective_inputs(graph) if inputs is None else inputs
+    lay: dict[str, str] = {}
+    for node in graph.nodes:
+        out = node.out
+        if out is None:
+            continue
+        t = node.target
+        src = lay.get(node.inputs[0], "contiguous") if node.inputs else "contiguous"
+        if node.kind == OpKind.VIEW:
+            if t.startswith(_PERMUTES):
+                lay[node.name] = {"contiguous": "permuted", "permuted": "contiguous"}.get(
+                    src, src)
+            elif t.startswith(_SLICES):
+                shape = _shape_of(graph, node.inputs[0])
+                lay[node.name] = "strided" if shape and out.shape and \
+                    shape[-1] != out.shape[-1] else src
+            elif t.startswith(_RESHAPES) and src != "contiguous" \
+                    and not t.startswith("aten.view"):
+                lay[node.name] = "contiguous"
+            elif t.startswith("aten.cat") or t.startswith("aten.index"):
+                lay[node.name] = "contiguous"
+            else:
+                lay[node.name] = src
+        elif node.kind == OpKind.ELEMENTWISE:
+            full = [lay.get(i, "contiguous") for i in inputs[node.name]
+                    if _numel(graph, i) == out.numel]
+            lay[node.name] = "permuted" if full and all(x == "permuted" for x in full) \
+                else "contiguous"
+        else:
+            lay[node.name] = "contiguous"
+    return lay
+
+
+def _shape_of(graph: OpGraph, name: str) -> tuple[int, ...]:
+    if name in graph:
+        out = graph.node(name).out
+        return tuple(out.shape) if out is not None else ()
+    if name in graph.param_map:
+        return tuple(graph.param_map[name].shape)
+    return next((tuple(m.shape) for n, m in graph.inputs if n == name), ())
+
+
+def _path(graph: OpGraph, size: dict, lay: dict, operands, result: str) -> str:
+    """The path of an elementwise kernel that reads ``operands`` and writes a value shaped,
+    typed and laid out like ``result`` (module docstring): strided, broadcast, mixed dtype
+    or contiguous (the slowest that applies, in the measured order)."""
+    n = _numel(graph, result)
+    ops = [i for i in operands if _numel(graph, i) > 0]
+    full = [lay.get(i, "contiguous") for i in ops if _numel(graph, i) == n]
+    small = [i for i in ops if _numel(graph, i) < n]
+    if any(lay.get(i) == "strided" for i in ops) or "permuted" in full and (
+            small or any(x != "permuted" for x in full)):
+        return STRIDED
+    if small:
+        return BROADCAST
+    widths = {size[i] for i in ops if i in size and _is_float(_dtype_of(graph, i))}
+    if len(widths) > 1:
+        return MIXED_DTYPE
+    return CONTIGUOUS
+
+
+def _sum_path(graph: OpGraph, small: str, big: str) -> str:
+    """A gradient summed from ``big``'s shape down to ``small``'s: over leading dimensions
+    (a weight's gradient, the measured sum over tokens) a ``reduction``; over the last
+    dimension (to a ``[t, 1]`` value) a row reduction at the contiguous rate."""
+    a, b = _shape_of(graph, small), _shape_of(graph, big)
+    return REDUCTION if a and b and a[-1] == b[-1] else CONTIGUOUS
+
+
 def _carrying_grads(graph: OpGraph, outside: set[str]) -> frozenset[str]:
     """``OpGraph.grad_nodes``, with the activations made before a cut carrying gradients."""
     if not outside:
@@ -270,6 +376,7 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
     grads = _carrying_grads(graph, _outside(graph))
     trainable = {p.name for p in graph.params if p.trainable}
     users = effective_users(graph, inputs)
+    lay = layouts(graph, inputs)
 
     def nbytes(name: str) -> float:
         return _numel(graph, name) * size.get(name, 4)
@@ -286,7 +393,7 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
             continue
         in_compiled = compiled and node.layer >= 0
         fwd, bwd = ([], []) if in_compiled else \
-            _operator_kernels(graph, node, inputs[name], size, nbytes, needs_grad,
+            _operator_kernels(graph, node, inputs[name], size, lay, nbytes, needs_grad,
                               name in grads)
         wf, wb, acc, weight = [], [], [], ""
         if node.kind in (OpKind.MATMUL, OpKind.ATTENTION) and precision == "autocast" \
@@ -295,7 +402,7 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
                 if i in size and _is_float(_dtype_of(graph, i)) and size[i] > compute:
                     n = _numel(graph, i)
                     cast_f, cast_b = Kernel(n * size[i], n * compute), \
-                        Kernel(n * compute, n * size[i])
+                        Kernel(n * compute, n * size[i], UPCAST)  # the gradient's upcast
                     if i in graph.param_map:  # autocast's cached weight cast
                         wf.append(cast_f)
                         wb += [cast_b] if needs_grad(i) else []
@@ -323,8 +430,10 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
 
 
 def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], size: dict,
-                      nbytes, needs_grad, back: bool) -> tuple[list[Kernel], list[Kernel]]:
-    """(forward, backward) kernels of one operator's own work (module docstring)."""
+                      lay: dict, nbytes, needs_grad,
+                      back: bool) -> tuple[list[Kernel], list[Kernel]]:
+    """(forward, backward) kernels of one operator's own work and their paths (module
+    docstring)."""
     t = node.target
     o = nbytes(node.name)
     ins = [i for i in inputs if i in size]
@@ -336,19 +445,29 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
         return _loss_kernels(graph, ins, size, nbytes, back)
     if node.kind == OpKind.VIEW:
         if _is_cast(node) and floats and size[floats[0]] != size[node.name]:
-            return [Kernel(nbytes(floats[0]), o)], \
-                [Kernel(o, nbytes(floats[0]))] if grad_ins else []
+            up = size[node.name] > size[floats[0]]
+            strided = lay.get(floats[0]) == "strided"
+            fwd_path = STRIDED if strided else UPCAST if up else CONTIGUOUS
+            bwd_path = STRIDED if strided else CONTIGUOUS if up else UPCAST
+            return [Kernel(nbytes(floats[0]), o, fwd_path)], \
+                [Kernel(o, nbytes(floats[0]), bwd_path)] if grad_ins else []
         if t.startswith("aten.cat"):
-            return [Kernel(sum(nbytes(i) for i in ins), o)], []
-        if t.startswith(("aten.slice", "aten.select", "aten.narrow")) and grad_ins:
-            return [], [Kernel(0.0, nbytes(grad_ins[0])), Kernel(o, o)]
+            return [Kernel(sum(nbytes(i) for i in ins), o,
+                           _path(graph, size, lay, ins, node.name))], []
+        if t.startswith(_SLICES) and grad_ins:
+            return [], [Kernel(0.0, nbytes(grad_ins[0]), SLICE_BACKWARD),
+                        Kernel(o, o, SLICE_BACKWARD)]
         if t.startswith("aten.expand") and grad_ins and _numel(graph, grad_ins[0]) < \
                 _numel(graph, node.name):
-            return [], [Kernel(o, nbytes(grad_ins[0]))]
+            return [], [Kernel(o, nbytes(grad_ins[0]), _sum_path(graph, grad_ins[0],
+                                                                 node.name))]
         return [], []
     if node.kind not in MEMORY_BOUND:
         return [], []
-    fwd = [Kernel(sum(nbytes(i) for i in ins), o)]
+    # the forward's path; the gradient lies like the output (the backward's stand-in for it)
+    path = _path(graph, size, lay, ins, node.name) if node.kind == OpKind.ELEMENTWISE \
+        else CONTIGUOUS
+    fwd = [Kernel(sum(nbytes(i) for i in ins), o, path)]
     if "dropout" in t:  # bernoulli_ mask, div_ by keep probability, mul
         fwd = [Kernel(0.0, o), Kernel(o, o), Kernel(2 * o, o)]
     if not grad_ins:
@@ -358,10 +477,10 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
 
     def reduce_or_cast(i: str, produced: float) -> list[Kernel]:
         """A gradient computed at the output's size and dtype, brought to the input's."""
-        if _numel(graph, i) < n_out:
-            return [Kernel(produced, nbytes(i))]  # sum over the broadcast dims
+        if _numel(graph, i) < n_out:  # sum over the broadcast dims
+            return [Kernel(produced, nbytes(i), _sum_path(graph, i, node.name))]
         if size[i] < size[node.name]:
-            return [Kernel(produced, nbytes(i))]  # cast to the input's dtype
+            return [Kernel(produced, nbytes(i))]  # cast to the input's (narrower) dtype
         return []
 
     if t.startswith(("aten.add.", "aten.sub.", "aten.rsub.")):
@@ -369,33 +488,35 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
             if i not in grad_ins:
                 continue
             if t.startswith("aten.sub.") and k == 1 or t.startswith("aten.rsub.") and k == 0:
-                bwd.append(Kernel(o, o))  # neg
+                bwd.append(Kernel(o, o, path))  # neg
             bwd += reduce_or_cast(i, o)
     elif t.startswith(("aten.mul.Tensor", "aten.div.Tensor")) and len(floats) == 2:
         for k, i in enumerate(floats):
             if i not in grad_ins:
                 continue
             other = floats[1 - k]
-            bwd.append(Kernel(o + nbytes(other), o))  # grad * other (or / other)
+            prod = _path(graph, size, lay, (node.name, other), node.name)
+            bwd.append(Kernel(o + nbytes(other), o, prod))  # grad * other (or / other)
             if t.startswith("aten.div.") and k == 1:  # -grad * self / other**2
-                bwd += [Kernel(o, o), Kernel(2 * o, o), Kernel(2 * o, o)]
+                bwd += [Kernel(o, o, path), Kernel(2 * o, o, path), Kernel(2 * o, o, path)]
             bwd += reduce_or_cast(i, o)
     elif t.startswith(_POWS):
         i = grad_ins[0]
         x = nbytes(i)
         bwd += [Kernel(x, x), Kernel(x, x), Kernel(o + x, x)]
-    elif t.startswith("aten.mean"):
-        bwd.append(Kernel(o, nbytes(grad_ins[0])))  # div of the expanded gradient
+    elif t.startswith("aten.mean"):  # div of the expanded gradient
+        bwd.append(Kernel(o, nbytes(grad_ins[0]),
+                          BROADCAST if o < nbytes(grad_ins[0]) else CONTIGUOUS))
     elif t.startswith(("aten.sum", "aten.clone", "aten.contiguous", "aten.alias")):
         pass  # expand / pass-through: no kernel
-    elif t.startswith("aten.repeat_interleave"):
-        bwd.append(Kernel(o, nbytes(grad_ins[0])))  # sum over the repeats
+    elif t.startswith("aten.repeat_interleave"):  # sum over the repeats
+        bwd.append(Kernel(o, nbytes(grad_ins[0]), _sum_path(graph, grad_ins[0], node.name)))
     elif any(a in t for a in _ACTIVATIONS) or "dropout" in t or t.startswith(
             ("aten.mul.Scalar", "aten.div.Scalar", "aten.neg", "aten.where",
              "aten.masked_fill")):
         for i in grad_ins:
             saved = o if any(a in t for a in _ACTIVATIONS) or "dropout" in t else 0.0
-            bwd.append(Kernel(o + saved, nbytes(i)))
+            bwd.append(Kernel(o + saved, nbytes(i), path))
     elif node.kind == OpKind.NORM:  # fused layer/rms norm: grad input, then weight grads
         x = nbytes(floats[0])
         bwd += [Kernel(o + x, x), Kernel(o + x, sum(nbytes(i) for i in floats[1:]))]
@@ -415,17 +536,24 @@ def _loss_kernels(graph: OpGraph, inputs: list[str], size: dict, nbytes,
     x, n = nbytes(logits), _numel(graph, logits)
     f32 = 4.0 * n
     cast = size[logits] < 4
-    fwd = ([Kernel(x, f32)] if cast else []) + [Kernel(f32, f32), Kernel(f32 / 1e3, 4.0)]
+    fwd = ([Kernel(x, f32, UPCAST)] if cast else []) + [Kernel(f32, f32), Kernel(f32 / 1e3, 4.0)]
     if not back:
         return fwd, []
     bwd = [Kernel(0.0, f32), Kernel(2 * f32, f32)] + ([Kernel(f32, x)] if cast else [])
     return fwd, bwd
 
 
+def kernel_stream_s(kernel: Kernel, hw: HardwareProfile, shard: float) -> float:
+    """Seconds ``kernel``'s bytes (split ``shard`` ways) take on the roofline at its path's
+    bandwidth (``device.memory_paths``), without the launch."""
+    return roofline_s(hw, 0.0, kernel.bytes / shard, ComputeDtype.BF16) \
+        / hw.device.memory_path_ratio(kernel.path)
+
+
 def kernels_time_s(kernels, hw: HardwareProfile, shard: float) -> float:
-    """Roofline over each kernel's bytes (split ``shard`` ways) plus one launch each."""
+    """Each kernel's bytes (split ``shard`` ways) at its path's bandwidth plus one launch."""
     fixed = hw.device.kernel_latency_s + hw.device.framework_overhead_s
-    return sum(roofline_s(hw, 0.0, k.bytes / shard, ComputeDtype.BF16) + fixed for k in kernels)
+    return sum(kernel_stream_s(k, hw, shard) + fixed for k in kernels)
 
 
 def eager_time(op: EagerOp, hw: HardwareProfile, shard: float, weight_shard: float = 1.0, *,
@@ -437,7 +565,7 @@ def eager_time(op: EagerOp, hw: HardwareProfile, shard: float, weight_shard: flo
                                                                      weight_shard)
     backward = kernels_time_s(op.backward, hw, shard) \
         + kernels_time_s(op.weight_backward, hw, weight_shard) \
-        + sum(roofline_s(hw, 0.0, k.bytes / weight_shard, ComputeDtype.BF16) for k in op.accumulate) \
+        + sum(kernel_stream_s(k, hw, weight_shard) for k in op.accumulate) \
         + len(op.accumulate) * (hw.device.kernel_latency_s + hw.device.framework_overhead_s)
     return OpTime(forward * contention, backward * contention)
 
