@@ -544,10 +544,20 @@ def _loss_kernels(graph: OpGraph, inputs: list[str], size: dict, nbytes,
 
 
 def kernel_stream_s(kernel: Kernel, hw: HardwareProfile, shard: float) -> float:
-    """Seconds ``kernel``'s bytes (split ``shard`` ways) take on the roofline at its path's
-    bandwidth (``device.memory_paths``), without the launch."""
-    return roofline_s(hw, 0.0, kernel.bytes / shard, ComputeDtype.BF16) \
-        / hw.device.memory_path_ratio(kernel.path)
+    """Seconds ``kernel``'s bytes (split ``shard`` ways) take on the roofline, without the
+    launch, its streaming term at its path's bandwidth (``device.memory_paths``). The
+    bandwidth curve ``max_eff * w / (w + half_work)`` is a streaming term ``w / (bw x
+    max_eff)`` plus a fixed ``half_work / (bw x max_eff)`` per kernel; the paths were
+    measured on large kernels (192 MiB), where only the streaming term counts, so only it
+    is slowed (a small kernel costs its launch whatever its path: eager_kernels_gpu.md)."""
+    nbytes = kernel.bytes / shard
+    base = roofline_s(hw, 0.0, nbytes, ComputeDtype.BF16)
+    ratio = hw.device.memory_path_ratio(kernel.path)
+    if ratio == 1.0 or nbytes <= 0:
+        return base
+    dev = hw.device
+    streaming = nbytes / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency.max_eff)
+    return base + streaming * (1.0 / ratio - 1.0)
 
 
 def kernels_time_s(kernels, hw: HardwareProfile, shard: float) -> float:
