@@ -42,24 +42,10 @@ the kernels one by one, a pure function of the OpGraph:
   an fp32 gradient of the logits' size before ``_log_softmax_backward_data``.
 
 Each kernel is priced on the roofline over its bytes plus the device's fixed cost per
-launch (``kernel_latency_s + framework_overhead_s``), as ``op_time`` prices one, at the
-bandwidth of its **path** (``Kernel.path``, ``device.memory_paths``). PyTorch's CUDA
-elementwise loop takes its vectorized kernel only when every operand is contiguous and of
-the result's dtype (ATen native/cuda/CUDALoops.cuh, ``gpu_kernel_impl``); otherwise it runs
-the unrolled kernel with dtype casts or the strided one with an offset per dimension
-(``elementwise_kernel<128, 2>``), which reach 30-80% of the contiguous rate, measured on H100
-and H200 (benchmarks/results/eager_kernels_gpu.md). Each kernel takes the slowest path that
-applies, in the measured order: ``strided`` (an operand that is not dense, a slice of the
-last dimension, or a permuted operand (a transpose) beside a broadcast or a differently laid
-out one: the rotary embedding on the transposed q and k), ``upcast`` (a bf16 -> fp32 cast,
-and the backward of a downcast), ``broadcast`` (an operand with fewer elements than the
-result: RMSNorm's ``x * rsqrt`` and ``x * weight``, the backward of ``mean``),
-``mixed_dtype`` (float operands of different widths: an fp32 norm output times a bf16
-weight); a gradient summed over leading broadcast dimensions (a weight's gradient from a
-broadcast product, GQA's ``expand`` backward) is a ``reduction``, slice_backward's zero
-fill and copy a ``slice_backward``; everything else (same-dtype contiguous operands, fp32
--> bf16 casts, reductions over the last dimension, fused norms, the loss's fp32 kernels,
-gradient sums) ``contiguous``.
+launch (``kernel_latency_s + framework_overhead_s``), as ``op_time`` prices one, streaming
+at the bandwidth of its path (``Kernel.path``: contiguous, strided, upcast, broadcast, mixed
+dtype, reduction, slice_backward; costmodel/kernel_paths.py says which kernel takes which,
+``device.memory_paths`` the measured fraction of the contiguous rate each reaches).
 Stacks whose kernels are fused by hand (Megatron-Core with Transformer Engine) keep
 ``op_time``'s pricing: ``RuntimeModel.eager_kernels`` is off for them.
 """
@@ -68,36 +54,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, roofline_s
+from meshplan.costmodel.compute import DTYPE_BYTES, OpTime
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, SLICE_BACKWARD, SLICES,
+                                             STRIDED, UPCAST, elementwise_path, is_float,
+                                             layouts, stream_s, sum_path, value_dtype,
+                                             value_numel)
 from meshplan.graph import OpGraph, OpKind, OpNode
-from meshplan.vocabulary import ComputeDtype
 
 PRECISIONS = ("autocast", "fsdp")  # RuntimeModel.mixed_precision
 MEMORY_BOUND = (OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION,
                 OpKind.OTHER)
-FLOAT = ("float", "bfloat")
 _CASTS = ("aten.to.", "aten._to_copy", "aten.type_as")
 _ACTIVATIONS = ("silu", "gelu", "tanh", "sigmoid", "relu", "exp", "softmax", "threshold",
                 "elu", "softplus", "hardswish", "mish", "erf")
 _POWS = ("aten.pow.Tensor_Scalar", "aten.rsqrt", "aten.reciprocal", "aten.sqrt")
 
 
-# the paths an eager elementwise kernel takes (module docstring, "paths"), slowest first
-CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE = \
-    "contiguous", "strided", "upcast", "broadcast", "mixed_dtype"
-REDUCTION, SLICE_BACKWARD = "reduction", "slice_backward"
-PATHS = (CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE, REDUCTION, SLICE_BACKWARD)
-_PERMUTES = ("aten.transpose", "aten.permute", "aten.t.", "aten.swapaxes", "aten.movedim")
-_SLICES = ("aten.slice", "aten.select", "aten.narrow")
-_RESHAPES = ("aten.reshape", "aten.flatten", "aten.view", "aten._unsafe_view")
-
-
 @dataclass(frozen=True, slots=True)
 class Kernel:
     """One launched kernel: bytes read and written for the whole traced batch, and the path
-    PyTorch runs it on (``PATHS``; its bandwidth is ``device.memory_paths[path]`` of the
-    contiguous rate)."""
+    PyTorch runs it on (``kernel_paths.PATHS``; it streams at ``device.memory_paths[path]``
+    of the contiguous rate)."""
 
     read_bytes: float
     written_bytes: float
@@ -129,10 +107,6 @@ class EagerOp:
             + len(self.weight_backward)
 
 
-def _is_float(dtype: str) -> bool:
-    return dtype.startswith(FLOAT)
-
-
 def _is_cast(node: OpNode) -> bool:
     return node.target.startswith(_CASTS)
 
@@ -152,7 +126,7 @@ def effective_inputs(graph: OpGraph) -> dict[str, tuple[str, ...]]:
             for _ in range(8):
                 src = graph.node(i) if i in graph else None
                 if src is None or not _is_cast(src) or not src.inputs or not src.module_path \
-                        or src.out is None or _dtype_of(graph, src.inputs[0]) != src.out.dtype \
+                        or src.out is None or value_dtype(graph, src.inputs[0]) != src.out.dtype \
                         or _inside(node.module_path, src.module_path) \
                         or _inside(_module_of(graph, src.inputs[0]), src.module_path):
                     break
@@ -192,18 +166,18 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
         if node.name not in data and any(i in data for i in node.inputs):
             data.add(node.name)
     for p in graph.params:
-        size[p.name] = origin[p.name] = weights if _is_float(p.dtype) else \
+        size[p.name] = origin[p.name] = weights if is_float(p.dtype) else \
             max(1, _meta_itemsize(p.dtype))
     for name, meta in graph.inputs:
-        size[name] = origin[name] = 4 if _is_float(meta.dtype) else _meta_itemsize(meta.dtype)
+        size[name] = origin[name] = 4 if is_float(meta.dtype) else _meta_itemsize(meta.dtype)
     for name in _outside(graph):  # a block activation before a cut: the embedding's dtype
         size[name] = origin[name] = weights
     for node in graph.nodes:
         out = node.out
         if out is None:
             continue
-        floats = [i for i in inputs[node.name] if i in size and _is_float(_dtype_of(graph, i))]
-        if not _is_float(out.dtype):
+        floats = [i for i in inputs[node.name] if i in size and is_float(value_dtype(graph, i))]
+        if not is_float(out.dtype):
             b = o = _meta_itemsize(out.dtype)
         elif node.kind in (OpKind.MATMUL, OpKind.ATTENTION):
             b = o = compute
@@ -239,17 +213,6 @@ def _meta_itemsize(dtype: str) -> int:
     return 4
 
 
-def _dtype_of(graph: OpGraph, name: str) -> str:
-    if name in graph:
-        out = graph.node(name).out
-        return out.dtype if out is not None else ""
-    if name in graph.param_map:
-        return graph.param_map[name].dtype
-    # a value made outside a cut graph (planner/stagecost.py prices ranges of layers on the
-    # graph around them): the block activation a traced fp32 graph carries
-    return next((m.dtype for n, m in graph.inputs if n == name), "float32")
-
-
 def _outside(graph: OpGraph) -> set[str]:
     """Activations block operators read that the graph does not hold: made before a cut.
     Buffers are read by their module path too (neither operators nor parameters); a
@@ -261,82 +224,6 @@ def _outside(graph: OpGraph) -> set[str]:
             and "." not in i}
 
 
-def layouts(graph: OpGraph, inputs: dict | None = None) -> dict[str, str]:
-    """How eager PyTorch lays out each value: "contiguous"; "permuted" (dense with its
-    dimensions in another order: a transpose of a contiguous value, and an elementwise
-    result whose full-size operands are all permuted, since TensorIterator gives the result
-    its operands' layout); "strided" (not dense: a slice that narrows the last dimension).
-    A reshape of a permuted or strided value copies it (contiguous); other views and casts
-    keep their input's layout; every other operator writes a contiguous result."""
-    inputs = effective_inputs(graph) if inputs is None else inputs
-    lay: dict[str, str] = {}
-    for node in graph.nodes:
-        out = node.out
-        if out is None:
-            continue
-        t = node.target
-        src = lay.get(node.inputs[0], "contiguous") if node.inputs else "contiguous"
-        if node.kind == OpKind.VIEW:
-            if t.startswith(_PERMUTES):
-                lay[node.name] = {"contiguous": "permuted", "permuted": "contiguous"}.get(
-                    src, src)
-            elif t.startswith(_SLICES):
-                shape = _shape_of(graph, node.inputs[0])
-                lay[node.name] = "strided" if shape and out.shape and \
-                    shape[-1] != out.shape[-1] else src
-            elif t.startswith(_RESHAPES) and src != "contiguous" \
-                    and not t.startswith("aten.view"):
-                lay[node.name] = "contiguous"
-            elif t.startswith("aten.cat") or t.startswith("aten.index"):
-                lay[node.name] = "contiguous"
-            else:
-                lay[node.name] = src
-        elif node.kind == OpKind.ELEMENTWISE:
-            full = [lay.get(i, "contiguous") for i in inputs[node.name]
-                    if _numel(graph, i) == out.numel]
-            lay[node.name] = "permuted" if full and all(x == "permuted" for x in full) \
-                else "contiguous"
-        else:
-            lay[node.name] = "contiguous"
-    return lay
-
-
-def _shape_of(graph: OpGraph, name: str) -> tuple[int, ...]:
-    if name in graph:
-        out = graph.node(name).out
-        return tuple(out.shape) if out is not None else ()
-    if name in graph.param_map:
-        return tuple(graph.param_map[name].shape)
-    return next((tuple(m.shape) for n, m in graph.inputs if n == name), ())
-
-
-def _path(graph: OpGraph, size: dict, lay: dict, operands, result: str) -> str:
-    """The path of an elementwise kernel that reads ``operands`` and writes a value shaped,
-    typed and laid out like ``result`` (module docstring): strided, broadcast, mixed dtype
-    or contiguous (the slowest that applies, in the measured order)."""
-    n = _numel(graph, result)
-    ops = [i for i in operands if _numel(graph, i) > 0]
-    full = [lay.get(i, "contiguous") for i in ops if _numel(graph, i) == n]
-    small = [i for i in ops if _numel(graph, i) < n]
-    if any(lay.get(i) == "strided" for i in ops) or "permuted" in full and (
-            small or any(x != "permuted" for x in full)):
-        return STRIDED
-    if small:
-        return BROADCAST
-    widths = {size[i] for i in ops if i in size and _is_float(_dtype_of(graph, i))}
-    if len(widths) > 1:
-        return MIXED_DTYPE
-    return CONTIGUOUS
-
-
-def _sum_path(graph: OpGraph, small: str, big: str) -> str:
-    """A gradient summed from ``big``'s shape down to ``small``'s: over leading dimensions
-    (a weight's gradient, the measured sum over tokens) a ``reduction``; over the last
-    dimension (to a ``[t, 1]`` value) a row reduction at the contiguous rate."""
-    a, b = _shape_of(graph, small), _shape_of(graph, big)
-    return REDUCTION if a and b and a[-1] == b[-1] else CONTIGUOUS
-
-
 def _carrying_grads(graph: OpGraph, outside: set[str]) -> frozenset[str]:
     """``OpGraph.grad_nodes``, with the activations made before a cut carrying gradients."""
     if not outside:
@@ -345,18 +232,9 @@ def _carrying_grads(graph: OpGraph, outside: set[str]) -> frozenset[str]:
     trainable = {p.name for p in graph.params if p.trainable}
     for n in graph.nodes:
         if n.kind != OpKind.CREATION and any(i in trainable or i in out for i in n.inputs) \
-                and any(_is_float(o.dtype) for o in n.outputs):
+                and any(is_float(o.dtype) for o in n.outputs):
             out.add(n.name)
     return frozenset(out)
-
-
-def _numel(graph: OpGraph, name: str) -> int:
-    if name in graph:
-        out = graph.node(name).out
-        return out.numel if out is not None else 0
-    if name in graph.param_map:
-        return graph.param_map[name].numel
-    return next((m.numel for n, m in graph.inputs if n == name), 0)
 
 
 def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
@@ -379,7 +257,7 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
     lay = layouts(graph, inputs)
 
     def nbytes(name: str) -> float:
-        return _numel(graph, name) * size.get(name, 4)
+        return value_numel(graph, name) * size.get(name, 4)
 
     def needs_grad(name: str) -> bool:
         return name in grads or name in trainable
@@ -399,8 +277,8 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
         if node.kind in (OpKind.MATMUL, OpKind.ATTENTION) and precision == "autocast" \
                 and compute < 4:
             for i in dict.fromkeys(inputs[name]):
-                if i in size and _is_float(_dtype_of(graph, i)) and size[i] > compute:
-                    n = _numel(graph, i)
+                if i in size and is_float(value_dtype(graph, i)) and size[i] > compute:
+                    n = value_numel(graph, i)
                     cast_f, cast_b = Kernel(n * size[i], n * compute), \
                         Kernel(n * compute, n * size[i], UPCAST)  # the gradient's upcast
                     if i in graph.param_map:  # autocast's cached weight cast
@@ -437,7 +315,7 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
     t = node.target
     o = nbytes(node.name)
     ins = [i for i in inputs if i in size]
-    floats = [i for i in ins if _is_float(_dtype_of(graph, i))]
+    floats = [i for i in ins if is_float(value_dtype(graph, i))]
     grad_ins = [i for i in floats if needs_grad(i)] if back else []
     if node.kind in (OpKind.MATMUL, OpKind.ATTENTION, OpKind.EMBEDDING, OpKind.CREATION):
         return [], []  # priced by op_time (FLOPs / their own kernels)
@@ -453,32 +331,32 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
                 [Kernel(o, nbytes(floats[0]), bwd_path)] if grad_ins else []
         if t.startswith("aten.cat"):
             return [Kernel(sum(nbytes(i) for i in ins), o,
-                           _path(graph, size, lay, ins, node.name))], []
-        if t.startswith(_SLICES) and grad_ins:
+                           elementwise_path(graph, size, lay, ins, node.name))], []
+        if t.startswith(SLICES) and grad_ins:
             return [], [Kernel(0.0, nbytes(grad_ins[0]), SLICE_BACKWARD),
                         Kernel(o, o, SLICE_BACKWARD)]
-        if t.startswith("aten.expand") and grad_ins and _numel(graph, grad_ins[0]) < \
-                _numel(graph, node.name):
-            return [], [Kernel(o, nbytes(grad_ins[0]), _sum_path(graph, grad_ins[0],
+        if t.startswith("aten.expand") and grad_ins and value_numel(graph, grad_ins[0]) < \
+                value_numel(graph, node.name):
+            return [], [Kernel(o, nbytes(grad_ins[0]), sum_path(graph, grad_ins[0],
                                                                  node.name))]
         return [], []
     if node.kind not in MEMORY_BOUND:
         return [], []
     # the forward's path; the gradient lies like the output (the backward's stand-in for it)
-    path = _path(graph, size, lay, ins, node.name) if node.kind == OpKind.ELEMENTWISE \
+    path = elementwise_path(graph, size, lay, ins, node.name) if node.kind == OpKind.ELEMENTWISE \
         else CONTIGUOUS
     fwd = [Kernel(sum(nbytes(i) for i in ins), o, path)]
     if "dropout" in t:  # bernoulli_ mask, div_ by keep probability, mul
         fwd = [Kernel(0.0, o), Kernel(o, o), Kernel(2 * o, o)]
     if not grad_ins:
         return fwd, []
-    n_out = _numel(graph, node.name)
+    n_out = value_numel(graph, node.name)
     bwd: list[Kernel] = []
 
     def reduce_or_cast(i: str, produced: float) -> list[Kernel]:
         """A gradient computed at the output's size and dtype, brought to the input's."""
-        if _numel(graph, i) < n_out:  # sum over the broadcast dims
-            return [Kernel(produced, nbytes(i), _sum_path(graph, i, node.name))]
+        if value_numel(graph, i) < n_out:  # sum over the broadcast dims
+            return [Kernel(produced, nbytes(i), sum_path(graph, i, node.name))]
         if size[i] < size[node.name]:
             return [Kernel(produced, nbytes(i))]  # cast to the input's (narrower) dtype
         return []
@@ -495,7 +373,7 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
             if i not in grad_ins:
                 continue
             other = floats[1 - k]
-            prod = _path(graph, size, lay, (node.name, other), node.name)
+            prod = elementwise_path(graph, size, lay, (node.name, other), node.name)
             bwd.append(Kernel(o + nbytes(other), o, prod))  # grad * other (or / other)
             if t.startswith("aten.div.") and k == 1:  # -grad * self / other**2
                 bwd += [Kernel(o, o, path), Kernel(2 * o, o, path), Kernel(2 * o, o, path)]
@@ -510,7 +388,7 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
     elif t.startswith(("aten.sum", "aten.clone", "aten.contiguous", "aten.alias")):
         pass  # expand / pass-through: no kernel
     elif t.startswith("aten.repeat_interleave"):  # sum over the repeats
-        bwd.append(Kernel(o, nbytes(grad_ins[0]), _sum_path(graph, grad_ins[0], node.name)))
+        bwd.append(Kernel(o, nbytes(grad_ins[0]), sum_path(graph, grad_ins[0], node.name)))
     elif any(a in t for a in _ACTIVATIONS) or "dropout" in t or t.startswith(
             ("aten.mul.Scalar", "aten.div.Scalar", "aten.neg", "aten.where",
              "aten.masked_fill")):
@@ -529,11 +407,11 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
 def _loss_kernels(graph: OpGraph, inputs: list[str], size: dict, nbytes,
                   back: bool) -> tuple[list[Kernel], list[Kernel]]:
     """Cross entropy on logits the engine upcast to fp32 (module docstring)."""
-    logits = next((i for i in inputs if i in size and _is_float(_dtype_of(graph, i))),
+    logits = next((i for i in inputs if i in size and is_float(value_dtype(graph, i))),
                   None)
     if logits is None:
         return [], []
-    x, n = nbytes(logits), _numel(graph, logits)
+    x, n = nbytes(logits), value_numel(graph, logits)
     f32 = 4.0 * n
     cast = size[logits] < 4
     fwd = ([Kernel(x, f32, UPCAST)] if cast else []) + [Kernel(f32, f32), Kernel(f32 / 1e3, 4.0)]
@@ -544,20 +422,9 @@ def _loss_kernels(graph: OpGraph, inputs: list[str], size: dict, nbytes,
 
 
 def kernel_stream_s(kernel: Kernel, hw: HardwareProfile, shard: float) -> float:
-    """Seconds ``kernel``'s bytes (split ``shard`` ways) take on the roofline, without the
-    launch, its streaming term at its path's bandwidth (``device.memory_paths``). The
-    bandwidth curve ``max_eff * w / (w + half_work)`` is a streaming term ``w / (bw x
-    max_eff)`` plus a fixed ``half_work / (bw x max_eff)`` per kernel; the paths were
-    measured on large kernels (192 MiB), where only the streaming term counts, so only it
-    is slowed (a small kernel costs its launch whatever its path: eager_kernels_gpu.md)."""
-    nbytes = kernel.bytes / shard
-    base = roofline_s(hw, 0.0, nbytes, ComputeDtype.BF16)
-    ratio = hw.device.memory_path_ratio(kernel.path)
-    if ratio == 1.0 or nbytes <= 0:
-        return base
-    dev = hw.device
-    streaming = nbytes / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency.max_eff)
-    return base + streaming * (1.0 / ratio - 1.0)
+    """Seconds ``kernel``'s bytes (split ``shard`` ways) stream at its path's bandwidth,
+    without the launch (``kernel_paths.stream_s``)."""
+    return stream_s(hw, kernel.bytes / shard, kernel.path)
 
 
 def kernels_time_s(kernels, hw: HardwareProfile, shard: float) -> float:

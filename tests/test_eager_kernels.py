@@ -15,13 +15,13 @@ from torch.utils._pytree import tree_flatten
 
 import meshplan
 from meshplan.costmodel.compute import roofline_s
-from meshplan.costmodel.eager import (BROADCAST, CONTIGUOUS, MIXED_DTYPE, REDUCTION,
-                                      SLICE_BACKWARD, STRIDED, UPCAST, EagerOp, Kernel,
-                                      eager_kernels, eager_time, effective_inputs,
-                                      element_bytes, fsdp_copy_out_bytes, kernel_stream_s,
-                                      layouts)
+from meshplan.costmodel.eager import (EagerOp, Kernel, eager_kernels, eager_time,
+                                      effective_inputs, element_bytes, fsdp_copy_out_bytes,
+                                      kernel_stream_s)
 from meshplan.costmodel.estimate import (_fsdp_copy_out_s, default_runtime, estimate_plan)
 from meshplan.costmodel.hardware import load_preset
+from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, MIXED_DTYPE, REDUCTION,
+                                             SLICE_BACKWARD, STRIDED, UPCAST, layouts)
 from meshplan.errors import PlanningError
 from meshplan.tracing import trace
 
@@ -297,7 +297,7 @@ def test_rotary_on_transposed_heads_takes_the_strided_path():
     with torch.device("meta"):
         model = _Rotary()
     graph = trace(model, (torch.zeros(B, S, d, device="meta"),), loss_fn=lambda y: y.sum())
-    lay = layouts(graph)
+    lay = layouts(graph, effective_inputs(graph))
     transpose = next(n for n in graph.nodes if n.target.startswith("aten.transpose"))
     assert lay[transpose.name] == "permuted"
     assert {lay[u] for u in graph.users[transpose.name]
