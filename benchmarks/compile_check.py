@@ -45,14 +45,16 @@ def main() -> int:
     lines = ["# Eager vs compiled: one bf16 step on one H200", "",
              "Measured: benchmarks/results/gpu_check.json (median of steps 3-10). Predicted: "
              "`meshplan.estimate(plan)` (eager) and `meshplan.estimate(plan, compiled=True)` "
-             "on `dgx-h200`, benchmarks/gpu/model.py traced on the meta device.", "",
+             "on `dgx-h200` as the preset is today (a plan file carries the profile of the day "
+             "it was made), benchmarks/gpu/model.py traced on the meta device.", "",
              "| plan | mode | measured ms | predicted ms | predicted / measured |",
              "|---|---|---:|---:|---:|"]
     for suffix, label in (("_mb4", "1 microbatch x 4"), ("", "4 microbatches x 1")):
         plan = meshplan.Plan.from_json(os.path.join(HERE, "gpu", f"plan_h200{suffix}.json"))
         for mode, compiled in (("eager", False), ("compiled", True)):
             measured = steps[f"meshplan_{mode}{suffix}"]["median_s"]
-            pred = meshplan.estimate(plan, graph, compiled=compiled).step_time_s
+            pred = meshplan.estimate(plan, graph, compiled=compiled,
+                                     hardware=load_preset("dgx-h200")).step_time_s
             lines.append(f"| {label} | {mode} | {measured * 1e3:.1f} | {pred * 1e3:.1f} | "
                          f"{pred / measured:.3f} |")
     hw = load_preset("dgx-h200")
@@ -147,11 +149,12 @@ def _eager_section(graph, hw, eager: dict, comp: dict, priced_s: float) -> list[
             f"{rows[False][0]} | {rows[False][1] * 1e3:.1f} | "
             f"{comp['elt_n'] + comp['red_n']} (in the compiled step) | "
             f"{comp['elt'] + comp['red']:.1f} | |", "",
-            "Left out: copies of non-contiguous gradients (a transposed gradient reshaped), "
-            "and the slower non-vectorized path PyTorch takes for mixed-dtype and strided "
-            "elementwise kernels (the profile's largest eager kernel, `elementwise_kernel<128, "
-            "2>`, 197 calls, 19.1 ms): every kernel is priced at the contiguous-copy "
-            "bandwidth.", ""]
+            "Each kernel streams at its path's measured fraction of the contiguous rate "
+            "(`device.memory_paths`: strided, bf16 -> fp32 upcast, broadcast, mixed dtype, "
+            "reduction, slice_backward; benchmarks/results/eager_kernels_gpu.md): the "
+            "non-vectorized kernels PyTorch runs for them (the profile's largest eager kernel, "
+            "`elementwise_kernel<128, 2>`, 197 calls, 19.1 ms). Left out: copies of "
+            "non-contiguous gradients (a transposed gradient reshaped).", ""]
 
 
 if __name__ == "__main__":

@@ -42,7 +42,10 @@ the kernels one by one, a pure function of the OpGraph:
   an fp32 gradient of the logits' size before ``_log_softmax_backward_data``.
 
 Each kernel is priced on the roofline over its bytes plus the device's fixed cost per
-launch (``kernel_latency_s + framework_overhead_s``), as ``op_time`` prices one.
+launch (``kernel_latency_s + framework_overhead_s``), as ``op_time`` prices one, streaming
+at the bandwidth of its path (``Kernel.path``: contiguous, strided, upcast, broadcast, mixed
+dtype, reduction, slice_backward; costmodel/kernel_paths.py says which kernel takes which,
+``device.memory_paths`` the measured fraction of the contiguous rate each reaches).
 Stacks whose kernels are fused by hand (Megatron-Core with Transformer Engine) keep
 ``op_time``'s pricing: ``RuntimeModel.eager_kernels`` is off for them.
 """
@@ -51,15 +54,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, roofline_s
+from meshplan.costmodel.compute import DTYPE_BYTES, OpTime
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, SLICE_BACKWARD, SLICES,
+                                             STRIDED, UPCAST, elementwise_path, is_float,
+                                             layouts, stream_s, sum_path, value_dtype,
+                                             value_numel)
 from meshplan.graph import OpGraph, OpKind, OpNode
-from meshplan.vocabulary import ComputeDtype
 
 PRECISIONS = ("autocast", "fsdp")  # RuntimeModel.mixed_precision
 MEMORY_BOUND = (OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION,
                 OpKind.OTHER)
-FLOAT = ("float", "bfloat")
 _CASTS = ("aten.to.", "aten._to_copy", "aten.type_as")
 _ACTIVATIONS = ("silu", "gelu", "tanh", "sigmoid", "relu", "exp", "softmax", "threshold",
                 "elu", "softplus", "hardswish", "mish", "erf")
@@ -68,10 +73,13 @@ _POWS = ("aten.pow.Tensor_Scalar", "aten.rsqrt", "aten.reciprocal", "aten.sqrt")
 
 @dataclass(frozen=True, slots=True)
 class Kernel:
-    """One launched kernel: bytes read and written for the whole traced batch."""
+    """One launched kernel: bytes read and written for the whole traced batch, and the path
+    PyTorch runs it on (``kernel_paths.PATHS``; it streams at ``device.memory_paths[path]``
+    of the contiguous rate)."""
 
     read_bytes: float
     written_bytes: float
+    path: str = CONTIGUOUS
 
     @property
     def bytes(self) -> float:
@@ -99,10 +107,6 @@ class EagerOp:
             + len(self.weight_backward)
 
 
-def _is_float(dtype: str) -> bool:
-    return dtype.startswith(FLOAT)
-
-
 def _is_cast(node: OpNode) -> bool:
     return node.target.startswith(_CASTS)
 
@@ -122,7 +126,7 @@ def effective_inputs(graph: OpGraph) -> dict[str, tuple[str, ...]]:
             for _ in range(8):
                 src = graph.node(i) if i in graph else None
                 if src is None or not _is_cast(src) or not src.inputs or not src.module_path \
-                        or src.out is None or _dtype_of(graph, src.inputs[0]) != src.out.dtype \
+                        or src.out is None or value_dtype(graph, src.inputs[0]) != src.out.dtype \
                         or _inside(node.module_path, src.module_path) \
                         or _inside(_module_of(graph, src.inputs[0]), src.module_path):
                     break
@@ -162,18 +166,18 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
         if node.name not in data and any(i in data for i in node.inputs):
             data.add(node.name)
     for p in graph.params:
-        size[p.name] = origin[p.name] = weights if _is_float(p.dtype) else \
+        size[p.name] = origin[p.name] = weights if is_float(p.dtype) else \
             max(1, _meta_itemsize(p.dtype))
     for name, meta in graph.inputs:
-        size[name] = origin[name] = 4 if _is_float(meta.dtype) else _meta_itemsize(meta.dtype)
+        size[name] = origin[name] = 4 if is_float(meta.dtype) else _meta_itemsize(meta.dtype)
     for name in _outside(graph):  # a block activation before a cut: the embedding's dtype
         size[name] = origin[name] = weights
     for node in graph.nodes:
         out = node.out
         if out is None:
             continue
-        floats = [i for i in inputs[node.name] if i in size and _is_float(_dtype_of(graph, i))]
-        if not _is_float(out.dtype):
+        floats = [i for i in inputs[node.name] if i in size and is_float(value_dtype(graph, i))]
+        if not is_float(out.dtype):
             b = o = _meta_itemsize(out.dtype)
         elif node.kind in (OpKind.MATMUL, OpKind.ATTENTION):
             b = o = compute
@@ -209,17 +213,6 @@ def _meta_itemsize(dtype: str) -> int:
     return 4
 
 
-def _dtype_of(graph: OpGraph, name: str) -> str:
-    if name in graph:
-        out = graph.node(name).out
-        return out.dtype if out is not None else ""
-    if name in graph.param_map:
-        return graph.param_map[name].dtype
-    # a value made outside a cut graph (planner/stagecost.py prices ranges of layers on the
-    # graph around them): the block activation a traced fp32 graph carries
-    return next((m.dtype for n, m in graph.inputs if n == name), "float32")
-
-
 def _outside(graph: OpGraph) -> set[str]:
     """Activations block operators read that the graph does not hold: made before a cut.
     Buffers are read by their module path too (neither operators nor parameters); a
@@ -239,18 +232,9 @@ def _carrying_grads(graph: OpGraph, outside: set[str]) -> frozenset[str]:
     trainable = {p.name for p in graph.params if p.trainable}
     for n in graph.nodes:
         if n.kind != OpKind.CREATION and any(i in trainable or i in out for i in n.inputs) \
-                and any(_is_float(o.dtype) for o in n.outputs):
+                and any(is_float(o.dtype) for o in n.outputs):
             out.add(n.name)
     return frozenset(out)
-
-
-def _numel(graph: OpGraph, name: str) -> int:
-    if name in graph:
-        out = graph.node(name).out
-        return out.numel if out is not None else 0
-    if name in graph.param_map:
-        return graph.param_map[name].numel
-    return next((m.numel for n, m in graph.inputs if n == name), 0)
 
 
 def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
@@ -270,9 +254,10 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
     grads = _carrying_grads(graph, _outside(graph))
     trainable = {p.name for p in graph.params if p.trainable}
     users = effective_users(graph, inputs)
+    lay = layouts(graph, inputs)
 
     def nbytes(name: str) -> float:
-        return _numel(graph, name) * size.get(name, 4)
+        return value_numel(graph, name) * size.get(name, 4)
 
     def needs_grad(name: str) -> bool:
         return name in grads or name in trainable
@@ -286,16 +271,16 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
             continue
         in_compiled = compiled and node.layer >= 0
         fwd, bwd = ([], []) if in_compiled else \
-            _operator_kernels(graph, node, inputs[name], size, nbytes, needs_grad,
+            _operator_kernels(graph, node, inputs[name], size, lay, nbytes, needs_grad,
                               name in grads)
         wf, wb, acc, weight = [], [], [], ""
         if node.kind in (OpKind.MATMUL, OpKind.ATTENTION) and precision == "autocast" \
                 and compute < 4:
             for i in dict.fromkeys(inputs[name]):
-                if i in size and _is_float(_dtype_of(graph, i)) and size[i] > compute:
-                    n = _numel(graph, i)
+                if i in size and is_float(value_dtype(graph, i)) and size[i] > compute:
+                    n = value_numel(graph, i)
                     cast_f, cast_b = Kernel(n * size[i], n * compute), \
-                        Kernel(n * compute, n * size[i])
+                        Kernel(n * compute, n * size[i], UPCAST)  # the gradient's upcast
                     if i in graph.param_map:  # autocast's cached weight cast
                         wf.append(cast_f)
                         wb += [cast_b] if needs_grad(i) else []
@@ -323,12 +308,14 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
 
 
 def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], size: dict,
-                      nbytes, needs_grad, back: bool) -> tuple[list[Kernel], list[Kernel]]:
-    """(forward, backward) kernels of one operator's own work (module docstring)."""
+                      lay: dict, nbytes, needs_grad,
+                      back: bool) -> tuple[list[Kernel], list[Kernel]]:
+    """(forward, backward) kernels of one operator's own work and their paths (module
+    docstring)."""
     t = node.target
     o = nbytes(node.name)
     ins = [i for i in inputs if i in size]
-    floats = [i for i in ins if _is_float(_dtype_of(graph, i))]
+    floats = [i for i in ins if is_float(value_dtype(graph, i))]
     grad_ins = [i for i in floats if needs_grad(i)] if back else []
     if node.kind in (OpKind.MATMUL, OpKind.ATTENTION, OpKind.EMBEDDING, OpKind.CREATION):
         return [], []  # priced by op_time (FLOPs / their own kernels)
@@ -336,32 +323,42 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
         return _loss_kernels(graph, ins, size, nbytes, back)
     if node.kind == OpKind.VIEW:
         if _is_cast(node) and floats and size[floats[0]] != size[node.name]:
-            return [Kernel(nbytes(floats[0]), o)], \
-                [Kernel(o, nbytes(floats[0]))] if grad_ins else []
+            up = size[node.name] > size[floats[0]]
+            strided = lay.get(floats[0]) == "strided"
+            fwd_path = STRIDED if strided else UPCAST if up else CONTIGUOUS
+            bwd_path = STRIDED if strided else CONTIGUOUS if up else UPCAST
+            return [Kernel(nbytes(floats[0]), o, fwd_path)], \
+                [Kernel(o, nbytes(floats[0]), bwd_path)] if grad_ins else []
         if t.startswith("aten.cat"):
-            return [Kernel(sum(nbytes(i) for i in ins), o)], []
-        if t.startswith(("aten.slice", "aten.select", "aten.narrow")) and grad_ins:
-            return [], [Kernel(0.0, nbytes(grad_ins[0])), Kernel(o, o)]
-        if t.startswith("aten.expand") and grad_ins and _numel(graph, grad_ins[0]) < \
-                _numel(graph, node.name):
-            return [], [Kernel(o, nbytes(grad_ins[0]))]
+            return [Kernel(sum(nbytes(i) for i in ins), o,
+                           elementwise_path(graph, size, lay, ins, node.name))], []
+        if t.startswith(SLICES) and grad_ins:
+            return [], [Kernel(0.0, nbytes(grad_ins[0]), SLICE_BACKWARD),
+                        Kernel(o, o, SLICE_BACKWARD)]
+        if t.startswith("aten.expand") and grad_ins and value_numel(graph, grad_ins[0]) < \
+                value_numel(graph, node.name):
+            return [], [Kernel(o, nbytes(grad_ins[0]), sum_path(graph, grad_ins[0],
+                                                                 node.name))]
         return [], []
     if node.kind not in MEMORY_BOUND:
         return [], []
-    fwd = [Kernel(sum(nbytes(i) for i in ins), o)]
+    # the forward's path; the gradient lies like the output (the backward's stand-in for it)
+    path = elementwise_path(graph, size, lay, ins, node.name) if node.kind == OpKind.ELEMENTWISE \
+        else CONTIGUOUS
+    fwd = [Kernel(sum(nbytes(i) for i in ins), o, path)]
     if "dropout" in t:  # bernoulli_ mask, div_ by keep probability, mul
         fwd = [Kernel(0.0, o), Kernel(o, o), Kernel(2 * o, o)]
     if not grad_ins:
         return fwd, []
-    n_out = _numel(graph, node.name)
+    n_out = value_numel(graph, node.name)
     bwd: list[Kernel] = []
 
     def reduce_or_cast(i: str, produced: float) -> list[Kernel]:
         """A gradient computed at the output's size and dtype, brought to the input's."""
-        if _numel(graph, i) < n_out:
-            return [Kernel(produced, nbytes(i))]  # sum over the broadcast dims
+        if value_numel(graph, i) < n_out:  # sum over the broadcast dims
+            return [Kernel(produced, nbytes(i), sum_path(graph, i, node.name))]
         if size[i] < size[node.name]:
-            return [Kernel(produced, nbytes(i))]  # cast to the input's dtype
+            return [Kernel(produced, nbytes(i))]  # cast to the input's (narrower) dtype
         return []
 
     if t.startswith(("aten.add.", "aten.sub.", "aten.rsub.")):
@@ -369,33 +366,35 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
             if i not in grad_ins:
                 continue
             if t.startswith("aten.sub.") and k == 1 or t.startswith("aten.rsub.") and k == 0:
-                bwd.append(Kernel(o, o))  # neg
+                bwd.append(Kernel(o, o, path))  # neg
             bwd += reduce_or_cast(i, o)
     elif t.startswith(("aten.mul.Tensor", "aten.div.Tensor")) and len(floats) == 2:
         for k, i in enumerate(floats):
             if i not in grad_ins:
                 continue
             other = floats[1 - k]
-            bwd.append(Kernel(o + nbytes(other), o))  # grad * other (or / other)
+            prod = elementwise_path(graph, size, lay, (node.name, other), node.name)
+            bwd.append(Kernel(o + nbytes(other), o, prod))  # grad * other (or / other)
             if t.startswith("aten.div.") and k == 1:  # -grad * self / other**2
-                bwd += [Kernel(o, o), Kernel(2 * o, o), Kernel(2 * o, o)]
+                bwd += [Kernel(o, o, path), Kernel(2 * o, o, path), Kernel(2 * o, o, path)]
             bwd += reduce_or_cast(i, o)
     elif t.startswith(_POWS):
         i = grad_ins[0]
         x = nbytes(i)
         bwd += [Kernel(x, x), Kernel(x, x), Kernel(o + x, x)]
-    elif t.startswith("aten.mean"):
-        bwd.append(Kernel(o, nbytes(grad_ins[0])))  # div of the expanded gradient
+    elif t.startswith("aten.mean"):  # div of the expanded gradient
+        bwd.append(Kernel(o, nbytes(grad_ins[0]),
+                          BROADCAST if o < nbytes(grad_ins[0]) else CONTIGUOUS))
     elif t.startswith(("aten.sum", "aten.clone", "aten.contiguous", "aten.alias")):
         pass  # expand / pass-through: no kernel
-    elif t.startswith("aten.repeat_interleave"):
-        bwd.append(Kernel(o, nbytes(grad_ins[0])))  # sum over the repeats
+    elif t.startswith("aten.repeat_interleave"):  # sum over the repeats
+        bwd.append(Kernel(o, nbytes(grad_ins[0]), sum_path(graph, grad_ins[0], node.name)))
     elif any(a in t for a in _ACTIVATIONS) or "dropout" in t or t.startswith(
             ("aten.mul.Scalar", "aten.div.Scalar", "aten.neg", "aten.where",
              "aten.masked_fill")):
         for i in grad_ins:
             saved = o if any(a in t for a in _ACTIVATIONS) or "dropout" in t else 0.0
-            bwd.append(Kernel(o + saved, nbytes(i)))
+            bwd.append(Kernel(o + saved, nbytes(i), path))
     elif node.kind == OpKind.NORM:  # fused layer/rms norm: grad input, then weight grads
         x = nbytes(floats[0])
         bwd += [Kernel(o + x, x), Kernel(o + x, sum(nbytes(i) for i in floats[1:]))]
@@ -408,24 +407,30 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
 def _loss_kernels(graph: OpGraph, inputs: list[str], size: dict, nbytes,
                   back: bool) -> tuple[list[Kernel], list[Kernel]]:
     """Cross entropy on logits the engine upcast to fp32 (module docstring)."""
-    logits = next((i for i in inputs if i in size and _is_float(_dtype_of(graph, i))),
+    logits = next((i for i in inputs if i in size and is_float(value_dtype(graph, i))),
                   None)
     if logits is None:
         return [], []
-    x, n = nbytes(logits), _numel(graph, logits)
+    x, n = nbytes(logits), value_numel(graph, logits)
     f32 = 4.0 * n
     cast = size[logits] < 4
-    fwd = ([Kernel(x, f32)] if cast else []) + [Kernel(f32, f32), Kernel(f32 / 1e3, 4.0)]
+    fwd = ([Kernel(x, f32, UPCAST)] if cast else []) + [Kernel(f32, f32), Kernel(f32 / 1e3, 4.0)]
     if not back:
         return fwd, []
     bwd = [Kernel(0.0, f32), Kernel(2 * f32, f32)] + ([Kernel(f32, x)] if cast else [])
     return fwd, bwd
 
 
+def kernel_stream_s(kernel: Kernel, hw: HardwareProfile, shard: float) -> float:
+    """Seconds ``kernel``'s bytes (split ``shard`` ways) stream at its path's bandwidth,
+    without the launch (``kernel_paths.stream_s``)."""
+    return stream_s(hw, kernel.bytes / shard, kernel.path)
+
+
 def kernels_time_s(kernels, hw: HardwareProfile, shard: float) -> float:
-    """Roofline over each kernel's bytes (split ``shard`` ways) plus one launch each."""
+    """Each kernel's bytes (split ``shard`` ways) at its path's bandwidth plus one launch."""
     fixed = hw.device.kernel_latency_s + hw.device.framework_overhead_s
-    return sum(roofline_s(hw, 0.0, k.bytes / shard, ComputeDtype.BF16) + fixed for k in kernels)
+    return sum(kernel_stream_s(k, hw, shard) + fixed for k in kernels)
 
 
 def eager_time(op: EagerOp, hw: HardwareProfile, shard: float, weight_shard: float = 1.0, *,
@@ -437,7 +442,7 @@ def eager_time(op: EagerOp, hw: HardwareProfile, shard: float, weight_shard: flo
                                                                      weight_shard)
     backward = kernels_time_s(op.backward, hw, shard) \
         + kernels_time_s(op.weight_backward, hw, weight_shard) \
-        + sum(roofline_s(hw, 0.0, k.bytes / weight_shard, ComputeDtype.BF16) for k in op.accumulate) \
+        + sum(kernel_stream_s(k, hw, weight_shard) for k in op.accumulate) \
         + len(op.accumulate) * (hw.device.kernel_latency_s + hw.device.framework_overhead_s)
     return OpTime(forward * contention, backward * contention)
 

@@ -1070,7 +1070,8 @@ def _cached_eager_kernels(cache: dict | None, graph: OpGraph, dtype: str, precis
         scale = 2 * (m - 1) / m
         two = _cached_eager_kernels(cache, graph, dtype, precision, 2, compiled)
         kernels = {name: replace(op, accumulate=tuple(
-            Kernel(k.read_bytes * scale, k.written_bytes * scale) for k in op.accumulate))
+            replace(k, read_bytes=k.read_bytes * scale, written_bytes=k.written_bytes * scale)
+            for k in op.accumulate))
             if op.accumulate else op for name, op in two.items()}
     else:
         kernels = eager_kernels(graph, [n.name for n in graph.nodes], dtype=dtype,

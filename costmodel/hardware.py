@@ -13,7 +13,9 @@ kernel, e.g. DTensor dispatch), ``device.effective_cores`` (the cores N CPU proc
 effectively share, fitted from runs of the runtime; 0 = ``host_cores``), ``LinkSpec.collectives`` (per-collective overrides of the
 link's bandwidth and latency), ``measured_ops`` (operator signature -> measured time) and
 ``device.attention_efficiency`` (fused attention's fraction of peak; absent: as GEMMs) and
-``device.fp8_gemm_efficiency`` (fp8 GEMMs by scaling, of ``peak_tflops.float8``).
+``device.fp8_gemm_efficiency`` (fp8 GEMMs by scaling, of ``peak_tflops.float8``) and
+``device.memory_paths`` (eager elementwise kernels by path, a fraction of the contiguous
+streaming rate: costmodel/eager.py).
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ class DeviceSpec:
     # fp8 GEMMs by scaling ("tensorwise", "rowwise"): fraction of peak_tflops["float8"]
     # (costmodel/fp8.py); empty: the device prices no fp8 GEMMs
     fp8_gemm_efficiency: dict = field(default_factory=dict)
+    # eager elementwise kernels by path (costmodel/eager.py PATHS: "mixed_dtype",
+    # "broadcast", "upcast", "strided", "reduction", "slice_backward"): bandwidth reached as
+    # a fraction of the contiguous same-dtype kernel's (memory_efficiency); a path not
+    # listed streams at the contiguous rate
+    memory_paths: dict = field(default_factory=dict)
+
+    def memory_path_ratio(self, path: str) -> float:
+        """Fraction of the contiguous streaming rate an eager kernel on ``path`` reaches."""
+        return float(self.memory_paths.get(path, 1.0))
 
     def with_attention_kernel(self, kernel: str) -> "DeviceSpec":
         """This device pricing fused attention on ``kernel``'s curve, where it lists one."""
@@ -109,7 +120,7 @@ class HardwareProfile:
         d = asdict(self)
         if d["device"].get("attention_efficiency") is None:  # optional: absent, not null
             d["device"].pop("attention_efficiency", None)
-        for key in ("attention_kernels", "fp8_gemm_efficiency"):  # optional: absent, not {}
+        for key in ("attention_kernels", "fp8_gemm_efficiency", "memory_paths"):  # optional
             if not d["device"].get(key):
                 d["device"].pop(key, None)
         return d
@@ -160,6 +171,10 @@ def validate_profile(d) -> list[str]:
             if key in dev and not 0 < dev[key]["max_eff"] <= 1:
                 problems.append(f"$.device.{key}.max_eff is {dev[key]['max_eff']}; it is a "
                                 "fraction of peak in (0, 1]")
+        for path, ratio in dev.get("memory_paths", {}).items():
+            if not 0 < ratio <= 1:
+                problems.append(f"$.device.memory_paths.{path} is {ratio}; it is a fraction "
+                                "of the contiguous rate in (0, 1]")
         if not dev["peak_tflops"]:
             problems.append("$.device.peak_tflops is empty; give at least float32")
     return problems

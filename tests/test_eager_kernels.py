@@ -16,9 +16,12 @@ from torch.utils._pytree import tree_flatten
 import meshplan
 from meshplan.costmodel.compute import roofline_s
 from meshplan.costmodel.eager import (EagerOp, Kernel, eager_kernels, eager_time,
-                                      effective_inputs, element_bytes, fsdp_copy_out_bytes)
+                                      effective_inputs, element_bytes, fsdp_copy_out_bytes,
+                                      kernel_stream_s)
 from meshplan.costmodel.estimate import (_fsdp_copy_out_s, default_runtime, estimate_plan)
 from meshplan.costmodel.hardware import load_preset
+from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, MIXED_DTYPE, REDUCTION,
+                                             SLICE_BACKWARD, STRIDED, UPCAST, layouts)
 from meshplan.errors import PlanningError
 from meshplan.tracing import trace
 
@@ -95,9 +98,58 @@ def _bytes(t: torch.Tensor) -> int:
     return n * t.element_size()
 
 
+def _elements(t: torch.Tensor) -> int:
+    """Elements a kernel reads of ``t``: an expanded (stride-0) dimension once."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        n *= size if stride else 1
+    return n
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span with no gaps, in some dimension order."""
+    expect = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _dispatched_path(name: str, ins: list, out: torch.Tensor) -> str:
+    """The path PyTorch's CUDA elementwise loop takes for these real tensors (costmodel/
+    eager.py module docstring, ATen CUDALoops.cuh): a non-dense operand, or a permuted one
+    beside a broadcast or another layout, is strided; a cast to a wider float an upcast; an
+    operand with fewer elements than the result a broadcast; float operands of different
+    dtypes mixed; a sum that keeps the last dimension a reduction; a ``cat`` copies each
+    input into its slice of the result, strided where one is not dense; else contiguous."""
+    if name == "slice_backward":
+        return SLICE_BACKWARD
+    ins = [t for t in ins if t.dim() > 0]
+    if name == "cat":  # each input copied into its slice of the result
+        return STRIDED if any(not _dense(t) for t in ins) else CONTIGUOUS
+    n = out.numel()
+    full = [t for t in ins if _elements(t) == n]
+    small = [t for t in ins if _elements(t) < n]
+    if name == "sum" and small == [] and n < ins[0].numel():
+        return REDUCTION if out.dim() and out.shape[-1] == ins[0].shape[-1] else CONTIGUOUS
+    if any(not _dense(t) for t in full) or any(
+            not t.is_contiguous() for t in full) and (
+            small or len({t.stride() for t in full + [out]}) > 1):
+        return STRIDED
+    if name in ("_to_copy", "to") and ins[0].dtype != out.dtype:
+        return UPCAST if ins[0].element_size() < out.element_size() else CONTIGUOUS
+    if small:
+        return BROADCAST
+    if len({t.dtype for t in ins if t.is_floating_point()}) > 1:
+        return MIXED_DTYPE
+    return CONTIGUOUS
+
+
 class _Kernels(TorchDispatchMode):
-    """The kernels autograd dispatches: (read, written) bytes of each non-view aten op. On
-    CUDA ``slice_backward`` is a zero fill of the input's size and a copy of the slice."""
+    """The kernels autograd dispatches: (read, written) bytes of each non-view aten op and
+    the path its real tensors take. On CUDA ``slice_backward`` is a zero fill of the
+    input's size and a copy of the slice."""
 
     def __init__(self):
         super().__init__()
@@ -110,10 +162,11 @@ class _Kernels(TorchDispatchMode):
             return out
         ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         outs = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
+        path = _dispatched_path(name, ins, outs[0])
         if name == "slice_backward":
-            self.kernels += [(0, _bytes(outs[0])), (_bytes(ins[0]), _bytes(ins[0]))]
+            self.kernels += [(0, _bytes(outs[0]), path), (_bytes(ins[0]), _bytes(ins[0]), path)]
         else:
-            self.kernels.append((sum(map(_bytes, ins)), sum(map(_bytes, outs))))
+            self.kernels.append((sum(map(_bytes, ins)), sum(map(_bytes, outs)), path))
         return out
 
 
@@ -146,15 +199,18 @@ def _modelled(graph, precision: str):
         if layer == 1:
             fwd += op.forward + op.weight_forward
             bwd += op.backward + op.weight_backward
-    as_ints = lambda ks: sorted((round(k.read_bytes), round(k.written_bytes)) for k in ks)
+    as_ints = lambda ks: sorted((round(k.read_bytes), round(k.written_bytes), k.path)
+                                for k in ks)
     return as_ints(fwd), as_ints(bwd)
 
 
 @pytest.mark.parametrize("precision", ["fsdp", "autocast"])
 def test_block_kernels_are_those_autograd_dispatches(tiny, precision):
-    """Every forward and backward kernel of a Llama-style block, with its bytes, as PyTorch
-    dispatches them: fp32 norm chains, casts, broadcast sums, slice_backward, gradient
-    sums (before: one kernel per traced operator, 2x its bytes backward, no casts)."""
+    """Every forward and backward kernel of a Llama-style block, with its bytes and its
+    path (strided, upcast, broadcast, mixed dtype, reduction...), as PyTorch dispatches
+    them on real tensors: fp32 norm chains, casts, broadcast sums, slice_backward, gradient
+    sums (before: one kernel per traced operator, 2x its bytes backward, no casts; then
+    every kernel at the contiguous rate)."""
     fwd, bwd = _modelled(tiny, precision)
     want_fwd, want_bwd = _captured(precision)
     assert fwd == want_fwd
@@ -178,8 +234,8 @@ def test_residual_reads_the_value_not_its_upcast(tiny):
 def test_gradient_sums_and_loss_closed_form(tiny):
     """A value read by k operators that carry gradients costs k - 1 adds in the backward,
     at its readers after the first;
-    the loss runs on fp32 logits: cast, log_softmax (and a small nll) forward; fill,
-    log_softmax backward, cast back."""
+    the loss runs on fp32 logits: cast (an upcast), log_softmax (and a small nll) forward;
+    fill, log_softmax backward, cast back."""
     ek = eager_kernels(tiny, [n.name for n in tiny.nodes], dtype="bf16", precision="fsdp")
     q = next(n for n in tiny.nodes if n.layer == 0 and n.params
              and n.params[0].endswith("q.weight"))
@@ -192,7 +248,7 @@ def test_gradient_sums_and_loss_closed_form(tiny):
         assert ek[u].backward.count(Kernel(2 * e, e)) == 1
     loss = next(n for n in tiny.nodes if n.kind.value == "loss")
     n = B * (S - 1) * V  # the shifted logits
-    assert ek[loss.name].forward == (Kernel(2 * n, 4 * n), Kernel(4 * n, 4 * n),
+    assert ek[loss.name].forward == (Kernel(2 * n, 4 * n, UPCAST), Kernel(4 * n, 4 * n),
                                      Kernel(4 * n / 1e3, 4.0))
     assert ek[loss.name].backward == (Kernel(0, 4 * n), Kernel(8 * n, 4 * n),
                                       Kernel(4 * n, 2 * n))
@@ -208,11 +264,101 @@ def test_autocast_casts_each_weight_once_per_microbatch(tiny):
     head = next(n for n in tiny.nodes if n.params and n.params[0] == "head.weight")
     p = V * D
     assert one[head.name].weight_forward == (Kernel(4 * p, 2 * p),)
-    assert one[head.name].weight_backward == (Kernel(2 * p, 4 * p),)
+    assert one[head.name].weight_backward == (Kernel(2 * p, 4 * p, UPCAST),)
     assert one[head.name].accumulate == ()
     assert four[head.name].accumulate == (Kernel(8 * p * 3 / 4, 4 * p * 3 / 4),)
     fsdp = eager_kernels(tiny, names, dtype="bf16", precision="fsdp")
     assert head.name not in fsdp  # FSDP2 gathers bf16 weights: nothing to cast
+
+
+class _Rotary(nn.Module):
+    """Llama's rotary embedding on heads: q transposed to (batch, heads, seq, head dim)."""
+
+    NH, HD = 4, 8
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(self.NH * self.HD, self.NH * self.HD, bias=False)
+
+    def forward(self, x):
+        ang = torch.arange(S, dtype=torch.float32)[:, None] * torch.ones(self.HD)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        q = self.q(x).view(B, S, self.NH, self.HD).transpose(1, 2)
+        q1, q2 = q[..., : self.HD // 2], q[..., self.HD // 2:]
+        return q * cos + torch.cat((-q2, q1), dim=-1) * sin
+
+
+def test_rotary_on_transposed_heads_takes_the_strided_path():
+    """The layouts of a transposed q (``eager.layouts``): q * cos, the slices' neg, the cat
+    and the sum of a permuted and a contiguous product are strided, cat * sin a broadcast,
+    as the real tensors PyTorch dispatches say (forward: the backward's gradients take
+    the layout autograd hands them, which the model takes to be the output's)."""
+    d = _Rotary.NH * _Rotary.HD
+    with torch.device("meta"):
+        model = _Rotary()
+    graph = trace(model, (torch.zeros(B, S, d, device="meta"),), loss_fn=lambda y: y.sum())
+    lay = layouts(graph, effective_inputs(graph))
+    transpose = next(n for n in graph.nodes if n.target.startswith("aten.transpose"))
+    assert lay[transpose.name] == "permuted"
+    assert {lay[u] for u in graph.users[transpose.name]
+            if graph.node(u).target.startswith("aten.slice")} == {"strided"}
+    loss = next(n for n in graph.nodes if n.target.startswith("aten.sum"))
+    ek = eager_kernels(graph, [n.name for n in graph.nodes], dtype="bf16", precision="fsdp")
+    fwd = sorted((round(k.read_bytes), round(k.written_bytes), k.path) for name, op in ek.items()
+                 if graph.position(name) < graph.position(loss.name) for k in op.forward)
+    torch.manual_seed(0)
+    real = _Rotary().to(torch.bfloat16)
+    with _Kernels() as captured:
+        real(torch.randn(B, S, d, dtype=torch.bfloat16))
+    want = sorted(k for k in captured.kernels if k[0] > 0)  # arange/ones: creation, elsewhere
+    assert fwd == want
+    assert [k[2] for k in want].count(STRIDED) == 4
+
+
+def test_each_path_streams_at_its_measured_fraction():
+    """A kernel on a slower path streams its bytes at ``device.memory_paths[path]`` of the
+    contiguous rate (H100: benchmarks/results/eager_kernels_h100.json): a broadcast or
+    mixed-dtype kernel costs more than a contiguous one of the same bytes, a strided one
+    more still; the launch cost is the same."""
+    hw = load_preset("dgx-h100")
+    fixed = hw.device.kernel_latency_s + hw.device.framework_overhead_s
+    t = {p: eager_time(EagerOp(forward=(Kernel(1e8, 1e8, p),)), hw, shard=1).forward_s
+         for p in (CONTIGUOUS, MIXED_DTYPE, BROADCAST, UPCAST, STRIDED)}
+    dev = hw.device
+    linear = 2e8 / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency.max_eff)
+    for p, ratio in (("contiguous", 1.0), ("mixed_dtype", 0.82), ("broadcast", 0.81),
+                     ("upcast", 0.65), ("strided", 0.43)):  # only the streaming term slows
+        assert t[p] == pytest.approx(roofline_s(hw, 0, 2e8, "bf16") + linear * (1 / ratio - 1)
+                                     + fixed)
+    assert t[CONTIGUOUS] < t[MIXED_DTYPE] < t[BROADCAST] < t[UPCAST] < t[STRIDED]
+    flat = replace(hw, device=replace(hw.device, memory_paths={}))
+    assert eager_time(EagerOp(forward=(Kernel(1e8, 1e8, STRIDED),)), flat, 1).forward_s \
+        == pytest.approx(t[CONTIGUOUS])
+
+
+def test_a_blocks_kernels_priced_by_path_closed_form(tiny):
+    """The estimate of a Llama-style model on one H100 prices its eager kernels at their
+    paths' rates: the step grows over the same profile with every path at the contiguous
+    rate by exactly sum(bytes / (bandwidth x eff(bytes)) x (1 / ratio - 1)) over the
+    kernel list, forward, backward and the selective recompute's forward again (before:
+    every kernel at the contiguous rate, no difference)."""
+    hw = load_preset("dgx-h100")
+    flat = replace(hw, device=replace(hw.device, memory_paths={}))
+    plan = _plan(tiny, dp=1, engine="modules", microbatch_size=B)  # one microbatch
+    runtime = default_runtime(hw, engine="modules")
+    ek = eager_kernels(tiny, [n.name for n in tiny.nodes], dtype="bf16",
+                       precision="autocast")  # no FSDP: fp32 weights under autocast
+    extra_f = extra_b = 0.0
+    for op in ek.values():
+        for k in op.forward + op.weight_forward:
+            extra_f += kernel_stream_s(k, hw, 1) - kernel_stream_s(k, flat, 1)
+        for k in op.backward + op.weight_backward + op.accumulate:
+            extra_b += kernel_stream_s(k, hw, 1) - kernel_stream_s(k, flat, 1)
+    assert extra_f > 0 and extra_b > 0
+    got = estimate_plan(plan, tiny, hw=hw, runtime=runtime)
+    base = estimate_plan(plan, tiny, hw=flat, runtime=runtime)
+    assert got.breakdown["forward"] - base.breakdown["forward"] == pytest.approx(extra_f)
+    assert got.breakdown["backward"] - base.breakdown["backward"] == pytest.approx(extra_b)
 
 
 def test_eager_time_prices_each_kernel():
