@@ -221,6 +221,22 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
     return ()
 
 
+def graph_engine_cp_rule(plan: Plan) -> tuple[str, ...]:
+    """What the graph engine's cp (runtime/graph/context.py) cannot run, whatever the model:
+    a pipeline at one sequence per microbatch (its load-balanced layout pass cannot split a
+    one-sequence microbatch's broadcast operands; it failed on stage 0 inside the schedule
+    while the other stage waited out the gloo timeout). Checked when a plan is given to the
+    graph engine (meshplan/api.choose_engine) and again in parallelize_graph; not a plan
+    rule, so that the cost model still prices Llama 3's CP16 x PP16 at one sequence per
+    microbatch, which the module engine's pipelines run."""
+    cp = cp_degree(plan.stages[0])
+    if cp > 1 and plan.num_stages > 1 and plan.training.microbatch_size == 1:
+        return (f"cp={cp} with pipeline stages at microbatch size 1 on the graph engine: its "
+                "load-balanced layout pass cannot split the broadcast operands of a "
+                "one-sequence microbatch; use microbatch_size >= 2, or pp=1 with cp",)
+    return ()
+
+
 # -- which engine runs what ----------------------------------------------------------------
 # The module engine (runtime/modules.py, runtime/module_pipeline.py, runtime/cp_modules.py:
 # parallelize_module, fully_shard, checkpoint wrappers, torch.distributed.pipelining,
