@@ -208,8 +208,8 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
     - on the graph engine (runtime/graph/context.py) for plans the module engine refuses or that
       ask for it (engine='graph'): SDPA with an explicit mask, without sequence parallelism
       (meshplan/api.choose_engine refuses the rest when the plan is made, from the traced
-      graph), pipelines at two or more sequences per microbatch (runtime/graph/parallelize.py
-      refuses one on every rank before any collective)."""
+      graph), pipelines at two or more sequences per microbatch (``graph_engine_cp_rule``,
+      checked by choose_engine when the plan is made and by parallelize_graph)."""
     cps = {cp_degree(st) for st in plan.stages}
     cp = max(cps)
     if len(cps) > 1:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -386,6 +387,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     cells = {}
     for layout in args.layouts.split(","):
+        start = time.perf_counter()
         try:
             cells[layout] = run_cell(args.model, {**LAYOUTS, **EXTRA_LAYOUTS}[layout])
         except Exception as exc:  # noqa: BLE001 - one failing cell must not hide the others
@@ -393,6 +395,7 @@ def main(argv=None) -> int:
                                       f"{str(exc).splitlines()[0] if str(exc) else ''}",
                              "traceback": traceback.format_exc()}
         dist.barrier()
+        cells[layout]["seconds"] = time.perf_counter() - start
     if dist.get_rank() == 0:
         torch.save(cells, args.out)
     dist.barrier()
