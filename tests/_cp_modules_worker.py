@@ -177,6 +177,8 @@ CASES = {  # name -> (model, manual_plan options: a layout of tests/harness/equi
     # and with labels (-100, each row its own count): DTensor's loss backward is the whole
     # microbatch's labelled mean (runtime/loss_weights.weight, dtensor_backward)
     "masked_dp2_cp2_graph_labels": (masked_gpt, layout("cp2xdp2"), True),
+    # a graph-engine pipeline with cp (tied head across stages): eval in sequence order
+    "masked_cp2_pp2_graph": (masked_gpt, layout("cp2xpp2+mb2"), True),
 }
 
 
