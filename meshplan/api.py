@@ -302,8 +302,9 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
         if why:
             raise NotSupportedError(f"cp on the graph engine ({note}): {why}; the module "
                                     "engine runs it: pass the model and engine='auto'")
-        for why in graph_engine_cp_rule(plan):
-            raise NotSupportedError(f"{why} (graph engine {note})")
+        pipeline_why = graph_engine_cp_rule(plan)
+        if pipeline_why:
+            raise NotSupportedError(f"{pipeline_why[0]} (graph engine {note})")
         return replace(plan, engine=Engine.GRAPH, engine_note=note)
     from meshplan.runtime.module_plan import module_engine_refusal
 

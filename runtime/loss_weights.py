@@ -137,12 +137,10 @@ def weight(table: torch.Tensor, j: int, *, dp_rank: int, placements: Sequence | 
                 "rows are split where the labelled-target weighting cannot count them; plan "
                 "without splitting the loss over tensor parallelism (or targets without "
                 f"{IGNORE_INDEX})")
-    if kinds <= {"avg"} and not (dtensor_backward and kinds):
+    if kinds == {"whole"} or (dtensor_backward and kinds == {"avg"}):
+        return n * float(table[:, j].sum()) / total
+    if kinds <= {"avg"}:
         return n * dp_size * float(table[dp_rank, j]) / total
-    if kinds == {"avg"}:  # dtensor_backward
-        return n * float(table[:, j].sum()) / total
-    if kinds == {"whole"}:
-        return n * float(table[:, j].sum()) / total
     raise NotSupportedError(f"the loss has placements {list(placements)} over the data-parallel "
                             f"axes {list(dp_axes)}; the labelled-target weighting reads a "
                             "partial average or a replicated loss there")

@@ -444,8 +444,9 @@ def parallelize_graph(model: nn.Module, plan: Plan, example_inputs: Sequence[tor
         raise RuntimeError("parallelize_graph runs inside a torchrun worker: "
                            "init_process_group first")
     support.check_plan(plan)  # what the runtime executes (meshplan/support.py)
-    for why in support.graph_engine_cp_rule(plan):  # on every rank, before any collective
-        raise NotSupportedError(why)
+    refused = support.graph_engine_cp_rule(plan)
+    if refused:  # on every rank, before any collective
+        raise NotSupportedError(refused[0])
     if plan.num_stages > 1:
         from meshplan.runtime.graph.pipeline import parallelize_pipeline
 
