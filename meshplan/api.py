@@ -20,7 +20,7 @@ from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.graph import OpGraph
 from meshplan.context import graph_engine_cp_refusal
-from meshplan.support import (FP8_REFUSAL, check_plan, cp_degree,
+from meshplan.support import (FP8_REFUSAL, check_plan, cp_degree, graph_engine_cp_rule,
                               plan_problems)
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
@@ -302,6 +302,9 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
         if why:
             raise NotSupportedError(f"cp on the graph engine ({note}): {why}; the module "
                                     "engine runs it: pass the model and engine='auto'")
+        pipeline_why = graph_engine_cp_rule(plan)
+        if pipeline_why:
+            raise NotSupportedError(f"{pipeline_why[0]} (graph engine {note})")
         return replace(plan, engine=Engine.GRAPH, engine_note=note)
     from meshplan.runtime.module_plan import module_engine_refusal
 
@@ -311,10 +314,11 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
     if reason and cp_degree(plan.stages[0]) > 1:
         # context parallelism the graph engine cannot run either (meshplan/support.py)
         graph_why = graph_engine_cp_refusal(plan.graph, plan.training.sequence_parallel) or \
-            next(iter(plan_problems(
-            replace(plan, engine=Engine.GRAPH))), None)
+            next(iter(graph_engine_cp_rule(plan) + plan_problems(
+                replace(plan, engine=Engine.GRAPH))), None)
         if graph_why:
-            raise NotSupportedError(f"{reason} ({graph_why})")
+            module = reason.removesuffix("; the graph engine runs this plan")
+            raise NotSupportedError(f"{module}; nor can the graph engine: {graph_why}")
     return replace(plan, engine=Engine.GRAPH if reason else Engine.MODULES,
                    engine_note=reason or "")
 

@@ -115,7 +115,7 @@ def graph_engine_cp_refusal(graph: OpGraph | None, sequence_parallel: bool = Fal
     tensor parallelism (which would split the sequence on both axes)."""
     if sequence_parallel:
         return ("the graph engine's cp does not compose with sequence_parallel (it would split "
-                "the sequence on both the tp and the cp axis)")
+                "the sequence on both the tp and the cp axis); set sequence_parallel=False")
     for n in (graph.nodes if graph is not None else ()):
         if n.kind != OpKind.ATTENTION:
             continue
@@ -124,6 +124,22 @@ def graph_engine_cp_refusal(graph: OpGraph | None, sequence_parallel: bool = Fal
             return (f"the graph engine's cp splits an explicit mask only, and operator {n.name} "
                     f"at {n.source or 'unknown source'} uses is_causal=True")
     return None
+
+
+def attention_calls(graph: OpGraph) -> list[tuple[bool, bool, bool]]:
+    """(has an explicit mask, is_causal, dropout_p > 0) of every SDPA call in the traced graph:
+    what the module engine's cp check sees when the model's forward cannot run on meta (a
+    data-dependent branch, e.g. transformers' ``padding_mask.all()``); other attention
+    variants are left out (the module engine's check then finds no SDPA call)."""
+    out = []
+    for n in graph.nodes:
+        if n.kind != OpKind.ATTENTION or "scaled_dot_product_attention" not in n.target:
+            continue
+        args, kwargs = n.parsed_args()
+        out.append((len(n.inputs) > 3, kwargs.get("is_causal", args[5] if len(args) > 5
+                                                  else False) is True,
+                    kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) not in (0, 0.0)))
+    return out
 
 
 def value_shape(graph: OpGraph, name: str) -> tuple[int, ...]:

@@ -208,8 +208,8 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
     - on the graph engine (runtime/graph/context.py) for plans the module engine refuses or that
       ask for it (engine='graph'): SDPA with an explicit mask, without sequence parallelism
       (meshplan/api.choose_engine refuses the rest when the plan is made, from the traced
-      graph), pipelines at two or more sequences per microbatch (runtime/graph/parallelize.py
-      refuses one on every rank before any collective)."""
+      graph), pipelines at two or more sequences per microbatch (``graph_engine_cp_rule``,
+      checked by choose_engine when the plan is made and by parallelize_graph)."""
     cps = {cp_degree(st) for st in plan.stages}
     cp = max(cps)
     if len(cps) > 1:
@@ -218,6 +218,22 @@ def context_parallel_plan_rule(plan: Plan) -> tuple[str, ...]:
         return (f"recompute 'selective' with cp={cp}: the selective checkpoint's replay "
                 "diverges from the forward around the cp exchange (tests/"
                 "test_context_parallel.py); use recompute 'full' or 'none' with cp",)
+    return ()
+
+
+def graph_engine_cp_rule(plan: Plan) -> tuple[str, ...]:
+    """What the graph engine's cp (runtime/graph/context.py) cannot run, whatever the model:
+    a pipeline at one sequence per microbatch (its load-balanced layout pass cannot split a
+    one-sequence microbatch's broadcast operands; it failed on stage 0 inside the schedule
+    while the other stage waited out the gloo timeout). Checked when a plan is given to the
+    graph engine (meshplan/api.choose_engine) and again in parallelize_graph; not a plan
+    rule, so that the cost model still prices Llama 3's CP16 x PP16 at one sequence per
+    microbatch, which the module engine's pipelines run."""
+    cp = cp_degree(plan.stages[0])
+    if cp > 1 and plan.num_stages > 1 and plan.training.microbatch_size == 1:
+        return (f"cp={cp} with pipeline stages at microbatch size 1 on the graph engine: its "
+                "load-balanced layout pass cannot split the broadcast operands of a "
+                "one-sequence microbatch; use microbatch_size >= 2, or pp=1 with cp",)
     return ()
 
 

@@ -201,6 +201,32 @@ class ChunkPositions(TorchFunctionMode):
 
 # -- what a step runs -------------------------------------------------------------------------
 
+class AttentionCalls(TorchFunctionMode):
+    """Records (has mask, is_causal, dropout_p > 0) of every SDPA call of a forward on meta
+    (runtime/module_plan.cp_refusal). A data-dependent branch on a meta tensor (``bool(t)``,
+    ``t.item()`` of a boolean) is answered True: transformers asks "is the mask all ones?"
+    and "are the positions one unpacked sequence?", which the cp region's all-ones mask and
+    global positions answer so (``call_kwargs``); it then passes is_causal=True, as it does
+    at run time, while a model that always builds a mask (T5's position bias) still shows it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[bool, bool, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.__bool__, torch.Tensor.item) and args and \
+                isinstance(args[0], torch.Tensor) and args[0].is_meta and \
+                args[0].dtype == torch.bool:
+            return True
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+            a = {**dict(zip(names, args)), **kwargs}
+            self.calls.append((a.get("attn_mask") is not None, bool(a.get("is_causal", False)),
+                               float(a.get("dropout_p", 0.0)) > 0))
+        return func(*args, **kwargs)
+
+
 def next_token_labels(ids: torch.Tensor) -> torch.Tensor:
     """Labels of the language-model default: token t+1 for position t, the last ignored."""
     pad = torch.full_like(ids[:, :1], IGNORE_INDEX)

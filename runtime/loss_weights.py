@@ -100,7 +100,8 @@ def guard_empty(target: torch.Tensor, table: torch.Tensor, dp_rank: int) -> torc
 
 
 def weight(table: torch.Tensor, j: int, *, dp_rank: int, placements: Sequence | None = None,
-           dp_axes: Sequence[int] = (), mesh_shape: Sequence[int] = ()) -> float:
+           dp_axes: Sequence[int] = (), mesh_shape: Sequence[int] = (),
+           dtensor_backward: bool = False) -> float:
     """What microbatch ``j``'s loss on this rank is multiplied by before its backward, so
     that the engine's averages (over the n microbatches, over the data-parallel ranks) give
     the global labelled mean.
@@ -109,7 +110,16 @@ def weight(table: torch.Tensor, j: int, *, dp_rank: int, placements: Sequence | 
     data-parallel axes are ``dp_axes``) says what this rank's loss value is a mean over: a
     partial average on the data-parallel axes is its own rows' mean (``K[r, j]`` targets,
     averaged with dp-1 others), a replicated one the whole microbatch's. None: this rank's
-    rows' mean, averaged over the data-parallel ranks (the module engines)."""
+    rows' mean, averaged over the data-parallel ranks (the module engines).
+
+    ``dtensor_backward``: the weight of the backward when it runs through DTensor's operators
+    (the graph engine's unlowered executor: cp stages). A partial average there is its own
+    rows' mean in the forward, but DTensor's backward is that of the whole microbatch's mean:
+    torch's ``nll_loss_backward`` strategy all-reduces ``total_weight``, so each token's
+    gradient is divided by the microbatch's labelled targets over every data-parallel rank
+    (with the forward's weight, rank r's tokens weighed ``dp x K[r, j] / sum_r K[r, j]``
+    times too much: T5 at dp2 x cp2, tests/test_own_loop_matrix.py). It is weighed as a
+    whole loss."""
     dp_size, n = table.shape
     total = float(table.sum())
     if placements is None:
@@ -127,10 +137,10 @@ def weight(table: torch.Tensor, j: int, *, dp_rank: int, placements: Sequence | 
                 "rows are split where the labelled-target weighting cannot count them; plan "
                 "without splitting the loss over tensor parallelism (or targets without "
                 f"{IGNORE_INDEX})")
+    if kinds == {"whole"} or (dtensor_backward and kinds == {"avg"}):
+        return n * float(table[:, j].sum()) / total
     if kinds <= {"avg"}:
         return n * dp_size * float(table[dp_rank, j]) / total
-    if kinds == {"whole"}:
-        return n * float(table[:, j].sum()) / total
     raise NotSupportedError(f"the loss has placements {list(placements)} over the data-parallel "
                             f"axes {list(dp_axes)}; the labelled-target weighting reads a "
                             "partial average or a replicated loss there")

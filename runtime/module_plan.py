@@ -22,6 +22,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel)
 
 from meshplan import support
+from meshplan.context import attention_calls
+from meshplan.runtime.cp_modules import AttentionCalls
 from meshplan.errors import PlanFileError
 from meshplan.plan import Plan, Stage
 from meshplan.graph import CallSignature
@@ -413,7 +415,7 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
 def cp_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why torch's context parallelism (runtime/cp_modules.py) cannot run ``model``: it
     intercepts ``F.scaled_dot_product_attention``, unmasked (causal by ``is_causal=True``, or
-    full); the model's forward is run on meta to see its attention calls."""
+    full); the model's forward is run on meta to see its attention calls (else the graph's)."""
     cp = support.cp_degree(plan.stages[0])
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if isinstance(impl, str) and impl != "sdpa":
@@ -421,14 +423,18 @@ def cp_refusal(plan: Plan, model: nn.Module) -> str | None:
                 "context parallelism cannot intercept; build it with attn_implementation='sdpa'")
     dp, _, _ = _axes(plan.stages[0])
     call = _meta_call(plan, plan.stages[0].mesh_shape[dp] if dp is not None else 1)
-    if call is None:
-        return None
-    seen = _AttentionCalls()
+    seen = AttentionCalls()
     try:
+        if call is None:
+            raise LookupError("no call recorded")
         with seen:
             _Forward(meta_copy(model))(*call[0], **call[1])
-    except Exception:  # noqa: BLE001 - a forward meta cannot run: the runtime checks each call
-        return None
+    except Exception:  # noqa: BLE001 - no call, or a forward meta cannot run (a data-dependent
+        # branch: transformers' padding check): the traced graph's SDPA calls, else the
+        # runtime checks each call
+        if plan.graph is None:
+            return None
+        seen.calls = attention_calls(plan.graph)
     if not seen.calls:
         return (f"cp={cp} splits attention's sequence, but the model calls no "
                 "torch.nn.functional.scaled_dot_product_attention (for transformers models: "
@@ -443,23 +449,6 @@ def cp_refusal(plan: Plan, model: nn.Module) -> str | None:
     if any(drop for _, _, drop in seen.calls):
         return f"cp={cp}: attention dropout > 0 is not split by context parallelism; set it to 0"
     return None
-
-
-class _AttentionCalls(torch.overrides.TorchFunctionMode):
-    """Records (has mask, is_causal, dropout_p > 0) of every SDPA call."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[tuple[bool, bool, bool]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
-            names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-            a = {**dict(zip(names, args)), **kwargs}
-            self.calls.append((a.get("attn_mask") is not None, bool(a.get("is_causal", False)),
-                               float(a.get("dropout_p", 0.0)) > 0))
-        return func(*args, **kwargs)
 
 
 def compiler_refusal() -> str | None:

@@ -181,18 +181,12 @@ class ParallelRun:
         out = self._forward_program(records)(*batch)
         if not isinstance(out, DTensor):
             return out
+        from meshplan.runtime.graph.context import natural_order
+
         mesh = out.device_mesh
         target = [Shard(0) if a in self._dp_axes else Replicate() for a in range(mesh.ndim)]
-        names = tuple(mesh.mesh_dim_names or ())
-        cp = out.placements[names.index("cp")] if "cp" in names else None
         local = out.redistribute(placements=target).to_local()
-        if isinstance(cp, Shard):  # the load-balanced layout back to natural order
-            from meshplan.context import layout_order
-            order = layout_order(local.shape[cp.dim], mesh.size(names.index("cp")))
-            inverse = torch.empty(len(order), dtype=torch.long)
-            inverse[torch.tensor(order)] = torch.arange(len(order))
-            local = local.index_select(cp.dim, inverse.to(local.device))
-        return local
+        return natural_order(local, out.placements, mesh)  # from the load-balanced layout
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale every gradient so that their global norm (over every rank and pipeline

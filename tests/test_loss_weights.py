@@ -64,6 +64,36 @@ def test_graph_engine_placements_partial_average_and_replicated():
                mesh_shape=mesh)
 
 
+def test_a_dtensor_backward_is_weighed_as_the_whole_microbatchs_mean():
+    """The graph engine's cp stages run on DTensor: the loss's forward value is this rank's
+    own rows' mean (Partial(avg)), but torch's nll_loss_backward strategy all-reduces
+    total_weight, so rank r's tokens get gradient / (microbatch j's labelled targets on every
+    rank), summed over ranks. Weighed as the forward (T5 at dp2 x cp2 before the fix) the
+    gradient is off; with ``dtensor_backward`` it is the global mean's."""
+    dp, n = 2, 3
+    logits, labels = _batch(dp, n, seed=2)
+    table = torch.tensor([[count(c) for c in row] for row in _pieces(labels, dp, n)],
+                         dtype=torch.float64)
+    ref = logits.clone().requires_grad_()
+    _ce(ref, labels).backward()
+    grads = []
+    for dtensor_backward in (True, False):
+        leaf = logits.clone().requires_grad_()
+        lg, lb = _pieces(leaf, dp, n), _pieces(labels, dp, n)
+        total = 0
+        for r in range(dp):
+            for j in range(n):
+                seen = F.cross_entropy(lg[r][j].reshape(-1, lg[r][j].shape[-1]),
+                                       lb[r][j].reshape(-1), reduction="sum") / table[:, j].sum()
+                g = weight(table, j, dp_rank=r, placements=[Partial("avg")], dp_axes=(0,),
+                           mesh_shape=(dp,), dtensor_backward=dtensor_backward)
+                total = total + seen * (g / n)
+        total.backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[0], ref.grad, rtol=1e-5, atol=1e-7)
+    assert float((grads[1] - ref.grad).abs().max()) > 1e-4  # the forward's weight
+
+
 def test_a_microbatch_without_labels_weighs_zero_and_is_finite():
     labels = torch.full((4, 3), IGNORE_INDEX)
     labels[2:, 1] = 5  # microbatch 1 of 2 has labels, microbatch 0 none

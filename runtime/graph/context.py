@@ -38,6 +38,20 @@ def cp_axis_of(mesh: DeviceMesh) -> int | None:
     return None
 
 
+def natural_order(local: torch.Tensor, placements, mesh: DeviceMesh) -> torch.Tensor:
+    """``local``, a value that was ``placements`` (DTensor placements) and has been gathered
+    over the cp axis by DTensor (contiguous chunks), back in sequence order: an "S(d)" on cp
+    is the load-balanced layout (eval outputs: run(x) on one stage or a pipeline)."""
+    axis = cp_axis_of(mesh)
+    if axis is None or not isinstance(placements[axis], Shard):
+        return local
+    d = placements[axis].dim
+    order = layout_order(local.shape[d], mesh.size(axis))
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return local.index_select(d, inverse.to(local.device))
+
+
 def _reorder(value: DTensor, dim: int, index: Sequence[int]) -> DTensor:
     """Permute ``dim`` of a value that is whole along it on every rank (local op)."""
     local = value.to_local()

@@ -319,11 +319,15 @@ class ParallelModel:
         share = torch.zeros((), dtype=torch.float64, device=self.mesh.device_type)
         for j, chunk in enumerate(zip(*(x.chunk(n) for x in inputs))):
             loss = self.loss(*chunk)
-            w = loss_weights.weight(labels, j, dp_rank=dp_rank, placements=loss.placements,
-                                    dp_axes=data_parallel_axes(self.stage),
-                                    mesh_shape=self.stage.mesh_shape)
+            where = dict(placements=loss.placements, dp_axes=data_parallel_axes(self.stage),
+                         mesh_shape=self.stage.mesh_shape)
+            w = loss_weights.weight(labels, j, dp_rank=dp_rank, **where)
+            # on DTensor (cp stages run unlowered) the loss's backward is the whole
+            # microbatch's mean's, whatever the forward's own-rows value (loss_weights.weight)
+            g = w if self._executor.lowered else loss_weights.weight(
+                labels, j, dp_rank=dp_rank, dtensor_backward=True, **where)
             local = loss.to_local(grad_placements=[Replicate()] * self.mesh.ndim)
-            (local * (w * scale / n)).backward()
+            (local * (g * scale / n)).backward()
             share += local.detach().double() * (w / n) * \
                 _reduction_weight(loss.placements, self.mesh)
         ok = self._sync_grads(scale)
@@ -440,16 +444,9 @@ def parallelize_graph(model: nn.Module, plan: Plan, example_inputs: Sequence[tor
         raise RuntimeError("parallelize_graph runs inside a torchrun worker: "
                            "init_process_group first")
     support.check_plan(plan)  # what the runtime executes (meshplan/support.py)
-    cp = support.cp_degree(plan.stages[0])
-    if cp > 1 and plan.num_stages > 1 and plan.training.microbatch_size == 1:
-        # refused here, on every rank before any collective (it failed on stage 0 inside the
-        # schedule while the other stage waited for the gloo timeout); not in the plan rules,
-        # so that the cost model still prices Llama 3's layout (CP16 x PP16, one sequence per
-        # microbatch), which needs cp inside the module engine's pipelines to run
-        raise NotSupportedError(f"cp={cp} with pipeline stages at microbatch size 1: the graph "
-                                "engine's load-balanced layout pass cannot split the "
-                                "broadcast operands of a one-sequence microbatch; use "
-                                "microbatch_size >= 2, or pp=1 with cp")
+    refused = support.graph_engine_cp_rule(plan)
+    if refused:  # on every rank, before any collective
+        raise NotSupportedError(refused[0])
     if plan.num_stages > 1:
         from meshplan.runtime.graph.pipeline import parallelize_pipeline
 

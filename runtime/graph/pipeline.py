@@ -57,6 +57,7 @@ from meshplan.schedules import Schedule, virtual_stages_for
 from meshplan.runtime.graph.parallelize import (data_parallel_axes, meta_copy, place_tensor,
                                           runnable_graph_module, sharded_over)
 from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
+from meshplan.runtime.graph.context import natural_order
 from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
@@ -291,10 +292,16 @@ class _MicrobatchMean:
         if self.labels is None:
             return output / self.n
         last = next(m for m in self.stage_modules if hasattr(m, "loss_placements"))
-        w = loss_weights.weight(self.labels, int(target.reshape(-1)[0]), dp_rank=self.dp_rank,
-                                placements=last.loss_placements, dp_axes=self.dp_axes,
-                                mesh_shape=tuple(last._mesh.shape))
-        return output * (w / self.n)
+        where = dict(dp_rank=self.dp_rank, placements=last.loss_placements,
+                     dp_axes=self.dp_axes, mesh_shape=tuple(last._mesh.shape))
+        j = int(target.reshape(-1)[0])
+        w = loss_weights.weight(self.labels, j, **where)
+        if getattr(last._executor, "lowered", True):
+            return output * (w / self.n)
+        # a stage run on DTensor (cp): its loss backward is the whole microbatch's mean's
+        # (loss_weights.weight); the value keeps the forward's weight, the gradient that one
+        g = loss_weights.weight(self.labels, j, dtensor_backward=True, **where)
+        return output * (g / self.n) + (output * ((w - g) / self.n)).detach()
 
 
 @dataclass
@@ -737,7 +744,10 @@ class _EvalStageModule(_StageModule):
         if not self._last:
             return super().forward(*xs)
         out = self._run(*self._dtensor_inputs(xs))[0]
-        return _local(out, self._mesh, self._out_placements)
+        local = _local(out, self._mesh, self._out_placements)
+        if isinstance(out, DTensor):  # cp: from the load-balanced layout to sequence order
+            local = natural_order(local, out.placements, self._mesh).contiguous()
+        return local
 
 
 @dataclass

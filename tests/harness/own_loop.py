@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -37,7 +38,12 @@ BATCH, STEPS, LR, CLIP, SEED = 8, 3, 1e-2, 0.05, 0
 LAYOUTS = {"auto": "auto", **{k: SHARED[k] for k in ("dp4", "dp2xtp2", "dp2xpp2", "tp2xpp2")}}
 EXTRA_LAYOUTS = {"tp4": SHARED["tp4"],  # beyond the matrix: tp over more ranks than KV heads
                  "dp2xpp2-zero1": SHARED["dp2xpp2+zero1"],  # autoparallel's tied-GPT pick
-                 "dp4-accumulate": SHARED["dp4+mb1"]}  # BatchNorm: refused
+                 "dp4-accumulate": SHARED["dp4+mb1"],  # BatchNorm: refused
+                 # context parallel (the other models' cp cells: tests/test_cp_modules.py)
+                 "cp4": SHARED["cp4"], "dp2xcp2": SHARED["cp2xdp2"],
+                 "cp2xtp2-sp": SHARED["cp2xtp2+sp"], "cp2xtp2": SHARED["cp2xtp2"],
+                 "cp2xpp2-mb1": SHARED["cp2xpp2+mb1"], "cp2xpp2-mb2": SHARED["cp2xpp2+mb2"]}
+CP_LAYOUTS = ("cp4", "dp2xcp2", "cp2xtp2-sp", "cp2xpp2-mb1", "cp2xpp2-mb2")
 
 
 # -- models: (build(), global batch(step) -> (inputs, targets), loss_fn or None) --------------
@@ -150,6 +156,17 @@ def _bert():
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa"))
 
 
+def _t5():
+    """A small T5 (relative position bias, encoder-decoder with cross-attention, head tied to
+    the shared embedding); transformers' T5 declares SDPA support and passes its position
+    bias (plus the padding mask) to SDPA as a float attn_mask."""
+    from transformers import T5Config, T5ForConditionalGeneration
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, dropout_rate=0.0, use_cache=False, decoder_start_token_id=0,
+        pad_token_id=0, attn_implementation="sdpa"))
+
+
 def _gen(step: int) -> torch.Generator:
     return torch.Generator().manual_seed(SEED * 100_003 + 17 + step)
 
@@ -168,6 +185,22 @@ def _masked(step):
     ids, labels = ids.masked_fill(pad, 0), labels.masked_fill(pad, -100)
     labels[:, 0] = torch.where(labels[:, 0] == -100, ids[:, 0], labels[:, 0])  # >= 1 each
     return (ids,), (labels,)
+
+
+def _seq2seq(step):
+    """T5's batch as keyword inputs: a right-padded source (16 tokens, attention_mask 0 on
+    padding), 8 labels per row right-padded with -100 (each row its own count, >= 1) and the
+    decoder's inputs (labels shifted right, decoder_start_token_id 0, padding 0)."""
+    g = _gen(step)
+    src = torch.randint(1, 64, (BATCH, 16), generator=g)
+    pad = torch.arange(16) >= (16 - torch.randint(0, 8, (BATCH, 1), generator=g))
+    labels = torch.randint(1, 64, (BATCH, 8), generator=g)
+    labels = labels.masked_fill(torch.arange(8) >= torch.randint(1, 9, (BATCH, 1), generator=g),
+                                -100)
+    decoder_in = torch.cat([torch.zeros(BATCH, 1, dtype=torch.long),
+                            labels[:, :-1].clamp(min=0)], dim=1)
+    return {"input_ids": src.masked_fill(pad, 0), "attention_mask": (~pad).long(),
+            "decoder_input_ids": decoder_in}, (labels,)
 
 
 def _images(step):
@@ -199,10 +232,21 @@ MODELS = {  # name: (build, batch(step), loss_fn given to meshplan or None, refe
     "qwen2": (_qwen2, _tokens, None, None),
     "neox": (_neox, _tokens, None, None),
     "bert": (_bert, _masked, token_loss, token_loss),
+    "t5": (_t5, _seq2seq, token_loss, token_loss),
     "cnn": (ConvNet, _images, None, token_loss),
     "mlp": (sequential_mlp, _features, token_loss, token_loss),
     "resmlp": (MLPClassifier, _features, token_loss, token_loss),
 }
+
+
+def _call(model, inputs):
+    """The model on a batch's inputs: a tuple positionally, a dict as keywords."""
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def _map(fn, inputs):
+    return {k: fn(v) for k, v in inputs.items()} if isinstance(inputs, dict) else \
+        tuple(fn(x) for x in inputs)
 
 
 def _logits(out):
@@ -236,7 +280,7 @@ def tolerances(name: str):
         return model
 
     def forward(model, b):
-        return _logits(model(*b[0]))
+        return _logits(_call(model, b[0]))
 
     def value(out, b):
         inputs, targets = b
@@ -279,7 +323,7 @@ def _plan(name: str, layout):
         with torch.device("meta"):
             meta = build()
         inputs, targets = batch(0)
-        common = dict(example_inputs=tuple(x.to("meta") for x in inputs),
+        common = dict(example_inputs=_map(lambda x: x.to("meta"), inputs),
                       example_targets=tuple(t.to("meta") for t in targets), loss_fn=loss_fn)
         mesh = meshplan.Mesh.local(dist.get_world_size())
         if name == "cnn" and layout != "auto":
@@ -315,13 +359,13 @@ def run_cell(name: str, layout) -> dict:
     losses, norms = [], []
     for step in range(STEPS):
         inputs, targets = batch(step)
-        losses.append(run.train_step(tuple(_rows(x, run) for x in inputs),
+        losses.append(run.train_step(_map(lambda x: _rows(x, run), inputs),
                                      targets=tuple(_rows(t, run) for t in targets)))
         norms.append(float(run.clip_grad_norm_(CLIP)))
         opt.step(), sched.step(), opt.zero_grad()
     run.eval()
     inputs, _ = batch(STEPS)
-    mine = _logits(run(tuple(_rows(x, run) for x in inputs))).detach().double().cpu()
+    mine = _logits(run(_map(lambda x: _rows(x, run), inputs))).detach().double().cpu()
     shards = [None] * dist.get_world_size()
     dist.all_gather_object(shards, (run.dp_rank, mine))
     out = torch.cat([dict(shards)[r] for r in range(run.dp_size)])
@@ -343,6 +387,7 @@ def main(argv=None) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     cells = {}
     for layout in args.layouts.split(","):
+        start = time.perf_counter()
         try:
             cells[layout] = run_cell(args.model, {**LAYOUTS, **EXTRA_LAYOUTS}[layout])
         except Exception as exc:  # noqa: BLE001 - one failing cell must not hide the others
@@ -350,6 +395,7 @@ def main(argv=None) -> int:
                                       f"{str(exc).splitlines()[0] if str(exc) else ''}",
                              "traceback": traceback.format_exc()}
         dist.barrier()
+        cells[layout]["seconds"] = time.perf_counter() - start
     if dist.get_rank() == 0:
         torch.save(cells, args.out)
     dist.barrier()

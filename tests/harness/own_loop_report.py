@@ -32,7 +32,8 @@ def main():
             bad = compare(cell, tol)
             verdict = "refused: " + cell["refused"] if "refused" in cell else \
                 "equal" if not bad else "FAILING: " + "; ".join(bad[:3])
-            print(f"{name:6s} {layout:8s} {verdict}  [{cell.get('layout', '')}]", flush=True)
+            print(f"{name:6s} {layout:8s} {verdict}  [{cell.get('layout', '')}] "
+                  f"{cell.get('seconds', 0):.1f} s", flush=True)
             if "traceback" in cell:
                 print(cell["traceback"][-1500:])
         print(f"{name}: {time.time() - t0:.0f} s", flush=True)
