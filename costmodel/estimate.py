@@ -1570,11 +1570,29 @@ def _overflow_text(stage: int, mem: MemoryBreakdown, capacity: float) -> str:
             f"(over by {mem.total_gib - capacity:.1f} GiB; {top} GiB)")
 
 
+def value_bytes(graph: OpGraph, name: str, dtype: str) -> float:
+    """Bytes of one value (an operator's outputs or a graph input) in the compute dtype, as
+    the operator walk prices its redistribution (the whole traced batch)."""
+    return _bytes(graph, name, DTYPE_BYTES[dtype])
+
+
+def eager_kernel_table(graph: OpGraph, dtype: str, precision: str, microbatches: int = 1,
+                       compiled: bool = False, cache: dict | None = None) -> dict:
+    """Every operator's eager kernels (``eager.eager_kernels``), the walk the operator walk
+    reads (one per graph, dtype, precision and microbatch count)."""
+    return _cached_eager_kernels(cache, graph, dtype, precision, microbatches, compiled)
+
+
 def _bytes(graph: OpGraph, name: str, dbytes: int) -> float:
     metas = graph.node(name).outputs if name in graph else \
         tuple(m for n, m in graph.inputs if n == name)
     return sum(mm.numel * (dbytes if mm.dtype.startswith(("float", "bfloat")) else
                            mm.bytes / max(1, mm.numel)) for mm in metas)
+
+
+def param_layer(name: str, graph: OpGraph) -> int:
+    """The block a parameter belongs to (its ZeRO-3 / FSDP unit), -1 outside the blocks."""
+    return _param_layer(name, graph)
 
 
 def _param_layer(name: str, graph: OpGraph) -> int:
@@ -1584,6 +1602,12 @@ def _param_layer(name: str, graph: OpGraph) -> int:
         if head.isdigit():
             return int(head)
     return -1
+
+
+def bandwidth_s(coll, kind: Collective, nbytes: float, axis: int) -> float:
+    """A collective's time less its latency: the share of one buffer's time a tensor in it
+    adds (a flat buffer pays its latency once)."""
+    return _bandwidth_s(coll, kind, nbytes, axis)
 
 
 def _bandwidth_s(coll, kind: Collective, nbytes: float, axis: int) -> float:

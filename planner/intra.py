@@ -31,7 +31,7 @@ from meshplan.plan import MemoryBreakdown, OpPlacement, SolverInfo
 from meshplan.planner import ilp
 from meshplan.graph import OpGraph
 from meshplan.placements import placement_str
-from meshplan.planner.reshard import INF, AxisLinks
+from meshplan.planner.reshard import INF
 from meshplan.planner.strategies import Strategy
 from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
 
@@ -74,6 +74,8 @@ class GroupChoice:
     member_inputs: tuple  # per group member: the placements it consumes
     member_outputs: tuple  # per group member: its output placement
     storage: tuple  # per owned parameter: storage placement
+    zero: int = 0  # the stage-wide ZeRO level this candidate assumes (StageProblem.flags)
+    dp_axis: int | None = None  # ... over this data-parallel axis
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +98,10 @@ class StageProblem:
     fallbacks: tuple[str, ...]
     memory_limit_bytes: float
     microbatches: int = 1  # edges are per microbatch
+    # fixed charges and stage-wide switches (planner/ilp.py IlpFlag; costs in NS units,
+    # once per step) and the pairs of them that cannot both be on
+    flags: tuple = ()
+    conflicts: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,7 @@ class StageSolution:
     inputs: dict  # graph/stage input -> placement strings
     solver: SolverInfo
     choice: tuple[int, ...] = field(default=(), repr=False)
+    zero: int = 0  # the stage's ZeRO level (every candidate chosen assumes it)
 
 
 class StageCache:
@@ -164,9 +171,10 @@ def build_problem(graph: OpGraph, names: tuple[str, ...], mesh_shape: tuple[int,
                   devices_per_node: int | None = None) -> StageProblem:
     from meshplan.planner.pricing import Pricer  # the pricing half of the builder
 
+    if devices_per_node is not None and devices_per_node != hw.devices_per_node:
+        hw = replace(hw, devices_per_node=devices_per_node)
     rep, param_rep, count = _representatives(graph, names)
-    pricer = Pricer(graph, names, rep, mesh_shape, hw, options,
-                    AxisLinks(hw, mesh_shape, devices_per_node or hw.devices_per_node))
+    pricer = Pricer(graph, names, rep, mesh_shape, hw, options)
     return pricer.problem(count, param_rep)
 
 
@@ -261,7 +269,7 @@ def to_ilp(problem: StageProblem) -> ilp.IlpProblem:
                                                           for c in row) for row in cost))
                   for u, v, uc, vc, cost in problem.edges)
     limit = int(problem.memory_limit_bytes)
-    return ilp.IlpProblem(tuple(nodes), edges, limit)
+    return ilp.IlpProblem(tuple(nodes), edges, limit, problem.flags, problem.conflicts)
 
 
 def _units(seconds: float) -> int:
@@ -298,6 +306,14 @@ def read_solution(problem: StageProblem, result: ilp.IlpResult, graph: OpGraph, 
         edge = cost[uc[result.choice[u]]][vc[result.choice[v]]]
         micro += edge
         comm += edge * n_mb
+    # fixed charges: flat buffers' latencies (step) and per-block ZeRO-3 latencies (every
+    # microbatch's, already summed over the microbatches), all communication
+    charged = sum(f.cost for f, on in zip(problem.flags, ilp.flags_on(to_ilp(problem),
+                                                                       result.choice)) if on) / NS
+    step += charged
+    comm += charged
+    zero = max((g.candidates[a].zero for g, a in zip(problem.groups, result.choice)
+                if g.owned_params), default=0)
     ops = {n: ops_rep[problem.rep[n]] for n in names if problem.rep[n] in ops_rep}
     for p, r in problem.param_rep.items():
         if r in params:
@@ -313,7 +329,7 @@ def read_solution(problem: StageProblem, result: ilp.IlpResult, graph: OpGraph, 
     total = micro * n_mb + step
     return StageSolution(time_s=total, microbatch_s=micro, step_s=step, compute_s=total - comm,
                          comm_s=comm, memory=memory, params=params, ops=ops, inputs=inputs,
-                         solver=solver, choice=result.choice)
+                         solver=solver, choice=result.choice, zero=zero)
 
 
 def _tied_params(graph: OpGraph, params: dict, ndim: int) -> None:

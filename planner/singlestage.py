@@ -37,9 +37,7 @@ def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = ComputeDtype.BF16,
     names = tuple(n.name for n in graph.nodes)
     sol = solve_stage(graph, names, mesh.shape, mesh.axis_names, mesh.hardware, options,
                       devices_per_node=mesh.devices_per_node)
-    zero = 3 if any(sol.params.get(p) != op.inputs[k]
-                    for n, op in sol.ops.items()
-                    for k, p in enumerate(graph.node(n).inputs) if p in sol.params) else 0
+    zero = sol.zero
     stage = Stage(index=0, devices=tuple(range(mesh.num_devices)), mesh_shape=tuple(mesh.shape),
                   axis_names=tuple(mesh.axis_names), layers=(0, graph.num_layers),
                   nodes=(names[0], names[-1]), recompute=recompute, zero=zero,
