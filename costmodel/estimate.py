@@ -678,11 +678,12 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
     tensors = 0
     unit_numel: dict[int, float] = {}
     syncs: list[GradSync] = []
+    readers = _tied_readers(graph, consumer_out)
     for pname, pl in stage.params.items():
         info = graph.param_map.get(pname)
         if info is None or (info.tied_to is not None and info.tied_to in stage.params):
             continue
-        outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
+        outs = readers.get(pname, ())
         part = parameter_part(info, pl, outs, _param_layer(pname, graph), shape, dpa, cpa,
                               zero=zero, dtype=dtype, optimizer=optimizer, runtime=runtime)
         weights, grads, opt = weights + part.weights_bytes, grads + part.grads_bytes, \
@@ -695,6 +696,18 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
     return ParamWalk(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt,
                      optimizer_numel=opt_numel, tensors=tensors, unit_numel=unit_numel,
                      syncs=tuple(syncs), dp_axis=dpa, synced_bytes=synced)
+
+
+def _tied_readers(graph: OpGraph, consumer_out: dict) -> dict:
+    """Parameter -> the (output, read-as) placements of every operator reading it under any
+    of its tied names: the graph may read a tied weight under the name kept out of the walk
+    (GPT-2's embedding reads ``lm_head.weight``, tied to ``transformer.wte.weight``)."""
+    readers = {p: list(v) for p, v in consumer_out.items()}
+    for p in graph.params:
+        if p.tied_to is not None and p.tied_to in graph.param_map:
+            both = consumer_out.get(p.name, []) + consumer_out.get(p.tied_to, [])
+            readers[p.name] = readers[p.tied_to] = both
+    return readers
 
 
 @dataclass(frozen=True, slots=True)

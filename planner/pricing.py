@@ -214,8 +214,14 @@ class Pricer:
                 continue
             for k, i in enumerate(self.g.node(n).inputs):
                 if i in self.g.param_map:
-                    owner.setdefault(param_rep.get(i, i), (n, k))
+                    owner.setdefault(self._canonical(param_rep.get(i, i)), (n, k))
         return owner
+
+    def _canonical(self, name):
+        """A tied parameter is one parameter: it counts under the name it is tied to, as
+        ``estimate.parameter_walk`` counts it (its other readers reach it through an edge)."""
+        tied = self.g.param_map[name].tied_to
+        return tied if tied is not None and tied in self.g.param_map else name
 
     def _variants(self):
         """The stage-wide (ZeRO level, data-parallel axis) a candidate may assume: the
@@ -426,7 +432,7 @@ class Pricer:
                 continue
             for k, i in enumerate(self.g.node(n).inputs):
                 if i in self.g.param_map:
-                    pr = param_rep.get(i, i)
+                    pr = self._canonical(param_rep.get(i, i))
                     if owner.get(pr) == (r, k):
                         continue
                     key = (("param", pr), r, k)

@@ -10,6 +10,7 @@ two agree up to the affine terms' error, which must stay under 1%.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 
@@ -86,3 +87,34 @@ def test_ilp_objective_is_the_estimate(family, layers, width, mesh):
     assert plan.solver.objective_s == pytest.approx(estimated, rel=TOLERANCE), (
         f"zero={plan.stages[0].zero}: the ILP priced {plan.solver.objective_s:.6g} s, "
         f"estimate says {estimated:.6g} s")
+
+
+def test_a_tied_weight_read_under_its_other_name_syncs_its_gradient():
+    """GPT-2's embedding reads ``lm_head.weight`` (tied to ``transformer.wte.weight``): the
+    estimate counts the weight once and all-reduces its gradient over dp like every other
+    trainable weight (it priced no sync for it when its readers were looked up under the
+    kept name only)."""
+    from meshplan.costmodel.comm import Collective
+    from meshplan.costmodel.estimate import CollectivePrices, plan_stage_costs
+    from meshplan.costmodel.hardware import HardwareProfile
+
+    spec = MODELS["gpt2"].format(L=2, H=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = parse_model_spec(spec).build("meta")
+        inputs = example_inputs(model, 16, 64)
+        graph = meshplan.trace(model, inputs, model_name=spec)
+        plan = meshplan.manual_plan(model, meshplan.Mesh.local(4), example_inputs=inputs,
+                                    graph=graph, dp=4, tp=1, pp=1, microbatch_size=4)
+    plan = dataclasses.replace(plan, engine="graph")  # one flat all-reduce after the backward
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    tied = {p.name for p in graph.params if p.tied_to is not None}
+    assert tied and any(i in tied for n in graph.nodes for i in n.inputs)  # read by its tied name
+    # every trainable weight read by an operator split over dp, once (tied names as one)
+    canonical = {p.name: p.tied_to or p.name for p in graph.params}
+    split_read = {canonical[i] for n in graph.nodes for i in n.inputs
+                  if i in canonical and plan.stages[0].ops[n.name].output[0] != "R"}
+    assert "transformer.wte.weight" in split_read
+    grads = sum(graph.param_map[p].numel * 4 for p in split_read if graph.param_map[p].trainable)
+    flat = CollectivePrices(plan.stages[0], hw, backend="gloo")(Collective.ALL_REDUCE, grads, 0)
+    assert plan_stage_costs(plan, graph, hw)[0].grad_sync_s == pytest.approx(flat, rel=1e-9)
