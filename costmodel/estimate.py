@@ -1322,6 +1322,88 @@ def input_collectives(coll, shape: tuple[int, ...], nbytes: float, src: tuple[st
     return out_list
 
 
+@dataclass(frozen=True)
+class OperatorPricer:
+    """One operator of a plan's stage priced as the operator walk prices it, at any
+    placement (``meshplan explain`` prices the chosen placement and its alternatives so):
+    the stage's runtime, contention, eager kernels, fused groups and causal masks."""
+
+    stage: Stage
+    graph: OpGraph
+    hw: HardwareProfile
+    runtime: RuntimeModel
+    dtype: str
+    m: int
+    contention: float
+    coll: CollectivePrices
+    kernels: dict | None
+    fused: dict
+    fp8: object
+    masks: set
+
+    def compute_s(self, node, op) -> float:
+        """Forward, backward and recomputed forward of one microbatch."""
+        cp_ax = self.stage.axis_names.index("cp") if "cp" in self.stage.axis_names else None
+        group = self.fused.get(node.name)
+        t = operator_time(node, op, self.graph, self.hw, self.dtype, self.stage.mesh_shape,
+                          self.m, self.contention, group=group, kernels=self.kernels,
+                          attention=self.runtime.attention, fp8=self.fp8,
+                          causal=_causal_attention(node, self.graph, self.masks,
+                                                   self.runtime.cp_composable or cp_ax is None))
+        rec = self.stage.recompute
+        again = node.layer >= 0 and (rec == Recompute.FULL or rec == Recompute.SELECTIVE and (
+            not (node.kind == OpKind.MATMUL and any(i in self.graph.param_map for i in node.inputs))
+            if self.runtime.selective_keeps_matmuls
+            else selective_recomputes(node, self.graph, group)))
+        return t.total_s + (t.forward_s if again else 0.0)
+
+    def input_comm_s(self, node, op) -> float:
+        """The collectives giving ``node`` its activation inputs in one microbatch (forward,
+        backward, and the forward again under full recompute), as the walk prices them."""
+        stage, graph = self.stage, self.graph
+        placement = _placements(stage)
+        cp_ax = stage.axis_names.index("cp") if "cp" in stage.axis_names else None
+        feeds = _feeds_split(stage, graph, cp_ax) if cp_ax is not None else set()
+        again = 2 if stage.recompute == Recompute.FULL and node.layer >= 0 else 1
+        total = 0.0
+        for i, src_name in enumerate(node.inputs):
+            if src_name in graph.param_map or i >= len(op.inputs):
+                continue
+            src = placement.get(src_name)
+            if src is None or (src_name in graph and src_name not in stage.ops):
+                continue  # not a value of this stage (sent by another stage: p2p)
+            total += sum(tf * again + tb for _, tf, tb in input_collectives(
+                self.coll, stage.mesh_shape, _bytes(graph, src_name, DTYPE_BYTES[self.dtype])
+                / self.m, src, op.inputs[i], op.output, grad=src_name in graph.grad_nodes,
+                cp_ax=cp_ax, cp_composable=self.runtime.cp_composable,
+                feeds_split=node.name in feeds))
+        return total
+
+
+def operator_pricer(plan: Plan, graph: OpGraph, stage_index: int) -> OperatorPricer:
+    """The ``OperatorPricer`` of one stage record of ``plan`` (its contention from
+    ``plan_costs_and_contention``)."""
+    hw0 = HardwareProfile.from_dict(plan.mesh.hardware)
+    runtime = plan_runtime(plan, hw0)
+    hw = runtime_hardware(hw0, runtime)
+    _, contention = plan_costs_and_contention(plan, graph, hw0, runtime=runtime)
+    stage = plan.stages[stage_index]
+    if runtime.cp_composable:
+        stage = chunked_loss_stage(stage, graph)
+    t = plan.training
+    m = max(1, t.microbatches)
+    precision = _eager_precision(stage, runtime)
+    causal = runtime.causal_attention and (runtime.cp_composable or "cp" not in stage.axis_names)
+    return OperatorPricer(
+        stage=stage, graph=graph, hw=hw, runtime=runtime, dtype=t.dtype, m=m,
+        contention=contention, coll=CollectivePrices(stage, hw, backend=runtime.backend),
+        kernels=eager_kernel_table(graph, t.dtype, precision, m, runtime.compiled)
+        if precision else None,
+        fused=fused_by_member(graph, list(stage.ops)) if runtime.compiled else {},
+        fp8=fp8_model.fp8_pricing(t.dtype, runtime),
+        masks=causal_masks(graph) if causal else set())
+
+
 def _user_causal(node) -> bool:
     """An attention the user's code calls with ``is_causal=True`` (no mask to recognise):
     every engine runs it so, and flash attention skips the blocks above the diagonal."""
@@ -1538,6 +1620,14 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     fixed point. Without contention (GPUs,
     or no more processes than cores) one pass.
     """
+    return plan_costs_and_contention(plan, graph, hw, runtime=runtime, cache=cache)[0]
+
+
+def plan_costs_and_contention(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
+                              runtime: RuntimeModel | None = None,
+                              cache: dict | None = None) -> tuple[list[StageBreakdown], float]:
+    """``plan_stage_costs`` and the compute contention its stages were priced at (what
+    ``meshplan explain`` prices one operator's candidates with)."""
     t = plan.training
     m = max(1, t.microbatches)
     runtime = runtime or plan_runtime(plan, hw)
@@ -1557,7 +1647,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     contention = contention_factor(hw, on_host)
     costs = price(contention)
     if contention <= 1.0:
-        return costs
+        return costs, contention
     # ranks of the host in each rank group (plans larger than a node: this host's share)
     units = groups or [[i] for i in range(len(plan.stages))]
     ranks = [len(plan.stages[u[0]].devices) * on_host / max(1, plan.num_devices) for u in units]
@@ -1570,7 +1660,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
             break
         contention = new
         costs = price(contention)
-    return costs
+    return costs, contention
 
 
 # -- helpers -----------------------------------------------------------------------------------

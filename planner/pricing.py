@@ -373,25 +373,11 @@ class Pricer:
             obytes += part.optimizer_bytes
             optim_s += optimizer_step_s(part.optimizer_numel, 1, self.hw, dtype=o.dtype,
                                         optimizer=o.optimizer, contention=self.all_procs)
-            for s in part.syncs:
-                if s.per_use:  # ZeRO-3 in the graph engine: per microbatch, per block
-                    sync, gather = per_use_sync_s(s, coll, recompute=o.recompute)
-                    micro_comm += sync + gather
-                    if o.recompute == Recompute.NONE:
-                        unit = sum(zero3_unit_latency_s(coll, rt, s.axis))
-                        units = 2 if s.layer < 0 else 1  # the weights before and after the blocks
-                        charges[("zero3-unit", s.axis, s.layer)] = units * unit * count * o.microbatches
-                    continue
-                flat = rt.flat_grad_sync and zero <= 2
-                traffic = [(s.kind, s.grad_bytes)]
-                if s.on_dp and zero in (1, 2):  # the stepped shards gathered back
-                    traffic.append((Collective.ALL_GATHER, s.weight_bytes))
-                for kind, nbytes in traffic:
-                    if flat:  # one buffer per (collective, axis): its latency charged once
-                        step_comm += _bandwidth_s(coll, kind, nbytes, s.axis)
-                        charges[("flat", kind, s.axis)] = coll(kind, 1e-30, s.axis)
-                    else:
-                        step_comm += coll(kind, nbytes, s.axis)
+            mb, st_s, mine = self._sync_s(part.syncs, zero)
+            micro_comm += mb
+            step_comm += st_s
+            for key, cost in mine.items():
+                charges[key] = cost * (count * o.microbatches if key[0] == "zero3-unit" else 1)
         ins, out = zip(*(self.placed[m][a] for m in self.members[r]))
         mem = MemoryBreakdown(params_gib=pbytes * count / GIB, grads_gib=gbytes * count / GIB,
                               optimizer_gib=obytes * count / GIB, activations_gib=act / GIB)
@@ -401,6 +387,54 @@ class Pricer:
         choice = GroupChoice(st, zero >= 3, micro, step, comm, mem, ins, out, tuple(storage),
                              zero=zero, dp_axis=dpa)
         return choice, list(charges.items())
+
+    def _sync_s(self, syncs, zero):
+        """(per microbatch, per step) seconds of gradient syncs and ZeRO gathers, as
+        ``estimate._param_traffic_s`` prices them for the graph engine, less the latencies
+        paid once per buffer or block: those come back as charges {key: seconds} (a block's
+        per microbatch)."""
+        o, rt, coll = self.o, self.runtime, self.coll
+        micro = step = 0.0
+        charges: dict = {}
+        for s in syncs:
+            if s.per_use:  # ZeRO-3 in the graph engine: per microbatch, per block
+                sync, gather = per_use_sync_s(s, coll, recompute=o.recompute)
+                micro += sync + gather
+                if o.recompute == Recompute.NONE:
+                    units = 2 if s.layer < 0 else 1  # the weights before and after the blocks
+                    charges[("zero3-unit", s.axis, s.layer)] = units * sum(
+                        zero3_unit_latency_s(coll, rt, s.axis))
+                continue
+            flat = rt.flat_grad_sync and zero <= 2
+            traffic = [(s.kind, s.grad_bytes)]
+            if s.on_dp and zero in (1, 2):  # the stepped shards gathered back
+                traffic.append((Collective.ALL_GATHER, s.weight_bytes))
+            for kind, nbytes in traffic:
+                if flat:  # one buffer per (collective, axis): its latency charged once
+                    step += _bandwidth_s(coll, kind, nbytes, s.axis)
+                    charges[("flat", kind, s.axis)] = coll(kind, 1e-30, s.axis)
+                else:
+                    step += coll(kind, nbytes, s.axis)
+        return micro, step, charges
+
+    def _tied_sync_s(self, pname, owner_key, reader_key):
+        """Per microbatch: what a tied weight's other reader adds to its gradient sync (an
+        axis it splits that the owner's reader does not: ``estimate.parameter_walk`` reduces
+        over the union of the readers' splits)."""
+        read_o, owner_mask, zero, dpa = owner_key
+        read_r, reader_mask = reader_key
+        info = self.g.param_map[pname]
+        stored = self._placement(tuple(R if x == P else x for x in read_o))
+        owner = (self._placement(_mask_placement(owner_mask)), self._placement(read_o))
+        reader = (self._placement(_mask_placement(reader_mask)), self._placement(read_r))
+        times = []
+        for outs in ([owner], [owner, reader]):
+            part = parameter_part(info, stored, outs, self.layer_of[pname], self.mesh, dpa, None,
+                                  zero=zero, dtype=self.o.dtype, optimizer=self.o.optimizer,
+                                  runtime=self.runtime)
+            micro, step, _ = self._sync_s(part.syncs, zero)
+            times.append(micro + step / self.o.microbatches)
+        return times[1] - times[0]
 
     def _flags_of(self, charges, groups):
         """Fixed charges and the stage-wide switches as flags; variants (ZeRO level, dp axis)
@@ -454,10 +488,13 @@ class Pricer:
                 # through their gradient syncs only; a Partial read stays refused
                 o_name, o_k = owner[src[1]]
                 ug = groups[index[o_name]]
-                u_out = [c.strategy.inputs[o_k] for c in ug.candidates]
-                u_keys = sorted(set(u_out))
-                cost = tuple(tuple(INF if _refused(p, q) else 0.0 for q, _ in v_keys)
-                             for p in u_keys)
+                u_out = [(c.strategy.inputs[o_k], _split_mask(c.member_outputs[0]), c.zero,
+                          c.dp_axis) for c in ug.candidates]
+                u_keys = sorted(set(u_out), key=repr)
+                grad = self.g.param_map[src[1]].trainable
+                cost = tuple(tuple(INF if _refused(p[0], q[0]) else
+                                   self._tied_sync_s(src[1], p, q) * cnt if grad else 0.0
+                                   for q in v_keys) for p in u_keys)
                 u = index[o_name]
             else:
                 ug = groups[index[self.root[src]]]
