@@ -1188,7 +1188,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
         group = fused.get(name)
         t = operator_time(node, op, graph, hw, dtype, shape, m, contention, group=group,
                           kernels=kernels, attention=attention, fp8=fp8,
-                          causal=_causal_attention(node, graph, masks,
+                          causal=causal_attention(node, graph, masks,
                                                    cp_composable or cp_ax is None))
         fwd += t.forward_s
         bwd += t.backward_s
@@ -1240,7 +1240,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
 
 # -- one operator and one input edge: the parts the operator walk and the intra-op ILP share --
 
-def _causal_attention(node, graph: OpGraph, masks: set, user_causal_ok: bool) -> bool:
+def causal_attention(node, graph: OpGraph, masks: set, user_causal_ok: bool) -> bool:
     """An attention the engine runs with ``is_causal=True``: its mask is a causal pattern the
     trace built (``masks``), or the user's code asked for it (``user_causal_ok``: not under
     the graph engine's cp, whose queries are a chunk of the sequence)."""
@@ -1348,7 +1348,7 @@ class OperatorPricer:
         t = operator_time(node, op, self.graph, self.hw, self.dtype, self.stage.mesh_shape,
                           self.m, self.contention, group=group, kernels=self.kernels,
                           attention=self.runtime.attention, fp8=self.fp8,
-                          causal=_causal_attention(node, self.graph, self.masks,
+                          causal=causal_attention(node, self.graph, self.masks,
                                                    self.runtime.cp_composable or cp_ax is None))
         rec = self.stage.recompute
         again = node.layer >= 0 and (rec == Recompute.FULL or rec == Recompute.SELECTIVE and (

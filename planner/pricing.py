@@ -4,50 +4,48 @@ trace -> cost -> **solve (pricing)** -> run. ``planner/intra.py`` calls ``Pricer
 turn a stage into groups of priced candidates and priced edges (seconds and GiB per device,
 already multiplied by the number of identical layers a group stands for).
 
-- Anchors are operators with their own decision; followers (a view or unary elementwise op
-  whose only input comes from the same layer) take their producer's decision. A follower of
-  a Partial-producing anchor that cannot keep Partial (dropout, gelu) stays an anchor, so the
-  solver may choose a reduce-scatter there (sequence parallelism) instead of an all-reduce.
-- Constant operators (built only from creation ops: masks, positions) are replicated.
-- A parameter belongs to its first consumer in the stage: that group pays its memory,
-  gradient sync and optimizer step. Its candidates come plain (storage = consumed placement;
-  gradients all-reduced over each axis that splits the work) and as ZeRO-3 (storage further
-  sharded on those axes; all-gather in forward and backward, reduce-scatter of gradients).
-  Later consumers (tied weights) read it through an edge.
+- Groups (anchors and their followers, sources, constants) come from planner/groups.py.
+- Every price is the estimate's (one pricer, issue 27): an operator's time is
+  ``estimate.operator_time`` (eager kernels, causal attention, contention of the graph
+  engine's runtime), an input edge ``estimate.input_collectives``, a parameter
+  ``estimate.parameter_part`` with its syncs priced as ``estimate._param_traffic_s`` prices
+  them for the graph engine, the optimizer ``estimate.optimizer_step_s``. Terms the
+  estimate pays once however many tensors share them (a flat gradient buffer's latency, a
+  block's ZeRO-3 gathers) are fixed charges (``ilp.IlpFlag``).
+- A parameter belongs to its first consumer in the stage (tied names count as one): that
+  group pays its memory, gradient sync and optimizer step, in one variant per stage-wide
+  (ZeRO level, data-parallel axis) the runtime can run (``Pricer._variants``: ZeRO shards
+  every parameter of the stage over the axis the first input's batch is split on, so the
+  variants of all groups must agree: conflicting flags). A tied weight's other readers reach
+  it through an edge priced with the gradient sync their split adds.
 """
 
 from __future__ import annotations
 
-import itertools
-
 from meshplan.costmodel.comm import Collective
-from meshplan.costmodel.compute import DTYPE_BYTES, contention_factor
-from meshplan.costmodel.estimate import (_causal_attention, bandwidth_s as _bandwidth_s,
-                                         default_runtime, eager_kernel_table, input_collectives,
-                                         operator_time, optimizer_step_s, param_layer,
-                                         parameter_part, per_use_sync_s, selective_recomputes,
-                                         value_bytes, zero3_unit_latency_s, CollectivePrices)
-from meshplan.costmodel.memory import GIB, alias_root, causal_masks, is_seq_squared, saved_inputs
+from meshplan.costmodel.compute import contention_factor
+from meshplan.costmodel.estimate import (CollectivePrices, bandwidth_s as _bandwidth_s,
+                                         causal_attention, default_runtime, eager_kernel_table,
+                                         input_collectives, operator_time, optimizer_step_s,
+                                         param_layer, parameter_part, per_use_sync_s,
+                                         selective_recomputes, value_bytes, zero3_unit_latency_s)
+from meshplan.costmodel.memory import GIB, causal_masks
 from meshplan.errors import PlanningError
 from meshplan.plan import MemoryBreakdown, OpPlacement, Stage
-from meshplan.graph import OpKind
 from meshplan.planner import ilp
+from meshplan.planner.groups import _FLOAT, GroupBuilder
 from meshplan.planner.intra import NS, GroupChoice, Group, StageProblem, warn_fallbacks
-from meshplan.planner.reshard import INF, REPLICATE_TO_PARTIAL, shard_factor
+from meshplan.planner.reshard import INF, REPLICATE_TO_PARTIAL, refused, shard_factor
 from meshplan.placements import P, R, placement_str
 from meshplan.vocabulary import Engine, Recompute
-from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
-                                         input_shapes, is_pointwise, keeps_partial, op_spec,
-                                         replicated_strategy, tensor_of, tensor_placements)
-
-_FLOAT = ("float32", "float16", "bfloat16", "float64")
 
 
-class Pricer:
+class Pricer(GroupBuilder):
+    """Pass 2: every group's candidates and every edge priced with the estimate's parts."""
+
     def __init__(self, graph, names, rep, mesh_shape, hw, options, runtime=None):
-        self.g, self.names, self.rep = graph, names, rep
-        self.mesh, self.hw, self.o = tuple(mesh_shape), hw, options
-        self.ndim = len(mesh_shape)
+        super().__init__(graph, names, rep, mesh_shape, options)
+        self.hw = hw
         # the engine the single-stage plan runs on (plan.engine "graph"), priced by the
         # estimate's own parts: one operator, one input edge, one parameter at a time
         self.runtime = runtime or default_runtime(hw, engine=Engine.GRAPH)
@@ -74,115 +72,6 @@ class Pricer:
         self._edge_memo: dict = {}
         self._texts: dict = {}
         self._value_bytes: dict = {}
-        self.in_stage = set(names)
-        self.graph_inputs = dict(graph.inputs)
-        self.scale = DTYPE_BYTES[options.dtype] / 4  # traced in fp32
-        self.needs_grad, self.constant = self._flags()
-        self.kept_roots = {alias_root(t, graph) for n in names
-                           for t in saved_inputs(graph.node(n), graph)}
-        seq = graph.inputs[0][1].shape[-1] if graph.inputs and graph.inputs[0][1].shape else 0
-        self.seq_squared = {n for n in names if is_seq_squared(n, graph, seq)}
-        # pass-1 state
-        self.strategies: dict[str, tuple[Strategy, ...]] = {}
-        self.root: dict[str, str] = {}
-        self.placed: dict[str, list] = {}  # member -> per root strategy: (inputs, output)
-        self.members: dict[str, list[str]] = {}
-        self.rules: dict[str, str] = {}
-        self.fallbacks: list[str] = []
-        self.sources: list[str] = []
-
-    # -- flags ---------------------------------------------------------------------------------
-    def _flags(self):
-        trainable = {p.name for p in self.g.params if p.trainable}
-        grad, const = {}, {}
-        for n in self.g.nodes:
-            floating = n.out is not None and n.out.dtype in _FLOAT
-            grad[n.name] = floating and any(i in trainable or grad.get(i, False)
-                                            for i in n.inputs)
-            # buffers and submodules the graph does not list are constants too
-            const[n.name] = n.kind == OpKind.CREATION or (bool(n.inputs) and all(
-                const.get(i, i not in self.g.param_map and i not in self.graph_inputs)
-                for i in n.inputs))
-        return grad, const
-
-    # -- pass 1: groups and strategies ------------------------------------------------------------
-    def _build(self):
-        for n in self.names:
-            if self.rep[n] != n:
-                continue
-            node = self.g.node(n)
-            for i in node.inputs:
-                if i not in self.g.param_map and i not in self.in_stage and i not in self.root \
-                        and (i in self.graph_inputs or i in self.g):  # not a submodule
-                    self._source(i, node)
-            parent = self._follower_parent(node)
-            if parent is not None:
-                self._attach(node, parent)
-            else:
-                self._anchor(node)
-
-    def _source(self, name, consumer):
-        shape = self.graph_inputs[name].shape if name in self.graph_inputs else \
-            tensor_of(self.g, name, consumer).shape
-        strategies = tuple(Strategy((), pl, (-1,) * self.ndim)
-                           for pl in tensor_placements(shape, self.mesh))
-        self._add_root(name, strategies, "input")
-        self.sources.append(name)
-
-    def _add_root(self, name, strategies, rule):
-        self.strategies[name] = strategies
-        self.root[name] = name
-        self.placed[name] = [(s.inputs, s.output) for s in strategies]
-        self.members[name] = [name]
-        self.rules[name] = rule
-
-    def _follower_parent(self, node):
-        if len(node.inputs) != 1 or not (node.kind == OpKind.VIEW or is_pointwise(node)):
-            return None
-        (i,) = node.inputs
-        if i not in self.in_stage or i not in self.root or self.constant[node.name]:
-            return None
-        if self.g.node(i).layer != node.layer or node.out is None:
-            return None
-        if not keeps_partial(node) and any(P in out for _, out in self.placed[i]):
-            return None
-        return i
-
-    def _attach(self, node, parent):
-        root = self.root[parent]
-        in_shape = tensor_of(self.g, parent, node).shape
-        self.root[node.name] = root
-        self.placed[node.name] = [follow(node, in_shape, out, self.mesh)
-                                  for _, out in self.placed[parent]]
-        self.placed[node.name] = [((fixed,), out) for fixed, out in self.placed[node.name]]
-        self.members[root].append(node.name)
-
-    def _anchor(self, node):
-        if self.constant[node.name] or node.out is None:
-            self._add_root(node.name, (replicated_strategy(node, self.ndim),), "constant")
-            return
-        if node.kind == OpKind.VIEW and len(node.inputs) == 1:
-            self._add_root(node.name, self._view_strategies(node), "view")
-            return
-        spec = op_spec(self.g, node)
-        strategies = enumerate_strategies(spec, self.mesh) if spec is not None else ()
-        if not strategies:
-            self.fallbacks.append(node.name)
-            self._add_root(node.name, (replicated_strategy(node, self.ndim),), "fallback: R")
-            return
-        self._add_root(node.name, strategies, spec.rule)
-
-    def _view_strategies(self, node):
-        (i,) = node.inputs
-        shape = input_shapes(self.g, node)[0]
-        choices = [R, P] + [d for d, s in enumerate(shape) if s > 1]
-        seen, out = set(), []
-        for pl in itertools.product(choices, repeat=self.ndim):
-            fixed, res = follow(node, shape, tuple(pl), self.mesh)
-            if (fixed, res) not in seen and fixed == tuple(pl):
-                seen.add((fixed, res))
-                out.append(Strategy((fixed,), res, (-1,) * self.ndim))
-        return tuple(out)
 
     # -- pass 2: prices ------------------------------------------------------------------------
     def problem(self, count, param_rep):
@@ -281,7 +170,7 @@ class Pricer:
         return t
 
     def _causal(self, node):
-        return _causal_attention(node, self.g, self.masks, True)
+        return causal_attention(node, self.g, self.masks, True)
 
     def _recomputed(self, node) -> bool:
         """Whether the recompute policy runs ``node``'s forward again (estimate's rules)."""
@@ -303,7 +192,7 @@ class Pricer:
         key = (nbytes, produced, consumed, _split_mask(out), grad, again)
         t = self._edge_memo.get(key)
         if t is None:
-            if _refused(produced, consumed):
+            if refused(produced, consumed):
                 t = INF  # DTensor will not redistribute to Partial
             else:
                 t = sum(tf * (2 if again else 1) + tb for _, tf, tb in input_collectives(
@@ -492,7 +381,7 @@ class Pricer:
                           c.dp_axis) for c in ug.candidates]
                 u_keys = sorted(set(u_out), key=repr)
                 grad = self.g.param_map[src[1]].trainable
-                cost = tuple(tuple(INF if _refused(p[0], q[0]) else
+                cost = tuple(tuple(INF if refused(p[0], q[0]) else
                                    self._tied_sync_s(src[1], p, q) * cnt if grad else 0.0
                                    for q in v_keys) for p in u_keys)
                 u = index[o_name]
@@ -507,13 +396,6 @@ class Pricer:
             edges.append((u, index[r], tuple(u_keys.index(x) for x in u_out),
                           tuple(v_keys.index(x) for x in v_keys_list), cost))
         return edges
-
-
-def _refused(produced, consumed) -> bool:
-    """DTensor redistributes nothing to Partial: S -> P never, R -> P not in the runtime
-    (planner/reshard.py)."""
-    return any(q == P and p != P and (p >= 0 or not REPLICATE_TO_PARTIAL)
-               for p, q in zip(produced, consumed))
 
 
 def _split_mask(out):
