@@ -5,12 +5,11 @@ trace -> cost -> **solve (intra-op)** -> run. ``solve_stage`` reads as its steps
 1. group the stage's operators: repeated identical layers share one set of decisions
    (``_representatives``), and followers (views, unary elementwise ops) ride on their
    producer's decision (``_groups``);
-2. list each group's candidates (``planner/strategies.py``) and price them with the cost
-   model: compute (``costmodel.compute.op_time``), follower fix-ups and resharding edges
-   (``planner/reshard.py``), gradient synchronisation of every parameter (all-reduce, or
-   ZeRO-3: all-gather before use in forward and backward plus reduce-scatter of gradients),
-   the optimizer step, and per-device memory (parameters, gradients, optimizer state,
-   activations kept for backward);
+2. list each group's candidates (``planner/strategies.py``) and price them with the
+   estimate's own parts (``planner/pricing.py``: one operator, one input edge, one
+   parameter's state and gradient sync, the optimizer step, as ``costmodel.estimate`` prices
+   the graph engine), per-device memory (parameters, gradients, optimizer state, activations
+   kept for backward), and one ZeRO level and data-parallel axis for the whole stage;
 3. solve the integer program exactly (``planner/ilp.py``) under the memory limit;
 4. read the choice back as per-node placements (``StageSolution``).
 
@@ -47,8 +46,8 @@ class StageOptions:
     batch_fraction: float = 1.0  # microbatch size / traced global batch
     microbatches: int = 1  # microbatches of this stage per step (compute and edges repeat)
     inflight_microbatches: int = 1  # activations of this many microbatches are alive at once
-    zero: int = 3  # 0: none; 1/2: optimizer state (+ grads) split over the gradient-sync
-    #                axes for every parameter; 3: each group may store its parameters ZeRO-3
+    zero: int = 3  # 0: none; 1/2: that ZeRO stage over a data-parallel axis; 3: the solver
+    #                picks none or ZeRO-3 for the whole stage (the runtime shards every weight)
     time_limit_s: float = 30.0
     backend: str = "cbc"  # measured fastest on GPT stages (planner/ilp.py docstring)
 
