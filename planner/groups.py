@@ -35,7 +35,7 @@ class GroupBuilder:
         self.in_stage = set(names)
         self.graph_inputs = dict(graph.inputs)
         self.scale = DTYPE_BYTES[options.dtype] / 4  # traced in fp32
-        self.needs_grad, self.constant = self._flags()
+        self.constant = self._constants()
         self.kept_roots = {alias_root(t, graph) for n in names
                            for t in saved_inputs(graph.node(n), graph)}
         seq = graph.inputs[0][1].shape[-1] if graph.inputs and graph.inputs[0][1].shape else 0
@@ -49,19 +49,16 @@ class GroupBuilder:
         self.fallbacks: list[str] = []
         self.sources: list[str] = []
 
-    # -- flags ---------------------------------------------------------------------------------
-    def _flags(self):
-        trainable = {p.name for p in self.g.params if p.trainable}
-        grad, const = {}, {}
+    # -- constants -----------------------------------------------------------------------------
+    def _constants(self):
+        """Operators built only from creation ops (masks, positions): replicated."""
+        const = {}
         for n in self.g.nodes:
-            floating = n.out is not None and n.out.dtype in _FLOAT
-            grad[n.name] = floating and any(i in trainable or grad.get(i, False)
-                                            for i in n.inputs)
             # buffers and submodules the graph does not list are constants too
             const[n.name] = n.kind == OpKind.CREATION or (bool(n.inputs) and all(
                 const.get(i, i not in self.g.param_map and i not in self.graph_inputs)
                 for i in n.inputs))
-        return grad, const
+        return const
 
     # -- pass 1: groups and strategies ------------------------------------------------------------
     def _build(self):
