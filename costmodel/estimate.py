@@ -673,48 +673,90 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
     shape = stage.mesh_shape
     dpa = dp_axis(stage)
     cpa = _zero_cp_axis(stage, runtime)
-    # the ZeRO/FSDP group: dp, or dp x cp where the engine shards over both
-    dp = (shape[dpa] if dpa is not None else 1) * (shape[cpa] if cpa is not None else 1)
     zero = stage.zero
     weights = grads = opt = opt_numel = synced = 0.0
     tensors = 0
     unit_numel: dict[int, float] = {}
     syncs: list[GradSync] = []
+    readers = _tied_readers(graph, consumer_out)
     for pname, pl in stage.params.items():
         info = graph.param_map.get(pname)
         if info is None or (info.tied_to is not None and info.tied_to in stage.params):
             continue
-        numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
-        w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
-        if runtime.full_grad_accumulation and (
-                zero == 2 or (zero >= 3 and not runtime.zero3_per_use)):
-            # the full gradient, reduce-scattered once per step (the graph engine's ZeRO-2;
-            # a module-engine pipeline stage at ZeRO-2 or 3, DECISIONS 61)
-            g = numel * GRAD_BYTES
-        if dtype == ComputeDtype.FP32 and dp > 1 and zero in (1, 2):
-            # the fp32 shard the optimizer steps, beside the full weights: the graph
-            # engine's ZeRO-1/2 master, FSDP2's shard (under bf16: the master counted in
-            # the optimizer column)
-            w += numel * MASTER_BYTES / dp
-        elif dtype == ComputeDtype.FP32 and dp > 1 and zero == 0 and runtime.fsdp_keeps_shards:
-            w += numel * MASTER_BYTES  # replicate's whole-tensor shard beside the gathered copy
-        weights, grads, opt = weights + w, grads + g, opt + o
-        opt_numel += numel / (dp if zero >= 1 else 1)
+        outs = readers.get(pname, ())
+        part = parameter_part(info, pl, outs, _param_layer(pname, graph), shape, dpa, cpa,
+                              zero=zero, dtype=dtype, optimizer=optimizer, runtime=runtime)
+        weights, grads, opt = weights + part.weights_bytes, grads + part.grads_bytes, \
+            opt + part.optimizer_bytes
+        opt_numel += part.optimizer_numel
         tensors += 1
-        layer = _param_layer(pname, graph)
-        unit_numel[layer] = unit_numel.get(layer, 0.0) + numel
-        if info.trainable:
-            outs = consumer_out.get(pname, ()) or consumer_out.get(info.tied_to or "", ())
-            mine = _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
-                               runtime=runtime, cpa=cpa)
-            if dtype == ComputeDtype.FP8 and runtime.fp8_all_gather and layer >= 0 \
-                    and len(info.shape) == 2:  # a block linear's weight, gathered in fp8
-                mine = [replace(s, weight_bytes=s.weight_bytes / 2) for s in mine]
-            syncs += mine
-            synced += max((s.grad_bytes for s in mine if not s.per_use), default=0.0)
+        unit_numel[part.layer] = unit_numel.get(part.layer, 0.0) + part.numel
+        syncs += part.syncs
+        synced += part.synced_bytes
     return ParamWalk(weights_bytes=weights, grads_bytes=grads, optimizer_bytes=opt,
                      optimizer_numel=opt_numel, tensors=tensors, unit_numel=unit_numel,
                      syncs=tuple(syncs), dp_axis=dpa, synced_bytes=synced)
+
+
+def _tied_readers(graph: OpGraph, consumer_out: dict) -> dict:
+    """Parameter -> the (output, read-as) placements of every operator reading it under any
+    of its tied names: the graph may read a tied weight under the name kept out of the walk
+    (GPT-2's embedding reads ``lm_head.weight``, tied to ``transformer.wte.weight``)."""
+    readers = {p: list(v) for p, v in consumer_out.items()}
+    for p in graph.params:
+        if p.tied_to is not None and p.tied_to in graph.param_map:
+            both = consumer_out.get(p.name, []) + consumer_out.get(p.tied_to, [])
+            readers[p.name] = readers[p.tied_to] = both
+    return readers
+
+
+@dataclass(frozen=True, slots=True)
+class ParamPart:
+    """One parameter's share of ``ParamWalk``: what it holds on one device and the
+    collectives its gradient needs (the intra-op ILP prices each candidate with it)."""
+
+    numel: float  # local elements before ZeRO's dp split
+    layer: int
+    weights_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    optimizer_numel: float
+    syncs: tuple[GradSync, ...]
+    synced_bytes: float  # its gradient bytes in the once-per-step flat sync
+
+
+def parameter_part(info, pl: tuple[str, ...], outs, layer: int, shape: tuple[int, ...],
+                   dpa: int | None, cpa: int | None, *, zero: int, dtype: str, optimizer: str,
+                   runtime: RuntimeModel) -> ParamPart:
+    """Model state and gradient collectives of one parameter stored as ``pl``, read by
+    operators whose (output, read-as) placements are ``outs`` (``parameter_walk``)."""
+    dp = (shape[dpa] if dpa is not None else 1) * (shape[cpa] if cpa is not None else 1)
+    numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
+    w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
+    if runtime.full_grad_accumulation and (
+            zero == 2 or (zero >= 3 and not runtime.zero3_per_use)):
+        # the full gradient, reduce-scattered once per step (the graph engine's ZeRO-2;
+        # a module-engine pipeline stage at ZeRO-2 or 3, DECISIONS 61)
+        g = numel * GRAD_BYTES
+    if dtype == ComputeDtype.FP32 and dp > 1 and zero in (1, 2):
+        # the fp32 shard the optimizer steps, beside the full weights: the graph
+        # engine's ZeRO-1/2 master, FSDP2's shard (under bf16: the master counted in
+        # the optimizer column)
+        w += numel * MASTER_BYTES / dp
+    elif dtype == ComputeDtype.FP32 and dp > 1 and zero == 0 and runtime.fsdp_keeps_shards:
+        w += numel * MASTER_BYTES  # replicate's whole-tensor shard beside the gathered copy
+    mine: list[GradSync] = []
+    if info.trainable:
+        mine = _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
+                           runtime=runtime, cpa=cpa)
+        if dtype == ComputeDtype.FP8 and runtime.fp8_all_gather and layer >= 0 \
+                and len(info.shape) == 2:  # a block linear's weight, gathered in fp8
+            mine = [replace(s, weight_bytes=s.weight_bytes / 2) for s in mine]
+    return ParamPart(numel=numel, layer=layer, weights_bytes=w, grads_bytes=g,
+                     optimizer_bytes=o, optimizer_numel=numel / (dp if zero >= 1 else 1),
+                     syncs=tuple(mine),
+                     synced_bytes=max((s.grad_bytes for s in mine if not s.per_use),
+                                      default=0.0))
 
 
 def _zero_cp_axis(stage: Stage, runtime: RuntimeModel) -> int | None:
@@ -849,20 +891,37 @@ def _per_use_zero3_s(syncs: list[GradSync], coll: CollectivePrices, runtime: Run
     sync = gather = 0.0
     units: set[int] = set()
     for s in syncs:
+        one_sync, one_gather = per_use_sync_s(s, coll, recompute=recompute)
+        sync, gather = sync + one_sync, gather + one_gather
         if recompute == Recompute.NONE:
-            sync += _bandwidth_s(coll, s.kind, s.grad_bytes, s.axis)
-            gather += 2 * _bandwidth_s(coll, Collective.ALL_GATHER, s.weight_bytes, s.axis)
             units.add(s.layer)
-        else:
-            sync += s.uses * coll(s.kind, s.grad_bytes, s.axis)
-            gather += s.uses * coll(Collective.ALL_GATHER, s.weight_bytes, s.axis)
     if units:
         n = len(units) + (1 if -1 in units else 0)
-        kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
-            else Collective.REDUCE_SCATTER
-        sync += n * coll(kind, 1e-30, dpa)
-        gather += 2 * n * coll(Collective.ALL_GATHER, 1e-30, dpa)  # forward, backward
+        unit_sync, unit_gather = zero3_unit_latency_s(coll, runtime, dpa)
+        sync += n * unit_sync
+        gather += n * unit_gather
     return sync, gather
+
+
+def per_use_sync_s(s: GradSync, coll: CollectivePrices, *, recompute: str) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) seconds per microbatch one per-use ZeRO-3 sync adds:
+    its bandwidth inside its block's collectives without recompute (their latency is
+    ``zero3_unit_latency_s`` per block), whole collectives per consumer under recompute."""
+    if recompute == Recompute.NONE:
+        return (_bandwidth_s(coll, s.kind, s.grad_bytes, s.axis),
+                2 * _bandwidth_s(coll, Collective.ALL_GATHER, s.weight_bytes, s.axis))
+    return (s.uses * coll(s.kind, s.grad_bytes, s.axis),
+            s.uses * coll(Collective.ALL_GATHER, s.weight_bytes, s.axis))
+
+
+def zero3_unit_latency_s(coll: CollectivePrices, runtime: RuntimeModel,
+                         dpa: int | None) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) latency per microbatch of one block's per-use ZeRO-3
+    collectives: one reduce-scatter in the backward, an all-gather in the forward and one
+    in the backward."""
+    kind = Collective.ALL_REDUCE if runtime.reduce_scatter_as_all_reduce \
+        else Collective.REDUCE_SCATTER
+    return coll(kind, 1e-30, dpa), 2 * coll(Collective.ALL_GATHER, 1e-30, dpa)
 
 
 def _after_backward_traffic(params: ParamWalk, zero: int, coll: CollectivePrices,
@@ -895,9 +954,17 @@ def _optimizer_s(params: ParamWalk, hw: HardwareProfile, *, dtype: str, optimize
     """The optimizer step: its state read and written at memory bandwidth, plus kernels
     per tensor (the per-tensor fixed costs are CPU work on a CPU host and time-share its
     cores too)."""
+    return optimizer_step_s(params.optimizer_numel, params.tensors, hw, dtype=dtype,
+                            optimizer=optimizer, contention=contention)
+
+
+def optimizer_step_s(numel: float, tensors: int, hw: HardwareProfile, *, dtype: str,
+                     optimizer: str, contention: float) -> float:
+    """The optimizer step over ``numel`` parameters in ``tensors`` tensors (``_optimizer_s``):
+    linear in both, so the intra-op ILP prices it parameter by parameter."""
     dev = hw.device
-    return (optimizer_traffic_s(params.optimizer_numel, dtype=dtype, optimizer=optimizer, hw=hw)
-            + params.tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
+    return (optimizer_traffic_s(numel, dtype=dtype, optimizer=optimizer, hw=hw)
+            + tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
             * (dev.kernel_latency_s + dev.framework_overhead_s)) * contention
 
 
@@ -1120,42 +1187,15 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
         node = graph.node(name)
         op = stage.ops[name]
         group = fused.get(name)
-        w8 = fp8_model.fp8_weight_input(node, graph) if fp8 is not None else None
-        if w8 is not None and w8 < len(op.inputs):  # a block linear's GEMMs in fp8
-            t = fp8_model.linear_time(
-                node, hw, fp8, shard=split_factor(op.output, shape) * m,
-                weight_numel=graph.param_map[node.inputs[w8]].numel
-                / split_factor(op.inputs[w8], shape), contention=contention, microbatches=m)
-        elif group is not None:  # priced once, at its first fusible operator
-            t = fused_time(group, hw, dtype, split_factor(op.output, shape) * m,
-                           contention=contention) if name == group.lead else OpTime(0.0, 0.0)
-        elif kernels is not None and node.kind in MEMORY_BOUND + (OpKind.VIEW, OpKind.LOSS):
-            t = eager_time(kernels.get(name, EagerOp()), hw, split_factor(op.output, shape) * m,
-                           contention=contention)
-        elif attention == "materialized" and node.kind == OpKind.ATTENTION:
-            t = materialized_attention_time(node, hw, dtype, split_factor(op.output, shape) * m,
-                                            contention=contention)
-        else:
-            t = op_time(node, hw, dtype, split_factor(op.output, shape) * m,
-                        contention=contention,
-                        causal=node.kind == OpKind.ATTENTION and (
-                            len(node.inputs) > 3 and alias_root(node.inputs[3], graph) in masks
-                            or _user_causal(node) and (cp_composable or cp_ax is None)))
-        if kernels is not None and name in kernels and node.kind not in \
-                MEMORY_BOUND + (OpKind.VIEW, OpKind.LOSS):  # autocast's casts, .grad sums
-            extra = kernels[name]
-            w = node.inputs.index(extra.weight) if extra.weight in node.inputs else -1
-            wsplit = split_factor(op.inputs[w], shape) if 0 <= w < len(op.inputs) else 1
-            e = eager_time(extra, hw, split_factor(op.output, shape) * m, wsplit,
-                           contention=contention)
-            t = OpTime(t.forward_s + e.forward_s, t.backward_s + e.backward_s)
+        t = operator_time(node, op, graph, hw, dtype, shape, m, contention, group=group,
+                          kernels=kernels, attention=attention, fp8=fp8,
+                          causal=causal_attention(node, graph, masks,
+                                                   cp_composable or cp_ax is None))
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:
             rec_full += t.forward_s
-            if node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX) or (
-                    group is not None and any(graph.node(n).kind == OpKind.SOFTMAX
-                                              for n in group.members)):
+            if selective_recomputes(node, graph, group):
                 rec_sel += t.forward_s
             if not (node.kind == OpKind.MATMUL
                     and any(i in graph.param_map for i in node.inputs)):
@@ -1180,40 +1220,189 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                 continue
             if src is None:
                 continue
-            dst = op.inputs[i]
-            grad = src_name in needs_grad
-            for axis in range(len(shape)):
-                if shape[axis] == 1:
-                    continue
-                buf = nbytes / split_factor(src, shape, skip_axis=axis)
-                f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
-                if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == REPLICATE:
-                    gathered_kv = name in feeds_split or (
-                        op.output and op.output[axis] != REPLICATE)
-                    b = None if not gathered_kv else \
-                        Collective.REDUCE_SCATTER if cp_composable else Collective.ALL_REDUCE
+            for axis, tf, tb in input_collectives(
+                    coll, shape, nbytes, src, op.inputs[i], op.output,
+                    grad=src_name in needs_grad, cp_ax=cp_ax, cp_composable=cp_composable,
+                    feeds_split=name in feeds_split):
                 on_tp = axis == tp_ax and node.layer >= 0
-                if f:
-                    tf = coll(f, buf, axis)
-                    comm_fwd += tf
-                    comm_layers_fwd += tf if node.layer >= 0 else 0.0
-                    tp_fwd += tf if on_tp else 0.0
-                    tp_layers_fwd += tf if on_tp else 0.0
-                if b:
-                    tb = coll(b, buf, axis)
-                    comm_bwd += tb
-                    tp_bwd += tb if on_tp else 0.0
-                if grad and dst[axis] == REPLICATE and op.output and op.output[axis] != REPLICATE \
-                        and src[axis] == REPLICATE and axis != cp_ax:
-                    tb = coll(Collective.ALL_REDUCE, buf, axis)
-                    comm_bwd += tb
-                    tp_bwd += tb if on_tp else 0.0
+                comm_fwd += tf
+                comm_layers_fwd += tf if node.layer >= 0 else 0.0
+                tp_fwd += tf if on_tp else 0.0
+                tp_layers_fwd += tf if on_tp else 0.0
+                comm_bwd += tb
+                tp_bwd += tb if on_tp else 0.0
     return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
                          rec_nonmatmul=rec_nonmatmul,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
                          p2p_bytes=p2p_bytes, consumer_out=consumer_out, tp_fwd=tp_fwd,
                          tp_bwd=tp_bwd, tp_layers_fwd=tp_layers_fwd, mm_fwd=mm_fwd,
                          mm_bwd=mm_bwd, tp=shape[tp_ax] if tp_ax is not None else 1)
+
+
+# -- one operator and one input edge: the parts the operator walk and the intra-op ILP share --
+
+def causal_attention(node, graph: OpGraph, masks: set, user_causal_ok: bool) -> bool:
+    """An attention the engine runs with ``is_causal=True``: its mask is a causal pattern the
+    trace built (``masks``), or the user's code asked for it (``user_causal_ok``: not under
+    the graph engine's cp, whose queries are a chunk of the sequence)."""
+    return node.kind == OpKind.ATTENTION and (
+        len(node.inputs) > 3 and alias_root(node.inputs[3], graph) in masks
+        or _user_causal(node) and user_causal_ok)
+
+
+def selective_recomputes(node, graph: OpGraph, group=None) -> bool:
+    """Whether Korthikanti et al.'s selective recompute runs ``node``'s forward again: the
+    attention core (attention and softmax, or a fused group holding the softmax)."""
+    return node.kind in (OpKind.ATTENTION, OpKind.SOFTMAX) or (
+        group is not None and any(graph.node(n).kind == OpKind.SOFTMAX for n in group.members))
+
+
+def operator_time(node, op, graph: OpGraph, hw: HardwareProfile, dtype: str,
+                  shape: tuple[int, ...], m: int, contention: float, *, group=None,
+                  kernels: dict | None = None, attention: str = "flash", fp8=None,
+                  causal: bool = False) -> OpTime:
+    """Forward and backward seconds of one operator placed as ``op`` (an OpPlacement) for
+    one of ``m`` microbatches: fp8 GEMMs, a fused group (priced at its lead), eager kernels,
+    materialized attention or ``compute.op_time``, plus the eager extras (autocast's casts,
+    ``.grad`` sums) of a compute-bound operator. The operator walk below and the intra-op
+    ILP (planner/pricing.py) both price operators with it."""
+    name = node.name
+    shard = split_factor(op.output, shape) * m
+    w8 = fp8_model.fp8_weight_input(node, graph) if fp8 is not None else None
+    if w8 is not None and w8 < len(op.inputs):  # a block linear's GEMMs in fp8
+        t = fp8_model.linear_time(
+            node, hw, fp8, shard=shard,
+            weight_numel=graph.param_map[node.inputs[w8]].numel
+            / split_factor(op.inputs[w8], shape), contention=contention, microbatches=m)
+    elif group is not None:  # priced once, at its first fusible operator
+        t = fused_time(group, hw, dtype, shard, contention=contention) \
+            if name == group.lead else OpTime(0.0, 0.0)
+    elif kernels is not None and node.kind in MEMORY_BOUND + (OpKind.VIEW, OpKind.LOSS):
+        t = eager_time(kernels.get(name, EagerOp()), hw, shard, contention=contention)
+    elif attention == "materialized" and node.kind == OpKind.ATTENTION:
+        t = materialized_attention_time(node, hw, dtype, shard, contention=contention)
+    else:
+        t = op_time(node, hw, dtype, shard, contention=contention, causal=causal)
+    if kernels is not None and name in kernels and node.kind not in \
+            MEMORY_BOUND + (OpKind.VIEW, OpKind.LOSS):  # autocast's casts, .grad sums
+        extra = kernels[name]
+        w = node.inputs.index(extra.weight) if extra.weight in node.inputs else -1
+        wsplit = split_factor(op.inputs[w], shape) if 0 <= w < len(op.inputs) else 1
+        e = eager_time(extra, hw, shard, wsplit, contention=contention)
+        t = OpTime(t.forward_s + e.forward_s, t.backward_s + e.backward_s)
+    return t
+
+
+def input_collectives(coll, shape: tuple[int, ...], nbytes: float, src: tuple[str, ...],
+                      dst: tuple[str, ...], out: tuple[str, ...], *, grad: bool,
+                      cp_ax: int | None = None, cp_composable: bool = False,
+                      feeds_split: bool = False) -> list[tuple[int, float, float]]:
+    """(axis, forward s, backward s) of the collectives that give an operator with output
+    placement ``out`` its input of ``nbytes`` (one microbatch, global) produced as ``src``
+    and read as ``dst``: the redistribution (``reshard_collectives``) and, for an input read
+    whole by an operator split on the axis, the all-reduce of its partial gradient
+    (Megatron's f/g). ``feeds_split``: the consumer's replicated output reaches a cp-split
+    operator (``_feeds_split``)."""
+    out_list = []
+    for axis in range(len(shape)):
+        if shape[axis] == 1:
+            continue
+        buf = nbytes / split_factor(src, shape, skip_axis=axis)
+        f, b = reshard_collectives(src[axis], dst[axis], needs_grad=grad)
+        if axis == cp_ax and b == Collective.REDUCE_SCATTER and dst[axis] == REPLICATE:
+            gathered_kv = feeds_split or (out and out[axis] != REPLICATE)
+            b = None if not gathered_kv else \
+                Collective.REDUCE_SCATTER if cp_composable else Collective.ALL_REDUCE
+        tf = coll(f, buf, axis) if f else 0.0
+        tb = coll(b, buf, axis) if b else 0.0
+        if grad and dst[axis] == REPLICATE and out and out[axis] != REPLICATE \
+                and src[axis] == REPLICATE and axis != cp_ax:
+            tb += coll(Collective.ALL_REDUCE, buf, axis)
+        if tf or tb:
+            out_list.append((axis, tf, tb))
+    return out_list
+
+
+@dataclass(frozen=True)
+class OperatorPricer:
+    """One operator of a plan's stage priced as the operator walk prices it, at any
+    placement (``meshplan explain`` prices the chosen placement and its alternatives so):
+    the stage's runtime, contention, eager kernels, fused groups and causal masks."""
+
+    stage: Stage
+    graph: OpGraph
+    hw: HardwareProfile
+    runtime: RuntimeModel
+    dtype: str
+    m: int
+    contention: float
+    coll: CollectivePrices
+    kernels: dict | None
+    fused: dict
+    fp8: object
+    masks: set
+
+    def compute_s(self, node, op) -> float:
+        """Forward, backward and recomputed forward of one microbatch."""
+        cp_ax = self.stage.axis_names.index("cp") if "cp" in self.stage.axis_names else None
+        group = self.fused.get(node.name)
+        t = operator_time(node, op, self.graph, self.hw, self.dtype, self.stage.mesh_shape,
+                          self.m, self.contention, group=group, kernels=self.kernels,
+                          attention=self.runtime.attention, fp8=self.fp8,
+                          causal=causal_attention(node, self.graph, self.masks,
+                                                   self.runtime.cp_composable or cp_ax is None))
+        rec = self.stage.recompute
+        again = node.layer >= 0 and (rec == Recompute.FULL or rec == Recompute.SELECTIVE and (
+            not (node.kind == OpKind.MATMUL and any(i in self.graph.param_map for i in node.inputs))
+            if self.runtime.selective_keeps_matmuls
+            else selective_recomputes(node, self.graph, group)))
+        return t.total_s + (t.forward_s if again else 0.0)
+
+    def input_comm_s(self, node, op) -> float:
+        """The collectives giving ``node`` its activation inputs in one microbatch (forward,
+        backward, and the forward again under full recompute), as the walk prices them."""
+        stage, graph = self.stage, self.graph
+        placement = _placements(stage)
+        cp_ax = stage.axis_names.index("cp") if "cp" in stage.axis_names else None
+        feeds = _feeds_split(stage, graph, cp_ax) if cp_ax is not None else set()
+        again = 2 if stage.recompute == Recompute.FULL and node.layer >= 0 else 1
+        total = 0.0
+        for i, src_name in enumerate(node.inputs):
+            if src_name in graph.param_map or i >= len(op.inputs):
+                continue
+            src = placement.get(src_name)
+            if src is None or (src_name in graph and src_name not in stage.ops):
+                continue  # not a value of this stage (sent by another stage: p2p)
+            total += sum(tf * again + tb for _, tf, tb in input_collectives(
+                self.coll, stage.mesh_shape, _bytes(graph, src_name, DTYPE_BYTES[self.dtype])
+                / self.m, src, op.inputs[i], op.output, grad=src_name in graph.grad_nodes,
+                cp_ax=cp_ax, cp_composable=self.runtime.cp_composable,
+                feeds_split=node.name in feeds))
+        return total
+
+
+def operator_pricer(plan: Plan, graph: OpGraph, stage_index: int) -> OperatorPricer:
+    """The ``OperatorPricer`` of one stage record of ``plan`` (its contention from
+    ``plan_costs_and_contention``)."""
+    hw0 = HardwareProfile.from_dict(plan.mesh.hardware)
+    runtime = plan_runtime(plan, hw0)
+    hw = runtime_hardware(hw0, runtime)
+    _, contention = plan_costs_and_contention(plan, graph, hw0, runtime=runtime)
+    stage = plan.stages[stage_index]
+    if runtime.cp_composable:
+        stage = chunked_loss_stage(stage, graph)
+    t = plan.training
+    m = max(1, t.microbatches)
+    precision = _eager_precision(stage, runtime)
+    causal = runtime.causal_attention and (runtime.cp_composable or "cp" not in stage.axis_names)
+    return OperatorPricer(
+        stage=stage, graph=graph, hw=hw, runtime=runtime, dtype=t.dtype, m=m,
+        contention=contention, coll=CollectivePrices(stage, hw, backend=runtime.backend),
+        kernels=eager_kernel_table(graph, t.dtype, precision, m, runtime.compiled)
+        if precision else None,
+        fused=fused_by_member(graph, list(stage.ops)) if runtime.compiled else {},
+        fp8=fp8_model.fp8_pricing(t.dtype, runtime),
+        masks=causal_masks(graph) if causal else set())
 
 
 def _user_causal(node) -> bool:
@@ -1432,6 +1621,14 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     fixed point. Without contention (GPUs,
     or no more processes than cores) one pass.
     """
+    return plan_costs_and_contention(plan, graph, hw, runtime=runtime, cache=cache)[0]
+
+
+def plan_costs_and_contention(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
+                              runtime: RuntimeModel | None = None,
+                              cache: dict | None = None) -> tuple[list[StageBreakdown], float]:
+    """``plan_stage_costs`` and the compute contention its stages were priced at (what
+    ``meshplan explain`` prices one operator's candidates with)."""
     t = plan.training
     m = max(1, t.microbatches)
     runtime = runtime or plan_runtime(plan, hw)
@@ -1451,7 +1648,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
     contention = contention_factor(hw, on_host)
     costs = price(contention)
     if contention <= 1.0:
-        return costs
+        return costs, contention
     # ranks of the host in each rank group (plans larger than a node: this host's share)
     units = groups or [[i] for i in range(len(plan.stages))]
     ranks = [len(plan.stages[u[0]].devices) * on_host / max(1, plan.num_devices) for u in units]
@@ -1464,7 +1661,7 @@ def plan_stage_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, *,
             break
         contention = new
         costs = price(contention)
-    return costs
+    return costs, contention
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -1477,11 +1674,29 @@ def _overflow_text(stage: int, mem: MemoryBreakdown, capacity: float) -> str:
             f"(over by {mem.total_gib - capacity:.1f} GiB; {top} GiB)")
 
 
+def value_bytes(graph: OpGraph, name: str, dtype: str) -> float:
+    """Bytes of one value (an operator's outputs or a graph input) in the compute dtype, as
+    the operator walk prices its redistribution (the whole traced batch)."""
+    return _bytes(graph, name, DTYPE_BYTES[dtype])
+
+
+def eager_kernel_table(graph: OpGraph, dtype: str, precision: str, microbatches: int = 1,
+                       compiled: bool = False, cache: dict | None = None) -> dict:
+    """Every operator's eager kernels (``eager.eager_kernels``), the walk the operator walk
+    reads (one per graph, dtype, precision and microbatch count)."""
+    return _cached_eager_kernels(cache, graph, dtype, precision, microbatches, compiled)
+
+
 def _bytes(graph: OpGraph, name: str, dbytes: int) -> float:
     metas = graph.node(name).outputs if name in graph else \
         tuple(m for n, m in graph.inputs if n == name)
     return sum(mm.numel * (dbytes if mm.dtype.startswith(("float", "bfloat")) else
                            mm.bytes / max(1, mm.numel)) for mm in metas)
+
+
+def param_layer(name: str, graph: OpGraph) -> int:
+    """The block a parameter belongs to (its ZeRO-3 / FSDP unit), -1 outside the blocks."""
+    return _param_layer(name, graph)
 
 
 def _param_layer(name: str, graph: OpGraph) -> int:
@@ -1491,6 +1706,12 @@ def _param_layer(name: str, graph: OpGraph) -> int:
         if head.isdigit():
             return int(head)
     return -1
+
+
+def bandwidth_s(coll, kind: Collective, nbytes: float, axis: int) -> float:
+    """A collective's time less its latency: the share of one buffer's time a tensor in it
+    adds (a flat buffer pays its latency once)."""
+    return _bandwidth_s(coll, kind, nbytes, axis)
 
 
 def _bandwidth_s(coll, kind: Collective, nbytes: float, axis: int) -> float:

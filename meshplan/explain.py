@@ -19,10 +19,8 @@ import itertools
 import math
 from dataclasses import dataclass, replace
 
-from meshplan.costmodel.comm import Collective, axis_link, collective_time_s
-from meshplan.costmodel.compute import DTYPE_BYTES, op_time
-from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import GIB, GRAD_BYTES, state_bytes_per_param
+from meshplan.costmodel.compute import DTYPE_BYTES
+from meshplan.costmodel.memory import GIB
 from meshplan.errors import MeshplanError, PlanFileError, SpecError
 from meshplan.placements import PARTIAL, REPLICATE, is_shard, shard, shard_dim
 from meshplan.plan import Plan, Stage
@@ -154,40 +152,93 @@ def _divides(node, graph, out_pl, w_pl, mesh_shape) -> str:
     return ""
 
 
-def price(node, graph, stage: Stage, hw: HardwareProfile, out_pl, w_pl, *, dtype: str,
-          optimizer: str) -> tuple[float, float, float]:
-    """(compute_s, comm_s, memory_gib) of one placement of ``node`` for one step."""
+def price(node, graph, stage: Stage, pricer, out_pl, w_pl, *, optimizer: str,
+          inputs=None) -> tuple[float, float, float]:
+    """(compute_s, comm_s, memory_gib) of one placement of ``node`` for one step, priced by
+    the estimate's own parts (``estimate.OperatorPricer``: the operator walk's compute and
+    input collectives; ``estimate.parameter_part``: its weights' state and gradient sync):
+    compute and the collectives of its inputs for every microbatch, its weights' sync once.
+    ``inputs``: the placements it reads (default: ``_read_as`` of the placement)."""
+    from meshplan.costmodel.estimate import dp_axis, param_layer, parameter_part
+    from meshplan.plan import OpPlacement
+
     mesh = stage.mesh_shape
-    work_split = 1
-    for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
-        if o != REPLICATE or w != REPLICATE:
-            work_split *= mesh[axis]
-    compute = op_time(node, hw, dtype, work_split).total_s
+    if inputs is None:
+        inputs = _read_as(node, graph, stage, out_pl, w_pl)
+    op = OpPlacement(tuple(tuple(x) for x in inputs), tuple(out_pl))
+    m = pricer.m
+    compute = m * pricer.compute_s(node, op)
+    comm = m * pricer.input_comm_s(node, op)
+    state = 0.0
+    for k, p in enumerate(node.inputs):
+        info = graph.param_map.get(p)
+        if info is None or k >= len(op.inputs):
+            continue
+        stored = tuple(REPLICATE if x == PARTIAL else x for x in op.inputs[k])
+        part = parameter_part(info, stored, [(op.output, op.inputs[k])], param_layer(p, graph),
+                              mesh, dp_axis(stage), None, zero=stage.zero, dtype=pricer.dtype,
+                              optimizer=optimizer, runtime=pricer.runtime)
+        state += part.weights_bytes + part.grads_bytes + part.optimizer_bytes
+        comm += sum(pricer.coll(s.kind, s.grad_bytes, s.axis) for s in part.syncs)
     out_split = 1
-    w_split = 1
-    for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
+    for axis, o in enumerate(out_pl):
         if is_shard(o):
             out_split *= mesh[axis]
-        if w != REPLICATE:
-            w_split *= mesh[axis]
-    act_bytes = (node.out.numel if node.out is not None else 0) * DTYPE_BYTES[dtype] / out_split
-    wnumel = sum(graph.param_map[p].numel for p in node.params if p in graph.param_map)
-    state = state_bytes_per_param(dtype, optimizer).total * wnumel / w_split
-    comm = 0.0
-    for axis, (o, w) in enumerate(zip(out_pl, w_pl)):
-        n = mesh[axis]
-        crosses, local = axis_link(stage.mesh_shape, axis, hw.devices_per_node, stage.devices[0])
-        if o == shard(0) and w == REPLICATE and node.params:  # data parallel: gradient all-reduce
-            comm += collective_time_s(hw, Collective.ALL_REDUCE, GRAD_BYTES * wnumel / w_split, n,
-                                      crosses_nodes=crosses, local_size=local)
-        elif o == PARTIAL:  # row-parallel: forward all-reduce of the partial output
-            comm += collective_time_s(hw, Collective.ALL_REDUCE, act_bytes, n,
-                                      crosses_nodes=crosses, local_size=local)
-        elif w != REPLICATE:  # column-parallel: backward all-reduce of the input gradient
-            in_bytes = act_bytes * (node.bytes_read / max(node.bytes_written, 1))
-            comm += collective_time_s(hw, Collective.ALL_REDUCE, in_bytes, n,
-                                      crosses_nodes=crosses, local_size=local)
+    act_bytes = (node.out.numel if node.out is not None else 0) * DTYPE_BYTES[pricer.dtype] / out_split
     return compute, comm, (state + act_bytes) / GIB
+
+
+def as_planned(plan: Plan, graph, stage_index: int) -> dict:
+    """node -> (compute_s, comm_s, memory_gib) of every operator of one stage record at the
+    placements the plan gives it (``price``; the chosen rows of ``explain``)."""
+    from meshplan.costmodel.estimate import operator_pricer
+
+    pricer = operator_pricer(plan, graph, stage_index)
+    stage = pricer.stage
+    out = {}
+    for name, op in stage.ops.items():
+        w = _weight(graph.node(name), graph)
+        w_pl = tuple(op.inputs[graph.node(name).inputs.index(w[0])]) if w else \
+            (REPLICATE,) * len(stage.mesh_shape)
+        out[name] = price(graph.node(name), graph, stage, pricer, tuple(op.output), w_pl,
+                          optimizer=plan.training.optimizer, inputs=op.inputs)
+    return out
+
+
+def _read_as(node, graph, stage: Stage, out_pl, w_pl) -> tuple:
+    """The placements a candidate reads: its weight as ``w_pl``; an activation split on the
+    dim it is contracted over where the output is partial (row-parallel), whole where the
+    weight is split and the output is not (column-parallel, vocab), else like the output
+    where the shapes agree (batch, sequence, heads), else as planned."""
+    planned = stage.ops[node.name].inputs
+    w = _weight(node, graph)
+    out = []
+    for k, name in enumerate(node.inputs):
+        if k >= len(planned):
+            break
+        if name in graph.param_map:
+            if w is not None and name == w[0] or str(node.kind) == "embedding":
+                out.append(tuple(w_pl))
+            elif w is not None:  # a bias: split with a column-parallel output, else whole
+                out.append(tuple(shard(0) if wp != REPLICATE and is_shard(o) else REPLICATE
+                                 for o, wp in zip(out_pl, w_pl)))
+            else:
+                out.append(tuple(planned[k]))
+            continue
+        rank = len(graph.node(name).out.shape) if name in graph and graph.node(name).out \
+            is not None else None
+        per_axis = []
+        for axis, (o, wp) in enumerate(zip(out_pl, w_pl)):
+            if o == PARTIAL and wp != REPLICATE and rank:
+                per_axis.append(shard(rank - 1))
+            elif wp != REPLICATE:
+                per_axis.append(REPLICATE)
+            elif is_shard(o) and node.out is not None and rank == len(node.out.shape):
+                per_axis.append(o)
+            else:
+                per_axis.append(planned[k][axis])
+        out.append(tuple(per_axis))
+    return tuple(out)
 
 
 def _words(output: tuple[str, ...], stage: Stage) -> str:
@@ -231,9 +282,11 @@ def explain_node(plan: Plan, graph, node_name: str) -> NodeExplanation:
                                chosen_output=tuple(stage.ops[node_name].output),
                                alternatives=solved,
                                source=f"{plan.solver.name} (whole-plan objective per candidate)")
-    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    from meshplan.costmodel.estimate import operator_pricer
+
     chosen_out = stage.ops[node_name].output
-    rows = _candidate_rows(node, graph, stage, hw, plan.training)
+    pricer = operator_pricer(plan, graph, plan.stages.index(stage))
+    rows = _candidate_rows(node, graph, pricer.stage, pricer, plan.training)
     chosen = next(r for r in rows if r[6])
     alts = [Alternative(label, out_pl, w_pl, compute + comm, mem, is_chosen,
                         _verdict(compute, comm, mem, is_chosen, bad, chosen, stage,
@@ -245,7 +298,7 @@ def explain_node(plan: Plan, graph, node_name: str) -> NodeExplanation:
                            alternatives=tuple(alts), source="meshplan.explain (local re-pricing)")
 
 
-def _candidate_rows(node, graph, stage, hw: HardwareProfile, t) -> list[list]:
+def _candidate_rows(node, graph, stage, pricer, t) -> list[list]:
     """Every placement style of ``node`` on each split axis, re-priced locally:
     [label, output, weight, compute s, comm s, memory GiB, chosen, why invalid]; the
     planned placement comes first when it is none of these styles."""
@@ -271,14 +324,16 @@ def _candidate_rows(node, graph, stage, hw: HardwareProfile, t) -> list[list]:
         if (out_pl, w_pl) in seen:
             continue
         seen.add((out_pl, w_pl))
-        compute, comm, mem = price(node, graph, stage, hw, out_pl, w_pl, dtype=t.dtype,
-                                   optimizer=t.optimizer)
         is_chosen = out_pl == tuple(chosen_out) and (not w or w_pl == chosen_w)
+        # the chosen placement reads what the plan says it reads
+        compute, comm, mem = price(node, graph, stage, pricer, out_pl, w_pl,
+                                   optimizer=t.optimizer,
+                                   inputs=stage.ops[node.name].inputs if is_chosen else None)
         rows.append([", ".join(words) or "replicated", out_pl, w_pl if w else (), compute, comm,
                      mem, is_chosen, _divides(node, graph, out_pl, w_pl, stage.mesh_shape)])
     if not any(r[6] for r in rows):  # the solver chose a placement outside these styles
-        compute, comm, mem = price(node, graph, stage, hw, tuple(chosen_out), chosen_w,
-                                   dtype=t.dtype, optimizer=t.optimizer)
+        compute, comm, mem = price(node, graph, stage, pricer, tuple(chosen_out), chosen_w,
+                                   optimizer=t.optimizer, inputs=stage.ops[node.name].inputs)
         rows.insert(0, ["as planned", tuple(chosen_out), chosen_w if w else (), compute, comm,
                         mem, True, ""])
     return rows

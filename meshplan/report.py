@@ -1,6 +1,8 @@
 """The plan report: one self-contained HTML page with pictures (inline SVG, no network).
 
-trace -> cost -> solve -> plan -> **read**. Four pictures, each drawn from the plan alone:
+trace -> cost -> solve -> plan -> **read**. Four pictures, drawn from the plan and the
+estimate's own numbers (the schedule's pass times from ``estimate.plan_stage_costs``,
+which needs the model's graph; the breakdown from ``plan.predicted``):
 
 1. the pipeline schedule as a timeline: every stage's forward and backward passes of every
    microbatch laid out by the schedule's order and their dependencies (idle time, the
@@ -35,10 +37,6 @@ STYLE_COLOURS = {"replicated": GREY, "column-parallel": BLUE, "row-parallel": OR
                  "vocab-parallel": PURPLE, "hidden-parallel": SKY, "partial sums": VERMILION,
                  "split": GREEN}
 BREAKDOWN_COLOURS = (BLUE, ORANGE, GREY, GREEN, PURPLE, SKY, VERMILION, YELLOW)
-# Backward passes cost twice the forward (two matmuls per forward matmul: the gradients of
-# the input and of the weight; Narayanan et al. 2021, section 5.1), so a stage's per-microbatch
-# time is drawn as 1/3 forward and 2/3 backward.
-FORWARD_SHARE = 1 / 3
 WIDTH = 900
 
 
@@ -72,12 +70,24 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> li
     return order
 
 
-def timeline(plan: Plan) -> list[Block]:
-    """Simulate the schedule: a pass starts when its stage is free and its input is ready
-    (forward i after the previous stage's forward i; backward i after the next stage's)."""
+def pass_times(plan: Plan, graph) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of one microbatch on each stage record, read from the
+    estimate's stage costs (``estimate.plan_stage_costs``, the terms its pipeline time
+    composes): the forward pass, and the backward with recompute and the stage's exposed
+    communication, drawn with it; they add up to the estimate's ``microbatch_s``."""
+    from meshplan.costmodel.estimate import plan_stage_costs
+    from meshplan.costmodel.hardware import HardwareProfile
+
+    costs = plan_stage_costs(plan, graph, HardwareProfile.from_dict(plan.mesh.hardware))
+    return [(c.forward_s, c.backward_s + c.recompute_s + c.comm_s) for c in costs]
+
+
+def timeline(plan: Plan, times: list[tuple[float, float]]) -> list[Block]:
+    """Simulate the schedule with each stage's (forward, backward) pass ``times``
+    (``pass_times``): a pass starts when its stage is free and its input is ready (forward i
+    after the previous stage's forward i; backward i after the next stage's)."""
     n = plan.num_stages
     m = max(plan.training.microbatches, 1)
-    per = [st.predicted.compute_s + st.predicted.comm_s for st in plan.stages]
     orders = [stage_order(plan.training.schedule, s, n, m) for s in range(n)]
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * n
@@ -93,7 +103,7 @@ def timeline(plan: Plan) -> list[Block]:
                 if dep is not None and dep not in done:
                     break
                 start = max(free[s], done.get(dep, 0.0) if dep else 0.0)
-                dur = per[s] * (FORWARD_SHARE if kind == "F" else 1 - FORWARD_SHARE)
+                dur = times[s][0 if kind == "F" else 1]
                 done[(kind, s, i)] = free[s] = start + dur
                 blocks.append(Block(s, i, kind, start, start + dur))
                 pos[s] += 1
@@ -129,9 +139,14 @@ def _legend(items, x, y) -> list[str]:
     return out
 
 
-def timeline_svg(plan: Plan) -> str:
-    blocks = timeline(plan)
+def timeline_svg(plan: Plan, graph=None) -> str:
     n = plan.num_stages
+    if graph is None:
+        body = [_rect(70, 30, WIDTH - 90, 20, "#EEEEEE"),
+                _text(80, 44, "pass times are priced from the model: pass --model (or a plan "
+                      "made in this process) to draw the schedule")]
+        return _svg(WIDTH, 60, body, "pipeline schedule timeline")
+    blocks = timeline(plan, pass_times(plan, graph))
     end = max((b.end_s for b in blocks), default=0.0) or 1.0
     left, row, top = 70, max(12, min(28, 360 // max(n, 1))), 30
     scale = (WIDTH - left - 20) / end
@@ -157,9 +172,9 @@ def timeline_svg(plan: Plan) -> str:
                           "per device) drawn per physical stage in 1F1B order", "end"))
     busy = sum(b.end_s - b.start_s for b in blocks)
     idle = 1 - busy / (end * n) if n else 0.0
-    body.append(_text(left + (WIDTH - left - 20) / 2, y, f"each stage's recorded compute + comm "
-                      f"per microbatch, 1/3 forward, 2/3 backward; idle {idle:.0%} drawn, bubble "
-                      f"{plan.predicted.bubble_fraction:.0%} predicted", "middle"))
+    body.append(_text(left + (WIDTH - left - 20) / 2, y, f"the estimate's forward, and backward "
+                      f"with recompute and communication, per microbatch; idle {idle:.0%} drawn, "
+                      f"bubble {plan.predicted.bubble_fraction:.0%} predicted", "middle"))
     return _svg(WIDTH, y + 8, body, "pipeline schedule timeline")
 
 
@@ -290,7 +305,8 @@ def render_report(plan: Plan, graph=None) -> str:
              + ("" if p.fits else " (DOES NOT FIT)")),
             ("solver", f"{plan.solver.name}: {plan.solver.status}")]
     title = f"meshplan: {plan.model.name} on {plan.mesh.name}"
-    figures = [("Pipeline schedule", timeline_svg(plan)),
+    graph = graph if graph is not None else plan.graph
+    figures = [("Pipeline schedule", timeline_svg(plan, graph)),
                ("Memory per device", memory_svg(plan)),
                ("Placements by layer", placement_svg(plan, graph)),
                ("Time breakdown", breakdown_svg(plan))]

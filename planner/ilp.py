@@ -24,7 +24,17 @@ choice (the placement it consumes and the placement its gradient comes back in):
 
     \sum_{v}\sum_{a} m_{v,a}\,x_{v,a} \le M \qquad \text{(memory)}
 
-    x \in \{0,1\},\quad y \in \{0,1\} \text{ (CP-SAT) or } [0,1] \text{ (MIP)}.
+    w_f \ge \sum_{a:(v,a)\in S_f} x_{v,a} \quad \forall f, v
+    \qquad w_f + w_g \le 1 \quad \forall (f,g) \in C \qquad \text{(flags)}
+
+    x \in \{0,1\},\quad y \in \{0,1\} \text{ (CP-SAT) or } [0,1] \text{ (MIP)},\quad w \in [0,1].
+
+Flags are fixed charges and stage-wide switches: flag :math:`f` is on when any candidate of
+its set :math:`S_f` is chosen and then costs :math:`k_f` once (the objective gains
+:math:`\sum_f k_f w_f`): one latency of a flat gradient buffer however many parameters it
+carries, one per-block ZeRO-3 gather. Conflicting flags cannot both be on: one ZeRO level
+and one data-parallel axis for the whole stage, as the runtime runs it. :math:`w` may be
+continuous: at an integral :math:`x` the smallest feasible :math:`w` is integral.
 
 The edge constraints are a transportation polytope between two one-hot vectors, so
 :math:`y_{e,p,q} = [\pi_u(x_u)=p]\,[\kappa_v(x_v)=q]` exactly (integral even as an LP), and a
@@ -72,11 +82,22 @@ class IlpEdge:
     cost: tuple[tuple[int | None, ...], ...]  # [u class][v class]; None: not executable
 
 
+@dataclass(frozen=True, slots=True)
+class IlpFlag:
+    """A fixed charge: ``cost`` once when any (node, candidate) of ``members`` is chosen."""
+
+    name: str
+    cost: int
+    members: tuple[tuple[int, int], ...]
+
+
 @dataclass(frozen=True)
 class IlpProblem:
     nodes: tuple[IlpNode, ...]
     edges: tuple[IlpEdge, ...]
     memory_limit: int | None = None
+    flags: tuple[IlpFlag, ...] = ()
+    conflicts: tuple[tuple[int, int], ...] = ()  # pairs of flag indices not both on
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +121,18 @@ def evaluate(problem: IlpProblem, choice: tuple[int, ...]) -> int | None:
         if c is None:
             return None
         total += c
+    on = flags_on(problem, choice)
+    if any(on[f] and on[g] for f, g in problem.conflicts):
+        return None
+    total += sum(f.cost for f, o in zip(problem.flags, on) if o)
     if problem.memory_limit is not None and memory(problem, choice) > problem.memory_limit:
         return None
     return total
+
+
+def flags_on(problem: IlpProblem, choice: tuple[int, ...]) -> list[bool]:
+    """Which flags a full choice turns on."""
+    return [any(choice[v] == a for v, a in f.members) for f in problem.flags]
 
 
 def memory(problem: IlpProblem, choice: tuple[int, ...]) -> int:
@@ -125,7 +155,22 @@ def brute_force(problem: IlpProblem) -> tuple[int | None, tuple[int, ...] | None
 
 def greedy(problem: IlpProblem) -> tuple[int, ...] | None:
     """In node order, the cheapest candidate given the choices already made; if that overflows
-    memory or hits a forbidden edge, the least-memory candidates. None when neither works."""
+    memory or hits a forbidden edge, the least-memory candidates. None when neither works.
+    Where that breaks a conflict of flags, each flag in a conflict is tried with every flag
+    it conflicts with banned, and the cheapest of those kept."""
+    found = _greedy(problem, frozenset())
+    if found is not None or not problem.conflicts:
+        return found
+    best = None
+    for f in sorted({f for pair in problem.conflicts for f in pair}):
+        against = {g for pair in problem.conflicts for g in pair if f in pair and g != f}
+        trial = _greedy(problem, frozenset(m for g in against for m in problem.flags[g].members))
+        if trial is not None and (best is None or evaluate(problem, trial) < evaluate(problem, best)):
+            best = trial
+    return best
+
+
+def _greedy(problem: IlpProblem, banned: frozenset) -> tuple[int, ...] | None:
     into: dict[int, list[IlpEdge]] = {}
     for e in problem.edges:
         into.setdefault(max(e.u, e.v), []).append(e)
@@ -133,6 +178,8 @@ def greedy(problem: IlpProblem) -> tuple[int, ...] | None:
     for i, node in enumerate(problem.nodes):
         best, arg = None, 0
         for a in range(len(node.cost)):
+            if (i, a) in banned:
+                continue
             trial = choice + [a]
             total = node.cost[a]
             for e in into.get(i, ()):
@@ -146,8 +193,9 @@ def greedy(problem: IlpProblem) -> tuple[int, ...] | None:
         choice.append(arg)
     if evaluate(problem, tuple(choice)) is not None:
         return tuple(choice)
-    frugal = tuple(min(range(len(n.memory)), key=lambda a, n=n: (n.memory[a], n.cost[a]))
-                   for n in problem.nodes)
+    frugal = tuple(min((a for a in range(len(n.memory)) if (v, a) not in banned),
+                       key=lambda a, n=n: (n.memory[a], n.cost[a]), default=0)
+                   for v, n in enumerate(problem.nodes))
     return frugal if evaluate(problem, frugal) is not None else None
 
 
@@ -167,7 +215,8 @@ def solve(problem: IlpProblem, *, backend: str = "cbc", time_limit_s: float = 30
     x = _choice_variables(model, problem)
     y = _edge_variables(model, problem, x)
     _memory_limit(model, problem, x)
-    _objective(model, problem, x, y)
+    w = _flag_variables(model, problem, x)
+    _objective(model, problem, x, y, w)
     if hint is not None:
         for v, a in enumerate(hint):
             for b, var in enumerate(x[v]):
@@ -219,11 +268,29 @@ def _memory_limit(model, problem: IlpProblem, x) -> None:
                   for a, m in enumerate(node.memory) if m], problem.memory_limit)
 
 
-def _objective(model, problem: IlpProblem, x, y) -> None:
+def _flag_variables(model, problem: IlpProblem, x) -> list:
+    """w[f] >= the indicator of any of its candidates, node by node; conflicting flags sum
+    to at most one."""
+    w = []
+    for i, f in enumerate(problem.flags):
+        var = model.edge_var(f"w_{i}")
+        by_node: dict[int, list[int]] = {}
+        for v, a in f.members:
+            by_node.setdefault(v, []).append(a)
+        for v, cands in by_node.items():
+            model.add_le([(1, x[v][a]) for a in cands] + [(-1, var)], 0)
+        w.append(var)
+    for f, g in problem.conflicts:
+        model.add_le([(1, w[f]), (1, w[g])], 1)
+    return w
+
+
+def _objective(model, problem: IlpProblem, x, y, w) -> None:
     terms = [(c, x[v][a]) for v, node in enumerate(problem.nodes)
              for a, c in enumerate(node.cost) if c]
     for i, e in enumerate(problem.edges):
         terms += [(e.cost[p][q], var) for (p, q), var in y[i].items() if e.cost[p][q]]
+    terms += [(f.cost, var) for f, var in zip(problem.flags, w) if f.cost]
     model.minimize(terms)
 
 
@@ -257,7 +324,8 @@ def _fold_edges(problem: IlpProblem) -> IlpProblem:
             cls = tuple(0 if a in banned[v] else 1 for a in range(len(n.cost)))
             kept.append(IlpEdge(v, v, cls, (0,) * len(n.cost), ((None,), (0,))))
         nodes.append(IlpNode(n.name, tuple(costs[v]), n.memory))
-    return IlpProblem(tuple(nodes), tuple(kept), problem.memory_limit)
+    return IlpProblem(tuple(nodes), tuple(kept), problem.memory_limit, problem.flags,
+                      problem.conflicts)
 
 
 # -- backends ----------------------------------------------------------------------------------
@@ -321,14 +389,24 @@ class _Mip:
     def edge_var(self, name):
         return self.s.NumVar(0, 1, name)  # integral at every vertex (transportation polytope)
 
+    # coefficients set one by one: pywraplp's expression API builds a Python object per
+    # term, most of the model's build time on large stages
     def add_eq(self, terms, rhs):
-        self.s.Add(self.s.Sum([c * v for c, v in terms]) == rhs)
+        self._constraint(terms, rhs, rhs)
 
     def add_le(self, terms, rhs):
-        self.s.Add(self.s.Sum([c * v for c, v in terms]) <= rhs)
+        self._constraint(terms, -self.s.infinity(), rhs)
+
+    def _constraint(self, terms, lo, hi):
+        ct = self.s.Constraint(float(lo), float(hi))
+        for v, c in _summed(terms):
+            ct.SetCoefficient(v, c)
 
     def minimize(self, terms):
-        self.s.Minimize(self.s.Sum([c * v for c, v in terms]))
+        objective = self.s.Objective()
+        for v, c in _summed(terms):
+            objective.SetCoefficient(v, c)
+        objective.SetMinimization()
 
     def hint(self, var, value):
         self._hints.append((var, value))  # pywraplp takes all hinted values at once
@@ -346,3 +424,13 @@ class _Mip:
 
     def value(self, var):
         return var.solution_value()
+
+
+def _summed(terms) -> list:
+    """(variable, coefficient) with repeated variables' coefficients added (keyed by the
+    solver's index: pywraplp variables overload ``==``)."""
+    coef: dict = {}
+    for c, v in terms:
+        i = v.index()
+        coef[i] = (v, coef[i][1] + c) if i in coef else (v, c)
+    return [(v, float(c)) for v, c in coef.values()]

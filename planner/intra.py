@@ -5,12 +5,11 @@ trace -> cost -> **solve (intra-op)** -> run. ``solve_stage`` reads as its steps
 1. group the stage's operators: repeated identical layers share one set of decisions
    (``_representatives``), and followers (views, unary elementwise ops) ride on their
    producer's decision (``_groups``);
-2. list each group's candidates (``planner/strategies.py``) and price them with the cost
-   model: compute (``costmodel.compute.op_time``), follower fix-ups and resharding edges
-   (``planner/reshard.py``), gradient synchronisation of every parameter (all-reduce, or
-   ZeRO-3: all-gather before use in forward and backward plus reduce-scatter of gradients),
-   the optimizer step, and per-device memory (parameters, gradients, optimizer state,
-   activations kept for backward);
+2. list each group's candidates (``planner/strategies.py``) and price them with the
+   estimate's own parts (``planner/pricing.py``: one operator, one input edge, one
+   parameter's state and gradient sync, the optimizer step, as ``costmodel.estimate`` prices
+   the graph engine), per-device memory (parameters, gradients, optimizer state, activations
+   kept for backward), and one ZeRO level and data-parallel axis for the whole stage;
 3. solve the integer program exactly (``planner/ilp.py``) under the memory limit;
 4. read the choice back as per-node placements (``StageSolution``).
 
@@ -31,7 +30,7 @@ from meshplan.plan import MemoryBreakdown, OpPlacement, SolverInfo
 from meshplan.planner import ilp
 from meshplan.graph import OpGraph
 from meshplan.placements import placement_str
-from meshplan.planner.reshard import INF, AxisLinks
+from meshplan.planner.reshard import INF
 from meshplan.planner.strategies import Strategy
 from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
 
@@ -47,8 +46,8 @@ class StageOptions:
     batch_fraction: float = 1.0  # microbatch size / traced global batch
     microbatches: int = 1  # microbatches of this stage per step (compute and edges repeat)
     inflight_microbatches: int = 1  # activations of this many microbatches are alive at once
-    zero: int = 3  # 0: none; 1/2: optimizer state (+ grads) split over the gradient-sync
-    #                axes for every parameter; 3: each group may store its parameters ZeRO-3
+    zero: int = 3  # 0: none; 1/2: that ZeRO stage over a data-parallel axis; 3: the solver
+    #                picks none or ZeRO-3 for the whole stage (the runtime shards every weight)
     time_limit_s: float = 30.0
     backend: str = "cbc"  # measured fastest on GPT stages (planner/ilp.py docstring)
 
@@ -74,6 +73,8 @@ class GroupChoice:
     member_inputs: tuple  # per group member: the placements it consumes
     member_outputs: tuple  # per group member: its output placement
     storage: tuple  # per owned parameter: storage placement
+    zero: int = 0  # the stage-wide ZeRO level this candidate assumes (StageProblem.flags)
+    dp_axis: int | None = None  # ... over this data-parallel axis
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +97,10 @@ class StageProblem:
     fallbacks: tuple[str, ...]
     memory_limit_bytes: float
     microbatches: int = 1  # edges are per microbatch
+    # fixed charges and stage-wide switches (planner/ilp.py IlpFlag; costs in NS units,
+    # once per step) and the pairs of them that cannot both be on
+    flags: tuple = ()
+    conflicts: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class StageSolution:
     inputs: dict  # graph/stage input -> placement strings
     solver: SolverInfo
     choice: tuple[int, ...] = field(default=(), repr=False)
+    zero: int = 0  # the stage's ZeRO level (every candidate chosen assumes it)
 
 
 class StageCache:
@@ -164,9 +170,10 @@ def build_problem(graph: OpGraph, names: tuple[str, ...], mesh_shape: tuple[int,
                   devices_per_node: int | None = None) -> StageProblem:
     from meshplan.planner.pricing import Pricer  # the pricing half of the builder
 
+    if devices_per_node is not None and devices_per_node != hw.devices_per_node:
+        hw = replace(hw, devices_per_node=devices_per_node)
     rep, param_rep, count = _representatives(graph, names)
-    pricer = Pricer(graph, names, rep, mesh_shape, hw, options,
-                    AxisLinks(hw, mesh_shape, devices_per_node or hw.devices_per_node))
+    pricer = Pricer(graph, names, rep, mesh_shape, hw, options)
     return pricer.problem(count, param_rep)
 
 
@@ -261,7 +268,7 @@ def to_ilp(problem: StageProblem) -> ilp.IlpProblem:
                                                           for c in row) for row in cost))
                   for u, v, uc, vc, cost in problem.edges)
     limit = int(problem.memory_limit_bytes)
-    return ilp.IlpProblem(tuple(nodes), edges, limit)
+    return ilp.IlpProblem(tuple(nodes), edges, limit, problem.flags, problem.conflicts)
 
 
 def _units(seconds: float) -> int:
@@ -298,6 +305,14 @@ def read_solution(problem: StageProblem, result: ilp.IlpResult, graph: OpGraph, 
         edge = cost[uc[result.choice[u]]][vc[result.choice[v]]]
         micro += edge
         comm += edge * n_mb
+    # fixed charges: flat buffers' latencies (step) and per-block ZeRO-3 latencies (every
+    # microbatch's, already summed over the microbatches), all communication
+    charged = sum(f.cost for f, on in zip(problem.flags, ilp.flags_on(to_ilp(problem),
+                                                                       result.choice)) if on) / NS
+    step += charged
+    comm += charged
+    zero = max((g.candidates[a].zero for g, a in zip(problem.groups, result.choice)
+                if g.owned_params), default=0)
     ops = {n: ops_rep[problem.rep[n]] for n in names if problem.rep[n] in ops_rep}
     for p, r in problem.param_rep.items():
         if r in params:
@@ -313,7 +328,7 @@ def read_solution(problem: StageProblem, result: ilp.IlpResult, graph: OpGraph, 
     total = micro * n_mb + step
     return StageSolution(time_s=total, microbatch_s=micro, step_s=step, compute_s=total - comm,
                          comm_s=comm, memory=memory, params=params, ops=ops, inputs=inputs,
-                         solver=solver, choice=result.choice)
+                         solver=solver, choice=result.choice, zero=zero)
 
 
 def _tied_params(graph: OpGraph, params: dict, ndim: int) -> None:

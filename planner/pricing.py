@@ -4,173 +4,96 @@ trace -> cost -> **solve (pricing)** -> run. ``planner/intra.py`` calls ``Pricer
 turn a stage into groups of priced candidates and priced edges (seconds and GiB per device,
 already multiplied by the number of identical layers a group stands for).
 
-- Anchors are operators with their own decision; followers (a view or unary elementwise op
-  whose only input comes from the same layer) take their producer's decision. A follower of
-  a Partial-producing anchor that cannot keep Partial (dropout, gelu) stays an anchor, so the
-  solver may choose a reduce-scatter there (sequence parallelism) instead of an all-reduce.
-- Constant operators (built only from creation ops: masks, positions) are replicated.
-- A parameter belongs to its first consumer in the stage: that group pays its memory,
-  gradient sync and optimizer step. Its candidates come plain (storage = consumed placement;
-  gradients all-reduced over each axis that splits the work) and as ZeRO-3 (storage further
-  sharded on those axes; all-gather in forward and backward, reduce-scatter of gradients).
-  Later consumers (tied weights) read it through an edge.
+- Groups (anchors and their followers, sources, constants) come from planner/groups.py.
+- Every price is the estimate's (one pricer, issue 27): an operator's time is
+  ``estimate.operator_time`` (eager kernels, causal attention, contention of the graph
+  engine's runtime), an input edge ``estimate.input_collectives``, a parameter
+  ``estimate.parameter_part`` with its syncs priced as ``estimate._param_traffic_s`` prices
+  them for the graph engine, the optimizer ``estimate.optimizer_step_s``. Terms the
+  estimate pays once however many tensors share them (a flat gradient buffer's latency, a
+  block's ZeRO-3 gathers) are fixed charges (``ilp.IlpFlag``).
+- A parameter belongs to its first consumer in the stage (tied names count as one): that
+  group pays its memory, gradient sync and optimizer step, in one variant per stage-wide
+  (ZeRO level, data-parallel axis) the runtime can run (``Pricer._variants``: ZeRO shards
+  every parameter of the stage over the axis the first input's batch is split on, so the
+  variants of all groups must agree: conflicting flags). A tied weight's other readers reach
+  it through an edge priced with the gradient sync their split adds.
 """
 
 from __future__ import annotations
 
-import itertools
-
 from meshplan.costmodel.comm import Collective
-from meshplan.costmodel.compute import DTYPE_BYTES, op_time
-from meshplan.costmodel.memory import (GIB, GRAD_BYTES, MASTER_BYTES, alias_root, is_seq_squared,
-                                       moment_bytes, optimizer_traffic_s, saved_inputs)
-from meshplan.plan import MemoryBreakdown
-from meshplan.graph import OpKind
-from meshplan.planner.intra import GroupChoice, Group, StageProblem, warn_fallbacks
-from meshplan.planner.reshard import (REPLICATE_TO_PARTIAL, edge_s, grad_placement,
-                                      output_grad, shard_factor)
-from meshplan.placements import P, R
-from meshplan.vocabulary import ComputeDtype, Recompute
-from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
-                                         input_shapes, is_pointwise, keeps_partial, op_spec,
-                                         replicated_strategy, tensor_of, tensor_placements)
+from meshplan.costmodel.compute import contention_factor
+from meshplan.costmodel.estimate import (CollectivePrices, bandwidth_s as _bandwidth_s,
+                                         causal_attention, default_runtime, eager_kernel_table,
+                                         input_collectives, operator_time, optimizer_step_s,
+                                         param_layer, parameter_part, per_use_sync_s,
+                                         selective_recomputes, value_bytes, zero3_unit_latency_s)
+from meshplan.costmodel.memory import GIB, causal_masks
+from meshplan.errors import PlanningError
+from meshplan.plan import MemoryBreakdown, OpPlacement, Stage
+from meshplan.planner import ilp
+from meshplan.planner.groups import _FLOAT, GroupBuilder
+from meshplan.planner.intra import NS, GroupChoice, Group, StageProblem, warn_fallbacks
+from meshplan.planner.reshard import INF, REPLICATE_TO_PARTIAL, refused, shard_factor
+from meshplan.placements import P, R, placement_str
+from meshplan.vocabulary import Engine, Recompute
 
-_FLOAT = ("float32", "float16", "bfloat16", "float64")
 
+class Pricer(GroupBuilder):
+    """Pass 2: every group's candidates and every edge priced with the estimate's parts."""
 
-class Pricer:
-    def __init__(self, graph, names, rep, mesh_shape, hw, options, links):
-        self.g, self.names, self.rep = graph, names, rep
-        self.mesh, self.hw, self.o, self.links = mesh_shape, hw, options, links
-        self.ndim = len(mesh_shape)
-        self.in_stage = set(names)
-        self.graph_inputs = dict(graph.inputs)
-        self.scale = DTYPE_BYTES[options.dtype] / 4  # traced in fp32
-        self.needs_grad, self.constant = self._flags()
-        self.kept_roots = {alias_root(t, graph) for n in names
-                           for t in saved_inputs(graph.node(n), graph)}
-        seq = graph.inputs[0][1].shape[-1] if graph.inputs and graph.inputs[0][1].shape else 0
-        self.seq_squared = {n for n in names if is_seq_squared(n, graph, seq)}
-        # pass-1 state
-        self.strategies: dict[str, tuple[Strategy, ...]] = {}
-        self.root: dict[str, str] = {}
-        self.placed: dict[str, list] = {}  # member -> per root strategy: (inputs, output)
-        self.members: dict[str, list[str]] = {}
-        self.rules: dict[str, str] = {}
-        self.fallbacks: list[str] = []
-        self.sources: list[str] = []
-
-    # -- flags ---------------------------------------------------------------------------------
-    def _flags(self):
-        trainable = {p.name for p in self.g.params if p.trainable}
-        grad, const = {}, {}
-        for n in self.g.nodes:
-            floating = n.out is not None and n.out.dtype in _FLOAT
-            grad[n.name] = floating and any(i in trainable or grad.get(i, False)
-                                            for i in n.inputs)
-            # buffers and submodules the graph does not list are constants too
-            const[n.name] = n.kind == OpKind.CREATION or (bool(n.inputs) and all(
-                const.get(i, i not in self.g.param_map and i not in self.graph_inputs)
-                for i in n.inputs))
-        return grad, const
-
-    # -- pass 1: groups and strategies ------------------------------------------------------------
-    def _build(self):
-        for n in self.names:
-            if self.rep[n] != n:
-                continue
-            node = self.g.node(n)
-            for i in node.inputs:
-                if i not in self.g.param_map and i not in self.in_stage and i not in self.root \
-                        and (i in self.graph_inputs or i in self.g):  # not a submodule
-                    self._source(i, node)
-            parent = self._follower_parent(node)
-            if parent is not None:
-                self._attach(node, parent)
-            else:
-                self._anchor(node)
-
-    def _source(self, name, consumer):
-        shape = self.graph_inputs[name].shape if name in self.graph_inputs else \
-            tensor_of(self.g, name, consumer).shape
-        strategies = tuple(Strategy((), pl, (-1,) * self.ndim)
-                           for pl in tensor_placements(shape, self.mesh))
-        self._add_root(name, strategies, "input")
-        self.sources.append(name)
-
-    def _add_root(self, name, strategies, rule):
-        self.strategies[name] = strategies
-        self.root[name] = name
-        self.placed[name] = [(s.inputs, s.output) for s in strategies]
-        self.members[name] = [name]
-        self.rules[name] = rule
-
-    def _follower_parent(self, node):
-        if len(node.inputs) != 1 or not (node.kind == OpKind.VIEW or is_pointwise(node)):
-            return None
-        (i,) = node.inputs
-        if i not in self.in_stage or i not in self.root or self.constant[node.name]:
-            return None
-        if self.g.node(i).layer != node.layer or node.out is None:
-            return None
-        if not keeps_partial(node) and any(P in out for _, out in self.placed[i]):
-            return None
-        return i
-
-    def _attach(self, node, parent):
-        root = self.root[parent]
-        in_shape = tensor_of(self.g, parent, node).shape
-        self.root[node.name] = root
-        self.placed[node.name] = [follow(node, in_shape, out, self.mesh)
-                                  for _, out in self.placed[parent]]
-        self.placed[node.name] = [((fixed,), out) for fixed, out in self.placed[node.name]]
-        self.members[root].append(node.name)
-
-    def _anchor(self, node):
-        if self.constant[node.name] or node.out is None:
-            self._add_root(node.name, (replicated_strategy(node, self.ndim),), "constant")
-            return
-        if node.kind == OpKind.VIEW and len(node.inputs) == 1:
-            self._add_root(node.name, self._view_strategies(node), "view")
-            return
-        spec = op_spec(self.g, node)
-        strategies = enumerate_strategies(spec, self.mesh) if spec is not None else ()
-        if not strategies:
-            self.fallbacks.append(node.name)
-            self._add_root(node.name, (replicated_strategy(node, self.ndim),), "fallback: R")
-            return
-        self._add_root(node.name, strategies, spec.rule)
-
-    def _view_strategies(self, node):
-        (i,) = node.inputs
-        shape = input_shapes(self.g, node)[0]
-        choices = [R, P] + [d for d, s in enumerate(shape) if s > 1]
-        seen, out = set(), []
-        for pl in itertools.product(choices, repeat=self.ndim):
-            fixed, res = follow(node, shape, tuple(pl), self.mesh)
-            if (fixed, res) not in seen and fixed == tuple(pl):
-                seen.add((fixed, res))
-                out.append(Strategy((fixed,), res, (-1,) * self.ndim))
-        return tuple(out)
+    def __init__(self, graph, names, rep, mesh_shape, hw, options, runtime=None):
+        super().__init__(graph, names, rep, mesh_shape, options)
+        self.hw = hw
+        # the engine the single-stage plan runs on (plan.engine "graph"), priced by the
+        # estimate's own parts: one operator, one input edge, one parameter at a time
+        self.runtime = runtime or default_runtime(hw, engine=Engine.GRAPH)
+        if self.runtime.engine != Engine.GRAPH or self.runtime.compiled:
+            raise PlanningError(f"the intra-op ILP prices the eager graph engine, not "
+                                f"{self.runtime.engine!r}{' compiled' if self.runtime.compiled else ''}; "
+                                "price other engines' plans with meshplan.estimate")
+        devices = 1
+        for n in self.mesh:
+            devices *= n
+        self.coll = CollectivePrices(
+            Stage(index=0, devices=tuple(range(devices)), mesh_shape=self.mesh,
+                  axis_names=tuple(f"d{i}" for i in range(self.ndim)), layers=(0, 0),
+                  nodes=("", "")), hw, backend=self.runtime.backend)
+        # every process of the host computes at once in a single stage (estimate's
+        # plan_stage_costs: busy ranks = all ranks without a bubble)
+        self.all_procs = self.contention = contention_factor(hw, min(devices, hw.devices_per_node))
+        self.kernels = eager_kernel_table(graph, options.dtype, "autocast") \
+            if self.runtime.eager_kernels else None
+        self.masks = causal_masks(graph) if self.runtime.causal_attention else set()
+        self.needs_grad_set = graph.grad_nodes
+        self.layer_of = {p.name: param_layer(p.name, graph) for p in graph.params}
+        self._times: dict = {}
+        self._edge_memo: dict = {}
+        self._texts: dict = {}
+        self._value_bytes: dict = {}
 
     # -- pass 2: prices ------------------------------------------------------------------------
     def problem(self, count, param_rep):
-
         self._build()
         warn_fallbacks(self.fallbacks)
         owner = self._owners(param_rep)
         roots = [n for n in self.names if self.root.get(n) == n]
         order = self.sources + roots
         index = {r: k for k, r in enumerate(order)}
-        groups = []
+        groups, charges = [], []
         for r in order:
             owned = tuple(p for p, (o, _) in owner.items() if o == r)
-            groups.append(self._group(r, count.get(r, 1), owned, owner))
+            group, group_charges = self._group(r, count.get(r, 1), owned, owner)
+            groups.append(group)
+            charges += [(key, cost, (index[r], a)) for key, cost, a in group_charges]
         edges = self._edges(index, owner, param_rep, groups)
         limit = self.o.memory_limit_gib if self.o.memory_limit_gib is not None \
             else self.hw.device.memory_gib
+        flags, conflicts = self._flags_of(charges, groups)
         return StageProblem(tuple(groups), tuple(edges), self.rep, param_rep,
-                            tuple(self.fallbacks), limit * GIB, self.o.microbatches)
+                            tuple(self.fallbacks), limit * GIB, self.o.microbatches,
+                            flags=flags, conflicts=conflicts)
 
     def _owners(self, param_rep):
         owner = {}
@@ -180,43 +103,118 @@ class Pricer:
                 continue
             for k, i in enumerate(self.g.node(n).inputs):
                 if i in self.g.param_map:
-                    owner.setdefault(param_rep.get(i, i), (n, k))
+                    owner.setdefault(self._canonical(param_rep.get(i, i)), (n, k))
         return owner
 
+    def _canonical(self, name):
+        """A tied parameter is one parameter: it counts under the name it is tied to, as
+        ``estimate.parameter_walk`` counts it (its other readers reach it through an edge)."""
+        tied = self.g.param_map[name].tied_to
+        return tied if tied is not None and tied in self.g.param_map else name
+
+    def _variants(self):
+        """The stage-wide (ZeRO level, data-parallel axis) a candidate may assume: the
+        runtime shards every parameter of a ZeRO stage over the axis the first input's batch
+        is split on (``estimate.dp_axis``), so each such axis is its own variant."""
+        z = self.o.zero
+        axes = [ax for ax in range(self.ndim) if self.mesh[ax] > 1]
+        if z == 0:
+            return [(0, None)]
+        if z >= 3:  # ZeRO-3 where it pays, else none
+            return [(0, None)] + [(3, ax) for ax in axes]
+        return [(z, ax) for ax in axes] or [(z, None)]  # ZeRO-1/2 asked for: over a dp axis
+
     def _group(self, r, count, owned, owner):
+        """The group's candidates and the fixed charges ``(key, cost_s, candidate)`` each
+        turns on (``StageProblem.flags``)."""
         if r in self.sources:
             cands = tuple(GroupChoice(s, False, 0.0, 0.0, 0.0, MemoryBreakdown(), ((),),
                                       (s.output,), ())
                           for s in self.strategies[r])
-            return Group(r, (r,), cands, 1, (), "input", is_source=True)
-        cands = []
+            charges = []
+            if r == self.sources[0]:  # the first input's batch split names the dp axis
+                charges = [(("dp-axis", _dp_axis(c.strategy.output)), 0.0, a)
+                           for a, c in enumerate(cands)]
+            return Group(r, (r,), cands, 1, (), "input", is_source=True), charges
+        cands, charges = [], []
+        variants = self._variants() if owned else [(0, None)]
         for a, st in enumerate(self.strategies[r]):
             base = self._price(r, a, st, count)
-            for zero in ((False, True) if self.o.zero >= 3 else (False,)):
-                c = self._with_params(base, a, st, r, owned, owner, zero, count)
-                if c is not None:
-                    cands.append(c)
-        return Group(r, tuple(self.members[r]), tuple(cands), count, owned, self.rules[r])
+            for zero, dpa in variants:
+                c = self._with_params(base, a, st, r, owned, owner, zero, dpa, count)
+                if c is None:
+                    continue
+                choice, mine = c
+                charges += [(key, cost, len(cands)) for key, cost in mine]
+                if owned:
+                    charges.append((("variant", zero, dpa), 0.0, len(cands)))
+                cands.append(choice)
+        return Group(r, tuple(self.members[r]), tuple(cands), count, owned,
+                     self.rules[r]), charges
+
+    def _placement(self, pl):
+        text = self._texts.get(pl)
+        if text is None:
+            text = self._texts[pl] = placement_str(pl)
+        return text
+
+    def _op_time(self, m, ins, out):
+        key = (m, ins, out)
+        t = self._times.get(key)
+        if t is None:
+            node = self.g.node(m)
+            op = OpPlacement(tuple(self._placement(p) for p in ins), self._placement(out))
+            t = self._times[key] = operator_time(
+                node, op, self.g, self.hw, self.o.dtype, self.mesh, 1 / self.o.batch_fraction,
+                self.contention, kernels=self.kernels, causal=self._causal(node))
+        return t
+
+    def _causal(self, node):
+        return causal_attention(node, self.g, self.masks, True)
+
+    def _recomputed(self, node) -> bool:
+        """Whether the recompute policy runs ``node``'s forward again (estimate's rules)."""
+        o = self.o
+        if node.layer < 0:
+            return False
+        return o.recompute == Recompute.FULL or (o.recompute == Recompute.SELECTIVE
+                                                and selective_recomputes(node, self.g))
+
+    def _comm(self, src_name, consumer, produced, consumed, out):
+        """Seconds per microbatch of the collectives giving ``consumer`` its input
+        ``src_name`` (``estimate.input_collectives``; forward again under full recompute)."""
+        grad = src_name in self.needs_grad_set
+        nbytes = self._value_bytes.get(src_name)
+        if nbytes is None:
+            nbytes = self._value_bytes[src_name] = \
+                value_bytes(self.g, src_name, self.o.dtype) * self.o.batch_fraction
+        again = self.o.recompute == Recompute.FULL and consumer.layer >= 0
+        key = (nbytes, produced, consumed, _split_mask(out), grad, again)
+        t = self._edge_memo.get(key)
+        if t is None:
+            if refused(produced, consumed):
+                t = INF  # DTensor will not redistribute to Partial
+            else:
+                t = sum(tf * (2 if again else 1) + tb for _, tf, tb in input_collectives(
+                    self.coll, self.mesh, nbytes, self._placement(produced),
+                    self._placement(consumed), self._placement(out), grad=grad))
+            self._edge_memo[key] = t
+        return t
 
     def _price(self, r, a, st, count):
-        """Per microbatch x count: compute, follower fix-ups; and the activations kept."""
+        """Per microbatch x count: compute (and recompute), follower fix-ups; activations."""
         o, mesh, bf = self.o, self.mesh, self.o.batch_fraction
         compute = comm = kept = boundary = 0.0
         in_layer = self.g.node(r).layer >= 0
         for m in self.members[r]:
             node = self.g.node(m)
             ins, out = self.placed[m][a]
-            split = st.work_split(mesh) if m == r else shard_factor(out, mesh)
-            t = op_time(node, self.hw, o.dtype, split / bf)
-            seq2 = m in self.seq_squared
-            again = (o.recompute == Recompute.FULL and in_layer) or (
-                o.recompute == Recompute.SELECTIVE and seq2)
-            compute += t.total_s + (t.forward_s if again else 0.0)
+            t = self._op_time(m, ins, out)
+            compute += t.total_s + (t.forward_s if self._recomputed(node) else 0.0)
             if m != r:  # follower fix-up: the producer's placement -> what this op consumes
                 prod = node.inputs[0]
-                nbytes = self._bytes(tensor_of(self.g, prod, node)) * bf
-                comm += edge_s(self.links, nbytes, self.placed[prod][a][1], ins[0],
-                               output_grad(ins[0]) if self.needs_grad[m] else None)
+                comm += self._comm(prod, node, self.placed[prod][a][1], ins[0], out)
+            seq2 = m in self.seq_squared
             if m in self.kept_roots and not (o.recompute == Recompute.SELECTIVE and seq2):
                 b = sum(self._bytes(t_) for t_ in node.outputs) * bf / shard_factor(out, mesh)
                 kept += b
@@ -235,67 +233,115 @@ class Pricer:
         layer = self.g.node(name).layer
         return any(self.g.node(u).layer != layer for u in self.g.users.get(name, ()))
 
-    def _with_params(self, base, a, st, r, owned, owner, zero, count):
-        """Add the owned parameters: memory, gradient sync, optimizer step, ZeRO-3 gathers."""
+    def _with_params(self, base, a, st, r, owned, owner, zero, dpa, count):
+        """Add the owned parameters priced as ``estimate.parameter_part`` prices them under
+        ZeRO ``zero`` over ``dpa``: memory, gradient sync, ZeRO gathers, the optimizer step;
+        and the fixed charges (a flat buffer's latency, a block's ZeRO-3 gathers) they need."""
         compute, fixups, act = base  # per microbatch, already x count
-        o, mesh = self.o, self.mesh
+        o, rt, coll = self.o, self.runtime, self.coll
         pbytes = gbytes = obytes = 0.0
-        gathers = sync_s = optim_s = 0.0
-        any_sync = False
+        micro_comm = step_comm = optim_s = 0.0
+        charges: dict = {}
         storage = []
         for p in owned:
             info = self.g.param_map[p]
             used = st.inputs[owner[p][1]]
             if P in used and not REPLICATE_TO_PARTIAL:
                 return None  # a stored parameter cannot be read as Partial by the runtime
-            local = info.numel / shard_factor(used, mesh)
-            sync = [ax for ax in range(self.ndim)
-                    if used[ax] == R and st.split[ax] >= 0 and mesh[ax] > 1] if info.trainable else []
-            stored = tuple(R if x == P else x for x in used)  # a bias read as Partial is stored whole
-            if zero and sync:
-                stored = _zero_storage(stored, sync, info.shape, mesh)
-                if stored is None:
-                    return None
-            any_sync = any_sync or bool(sync)
+            stored = tuple(R if x == P else x for x in used)  # a bias read as P is stored whole
+            out = self.placed[r][a][1]
+            part = parameter_part(info, self._placement(stored),
+                                  [(self._placement(out), self._placement(used))],
+                                  self.layer_of[p], self.mesh, dpa, None, zero=zero,
+                                  dtype=o.dtype, optimizer=o.optimizer, runtime=rt)
+            if zero >= 3 and dpa is not None:
+                stored = _zero_storage(stored, [dpa], info.shape, self.mesh) or stored
             storage.append(stored)
-            n_store = info.numel / shard_factor(stored, mesh)
-            # ZeRO-1/2 (plain storage): fp32 master + optimizer state split over the
-            # gradient-sync axes (ZeRO paper, figure 1); ZeRO-2's gradients too in the paper,
-            # but the graph engine accumulates them full-size over the microbatches and
-            # reduce-scatters once per step (costmodel/estimate.py, full_grad_accumulation)
-            div = 1
-            if not zero and o.zero in (1, 2):
-                for ax in sync:
-                    div *= mesh[ax]
-            copy_b = DTYPE_BYTES[o.dtype]
-            # under fp32 the graph engine's ZeRO-1/2 master shard is a copy of its own
-            master_b = MASTER_BYTES if o.dtype != ComputeDtype.FP32 or div > 1 else 0
-            pbytes += n_store * (copy_b + master_b / div)
-            if info.trainable:
-                gbytes += n_store * GRAD_BYTES
-                obytes += n_store * moment_bytes(o.optimizer) / div
-                optim_s += optimizer_traffic_s(n_store / div, dtype=o.dtype, optimizer=o.optimizer,
-                                               hw=self.hw)
-            for ax in sync:
-                if zero:  # FSDP gathers the weight for every microbatch's forward and backward
-                    gathers += 2 * self.links.collective(
-                        Collective.ALL_GATHER, local * copy_b, ax)
-                    sync_s += self.links.collective(Collective.REDUCE_SCATTER, local * GRAD_BYTES, ax)
-                elif o.zero in (1, 2):  # reduce (-scatter) grads, gather the stepped weights
-                    kind = Collective.REDUCE_SCATTER if o.zero == 2 else Collective.ALL_REDUCE
-                    sync_s += self.links.collective(kind, local * GRAD_BYTES, ax)
-                    sync_s += self.links.collective(Collective.ALL_GATHER, local * copy_b, ax)
-                else:
-                    sync_s += self.links.collective(Collective.ALL_REDUCE, local * GRAD_BYTES, ax)
-        if zero and not any_sync:
-            return None
+            pbytes += part.weights_bytes
+            gbytes += part.grads_bytes
+            obytes += part.optimizer_bytes
+            optim_s += optimizer_step_s(part.optimizer_numel, 1, self.hw, dtype=o.dtype,
+                                        optimizer=o.optimizer, contention=self.all_procs)
+            mb, st_s, mine = self._sync_s(part.syncs, zero)
+            micro_comm += mb
+            step_comm += st_s
+            for key, cost in mine.items():
+                charges[key] = cost * (count * o.microbatches if key[0] == "zero3-unit" else 1)
         ins, out = zip(*(self.placed[m][a] for m in self.members[r]))
         mem = MemoryBreakdown(params_gib=pbytes * count / GIB, grads_gib=gbytes * count / GIB,
                               optimizer_gib=obytes * count / GIB, activations_gib=act / GIB)
-        micro = compute + fixups + gathers * count
-        step = (sync_s + optim_s) * count
-        comm = (fixups + gathers * count) * o.microbatches + sync_s * count
-        return GroupChoice(st, zero, micro, step, comm, mem, ins, out, tuple(storage))
+        micro = compute + fixups + micro_comm * count
+        step = (step_comm + optim_s) * count
+        comm = (fixups + micro_comm * count) * o.microbatches + step_comm * count
+        choice = GroupChoice(st, zero >= 3, micro, step, comm, mem, ins, out, tuple(storage),
+                             zero=zero, dp_axis=dpa)
+        return choice, list(charges.items())
+
+    def _sync_s(self, syncs, zero):
+        """(per microbatch, per step) seconds of gradient syncs and ZeRO gathers, as
+        ``estimate._param_traffic_s`` prices them for the graph engine, less the latencies
+        paid once per buffer or block: those come back as charges {key: seconds} (a block's
+        per microbatch)."""
+        o, rt, coll = self.o, self.runtime, self.coll
+        micro = step = 0.0
+        charges: dict = {}
+        for s in syncs:
+            if s.per_use:  # ZeRO-3 in the graph engine: per microbatch, per block
+                sync, gather = per_use_sync_s(s, coll, recompute=o.recompute)
+                micro += sync + gather
+                if o.recompute == Recompute.NONE:
+                    units = 2 if s.layer < 0 else 1  # the weights before and after the blocks
+                    charges[("zero3-unit", s.axis, s.layer)] = units * sum(
+                        zero3_unit_latency_s(coll, rt, s.axis))
+                continue
+            flat = rt.flat_grad_sync and zero <= 2
+            traffic = [(s.kind, s.grad_bytes)]
+            if s.on_dp and zero in (1, 2):  # the stepped shards gathered back
+                traffic.append((Collective.ALL_GATHER, s.weight_bytes))
+            for kind, nbytes in traffic:
+                if flat:  # one buffer per (collective, axis): its latency charged once
+                    step += _bandwidth_s(coll, kind, nbytes, s.axis)
+                    charges[("flat", kind, s.axis)] = coll(kind, 1e-30, s.axis)
+                else:
+                    step += coll(kind, nbytes, s.axis)
+        return micro, step, charges
+
+    def _tied_sync_s(self, pname, owner_key, reader_key):
+        """Per microbatch: what a tied weight's other reader adds to its gradient sync (an
+        axis it splits that the owner's reader does not: ``estimate.parameter_walk`` reduces
+        over the union of the readers' splits)."""
+        read_o, owner_mask, zero, dpa = owner_key
+        read_r, reader_mask = reader_key
+        info = self.g.param_map[pname]
+        stored = self._placement(tuple(R if x == P else x for x in read_o))
+        owner = (self._placement(_mask_placement(owner_mask)), self._placement(read_o))
+        reader = (self._placement(_mask_placement(reader_mask)), self._placement(read_r))
+        times = []
+        for outs in ([owner], [owner, reader]):
+            part = parameter_part(info, stored, outs, self.layer_of[pname], self.mesh, dpa, None,
+                                  zero=zero, dtype=self.o.dtype, optimizer=self.o.optimizer,
+                                  runtime=self.runtime)
+            micro, step, _ = self._sync_s(part.syncs, zero)
+            times.append(micro + step / self.o.microbatches)
+        return times[1] - times[0]
+
+    def _flags_of(self, charges, groups):
+        """Fixed charges and the stage-wide switches as flags; variants (ZeRO level, dp axis)
+        conflict pairwise, and a ZeRO variant over axis d with a first input not split on d."""
+        members: dict = {}
+        costs: dict = {}
+        for key, cost, va in charges:
+            members.setdefault(key, []).append(va)
+            costs[key] = cost
+        keys = sorted(members, key=repr)
+        flags = tuple(ilp.IlpFlag(repr(k), _units(costs[k]), tuple(members[k])) for k in keys)
+        at = {k: i for i, k in enumerate(keys)}
+        variants = [k for k in keys if k[0] == "variant"]
+        axes = [k for k in keys if k[0] == "dp-axis"]
+        conflicts = [(at[a], at[b]) for i, a in enumerate(variants) for b in variants[i + 1:]]
+        conflicts += [(at[v], at[d]) for v in variants for d in axes
+                      if v[1] > 0 and v[2] != d[1]]
+        return flags, tuple(conflicts)
 
     def _bytes(self, meta) -> float:
         return meta.bytes * (self.scale if meta.dtype in _FLOAT else 1.0)
@@ -309,7 +355,7 @@ class Pricer:
                 continue
             for k, i in enumerate(self.g.node(n).inputs):
                 if i in self.g.param_map:
-                    pr = param_rep.get(i, i)
+                    pr = self._canonical(param_rep.get(i, i))
                     if owner.get(pr) == (r, k):
                         continue
                     key = (("param", pr), r, k)
@@ -322,31 +368,52 @@ class Pricer:
         for (src, r, k), cnt in counts.items():
             vg = groups[index[r]]
             node = self.g.node(r)
+            # a consumer class: the placement it reads and which axes its output splits
+            v_keys_list = [(c.strategy.inputs[k], _split_mask(c.member_outputs[0]))
+                           for c in vg.candidates]
+            v_keys = sorted(set(v_keys_list), key=repr)
             if isinstance(src, tuple):
+                # a tied parameter's other reader: the estimate prices parameters' reads
+                # through their gradient syncs only; a Partial read stays refused
                 o_name, o_k = owner[src[1]]
                 ug = groups[index[o_name]]
-                u_out = [c.strategy.inputs[o_k] for c in ug.candidates]
-                nbytes = self.g.param_map[src[1]].numel * DTYPE_BYTES[self.o.dtype]
+                u_out = [(c.strategy.inputs[o_k], _split_mask(c.member_outputs[0]), c.zero,
+                          c.dp_axis) for c in ug.candidates]
+                u_keys = sorted(set(u_out), key=repr)
                 grad = self.g.param_map[src[1]].trainable
+                cost = tuple(tuple(INF if refused(p[0], q[0]) else
+                                   self._tied_sync_s(src[1], p, q) * cnt if grad else 0.0
+                                   for q in v_keys) for p in u_keys)
+                u = index[o_name]
             else:
                 ug = groups[index[self.root[src]]]
                 pos = ug.members.index(src)
                 u_out = [c.member_outputs[pos] for c in ug.candidates]
-                nbytes = self._bytes(tensor_of(self.g, src, node) if src in self.g
-                                     else self.graph_inputs[src]) * self.o.batch_fraction
-                grad = self.needs_grad.get(src, False)
-            u_keys = sorted(set(u_out))
-            v_keys_list = [(c.strategy.inputs[k],
-                            grad_placement(c.strategy.inputs[k], c.strategy.split) if grad else None)
-                           for c in vg.candidates]
-            v_keys = sorted(set(v_keys_list), key=repr)
-            cost = tuple(tuple(edge_s(self.links, nbytes, p, q, gq) * cnt
-                               for q, gq in v_keys) for p in u_keys)
-            edges.append((index[self.root[src]] if not isinstance(src, tuple)
-                          else index[owner[src[1]][0]], index[r],
-                          tuple(u_keys.index(x) for x in u_out),
+                u_keys = sorted(set(u_out))
+                cost = tuple(tuple(self._comm(src, node, p, q, _mask_placement(mask)) * cnt
+                                   for q, mask in v_keys) for p in u_keys)
+                u = index[self.root[src]]
+            edges.append((u, index[r], tuple(u_keys.index(x) for x in u_out),
                           tuple(v_keys.index(x) for x in v_keys_list), cost))
         return edges
+
+
+def _split_mask(out):
+    return tuple(p != R for p in out)
+
+
+def _mask_placement(mask):
+    """An output placement with the same Replicate axes (all ``input_collectives`` reads)."""
+    return tuple(0 if m else R for m in mask)
+
+
+def _dp_axis(pl):
+    """``estimate.dp_axis`` of a stage whose first input is placed ``pl``."""
+    return next((ax for ax, p in enumerate(pl) if p == 0), None)
+
+
+def _units(seconds: float) -> int:
+    return int(round(seconds * NS))
 
 
 def _zero_storage(used, sync, shape, mesh):

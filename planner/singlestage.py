@@ -12,11 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from meshplan.costmodel.compute import DTYPE_NAMES
 from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError, gib
-from meshplan.plan import Estimate, Plan, Stage, StagePrediction
+from meshplan.plan import Estimate, Plan, Stage
 from meshplan.planner import ilp
 from meshplan.planner.assemble import mesh_info, model_info, training_config
 from meshplan.graph import OpGraph
@@ -24,6 +23,10 @@ from meshplan.costmodel.memory import GIB
 from meshplan.planner.intra import (NS, StageOptions, build_problem, solve_stage, to_ilp)
 from meshplan.placements import placement_str
 from meshplan.vocabulary import ComputeDtype, Recompute
+
+
+_UNPRICED = Estimate(step_time_s=0.0, peak_memory_gib=0.0, memory_capacity_gib=0.0, fits=False,
+                     mfu=0.0, tokens_per_s=0.0)  # replaced by with_stage_predictions
 
 
 def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = ComputeDtype.BF16,
@@ -37,38 +40,19 @@ def plan_single_stage(graph: OpGraph, mesh, *, dtype: str = ComputeDtype.BF16,
     names = tuple(n.name for n in graph.nodes)
     sol = solve_stage(graph, names, mesh.shape, mesh.axis_names, mesh.hardware, options,
                       devices_per_node=mesh.devices_per_node)
-    zero = 3 if any(sol.params.get(p) != op.inputs[k]
-                    for n, op in sol.ops.items()
-                    for k, p in enumerate(graph.node(n).inputs) if p in sol.params) else 0
+    zero = sol.zero
     stage = Stage(index=0, devices=tuple(range(mesh.num_devices)), mesh_shape=tuple(mesh.shape),
                   axis_names=tuple(mesh.axis_names), layers=(0, graph.num_layers),
                   nodes=(names[0], names[-1]), recompute=recompute, zero=zero,
-                  inputs=sol.inputs, params=sol.params, ops=sol.ops,
-                  predicted=StagePrediction(compute_s=sol.compute_s, comm_s=sol.comm_s,
-                                            memory=sol.memory))
+                  inputs=sol.inputs, params=sol.params, ops=sol.ops)
     training = training_config(graph, dtype=dtype, optimizer=optimizer)
     plan = Plan(model=model_info(graph), mesh=mesh_info(mesh), training=training,
-                stages=(stage,), predicted=_solver_estimate(sol, graph, mesh, training),
-                solver=sol.solver, graph=graph)
+                stages=(stage,), predicted=_UNPRICED, solver=sol.solver, graph=graph)
     # the cost model prices the chosen plan as it prices every other plan (manual_plan,
-    # estimate); the solver's own objective stays in solver.objective_s
+    # estimate); the solver priced it with the same parts, its objective in
+    # solver.objective_s (tests/test_one_pricer.py: equal within 1%)
     plan = with_stage_predictions(plan, graph)
     return replace(plan, wall_time_s=time.perf_counter() - start)
-
-
-def _solver_estimate(sol, graph: OpGraph, mesh, training) -> Estimate:
-    """The solver's own view of the step (kept for plans the cost model cannot price)."""
-    hw = mesh.hardware
-    step = sol.time_s
-    peak = sol.memory.total_gib
-    flops = hw.device.peak_flops(DTYPE_NAMES[training.dtype]) * mesh.num_devices
-    return Estimate(
-        step_time_s=step, peak_memory_gib=peak, memory_capacity_gib=hw.device.memory_gib,
-        fits=peak <= hw.device.memory_gib,
-        mfu=graph.train_flops / (step * flops) if step else 0.0,
-        tokens_per_s=training.global_batch * training.seq_len / step if step else 0.0,
-        breakdown={"compute": sol.compute_s, "comm": sol.comm_s, "bubble": 0.0},
-        memory=sol.memory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +145,7 @@ def _matching(group, stage) -> int:
                  if m in stage.ops)
         ok = ok and all(stage.params.get(p) == placement_str(s)
                         for p, s in zip(group.owned_params, c.storage))
+        ok = ok and (not group.owned_params or c.zero == stage.zero)  # the stage's ZeRO level
         if ok:
             return a
     return 0

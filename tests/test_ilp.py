@@ -38,7 +38,16 @@ def problems(draw):
                      for _ in range(cu))
         edges.append(ilp.IlpEdge(u, v, uc, vc, cost))
     limit = draw(st.one_of(st.none(), st.integers(0, 30)))
-    return ilp.IlpProblem(tuple(nodes), tuple(edges), limit)
+    # fixed charges (paid once if any member is chosen) and switches that exclude each other
+    flags = []
+    for i in range(draw(st.integers(0, 3))):
+        members = tuple(sorted({(v, draw(st.integers(0, len(nodes[v].cost) - 1)))
+                                for v in draw(st.lists(st.integers(0, n - 1), min_size=1,
+                                                       max_size=3))}))
+        flags.append(ilp.IlpFlag(f"f{i}", draw(st.integers(0, 30)), members))
+    conflicts = tuple((f, g) for f in range(len(flags)) for g in range(f + 1, len(flags))
+                      if draw(st.booleans()))
+    return ilp.IlpProblem(tuple(nodes), tuple(edges), limit, tuple(flags), conflicts)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

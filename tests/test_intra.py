@@ -61,13 +61,15 @@ def dp_graph():
     return _graph(model, 65536, 1024)
 
 
-def test_ample_memory_gives_data_parallel_with_one_all_reduce_per_parameter(dp_graph):
+def test_ample_memory_gives_data_parallel_with_one_flat_all_reduce(dp_graph):
+    """The graph engine all-reduces every gradient in one flat buffer (estimate's
+    ``RuntimeModel.flat_grad_sync``): one latency, not one per parameter."""
     sol = _solve(dp_graph, (8,))
     assert all(pl == ("R",) for pl in sol.params.values())
     for n in _linears(dp_graph):
         assert sol.ops[n.name].output == ("S(0)",)
-    expected = sum(collective_time_s(HW, Collective.ALL_REDUCE, p.numel * 4, 8)
-                   for p in dp_graph.params)
+    expected = collective_time_s(HW, Collective.ALL_REDUCE,
+                                 sum(p.numel * 4 for p in dp_graph.params), 8)
     assert sol.comm_s == pytest.approx(expected, rel=1e-9)
 
 

@@ -27,10 +27,8 @@ def pipeline_plan():
                                 microbatch_size=2)
 
 
-def with_stage_times(plan, times, microbatches, schedule):
-    stages = tuple(dataclasses.replace(
-        plan.stages[0], index=i, predicted=dataclasses.replace(
-            plan.stages[0].predicted, compute_s=t, comm_s=0.0)) for i, t in enumerate(times))
+def with_stages(plan, stages, microbatches, schedule):
+    stages = tuple(dataclasses.replace(plan.stages[0], index=i) for i in range(stages))
     return dataclasses.replace(plan, stages=stages, training=dataclasses.replace(
         plan.training, microbatches=microbatches, schedule=schedule))
 
@@ -41,8 +39,8 @@ def test_timeline_makespan_is_the_closed_form(pipeline_plan, schedule, stages, m
     """Equal stages of time t: (m + p - 1) t, idle (p - 1) / (m + p - 1) per stage
     (Narayanan et al. 2021, section 2.2), for GPipe and 1F1B alike."""
     t = 0.3
-    plan = with_stage_times(pipeline_plan, [t] * stages, microbatches, schedule)
-    blocks = timeline(plan)
+    plan = with_stages(pipeline_plan, stages, microbatches, schedule)
+    blocks = timeline(plan, [(0.1, 0.2)] * stages)
     assert len(blocks) == 2 * stages * microbatches
     end = max(b.end_s for b in blocks)
     assert end == pytest.approx((microbatches + stages - 1) * t)
@@ -53,6 +51,28 @@ def test_timeline_makespan_is_the_closed_form(pipeline_plan, schedule, stages, m
         assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(mine, mine[1:]))
         assert [(b.kind, b.microbatch) for b in mine] == stage_order(schedule, s, stages,
                                                                      microbatches)
+
+
+def test_timeline_passes_are_the_estimates_stage_costs(pipeline_plan):
+    """The drawn passes are the estimate's: each stage's forward plus backward is its
+    ``microbatch_s``, and each stage is drawn busy m x that (the report's former 1/3-2/3
+    split of the recorded compute + comm, which counted the per-step gradient sync in every
+    microbatch, is gone)."""
+    from meshplan.costmodel.estimate import plan_stage_costs
+    from meshplan.costmodel.hardware import HardwareProfile
+    from meshplan.report import pass_times
+
+    costs = plan_stage_costs(pipeline_plan, pipeline_plan.graph,
+                             HardwareProfile.from_dict(pipeline_plan.mesh.hardware))
+    times = pass_times(pipeline_plan, pipeline_plan.graph)
+    for (f, b), c in zip(times, costs):
+        assert f == pytest.approx(c.forward_s, rel=1e-12)
+        assert f + b == pytest.approx(c.microbatch_s, rel=1e-12)
+    blocks = timeline(pipeline_plan, times)
+    m = pipeline_plan.training.microbatches
+    for s, c in enumerate(costs):
+        busy = sum(b.end_s - b.start_s for b in blocks if b.stage == s)
+        assert busy == pytest.approx(m * c.microbatch_s, rel=1e-12)
 
 
 def test_1f1b_order_warms_up_then_alternates():

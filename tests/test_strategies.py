@@ -9,7 +9,7 @@ import pytest
 
 from meshplan.costmodel.hardware import load_preset
 from meshplan.graph import OpGraph, OpKind, OpNode, ParamInfo, TensorMeta
-from meshplan.planner.reshard import INF, AxisLinks, edge_s, grad_placement, transition_s
+from meshplan.planner.reshard import refused
 from meshplan.placements import P, R, placement_str
 from meshplan.planner.strategies import enumerate_strategies, follow, op_spec
 
@@ -126,20 +126,33 @@ def test_followers_map_dims_or_gather():
 
 
 def test_resharding_costs_follow_the_collectives():
-    hw = load_preset("dgx-a100-80gb")
-    links = AxisLinks(hw, (8,), 8)
+    """The ILP prices an edge with the estimate's own function (one pricer); DTensor's
+    refusals stay the planner's."""
     from meshplan.costmodel.comm import Collective, collective_time_s
+    from meshplan.costmodel.estimate import CollectivePrices, input_collectives
+    from meshplan.plan import Stage
+
+    hw = load_preset("dgx-a100-80gb")
+    coll = CollectivePrices(Stage(0, tuple(range(8)), (8,), ("d0",), (0, 0), ("", "")), hw,
+                            backend="nccl")
     nb = 1 << 20
-    assert transition_s(links, nb, (0,), (R,)) == collective_time_s(hw, Collective.ALL_GATHER, nb, 8)
-    assert transition_s(links, nb, (P,), (R,)) == collective_time_s(hw, Collective.ALL_REDUCE, nb, 8)
-    assert transition_s(links, nb, (P,), (1,)) == collective_time_s(hw, Collective.REDUCE_SCATTER, nb, 8)
-    assert transition_s(links, nb, (R,), (0,)) == 0.0
-    assert transition_s(links, nb, (0,), (P,)) == INF  # DTensor cannot: pruned
-    assert transition_s(links, nb, (R,), (P,)) == INF  # DTensor.redistribute refuses it
+
+    def fwd_bwd(src, dst, out=("R",)):
+        return sum(f for _, f, _ in input_collectives(coll, (8,), nb, src, dst, out, grad=True)), \
+            sum(b for _, _, b in input_collectives(coll, (8,), nb, src, dst, out, grad=True))
+
+    ag = collective_time_s(hw, Collective.ALL_GATHER, nb, 8)
+    ar = min(collective_time_s(hw, Collective.ALL_REDUCE, nb, 8),
+             collective_time_s(hw, Collective.ALL_REDUCE, nb, 8, tree=True))
+    rs = collective_time_s(hw, Collective.REDUCE_SCATTER, nb, 8)
+    assert fwd_bwd(("S(0)",), ("R",)) == (ag, rs)
+    assert fwd_bwd(("P",), ("R",)) == (ar, 0.0)
+    assert fwd_bwd(("P",), ("S(1)",)) == (rs, ag)
+    assert fwd_bwd(("R",), ("S(0)",)) == (0.0, ag)
     # Megatron's f: identity forward, all-reduce of the partial input grad backward
-    g = grad_placement((R,), (1,))
-    assert g == (P,)
-    assert edge_s(links, nb, (R,), (R,), g) == collective_time_s(hw, Collective.ALL_REDUCE, nb, 8)
+    assert fwd_bwd(("R",), ("R",), out=("S(1)",)) == (0.0, ar)
+    assert refused((0,), (P,)) and refused((R,), (P,))  # DTensor cannot / refuses
+    assert not refused((P,), (R,)) and not refused((0,), (R,))
 
 
 _DTENSOR_SCRIPT = textwrap.dedent("""
