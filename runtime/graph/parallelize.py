@@ -38,6 +38,7 @@ from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
 from meshplan.plan import Plan, Stage
 from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
+from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 from meshplan.vocabulary import ComputeDtype
 from meshplan.placements import REPLICATE, shard
@@ -240,7 +241,7 @@ class TracedProgram:
 
 
 @dataclass
-class ParallelModel:
+class ParallelModel(GraphEngine):
     """A model placed on its mesh per the plan; ``train_step`` runs one optimizer step."""
 
     plan: Plan

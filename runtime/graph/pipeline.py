@@ -59,6 +59,7 @@ from meshplan.runtime.graph.parallelize import (data_parallel_axes, meta_copy, p
 from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
 from meshplan.runtime import loss_weights
 from meshplan.runtime.graph import lowering, zero
+from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
 from meshplan.placements import REPLICATE
 
@@ -298,7 +299,7 @@ class _MicrobatchMean:
 
 
 @dataclass
-class PipelineModel:
+class PipelineModel(GraphEngine):
     """A model split into pipeline stages per the plan; ``train_step`` runs one optimizer step."""
 
     plan: Plan
