@@ -185,7 +185,7 @@ class ParallelRun:
                 key = f"{prefix}{name}"
                 state.set_full(key, t.detach(), tensors, self._aliases)
                 self._uninitialized.difference_update(self._aliases.get(key, [key]))
-                done.add(key)
+                done.update(self._aliases.get(key, [key]))
             if was_meta:
                 module.to_empty(device="meta", recurse=False)
         self.engine.after_load(done)

@@ -136,5 +136,5 @@ def load_full_state_dict(engine, state: Mapping[str, torch.Tensor] | None, *,
             dist.broadcast(wire, src=0)
             full = wire
         set_full(key, full, tensors, names)
-    engine.after_load(set(keys))
+    engine.after_load({a for k in keys for a in (names or {}).get(k, [k])})
     return keys
