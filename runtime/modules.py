@@ -244,7 +244,8 @@ class ModuleEngineBase:
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every gradient as a full tensor, by FQN, from every stage (tests, debugging)."""
-        local = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).cpu()
+        local = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor)
+                                else p.grad).cpu()
                  for n, p in self.named_parameters().items() if p.grad is not None}
         return state.gather_stages(self.plan, local)
 
