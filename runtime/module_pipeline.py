@@ -270,7 +270,7 @@ def broadcast_from_last(out: torch.Tensor | None, group, device) -> torch.Tensor
 
 class PipelineModuleEngine(ModuleEngineBase):
     """A multi-stage plan on stage modules cut from ``model`` (this rank's stages only), run by
-    a torch.distributed.pipelining schedule; the ModuleEngine interface."""
+    a torch.distributed.pipelining schedule; runtime/engine.py's ``Engine`` (ModuleEngineBase)."""
 
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):

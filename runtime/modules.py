@@ -259,7 +259,7 @@ class ModuleEngineBase:
 
 class ModuleEngine(ModuleEngineBase):
     """A single-stage plan applied to ``model`` in place with parallelize_module,
-    checkpoint_wrapper and fully_shard; the interface meshplan.parallelize returns."""
+    checkpoint_wrapper and fully_shard; runtime/engine.py's ``Engine`` (ModuleEngineBase)."""
 
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):

@@ -190,7 +190,6 @@ class ParallelRun:
                 module.to_empty(device="meta", recurse=False)
         self.engine.after_load(done)
 
-
     # -- helpers ---------------------------------------------------------------------------
     def _check_initialized(self) -> None:
         if self._uninitialized:

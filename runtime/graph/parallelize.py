@@ -36,7 +36,7 @@ from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
-from meshplan.runtime import loss_weights
+from meshplan.runtime import loss_weights, state
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
@@ -424,8 +424,8 @@ class ParallelModel(GraphEngine):
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered to a full tensor, by FQN (for tests and
-        checkpoints)."""
-        return {name.removeprefix(WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
+        checkpoints): runtime/state.py's path."""
+        return state.full_state_dict(self)
 
 
 def parallelize_graph(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,

@@ -57,7 +57,7 @@ from meshplan.schedules import Schedule, virtual_stages_for
 from meshplan.runtime.graph.parallelize import (data_parallel_axes, meta_copy, place_tensor,
                                           runnable_graph_module, sharded_over)
 from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
-from meshplan.runtime import loss_weights
+from meshplan.runtime import loss_weights, state
 from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
@@ -434,25 +434,17 @@ class PipelineModel(GraphEngine):
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered to a full tensor on every rank, by FQN (for
-        tests, checkpoints)."""
-        return self._gather(lambda p: p)
+        tests, checkpoints): runtime/state.py's path."""
+        return state.full_state_dict(self)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return self._gather(lambda p: self.masters[id(p)].grad if id(p) in self.masters
-                            else p.grad)
-
-    def _gather(self, pick) -> dict[str, torch.Tensor]:
         mine = {}
-        for name in sorted(self.params):
-            value = pick(self.params[name])
-            if value is not None:  # full_tensor is a collective over the stage mesh
-                mine[name] = value.full_tensor().detach().cpu()
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        out = {}
-        for part in everyone:
-            out.update(part)
-        return out
+        for name in sorted(self.params):  # full_tensor is a collective over the stage mesh
+            p = self.params[name]
+            grad = self.masters[id(p)].grad if id(p) in self.masters else p.grad
+            if grad is not None:
+                mine[name] = grad.full_tensor().detach().cpu()
+        return state.gather_stages(self.plan, mine)
 
 
 def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
