@@ -106,9 +106,9 @@ def collective_device() -> torch.device:
     return torch.device("cpu")
 
 
-def data_parallel_axes(plan: Plan) -> tuple[int, ...]:
-    """Mesh axes the batch is split over: the first graph input's S(0) axes."""
-    stage = plan.stages[0]
+def data_parallel_axes(stage) -> tuple[int, ...]:
+    """Mesh axes of a plan's ``stage`` the batch is split over: the first graph input's S(0)
+    axes (the same on every stage)."""
     if not stage.inputs:
         return ()
     first = next(iter(stage.inputs.values()))
@@ -129,7 +129,7 @@ def data_parallel_coordinate(plan: Plan, rank: int) -> tuple[int, int]:
     stage = plan.stages[0]
     coords = _mesh_coords(rank % len(stage.devices), stage.mesh_shape)
     dp_rank, dp_size = 0, 1
-    for a in data_parallel_axes(plan):
+    for a in data_parallel_axes(stage):
         dp_rank = dp_rank * stage.mesh_shape[a] + coords[a]
         dp_size *= stage.mesh_shape[a]
     return dp_rank, dp_size
@@ -149,4 +149,4 @@ def split_over_dp(plan: Plan, record: dict, placements: dict | None = None) -> b
     (else every rank passes it whole)."""
     pl = (placements if placements is not None else input_placements(plan)).get(
         record["name"], ())
-    return any(a < len(pl) and pl[a] == shard(0) for a in data_parallel_axes(plan))
+    return any(a < len(pl) and pl[a] == shard(0) for a in data_parallel_axes(plan.stages[0]))

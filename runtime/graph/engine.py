@@ -97,7 +97,7 @@ class GraphEngine:
         out = self._eval_program(records)(*batch)
         if not isinstance(out, DTensor):
             return out
-        mesh, dp_axes = out.device_mesh, data_parallel_axes(self.plan)
+        mesh, dp_axes = out.device_mesh, data_parallel_axes(self.plan.stages[0])
         target = [Shard(0) if a in dp_axes else Replicate() for a in range(mesh.ndim)]
         names = tuple(mesh.mesh_dim_names or ())
         cp = out.placements[names.index("cp")] if "cp" in names else None
@@ -166,7 +166,7 @@ class GraphEngine:
             if self.plan.num_stages > 1:
                 from meshplan.runtime.graph.pipeline import eval_pipeline
                 self._eval = eval_pipeline(self, self._pristine, meta,
-                                           data_parallel_axes(self.plan),
+                                           data_parallel_axes(self.plan.stages[0]),
                                            loss_fn=self._loss_fn, signature=sig)
             else:
                 self._eval = self._eval_forward(records, meta, sig)

@@ -38,6 +38,7 @@ from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
 from meshplan.plan import Plan, Stage
 from meshplan.runtime import loss_weights, state
 from meshplan.runtime.graph import lowering, zero
+from meshplan.runtime.engine import data_parallel_axes  # noqa: F401 (re-exported)
 from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 from meshplan.vocabulary import ComputeDtype
@@ -208,14 +209,6 @@ def _make_runnable(gm: torch.fx.GraphModule, device_type: str) -> None:
 def _sdpa_dropout(node: torch.fx.Node) -> bool:
     p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
     return bool(p)
-
-
-def data_parallel_axes(stage: Stage) -> tuple[int, ...]:
-    """Mesh axes the batch is split over: the first graph input's S(0) axes."""
-    if not stage.inputs:
-        return ()
-    first = next(iter(stage.inputs.values()))
-    return tuple(i for i, p in enumerate(first) if p == shard(0))
 
 
 def sharded_over(placements: Sequence[str], axes: Sequence[int]) -> tuple[str, ...]:

@@ -521,16 +521,6 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _aliases(model: nn.Module) -> dict[str, list[str]]:
-    """FQN -> every FQN naming the same tensor (tied weights), in model order."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    for name, b in model.named_buffers(remove_duplicate=False):
-        by_id.setdefault(id(b), []).append(name)
-    return {name: names for names in by_id.values() for name in names}
-
-
 def _lifted_constants(gm: fx.GraphModule) -> frozenset[str]:
     """get_attr targets that are neither parameters nor buffers: tensor constants the export
     lifted (Falcon's index tensors), kept on the graph module as traced."""
@@ -557,7 +547,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
     real = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     real.update(buffers)
-    aliases = _aliases(model)
+    aliases = state.aliases(model)
     placed: dict[int, nn.Parameter] = {}
     params: dict[str, nn.Parameter] = {}
     zero_of: dict[int, int] = {}
@@ -666,7 +656,7 @@ def _tie_groups(model, plan: Plan, pieces: list[StageGraph], params: dict,
     alike, else the placement (data-parallel axes unsharded) the sum is taken in.
 
     Every rank creates every group in the same order (``new_group`` is collective)."""
-    aliases = _aliases(model)
+    aliases = state.aliases(model)
     trained = {name for name, p in model.named_parameters(remove_duplicate=False)
                if p.requires_grad}
     owners: dict[str, set[int]] = {}
