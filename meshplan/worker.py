@@ -107,8 +107,9 @@ def main(argv=None) -> int:
         schedule = warmup_schedule(optimizer, args.warmup, first)
         norms: list[float] = []
         if args.clip > 0:  # after the runtime's gradient sync, before the update
+            engine = pm.run.engine if isinstance(pm, ModuleWorkerModel) else pm
             optimizer.register_step_pre_hook(
-                lambda *_: norms.append(clip_grad_norm_(pm, args.clip)))
+                lambda *_: norms.append(clip_grad_norm_(engine, args.clip)))
         batches = batch_source(args, plan, loaded, rank)
         losses, times, lrs = [], [], []
         tensor_peak = 0.0
@@ -227,8 +228,8 @@ def _weighted_step(pm, plan: Plan, signature, batch, optimizer, rank: int) -> fl
 class ModuleWorkerModel:
     """A plan whose engine is "modules" (PyTorch's composables) behind the interface this
     worker drives the graph engine with: ``train_step(global batch, optimizer)``,
-    ``optimizer_params()``, ``named_buffers()``, ``unique_params()`` (runtime/checkpoint.py,
-    grad_clip.py and memory_probe.py read those). Each rank takes its data-parallel rows."""
+    ``optimizer_params()``, ``named_buffers()``, ``unique_params()`` (runtime/checkpoint.py
+    and memory_probe.py read those; clipping takes ``run.engine``). Each rank takes its data-parallel rows."""
 
     def __init__(self, model, plan: Plan, loss_fn=None, signature=None):
         from meshplan.runtime.run import parallelize as public_parallelize
@@ -267,7 +268,7 @@ class ModuleWorkerModel:
 
     def named_buffers(self) -> dict:
         params = set(self.run.named_parameters())
-        return {n: t for n, t in self.run.engine.named_tensors().items()
+        return {n: t for n, t in self.run.engine.state_tensors().items()
                 if n not in params and not isinstance(t, nn.Parameter)}
 
 

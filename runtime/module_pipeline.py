@@ -23,8 +23,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
@@ -34,9 +32,9 @@ from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
 from meshplan.schedules import virtual_stages_for
 from meshplan.runtime import cp_modules, loss_weights
-from meshplan.runtime.modules import (_dp_cp_mesh, apply_ac, apply_fsdp, apply_tp, clean_fqn,
-                                      compile_blocks,
-                                      grad_norm, to_empty_keeping_ties)
+from meshplan.runtime.modules import (ModuleEngineBase, _dp_cp_mesh, apply_ac, apply_fsdp,
+                                      apply_tp, clean_fqn, compile_blocks,
+                                      to_empty_keeping_ties)
 from meshplan.runtime.graph.pipeline import TORCH_SCHEDULES
 from meshplan.tracing import find_block_paths, next_token_loss
 from meshplan.vocabulary import Recompute
@@ -270,9 +268,9 @@ def broadcast_from_last(out: torch.Tensor | None, group, device) -> torch.Tensor
 
 # -- the engine ------------------------------------------------------------------------------
 
-class PipelineModuleEngine:
+class PipelineModuleEngine(ModuleEngineBase):
     """A multi-stage plan on stage modules cut from ``model`` (this rank's stages only), run by
-    a torch.distributed.pipelining schedule; the ModuleEngine interface."""
+    a torch.distributed.pipelining schedule; runtime/engine.py's ``Engine`` (ModuleEngineBase)."""
 
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):
@@ -454,89 +452,15 @@ class PipelineModuleEngine:
             m.train(mode)
         return self
 
-    def eval(self) -> "PipelineModuleEngine":
-        return self.train(False)
-
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return {clean_fqn(n.removeprefix(_ROOT)): p for m in self.modules
                 for n, p in m.named_parameters() if p.requires_grad}
 
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {clean_fqn(n.removeprefix(_ROOT)): t for m in self.modules
-                for n, t in [*m.named_parameters(remove_duplicate=False),
-                             *m.named_buffers(remove_duplicate=False)]}
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self.named_parameters().values())
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Global norm over this stage's dp x tp shards (torch's get_total_norm per DTensor
-        layout) and then over the pipeline stages (summed p-th powers; max for inf)."""
-        local = grad_norm(self.parameters(), norm_type, self.device)  # this stage's
-        if norm_type == float("inf"):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.pp_group)
-            total = local
-        else:
-            power = local.double() ** norm_type
-            dist.all_reduce(power, group=self.pp_group)
-            total = (power ** (1.0 / norm_type)).to(local.dtype)
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach=False)
-        return total
-
-    # -- state -----------------------------------------------------------------------------
-    def _gather(self, local: dict) -> dict:
-        """Merge every pipeline stage's entries (each rank holds only its own stages)."""
-        parts = [None] * dist.get_world_size(self.pp_group)
-        dist.all_gather_object(parts, {k: v.cpu() for k, v in local.items()}, group=self.pp_group)
-        out = {}
-        for part in parts:
-            out.update(part)
-        return out
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors of every stage under the model's own FQNs, buffers included."""
-        local = {}
-        for m in self.modules:
-            sd = get_model_state_dict(m, options=StateDictOptions(full_state_dict=True))
-            local.update({k.removeprefix(_ROOT): v for k, v in sd.items()})
-            for name, buf in m.named_buffers():
-                local.setdefault(clean_fqn(name.removeprefix(_ROOT)), buf.detach().clone())
-        return self._gather(local)
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        local = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-                 for n, p in self.named_parameters().items() if p.grad is not None}
-        return self._gather(local)
-
-    def load_full_state_dict(self, sd: dict, *, broadcast_from_rank0: bool = False) -> None:
-        """Each stage loads its own entries of the full state dict (every rank passes it, or
-        rank 0 with ``broadcast_from_rank0``: then it is broadcast whole first)."""
-        if broadcast_from_rank0:
-            holder = [sd if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(holder, src=0)
-            sd = holder[0]
-        for m in self.modules:
-            # a list: set order differs between processes (string hashing), and the loads
-            # below are collectives that must run in one order on every rank
-            persistent = [k.removeprefix(_ROOT) for k in get_model_state_dict(m)]
-            set_model_state_dict(m, {_ROOT + k: sd[k] for k in persistent if k in sd},
-                                 options=StateDictOptions(full_state_dict=True, strict=True))
-            with torch.no_grad():
-                for name, buf in m.named_buffers():
-                    key = clean_fqn(name.removeprefix(_ROOT))
-                    if key in sd and key not in persistent:
-                        buf.copy_(sd[key])
-        self._unset_buffers -= set(sd)
+    def _state_modules(self) -> list[tuple[str, nn.Module]]:
+        return [(_ROOT, m) for m in self.modules]
 
     def init_weights(self, fn) -> None:
         with torch.no_grad():
             for m in self.modules:
                 fn(m.module)
         self._unset_buffers.clear()
-
-    def _check_buffers(self) -> None:
-        if self._unset_buffers:
-            name = sorted(self._unset_buffers)[0]
-            raise PlanFileError(f"buffer {name} of the meta-built model has no value; pass it "
-                                "to load_full_state_dict (full_state_dict() includes it) or "
-                                "call init_weights(fn)")

@@ -28,10 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # private: torchtitan's
     checkpoint_wrapper)                                                    # choice, no public twin
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     set_model_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -40,9 +38,9 @@ from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.runtime import cp_modules
 from meshplan.plan import Plan
-from meshplan.runtime import loss_weights
+from meshplan.runtime import loss_weights, state
 from meshplan.tracing import find_repeated_blocks, next_token_loss
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import Engine as EngineName, Recompute
 from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
 from meshplan.runtime.module_plan import (_axes, _call, check_model,  # noqa: F401
                                           module_engine_refusal, tp_styles)  # re-exported
@@ -174,33 +172,94 @@ def to_empty_keeping_ties(model: nn.Module, device: torch.device) -> None:
             setattr(mod, name, first)
 
 
-def grad_norm(params, norm_type: float, device) -> torch.Tensor:
-    """The norm of the gradients of ``params`` over every rank that holds a shard of them:
-    gradients on one DTensor layout are normed together (torch's get_total_norm reduces
-    over their mesh), then the layouts' norms combined."""
-    groups: dict = {}
-    for p in params:
-        if p.grad is not None:
-            g = p.grad
-            key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
-            groups.setdefault(key, []).append(g)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=False)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms \
-        else torch.zeros((), device=device)
-
-
 def _zero_loss(out) -> torch.Tensor:
     out = getattr(out, "logits", out)
     out = out.full_tensor() if isinstance(out, DTensor) else out
     return out.float().sum() * 0.0
 
 
-class ModuleEngine:
+def build(model: nn.Module, plan: Plan, *, loss_fn=None, compile: bool = False):
+    """The module engine for ``plan`` on ``model``, parallelized in place: ``ModuleEngine``
+    for one stage, ``PipelineModuleEngine`` (runtime/module_pipeline.py) for several."""
+    if plan.num_stages > 1:
+        from meshplan.runtime.module_pipeline import PipelineModuleEngine
+        return PipelineModuleEngine(model, plan, loss_fn=loss_fn, compile=compile)
+    return ModuleEngine(model, plan, loss_fn=loss_fn, compile=compile)
+
+
+class ModuleEngineBase:
+    """runtime/engine.py's ``Engine`` for the module engine's classes (``ModuleEngine``
+    here, ``PipelineModuleEngine`` in runtime/module_pipeline.py), and the calls they share:
+    the one clipping (runtime/grad_clip.py) and the one state path (runtime/state.py)."""
+
+    name = EngineName.MODULES.value
+
+    def compute_grads(self, args: tuple, kwargs: dict, targets: tuple,
+                      labels: torch.Tensor | None) -> float:
+        return self.train_step(args, kwargs, targets, labels=labels)
+
+    def eval(self):
+        return self.train(False)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.named_parameters().values())
+
+    def optimizer_params(self) -> dict[str, nn.Parameter]:
+        return self.named_parameters()
+
+    def tied_elsewhere(self) -> set[int]:
+        return set()  # a weight shared by two pipeline stages is refused (module_pipeline.py)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters (every alias) and buffers by the model's FQNs, as placed; FSDP's
+        sharded parameters registered (an eval forward may leave them unsharded)."""
+        out = {}
+        for prefix, module in self._state_modules():
+            for m in module.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+            for n, t in [*module.named_parameters(remove_duplicate=False),
+                         *module.named_buffers(remove_duplicate=False)]:
+                out[clean_fqn(n.removeprefix(prefix))] = t
+        return out
+
+    def sync_weights(self) -> None:
+        pass  # the optimizer steps the parameters themselves
+
+    def after_load(self, names: set[str]) -> None:
+        self._unset_buffers -= set(names)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        from meshplan.runtime.grad_clip import clip_grad_norm_
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the model's own FQNs, every buffer included."""
+        return state.full_state_dict(self)
+
+    def load_full_state_dict(self, sd: dict | None, *, broadcast_from_rank0: bool = False) -> None:
+        """Load full tensors (every rank passes them, or rank 0 only with
+        ``broadcast_from_rank0``), non-persistent buffers included."""
+        state.load_full_state_dict(self, sd, broadcast_from_rank0=broadcast_from_rank0)
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every gradient as a full tensor, by FQN, from every stage (tests, debugging)."""
+        local = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor)
+                                else p.grad).cpu()
+                 for n, p in self.named_parameters().items() if p.grad is not None}
+        return state.gather_stages(self.plan, local)
+
+    def _check_buffers(self) -> None:
+        if self._unset_buffers:
+            name = sorted(self._unset_buffers)[0]
+            raise PlanFileError(f"buffer {name} of the meta-built model has no value; pass it "
+                                "to load_full_state_dict (full_state_dict() includes it) or "
+                                "call init_weights(fn)")
+
+
+class ModuleEngine(ModuleEngineBase):
     """A single-stage plan applied to ``model`` in place with parallelize_module,
-    checkpoint_wrapper and fully_shard; the interface meshplan.parallelize returns."""
+    checkpoint_wrapper and fully_shard; runtime/engine.py's ``Engine`` (ModuleEngineBase)."""
 
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):
@@ -341,73 +400,14 @@ class ModuleEngine:
         self.model.train(mode)
         return self
 
-    def eval(self) -> "ModuleEngine":
-        return self.train(False)
-
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return {n: p for n, p in self.model.named_parameters() if p.requires_grad}
 
-    def named_tensors(self) -> dict[str, torch.Tensor]:
-        return {clean_fqn(n): t for n, t in [*self.model.named_parameters(remove_duplicate=False),
-                                          *self.model.named_buffers(remove_duplicate=False)]}
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale gradients so that their global norm is at most ``max_norm``; returns the norm
-        before clipping. Gradients on one DTensor layout are normed together (torch's
-        get_total_norm), then the groups' norms combined."""
-        total = grad_norm(self.parameters(), norm_type, self.device)
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, total, foreach=False)
-        return total
-
-    # -- state -----------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full tensors under the model's own FQNs, persistent and non-persistent buffers."""
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        for name, buf in self.model.named_buffers():
-            sd.setdefault(clean_fqn(name), buf.detach().clone())
-        return sd
-
-    def full_grads(self) -> dict[str, torch.Tensor]:
-        """Every gradient as a full tensor, by FQN (for tests and debugging)."""
-        return {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-                for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def load_full_state_dict(self, sd: dict, *, broadcast_from_rank0: bool = False) -> None:
-        """Load full tensors (every rank passes them, or rank 0 only with
-        ``broadcast_from_rank0``); non-persistent buffers in ``sd`` are copied too."""
-        persistent = set(get_model_state_dict(self.model).keys())
-        extra = {clean_fqn(n) for n, _ in self.model.named_buffers()} - persistent
-        if broadcast_from_rank0:  # torch's loader broadcasts only the state_dict's entries
-            # pickled as CPU copies: a CUDA tensor would unpickle onto cuda:0 on every rank
-            holder = [{k: v.detach().cpu() for k, v in sd.items() if k in extra}
-                      if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(holder, src=0)
-            sd = {**sd, **holder[0]}
-        # strict: a missing weight or an unknown name raises (torch's message names it)
-        set_model_state_dict(self.model, {k: v for k, v in sd.items() if k not in extra},
-                             options=StateDictOptions(full_state_dict=True,
-                                                      broadcast_from_rank0=broadcast_from_rank0,
-                                                      strict=not broadcast_from_rank0))
-        given = {n for n in extra if n in sd}
-        with torch.no_grad():
-            for name, buf in self.model.named_buffers():
-                if clean_fqn(name) not in given:
-                    continue
-                buf.copy_(sd[clean_fqn(name)])
-        self._unset_buffers -= set(sd) | persistent
+    def _state_modules(self) -> list[tuple[str, nn.Module]]:
+        return [("", self.model)]
 
     def init_weights(self, fn) -> None:
         """``fn(model)`` under no_grad: initialise a meta-built model's local shards."""
         with torch.no_grad():
             fn(self.model)
         self._unset_buffers.clear()
-
-    def _check_buffers(self) -> None:
-        if self._unset_buffers:
-            name = sorted(self._unset_buffers)[0]
-            raise PlanFileError(f"buffer {name} of the meta-built model has no value; pass it "
-                                "to load_full_state_dict (full_state_dict() includes it) or "
-                                "call init_weights(fn)")

@@ -2,120 +2,78 @@
 user's own training loop drives, under torchrun, on any number of nodes.
 
 trace -> cost -> solve -> plan -> **run**. This module is the seam between a user's loop and
-the engines: it rebuilds the call the plan was made for (``plan.model.inputs``), places the
-model (only local shards get memory when it was built on the meta device), and turns each
-rank's data-parallel shard of a batch into what the engine reads. It checks every step's
-data against the plan, and gives the user's stock optimizer the tensors to step
-(``parameters()``), a global gradient-norm clip over every rank and stage, a forward-only
-call, and full state dicts under the model's own names.
+the engines: it rebuilds the call the plan was made for (``plan.model.inputs``), checks every
+step's data against it (shapes, dtypes, and that ranks sharing a data-parallel coordinate
+pass the same rows), counts the labelled targets of the global batch
+(runtime/loss_weights.py), and gives the user's stock optimizer the tensors to step
+(``parameters()``), a global gradient-norm clip over every rank and stage
+(runtime/grad_clip.py), a forward-only call, and full state dicts under the model's own
+names (runtime/state.py). Only each rank's shards get memory when the model was built on
+the meta device.
 
-Engines: the graph engine (runtime/graph/parallelize.py one stage, runtime/graph/pipeline.py several)
-runs every plan the planner emits; the module engine on PyTorch's composables
-(runtime/modules.py) takes the plans it can express (``plan.engine``).
-
-Data layout: rank ``r`` of the data-parallel group holds rows ``[r*B/dp, (r+1)*B/dp)`` of the
-global batch in the user's view; the plan's microbatch ``j`` is the ``j``-th chunk of every
-rank's shard. Which rows meet in a microbatch does not change the loss or the gradients
-(every microbatch has the same size and the loss is a mean).
+Engines: one ``ParallelRun`` drives any engine through the interface of runtime/engine.py.
+The plan says which (``plan.engine``): the module engine on PyTorch's composables
+(runtime/modules.py one stage, runtime/module_pipeline.py several) for the plans it can
+express, the graph engine (runtime/graph/) for every plan the planner emits. Each rank
+passes its data-parallel shard of the batch (runtime/engine.py says which rows).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from meshplan.errors import MeshplanError, NotSupportedError, PlanFileError
-from meshplan.plan import Plan
-from meshplan.runtime import loss_weights
 from meshplan.graph import CallSignature
+from meshplan.plan import Plan
+from meshplan.runtime import loss_weights, state
+from meshplan.runtime.engine import (TENSOR_DTYPES, DataError, collective_device,  # noqa: F401
+                                     data_parallel_coordinate, input_placements, plan_call,
+                                     split_over_dp)  # re-exported: the worker, meshplan
+from meshplan.tracing import flatten_call, unflatten_call
 from meshplan.vocabulary import ENGINES, Engine
-from meshplan.placements import REPLICATE, shard
-from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph, flatten_call,
-                                    unflatten_call)
-
-
-class DataError(MeshplanError):
-    """A training step's data does not match the plan (shape, dtype, or ranks that must
-    hold the same data do not)."""
-
-
-_TENSOR_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-                  "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
-                  "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-                  "bool": torch.bool}
-
-
-def plan_call(plan: Plan) -> tuple[CallSignature, list[dict]]:
-    """The call the plan was made for: its signature and one record per flat input. A plan
-    written before inputs were recorded is a language model on token ids (batch x seq)."""
-    records = [dict(r) for r in plan.model.inputs]
-    if not records:
-        records = [{"name": "inputs_0", "role": "arg", "key": "0", "dtype": "int64",
-                    "shape": [plan.training.global_batch, plan.training.seq_len]}]
-    sig = CallSignature(num_args=sum(r["role"] == "arg" for r in records),
-                        kwarg_names=tuple(r["key"] for r in records if r["role"] == "kwarg"),
-                        num_targets=sum(r["role"] == "target" for r in records))
-    return sig, records
-
-
-def collective_device() -> torch.device:
-    """Where a tensor must live for the default process group's collectives: the current
-    GPU under NCCL (which has no CPU tensors), the CPU under gloo."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _mesh_coords(index: int, shape: Sequence[int]) -> list[int]:
-    coords = []
-    for size in reversed(tuple(shape)):
-        coords.append(index % size)
-        index //= size
-    return coords[::-1]
 
 
 class ParallelRun:
-    """A model parallelized in place by a plan; see ``meshplan.parallelize``."""
+    """A model parallelized in place by a plan; see ``meshplan.parallelize``. ``engine`` is
+    any runtime/engine.py ``Engine``."""
 
     def __init__(self, engine, plan: Plan, model: nn.Module, *, loss_fn=None,
-                 uninitialized: set[str] | None = None, pristine: nn.Module | None = None):
-        self.engine = engine  # ParallelModel or PipelineModel (graph engine)
+                 uninitialized: set[str] | None = None, pristine: nn.Module):
+        self.engine = engine
         self.plan = plan
         self.loss_fn = loss_fn
         self.signature, self.records = plan_call(plan)
-        self._model = model  # the user's module: its names and state_dict keys
-        from meshplan.runtime.graph.parallelize import meta_copy
-        # init_weights builds full tensors from a meta copy of the model as the user built it
-        self._pristine = pristine if pristine is not None else meta_copy(model)
+        self._model = model  # the user's module
+        # a meta copy of the model as the user built it: its names, state_dict keys and ties;
+        # init_weights builds full tensors from it
+        self._pristine = pristine
         self._training = True
         self._checked = False
-        self._masters_stale = False
-        self._forward = None
         self._uninitialized = set(uninitialized or ())
-        self._aliases = _aliases(self._pristine)
-        self._dp_axes = _data_parallel_axes(plan)
+        self._aliases = state.aliases(pristine)
+        self._placements = input_placements(plan)
         self.dp_rank, self.dp_size = data_parallel_coordinate(plan, dist.get_rank())
-        self._placements = _input_placements(plan)
 
     # -- what the user's loop calls ------------------------------------------------------
     @property
     def engine_name(self) -> str:
-        return Engine.GRAPH.value
+        return self.engine.name
 
     def parameters(self) -> list[nn.Parameter]:
-        """What a stock torch optimizer steps on this rank (DTensor shards; with ZeRO-1/2 the
-        fp32 master shards)."""
+        """What a stock torch optimizer steps on this rank (DTensor shards; with the graph
+        engine's ZeRO-1/2 the fp32 master shards)."""
         return list(self.engine.optimizer_params().values())
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return dict(self.engine.optimizer_params())
 
     def train(self, mode: bool = True) -> "ParallelRun":
+        self.engine.train(mode)
         self._training = mode
         return self
 
@@ -135,34 +93,19 @@ class ParallelRun:
             raise NotSupportedError("train_step in eval mode: call run.train() first")
         self._check_initialized()
         flat = self._flat(inputs, targets, with_targets=True)
-        self._refresh_masters()
+        self.engine.sync_weights()
         for p in self.parameters():
             if p.grad is not None:
                 raise DataError("gradients of the previous step are still there: call "
                                 "optimizer.zero_grad() after optimizer.step() (the plan's "
                                 f"{self.plan.training.microbatches} microbatch(es) are "
                                 "accumulated inside train_step)")
-        labels = None
-        first = next((i for i, r in enumerate(self.records) if r["role"] == "target"), None)
-        if first is not None:  # each microbatch weighed by its labelled targets
-            labels = loss_weights.label_counts(flat[first], self.plan.training.microbatches,
-                                               dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                               device=_engine_device(self.engine))
-            if labels is not None:
-                flat = list(flat)
-                flat[first] = loss_weights.guard_empty(flat[first], labels, self.dp_rank)
-        batch = tuple(self._global(x, r) for x, r in zip(flat, self.records))
-        out = self.engine.forward_backward(batch, labels=labels, dp_rank=self.dp_rank) \
-            if labels is not None else self.engine.forward_backward(batch)
-        loss, finite = out if isinstance(out, tuple) else (out, True)
-        if not finite:  # fp16 overflow: no parameter has a gradient, so the step is a no-op
-            for p in self.parameters():
-                p.grad = None
-            if dist.get_rank() == 0:
-                warnings.warn("fp16 gradients overflowed: this step's gradients were dropped",
-                              stacklevel=2)
-        self._masters_stale = True
-        return loss
+        args, kwargs, targets = unflatten_call(flat, self.signature)
+        # each microbatch weighed by its labelled targets over the global batch
+        labels = loss_weights.label_counts(
+            targets[0] if targets else None, self.plan.training.microbatches,
+            dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.engine.device)
+        return self.engine.compute_grads(args, kwargs, targets, labels)
 
     def __call__(self, inputs):
         """Forward only (eval): the model's outputs for this rank's shard, laid out like the
@@ -171,26 +114,16 @@ class ParallelRun:
             raise NotSupportedError("call run.eval() before a forward-only call; train_step "
                                     "is the training forward")
         self._check_initialized()
-        self._refresh_masters()
+        self.engine.sync_weights()
         flat = self._flat(inputs, (), with_targets=False)
-        records = [r for r in self.records if r["role"] != "target"]
-        if self.plan.num_stages > 1:  # every microbatch through the stages, forward only
-            batch = tuple(self._global(x, r) for x, r in zip(flat, records))
-            return self._eval_pipeline(records)(batch)
-        batch = tuple(self._global(x, r, microbatches=1) for x, r in zip(flat, records))
-        out = self._forward_program(records)(*batch)
-        if not isinstance(out, DTensor):
-            return out
-        from meshplan.runtime.graph.context import natural_order
-
-        mesh = out.device_mesh
-        target = [Shard(0) if a in self._dp_axes else Replicate() for a in range(mesh.ndim)]
-        local = out.redistribute(placements=target).to_local()
-        return natural_order(local, out.placements, mesh)  # from the load-balanced layout
+        args, kwargs, _ = unflatten_call(flat, CallSignature(self.signature.num_args,
+                                                             self.signature.kwarg_names, 0))
+        return self.engine.forward(args, kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale every gradient so that their global norm (over every rank and pipeline
-        stage, each shard counted once) is at most ``max_norm``; returns the norm before."""
+        stage, each shard and each tied weight counted once) is at most ``max_norm``;
+        returns the norm before."""
         if not max_norm > 0:
             raise DataError(f"max_norm={max_norm} must be a positive number")
         from meshplan.runtime.grad_clip import clip_grad_norm_
@@ -200,59 +133,31 @@ class ParallelRun:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the model's own names (every alias of a tied weight),
         parameters and persistent buffers, on every rank (CPU)."""
-        self._refresh_masters()
-        mine = {}
-        tensors = self._tensors()
-        for name in sorted(tensors):  # full_tensor is a collective over the stage mesh
-            mine[name] = tensors[name].full_tensor().detach().cpu()
-        if self.plan.num_stages > 1:
-            everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            for part in everyone:
-                mine.update(part)
-        out = {}
-        for key in self._pristine.state_dict(keep_vars=True):
-            source = next((a for a in self._aliases.get(key, [key]) if a in mine), None)
-            if source is not None:
-                out[key] = mine[source]
-        return out
+        return state.full_state_dict(self.engine, self._pristine.state_dict(keep_vars=True),
+                                     self._aliases)
 
-    @torch.no_grad()
-    def load_full_state_dict(self, state: Mapping[str, torch.Tensor] | None, *,
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor] | None, *,
                              broadcast_from_rank0: bool = False, strict: bool = True) -> None:
-        """Set the weights from full tensors under the model's names. Every rank passes the
-        same state, or, with ``broadcast_from_rank0=True``, only rank 0 does (others pass
-        None) and each tensor is broadcast from it, one at a time."""
-        if broadcast_from_rank0:
-            keys = [sorted(state) if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(keys, src=0)
-            names = keys[0]
-        else:
-            if state is None:
-                raise DataError("load_full_state_dict(None): pass the state on every rank, or "
-                                "broadcast_from_rank0=True with the state on rank 0")
-            names = sorted(state)
+        """Set the weights from full tensors under the model's names (non-persistent buffers
+        may be given too). Every rank passes the same state, or, with
+        ``broadcast_from_rank0=True``, only rank 0 does (others pass None) and each tensor
+        is broadcast from it."""
         expected = set(self._pristine.state_dict(keep_vars=True))
-        if strict:
+        buffers = {n for n, _ in self._pristine.named_buffers(remove_duplicate=False)}
+
+        def check(names: list[str]) -> None:  # on every rank, before any tensor moves
             missing = sorted(expected - set(names))
-            unexpected = sorted(set(names) - expected - set(_all_buffers(self._pristine)))
+            unexpected = sorted(set(names) - expected - buffers)
             if missing or unexpected:
                 raise DataError(f"state dict does not match the model: missing {missing[:4]}"
                                 f"{'...' if len(missing) > 4 else ''}, unexpected "
                                 f"{unexpected[:4]}; pass the model's own state_dict() "
                                 "(or strict=False)")
-        tensors = self._tensors()
-        for name in names:
-            full = state[name] if state is not None and name in state else None
-            if broadcast_from_rank0:
-                meta = [(tuple(full.shape), full.dtype) if dist.get_rank() == 0 else None]
-                dist.broadcast_object_list(meta, src=0)
-                wire = full.to(collective_device()) if dist.get_rank() == 0 else \
-                    torch.empty(meta[0][0], dtype=meta[0][1], device=collective_device())
-                dist.broadcast(wire, src=0)
-                full = wire
-            self._set(name, full, tensors)
-        self._after_load()
+        keys = state.load_full_state_dict(self.engine, state_dict,
+                                          broadcast_from_rank0=broadcast_from_rank0,
+                                          names=self._aliases, check=check if strict else None)
+        for key in keys:
+            self._uninitialized.difference_update(self._aliases.get(key, [key]))
 
     @torch.no_grad()
     def init_weights(self, fn: Callable[[nn.Module], None] | None = None) -> None:
@@ -260,7 +165,7 @@ class ParallelRun:
         process (children before parents), on full tensors of one module at a time: every
         rank computes the same full values and keeps its shard, so the result is the same
         whatever the plan. ``fn=None`` calls each module's ``reset_parameters()``."""
-        tensors = self._tensors()
+        tensors, done = self.engine.state_tensors(), set()
         for prefix, module in _post_order(self._pristine):
             own = list(module.named_parameters(recurse=False)) + \
                 list(module.named_buffers(recurse=False))
@@ -277,53 +182,15 @@ class ParallelRun:
                 module.reset_parameters()
             for name, t in list(module.named_parameters(recurse=False)) + \
                     list(module.named_buffers(recurse=False)):
-                self._set(f"{prefix}{name}", t.detach(), tensors)
+                key = f"{prefix}{name}"
+                state.set_full(key, t.detach(), tensors, self._aliases)
+                self._uninitialized.difference_update(self._aliases.get(key, [key]))
+                done.update(self._aliases.get(key, [key]))
             if was_meta:
                 module.to_empty(device="meta", recurse=False)
-        self._after_load()
+        self.engine.after_load(done)
 
     # -- helpers ---------------------------------------------------------------------------
-    def _tensors(self) -> dict[str, DTensor]:
-        """This rank's placed tensors (parameters and buffers) by FQN."""
-        # one stage: names of the exported graph (the wrapper's prefix first); pipeline: FQNs
-        strip = self.plan.num_stages == 1
-        return {(name.removeprefix(WRAPPER_PREFIX) if strip else name): t
-                for name, t in self.engine.params.items() if isinstance(t, DTensor)}
-
-    def _set(self, name: str, full: torch.Tensor, tensors: dict) -> None:
-        target = next((tensors[a] for a in self._aliases.get(name, [name]) if a in tensors),
-                      None)
-        for alias in self._aliases.get(name, [name]):
-            self._uninitialized.discard(alias)
-        if target is None:
-            return  # held by another pipeline stage's ranks
-        if tuple(full.shape) != tuple(target.shape):
-            raise DataError(f"{name}: state has shape {list(full.shape)}, the model "
-                            f"{list(target.shape)}; load the state of this model")
-        if not isinstance(target, DTensor):  # a plain (replicated) tensor of the module engine
-            target.copy_(full.to(target.device, target.dtype))
-            return
-        from torch.distributed.tensor import distribute_tensor
-        shard = distribute_tensor(full.to(target.device_mesh.device_type, target.dtype),
-                                  target.device_mesh, target.placements,
-                                  src_data_rank=None).to_local()
-        target.to_local().copy_(shard)
-
-    def _after_load(self) -> None:
-        masters = getattr(self.engine, "masters", None) or {}
-        if masters:
-            params = {id(p): p for p in self.engine.unique_params()}
-            for pid, master in masters.items():
-                if pid in params:
-                    master.to_local().copy_(params[pid].detach().redistribute(
-                        placements=master.placements).to_local())
-        self._masters_stale = False
-
-    def _refresh_masters(self) -> None:
-        if self._masters_stale and getattr(self.engine, "masters", None):
-            self.engine.gather_masters()
-        self._masters_stale = False
-
     def _check_initialized(self) -> None:
         if self._uninitialized:
             names = sorted(self._uninitialized)
@@ -351,36 +218,20 @@ class ParallelRun:
                                 f"(data-parallel rank {self.dp_rank} of {self.dp_size}) "
                                 f"expects its shard of shape {list(expected)} of the global "
                                 f"{rec['shape']}")
-            if _TENSOR_DTYPES.get(rec["dtype"]) not in (None, x.dtype):
+            if TENSOR_DTYPES.get(rec["dtype"]) not in (None, x.dtype):
                 raise DataError(f"{_label(rec)} has dtype {x.dtype}, the plan {rec['dtype']}")
         if not self._checked:
             self._checked = True
             self._check_same_data(flat, records)
         return flat
 
-    def _split_axes(self, rec: dict) -> list[int]:
-        pl = self._placements.get(rec["name"], ())
-        return [a for a in self._dp_axes if a < len(pl) and pl[a] == shard(0)]
 
     def _local_shape(self, rec: dict) -> tuple[int, ...]:
         shape = list(rec["shape"])
-        if self._split_axes(rec) and shape:
+        if shape and split_over_dp(self.plan, rec, self._placements):
             shape[0] //= self.dp_size
         return tuple(shape)
 
-    def _global(self, x: torch.Tensor, rec: dict, microbatches: int | None = None):
-        """The global-batch tensor the engine cuts, with this rank's rows where the engine's
-        data-parallel cut puts them (other rows are never read by this rank)."""
-        if not self._split_axes(rec) or self.dp_size == 1:
-            return x
-        n = microbatches or self.plan.training.microbatches
-        rows = x.shape[0] // n  # this rank's rows per microbatch
-        full = x.new_zeros((x.shape[0] * self.dp_size, *x.shape[1:]))
-        step = rows * self.dp_size
-        for j in range(n):
-            start = j * step + self.dp_rank * rows
-            full[start:start + rows] = x[j * rows:(j + 1) * rows]
-        return full
 
     def _check_same_data(self, flat, records) -> None:
         """Ranks with the same data-parallel coordinate (tensor-parallel peers, pipeline
@@ -404,139 +255,6 @@ class ParallelRun:
                                 f"rank {self.dp_rank} (tensor-parallel peers or pipeline "
                                 "stages); give them the same shard: index data by "
                                 "run.dp_rank and run.dp_size, not by the global rank")
-
-    def _eval_pipeline(self, records):
-        if self._forward is None:
-            from meshplan.runtime.graph.pipeline import eval_pipeline
-
-            sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
-            meta = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES[r["dtype"]], device="meta")
-                         for r in records)
-            self._forward = eval_pipeline(self.engine, self._pristine, meta, self._dp_axes,
-                                          loss_fn=self.loss_fn, signature=sig)
-        return self._forward
-
-    def _forward_program(self, records):
-        if self._forward is None:
-            from meshplan.runtime.graph.parallelize import (install_params, meta_copy,
-                                                      runnable_graph_module)
-            from meshplan.runtime.graph.spmd import SPMDExecutor
-            from torch.distributed.tensor import distribute_tensor
-
-            pm = self.engine
-            sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
-            meta = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES[r["dtype"]], device="meta")
-                         for r in records)
-            model = meta_copy(self._pristine).eval()
-            ep = export_training_graph(model, meta, self.loss_fn, signature=sig, loss=False)
-            gm = runnable_graph_module(ep, device_type=pm.mesh.device_type)
-            install_params(gm, pm.params)
-            placements = [self._placements.get(r["name"], (REPLICATE,) * pm.mesh.ndim)
-                          for r in records]
-            # the plan's placements for the forward operators the eval graph shares with the
-            # training graph (same node name and inputs): left to itself DTensor lays eval
-            # batch norm out over channels (R, S(1)), which its conv rule then misreads
-            planned = self.plan.stages[0].ops
-            ops = {n.name: planned[n.name] for n in gm.graph.nodes
-                   if n.op == "call_function" and n.name in planned
-                   and len(planned[n.name].inputs) == len(n.all_input_nodes)}
-            executor = SPMDExecutor(gm, pm.mesh, ops, input_placements=placements,
-                                    dtype=self.plan.training.dtype, lowered=False)
-
-            def forward(*xs):
-                # each rank's global tensor holds only its own rows (_global): cut the shard
-                # locally (src_data_rank=None); the executor's reference path would scatter
-                # rank 0's tensor, giving the other ranks its zero rows
-                xs = [distribute_tensor(x.to(pm.mesh.device_type), pm.mesh,
-                                        executor.input_placements[i], src_data_rank=None)
-                      for i, x in enumerate(xs)]
-                with torch.no_grad():
-                    return executor.run(*xs)
-            self._forward = forward
-        return self._forward
-
-
-class ModuleRun(ParallelRun):
-    """A ``ParallelRun`` whose engine is the module engine (runtime/modules.py): the user's
-    module itself, parallelized with parallelize_module, checkpoint wrappers and
-    fully_shard; the checks of the data are the same."""
-
-    @property
-    def engine_name(self) -> str:
-        return Engine.MODULES.value
-
-    def parameters(self) -> list[nn.Parameter]:
-        return self.engine.parameters()
-
-    def named_parameters(self) -> dict[str, nn.Parameter]:
-        return self.engine.named_parameters()
-
-    def train(self, mode: bool = True) -> "ModuleRun":
-        self.engine.train(mode)
-        return super().train(mode)
-
-    def train_step(self, inputs, targets=()) -> float:
-        if not self._training:
-            raise NotSupportedError("train_step in eval mode: call run.train() first")
-        self._check_initialized()
-        flat = self._flat(inputs, targets, with_targets=True)
-        for p in self.parameters():
-            if p.grad is not None:
-                raise DataError("gradients of the previous step are still there: call "
-                                "optimizer.zero_grad() after optimizer.step()")
-        args, kwargs, targets = unflatten_call(flat, self.signature)
-        labels = loss_weights.label_counts(
-            targets[0] if targets else None, self.plan.training.microbatches,
-            dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.engine.device)
-        return self.engine.train_step(args, kwargs, targets, labels=labels)
-
-    def __call__(self, inputs):
-        if self._training:
-            raise NotSupportedError("call run.eval() before a forward-only call; train_step "
-                                    "is the training forward")
-        self._check_initialized()
-        flat = self._flat(inputs, (), with_targets=False)
-        sig = CallSignature(self.signature.num_args, self.signature.kwarg_names, 0)
-        args, kwargs, _ = unflatten_call(flat, sig)
-        return self.engine.forward(args, kwargs)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        if not max_norm > 0:
-            raise DataError(f"max_norm={max_norm} must be a positive number")
-        return float(self.engine.clip_grad_norm_(max_norm, norm_type))
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        keys = self._pristine.state_dict().keys()  # torch's keys: persistent buffers only
-        full = self.engine.full_state_dict()
-        return {k: full[k] for k in keys if k in full}
-
-    def load_full_state_dict(self, state, *, broadcast_from_rank0: bool = False,
-                             strict: bool = True) -> None:
-        if state is None and not broadcast_from_rank0:
-            raise DataError("load_full_state_dict(None): pass the state on every rank, or "
-                            "broadcast_from_rank0=True with the state on rank 0")
-        if strict and state is not None:
-            expected = set(self._pristine.state_dict())
-            missing = sorted(expected - set(state))
-            if missing:
-                raise DataError(f"state dict does not match the model: missing {missing[:4]}"
-                                f"{'...' if len(missing) > 4 else ''}; pass the model's own "
-                                "state_dict() (or strict=False)")
-        self.engine.load_full_state_dict(dict(state or {}),
-                                         broadcast_from_rank0=broadcast_from_rank0)
-        self._uninitialized -= set(state or {})
-        if broadcast_from_rank0 or not strict:
-            self._uninitialized.clear()
-
-    def init_weights(self, fn=None) -> None:
-        super().init_weights(fn)
-        self.engine._unset_buffers.clear()
-
-    def _tensors(self) -> dict:
-        return self.engine.named_tensors()
-
-    def _after_load(self) -> None:
-        pass
 
 
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None,
@@ -581,72 +299,25 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         raise NotSupportedError("compile=True runs on the module engine only; this plan runs "
                                 f"on the graph engine ({plan.engine_note or 'engine=graph'}); "
                                 "pass compile=False")
-    if engine == Engine.MODULES:
-        from meshplan.runtime.module_pipeline import PipelineModuleEngine
-        from meshplan.runtime.modules import ModuleEngine
+    from meshplan.runtime.graph.parallelize import meta_copy
 
-        from meshplan.runtime.graph.parallelize import meta_copy
-
-        uninitialized = {name for name, t in model.named_parameters() if t.is_meta}
-        pristine = meta_copy(model)  # before the engine wraps the model in place
-        cls = PipelineModuleEngine if plan.num_stages > 1 else ModuleEngine
-        run = ModuleRun(cls(model, plan, loss_fn=loss_fn, compile=compile), plan, model,
-                        loss_fn=loss_fn, uninitialized=uninitialized, pristine=pristine)
-        if init_weights is not None:
-            run.init_weights(init_weights)
-        return run
-    from meshplan.runtime.graph.parallelize import parallelize_graph
-
-    sig, records = plan_call(plan)
-    meta_inputs = tuple(torch.empty(r["shape"], dtype=_TENSOR_DTYPES.get(r["dtype"], torch.float32),
-                                    device="meta") for r in records)
     uninitialized = {name for name, t in list(model.named_parameters(remove_duplicate=False))
                      + list(model.named_buffers(remove_duplicate=False)) if t.is_meta}
-    engine = parallelize_graph(model, plan, meta_inputs, loss_fn=loss_fn, signature=sig)
-    run = ParallelRun(engine, plan, model, loss_fn=loss_fn, uninitialized=uninitialized)
+    pristine = meta_copy(model)  # before an engine wraps the model in place
+    if engine == Engine.MODULES:
+        from meshplan.runtime.modules import build
+        placed = build(model, plan, loss_fn=loss_fn, compile=compile)
+    else:
+        from meshplan.runtime.graph.engine import build
+        placed = build(model, plan, loss_fn=loss_fn, pristine=pristine)
+    run = ParallelRun(placed, plan, model, loss_fn=loss_fn, uninitialized=uninitialized,
+                      pristine=pristine)
     if init_weights is not None:
         run.init_weights(init_weights)
     return run
 
 
 # -- small helpers ---------------------------------------------------------------------------
-
-def data_parallel_coordinate(plan: Plan, rank: int) -> tuple[int, int]:
-    """(dp_rank, dp_size) of global ``rank``: its row-major coordinate over the stage mesh's
-    data-parallel axes (the axes the batch is split over), the same on every stage."""
-    stage = plan.stages[0]
-    coords = _mesh_coords(rank % len(stage.devices), stage.mesh_shape)
-    dp_rank, dp_size = 0, 1
-    for a in _data_parallel_axes(plan):
-        dp_rank = dp_rank * stage.mesh_shape[a] + coords[a]
-        dp_size *= stage.mesh_shape[a]
-    return dp_rank, dp_size
-
-
-def _data_parallel_axes(plan: Plan) -> tuple[int, ...]:
-    from meshplan.runtime.graph.parallelize import data_parallel_axes
-    return data_parallel_axes(plan.stages[0])
-
-
-def _input_placements(plan: Plan) -> dict[str, tuple[str, ...]]:
-    out: dict[str, tuple[str, ...]] = {}
-    for st in plan.stages:
-        for name, pl in st.inputs.items():
-            out.setdefault(name, tuple(pl))
-    return out
-
-
-def _aliases(model: nn.Module) -> dict[str, list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + \
-            list(model.named_buffers(remove_duplicate=False)):
-        by_id.setdefault(id(t), []).append(name)
-    return {name: names for names in by_id.values() for name in names}
-
-
-def _all_buffers(model: nn.Module) -> list[str]:
-    return [n for n, _ in model.named_buffers(remove_duplicate=False)]
-
 
 def _post_order(model: nn.Module, prefix: str = ""):
     """(prefix, module) as ``model.apply`` visits them: children first; shared modules once."""
@@ -660,12 +331,6 @@ def _post_order(model: nn.Module, prefix: str = ""):
             yield from visit(child, f"{pre}{name}.")
         yield pre, mod
     yield from visit(model, prefix)
-
-
-def _engine_device(engine) -> torch.device:
-    """Where the graph engine's collectives run (NCCL needs CUDA tensors)."""
-    device = getattr(engine, "device", None)
-    return torch.device(device) if device is not None else torch.device(engine.mesh.device_type)
 
 
 def _label(rec: dict) -> str:

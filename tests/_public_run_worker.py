@@ -167,6 +167,36 @@ def bad_inputs():
     return errors
 
 
+def bad_loads_modules():
+    """The module engine's loads follow the same rules as the graph engine's (one state
+    path, runtime/state.py): rank 0's mismatched state under broadcast_from_rank0 is one
+    DataError on every rank (it was refused on rank 0 alone, the others waiting in the
+    broadcast), and a meta weight missing from a strict=False load is refused at the step
+    (it trained on to_empty's uninitialised memory)."""
+    cls, cfg = llama()
+    meta = make("llama", cls, cfg, "meta")
+    ids = torch.zeros(8, 8, dtype=torch.long, device="meta")
+    plan = meshplan.manual_plan(meta, meshplan.Mesh.local(dist.get_world_size()),
+                                example_inputs=(ids,), dp=2, tp=2)
+    run = meshplan.parallelize(meta, plan, engine="modules")
+    real = make("llama", cls, cfg, "cpu")
+    state = {**real.state_dict(), **dict(real.named_buffers())}
+    errors = {"engine": run.engine_name}
+    try:
+        run.load_full_state_dict({} if dist.get_rank() == 0 else None, broadcast_from_rank0=True)
+        errors["broadcast_missing"] = None
+    except meshplan.MeshplanError as exc:
+        errors["broadcast_missing"] = f"{type(exc).__name__}: {exc}"
+    run.load_full_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"},
+                             strict=False)
+    try:
+        run.train_step((torch.zeros(4, 8, dtype=torch.long),))
+        errors["partial"] = None
+    except meshplan.MeshplanError as exc:
+        errors["partial"] = f"{type(exc).__name__}: {exc}"
+    return errors
+
+
 def main():
     dist.init_process_group("gloo")
     out = {}
@@ -183,6 +213,7 @@ def main():
     for name, (kind, options, *engine) in cases.items():
         out[name] = case(kind, options, engine=engine[0] if engine else None)
     out["bad"] = bad_inputs()
+    out["bad_modules"] = bad_loads_modules()
     if dist.get_rank() == 0:
         torch.save(out, sys.argv[1])
     dist.barrier()

@@ -82,3 +82,16 @@ def test_bad_input_is_one_clear_error(results):
     assert "differs between ranks" in bad["differs"]
     for line in bad.values():
         assert line is not None and "\n" not in line and line.startswith("DataError")
+
+
+@pytest.mark.slow
+def test_module_engine_loads_follow_the_same_rules(results):
+    """One state path for every engine: a mismatched state broadcast from rank 0 is refused
+    on every rank (not on rank 0 alone while the others wait), and a meta weight left out of
+    a strict=False load is refused at the step instead of training on uninitialised memory."""
+    bad = results["bad_modules"]
+    assert bad["engine"] == "modules"
+    assert bad["broadcast_missing"] is not None and "missing" in bad["broadcast_missing"]
+    assert bad["partial"] is not None and "lm_head.weight" in bad["partial"]
+    for key in ("broadcast_missing", "partial"):
+        assert "\n" not in bad[key] and bad[key].startswith("DataError"), bad[key]

@@ -36,8 +36,10 @@ from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.tracing import (WRAPPER_PREFIX, export_training_graph,
                                     find_repeated_blocks, graph_from_export)
 from meshplan.plan import Plan, Stage
-from meshplan.runtime import loss_weights
+from meshplan.runtime import loss_weights, state
 from meshplan.runtime.graph import lowering, zero
+from meshplan.runtime.engine import data_parallel_axes  # noqa: F401 (re-exported)
+from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placements  # noqa: F401 (re-exported)
 from meshplan.vocabulary import ComputeDtype
 from meshplan.placements import REPLICATE, shard
@@ -209,14 +211,6 @@ def _sdpa_dropout(node: torch.fx.Node) -> bool:
     return bool(p)
 
 
-def data_parallel_axes(stage: Stage) -> tuple[int, ...]:
-    """Mesh axes the batch is split over: the first graph input's S(0) axes."""
-    if not stage.inputs:
-        return ()
-    first = next(iter(stage.inputs.values()))
-    return tuple(i for i, p in enumerate(first) if p == shard(0))
-
-
 def sharded_over(placements: Sequence[str], axes: Sequence[int]) -> tuple[str, ...]:
     """``placements`` with Replicate turned into S(0) on ``axes``: ZeRO's storage sharding."""
     return tuple(shard(0) if i in axes and p == REPLICATE else p for i, p in enumerate(placements))
@@ -240,7 +234,7 @@ class TracedProgram:
 
 
 @dataclass
-class ParallelModel:
+class ParallelModel(GraphEngine):
     """A model placed on its mesh per the plan; ``train_step`` runs one optimizer step."""
 
     plan: Plan
@@ -427,8 +421,8 @@ class ParallelModel:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered to a full tensor, by FQN (for tests and
-        checkpoints)."""
-        return {name.removeprefix(WRAPPER_PREFIX): t.full_tensor() for name, t in self.params.items()}
+        checkpoints): runtime/state.py's path."""
+        return state.full_state_dict(self)
 
 
 def parallelize_graph(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,

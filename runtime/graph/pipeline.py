@@ -58,8 +58,9 @@ from meshplan.runtime.graph.parallelize import (data_parallel_axes, meta_copy, p
                                           runnable_graph_module, sharded_over)
 from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
 from meshplan.runtime.graph.context import natural_order
-from meshplan.runtime import loss_weights
+from meshplan.runtime import loss_weights, state
 from meshplan.runtime.graph import lowering, zero
+from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
 from meshplan.placements import REPLICATE
 
@@ -305,7 +306,7 @@ class _MicrobatchMean:
 
 
 @dataclass
-class PipelineModel:
+class PipelineModel(GraphEngine):
     """A model split into pipeline stages per the plan; ``train_step`` runs one optimizer step."""
 
     plan: Plan
@@ -440,25 +441,17 @@ class PipelineModel:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer gathered to a full tensor on every rank, by FQN (for
-        tests, checkpoints)."""
-        return self._gather(lambda p: p)
+        tests, checkpoints): runtime/state.py's path."""
+        return state.full_state_dict(self)
 
     def full_grads(self) -> dict[str, torch.Tensor]:
-        return self._gather(lambda p: self.masters[id(p)].grad if id(p) in self.masters
-                            else p.grad)
-
-    def _gather(self, pick) -> dict[str, torch.Tensor]:
         mine = {}
-        for name in sorted(self.params):
-            value = pick(self.params[name])
-            if value is not None:  # full_tensor is a collective over the stage mesh
-                mine[name] = value.full_tensor().detach().cpu()
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        out = {}
-        for part in everyone:
-            out.update(part)
-        return out
+        for name in sorted(self.params):  # full_tensor is a collective over the stage mesh
+            p = self.params[name]
+            grad = self.masters[id(p)].grad if id(p) in self.masters else p.grad
+            if grad is not None:
+                mine[name] = grad.full_tensor().detach().cpu()
+        return state.gather_stages(self.plan, mine)
 
 
 def parallelize_pipeline(model: nn.Module, plan: Plan, example_inputs: Sequence[torch.Tensor], *,
@@ -535,16 +528,6 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _aliases(model: nn.Module) -> dict[str, list[str]]:
-    """FQN -> every FQN naming the same tensor (tied weights), in model order."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    for name, b in model.named_buffers(remove_duplicate=False):
-        by_id.setdefault(id(b), []).append(name)
-    return {name: names for names in by_id.values() for name in names}
-
-
 def _lifted_constants(gm: fx.GraphModule) -> frozenset[str]:
     """get_attr targets that are neither parameters nor buffers: tensor constants the export
     lifted (Falcon's index tensors), kept on the graph module as traced."""
@@ -571,7 +554,7 @@ def _place_params(model, plan: Plan, pieces: list[StageGraph], mesh: DeviceMesh,
     real = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     real.update(buffers)
-    aliases = _aliases(model)
+    aliases = state.aliases(model)
     placed: dict[int, nn.Parameter] = {}
     params: dict[str, nn.Parameter] = {}
     zero_of: dict[int, int] = {}
@@ -680,7 +663,7 @@ def _tie_groups(model, plan: Plan, pieces: list[StageGraph], params: dict,
     alike, else the placement (data-parallel axes unsharded) the sum is taken in.
 
     Every rank creates every group in the same order (``new_group`` is collective)."""
-    aliases = _aliases(model)
+    aliases = state.aliases(model)
     trained = {name for name, p in model.named_parameters(remove_duplicate=False)
                if p.requires_grad}
     owners: dict[str, set[int]] = {}
