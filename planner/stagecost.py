@@ -27,13 +27,14 @@ from dataclasses import replace
 
 from meshplan import support
 from meshplan.costmodel.estimate import default_runtime, stage_cost, with_stage_predictions
+from meshplan.costmodel.compute import BACKWARD_FLOPS_FACTOR, DTYPE_NAMES
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
 from meshplan.planner.cp_placements import CpPropagator
 from meshplan.planner.manual import Propagator, attention_heads, stage_params, with_cp_axis
 from meshplan.planner.assemble import batch_and_seq, mesh_info, model_info, training_config
 from meshplan.planner.clusters import LayerUnit, layer_units
-from meshplan.graph import OpGraph
+from meshplan.graph import OpGraph, OpKind
 from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
                                     search_best)
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage
@@ -91,6 +92,7 @@ class MegatronStageCost:
         self._plan_cache: dict = {}
         self._plan_hw: tuple | None = None
         self._cp = None  # CpPropagator after its one walk
+        self._matmul_floor: float | None = None
 
     # -- placements ---------------------------------------------------------------------------
     def placements(self, dp: int, tp: int, sp: bool, zero: int, cp: bool = False):
@@ -185,6 +187,28 @@ class MegatronStageCost:
         if self._plan_hw is None or self._plan_hw[0] != hardware:
             self._plan_hw = (hardware, HardwareProfile.from_dict(hardware))
         return with_stage_predictions(plan, graph, hw=self._plan_hw[1], cache=self._plan_cache)
+
+    def time_floor_s(self, size: int, microbatches: int) -> float:
+        """A lower bound on the relaxed (no recompute, ZeRO-0, time-only) sum of stage times
+        of any cut of the model over stages of ``size`` devices at ``microbatches``
+        microbatches, priced by no probe: every matmul's forward and backward
+        FLOPs at the device's peak times the matmul curve's ceiling, split over every
+        device of a stage and every microbatch (``compute.op_time`` prices no matmul
+        faster, contention only slows it, and the other terms of a stage's time are not
+        negative). 0 where that does not hold: measured operator times, torch.compile's
+        fused kernels, fp8 GEMMs, tensor-parallel overlap."""
+        runtime = default_runtime(self.hw, engine=self.engine, pipeline=True)
+        if self.hw.measured_ops or runtime.compiled or runtime.tp_comm_overlap or \
+                self.dtype == "fp8":
+            return 0.0
+        if self._matmul_floor is None:
+            dev = self.hw.device
+            peak = dev.peak_flops(DTYPE_NAMES.get(self.dtype, self.dtype)) * \
+                dev.matmul_efficiency.max_eff
+            flops = sum(n.flops for n in self.graph.nodes if n.kind == OpKind.MATMUL)
+            self._matmul_floor = flops * (1 + BACKWARD_FLOPS_FACTOR[OpKind.MATMUL]) / peak
+        # (1 - 1e-9): the search's affine sums round where the walks' sums do not
+        return self._matmul_floor / (size * microbatches) * (1 - 1e-9)
 
     def weights_floor_gib(self, stages: int, dp: int, tp: int, zero: int) -> float:
         """Model state of the average stage with every parameter split over tp: no stage of
