@@ -1213,7 +1213,12 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             if src_name in graph.param_map or i >= len(op.inputs):
                 continue
             src = placement.get(src_name)
-            nbytes = _bytes(graph, src_name, dbytes) / m
+            if times is None:
+                nbytes = _bytes(graph, src_name, dbytes) / m
+            else:  # the configuration's dtype and m: one size per tensor
+                nbytes = times.get(("bytes", src_name))
+                if nbytes is None:
+                    nbytes = times[("bytes", src_name)] = _bytes(graph, src_name, dbytes) / m
             if src_name in graph and src_name not in in_stage:
                 # sent once per microbatch; tensors that depend on no data (masks, positions)
                 # are rebuilt by each stage instead of sent
