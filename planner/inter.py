@@ -263,8 +263,8 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
     return search_best(problem, space, keep=1)[0]
 
 
-class _FloorBroken(Exception):
-    """A shape's bound fell under the floor the cost function promised."""
+class _FloorBroken(Exception):  # a shape's bound fell under the cost function's floor
+    pass
 
 
 def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
@@ -303,11 +303,9 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
         return table_cache[key]
 
     # lower bounds first (fastest options, no memory, no send/recv): visit the most promising
-    # pipeline shapes first and stop at the first whose bound cannot beat the best plan.
-    # A bound costs the probes of its (mesh, microbatch) tables; a floor under it that
-    # costs none (the cost function's ``time_floor_s``) defers it: shapes are visited in
-    # the order of their bounds all the same, and those whose floor cannot beat the best
-    # plan are never priced
+    # pipeline shapes first and stop at the first whose bound cannot beat the best plan. A
+    # probe-free floor under each bound (``time_floor_s``) defers pricing it: the same order,
+    # and shapes whose floor cannot beat the best plan are never priced
     relaxed_cache: dict = {}
     floor_of = getattr(problem.cost_fn, "time_floor_s", None) if floors else None
     if min(space.zero) != 0 or (space.pipeline_zero and min(space.pipeline_zero) != 0):
@@ -324,20 +322,19 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
     bounded: list = []  # heap of (bound, order, combo) of the shapes priced so far
 
     def next_shape():
-        """The unvisited shape of the smallest (bound, order), or None when no shape left
-        can beat the best plan; ``floor_broken`` when a bound fell under its floor."""
+        """The next shape by (bound, order), None past the last (_FloorBroken: a bound
+        under its floor)."""
         while pending and (not bounded or pending[0][:2] <= bounded[0][:2]):
             floor, order, combo = heapq.heappop(pending)
             if floor >= threshold():
                 pending.clear()  # every later bound is at least its floor
                 break
             schedule, stages, virtual, b, mesh, sp = combo
-            loose = tables_for(problem.num_devices // stages, b, mesh,
-                               virtual_stages_for(schedule, virtual), sp, relaxed=True)
+            v = virtual_stages_for(schedule, virtual)
+            loose = tables_for(problem.num_devices // stages, b, mesh, v, sp, relaxed=True)
             if loose is None:
                 continue
             s0, _ = cut([(loose, 0.0, INF)] * stages, INF, INF)
-            v = virtual_stages_for(schedule, virtual)
             bound = s0 / v + (b - 1 / v) * s0 / stages
             if bound < floor:
                 raise _FloorBroken
