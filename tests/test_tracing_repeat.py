@@ -100,3 +100,25 @@ def test_blocks_with_other_settings_export_whole():
     fast = repeated_graph(same, flat, None, sig, model_name="m", min_blocks=4)
     full = trace(same, (x,), example_targets=target, model_name="m", repeat=False)
     _same(fast, full)
+
+
+class NeedsAll(Stack):
+    """A forward that reads its last block by the count it was built with."""
+
+    def __init__(self, n):
+        super().__init__([1.0] * n)
+        self.n = n
+
+    def forward(self, x):
+        x = self.blocks[self.n - 1](x)
+        return super().forward(x)
+
+
+def test_a_model_that_needs_all_its_blocks_exports_whole():
+    x = torch.zeros(2, 8, device="meta")
+    target = torch.zeros(2, dtype=torch.long, device="meta")
+    model = NeedsAll(5)
+    flat, sig = flatten_call((x,), target)
+    assert repeated_graph(model, flat, None, sig, min_blocks=4) is None
+    graph = trace(model, (x,), example_targets=target, model_name="m")
+    assert graph == trace(model, (x,), example_targets=target, model_name="m", repeat=False)
