@@ -473,8 +473,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
-    params = parameter_walk(stage, graph, ops.consumer_out, dtype=dtype, optimizer=optimizer,
-                            runtime=runtime)
+    params = _cached_parameter_walk(cache, stage, graph, ops.consumer_out, dtype=dtype,
+                                    optimizer=optimizer, runtime=runtime)
     traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd + copy_fwd,
                                backward_s=ops.bwd + copy_bwd, recompute_s=recompute)
     comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p
@@ -757,6 +757,27 @@ def parameter_part(info, pl: tuple[str, ...], outs, layer: int, shape: tuple[int
                      syncs=tuple(mine),
                      synced_bytes=max((s.grad_bytes for s in mine if not s.per_use),
                                       default=0.0))
+
+
+def _cached_parameter_walk(cache: dict | None, stage: Stage, graph: OpGraph, consumer_out: dict,
+                           *, dtype: str, optimizer: str, runtime: RuntimeModel) -> ParamWalk:
+    """``parameter_walk``, kept in ``cache`` for stages that share their parameter dict and
+    operator walk (by identity) and differ only in what the walk does not read: recompute,
+    the pipeline position, the schedule (the search's probes of one range and ZeRO stage)."""
+    if cache is None:
+        return parameter_walk(stage, graph, consumer_out, dtype=dtype, optimizer=optimizer,
+                              runtime=runtime)
+    key = ("param-walk", id(stage.params), id(consumer_out), id(graph.params),
+           graph.block_module, stage.mesh_shape, stage.axis_names, stage.zero, dtype,
+           optimizer, runtime)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is stage.params and hit[1] is consumer_out and \
+            hit[2] is graph.params:
+        return hit[3]
+    walk = parameter_walk(stage, graph, consumer_out, dtype=dtype, optimizer=optimizer,
+                          runtime=runtime)
+    cache[key] = (stage.params, consumer_out, graph.params, walk)
+    return walk
 
 
 def _zero_cp_axis(stage: Stage, runtime: RuntimeModel) -> int | None:
@@ -1107,9 +1128,20 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
     kernels = _cached_eager_kernels(cache, graph, dtype, eager, m, compiled) if eager else None
+    times = None
+    if cache is not None:
+        # operator times of this configuration, shared by every stage that holds the
+        # operator with the same placement (the search's overlapping probes of a range)
+        whole = graph.whole or graph  # a cut graph holds the whole one's operators
+        tkey = ("op-times", id(whole), id(hw), id(kernels), dtype, m, contention,
+                stage.mesh_shape, attention)
+        hit = cache.get(tkey)
+        if hit is None or hit[0] is not whole or hit[1] is not hw or hit[2] is not kernels:
+            hit = cache[tkey] = (whole, hw, kernels, {})
+        times = hit[3]
     result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
                             causal=causal, cp_composable=cp_composable, compiled=compiled, fp8=fp8,
-                            kernels=kernels)
+                            kernels=kernels, times=times)
     if cache is not None:
         cache[key] = result
     return result
@@ -1154,9 +1186,13 @@ def _cached_eager_kernels(cache: dict | None, graph: OpGraph, dtype: str, precis
 def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str, m: int,
                    contention: float, coll, attention: str = "flash", *,
                    causal: bool = False, cp_composable: bool = False,
-                   compiled: bool = False, fp8=None, kernels: dict | None = None) -> _OperatorPass:
+                   compiled: bool = False, fp8=None, kernels: dict | None = None,
+                   times: dict | None = None) -> _OperatorPass:
     """``kernels``: each operator's eager kernels (``RuntimeModel.eager_kernels``,
-    costmodel/eager.py), None to price every operator with ``compute.op_time``."""
+    costmodel/eager.py), None to price every operator with ``compute.op_time``.
+    ``times``: {(operator, placement): OpTime} of this hardware, dtype, microbatch count,
+    contention, mesh, attention and kernels, filled and read for the operators whose
+    time reads nothing else (not attention, fused groups or fp8 linears)."""
     names = list(stage.ops)
     # the graph engine drops a causal mask only where queries and keys are the same length:
     # not under its context parallelism, where each rank's queries are a chunk of the
@@ -1187,10 +1223,17 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
         node = graph.node(name)
         op = stage.ops[name]
         group = fused.get(name)
-        t = operator_time(node, op, graph, hw, dtype, shape, m, contention, group=group,
-                          kernels=kernels, attention=attention, fp8=fp8,
-                          causal=causal_attention(node, graph, masks,
-                                                   cp_composable or cp_ax is None))
+        w8 = fp8_model.fp8_weight_input(node, graph) if fp8 is not None else None
+        tkey = (name, op) if times is not None and group is None and w8 is None and \
+            node.kind != OpKind.ATTENTION and not compiled else None
+        t = times.get(tkey) if tkey is not None else None
+        if t is None:
+            t = operator_time(node, op, graph, hw, dtype, shape, m, contention, group=group,
+                              kernels=kernels, attention=attention, fp8=fp8,
+                              causal=causal_attention(node, graph, masks,
+                                                       cp_composable or cp_ax is None))
+            if tkey is not None:
+                times[tkey] = t
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:
@@ -1210,7 +1253,12 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             if src_name in graph.param_map or i >= len(op.inputs):
                 continue
             src = placement.get(src_name)
-            nbytes = _bytes(graph, src_name, dbytes) / m
+            if times is None:
+                nbytes = _bytes(graph, src_name, dbytes) / m
+            else:  # the configuration's dtype and m: one size per tensor
+                nbytes = times.get(("bytes", src_name))
+                if nbytes is None:
+                    nbytes = times[("bytes", src_name)] = _bytes(graph, src_name, dbytes) / m
             if src_name in graph and src_name not in in_stage:
                 # sent once per microbatch; tensors that depend on no data (masks, positions)
                 # are rebuilt by each stage instead of sent
@@ -1510,14 +1558,21 @@ def estimate_plan(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = 
     )
 
 
-def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None) -> Plan:
-    """The plan with every stage's ``predicted`` and the top-level Estimate filled in."""
-    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+def with_stage_predictions(plan: Plan, graph: OpGraph, *, runtime: RuntimeModel | None = None,
+                           hw: HardwareProfile | None = None, cache: dict | None = None) -> Plan:
+    """The plan with every stage's ``predicted`` and the top-level Estimate filled in.
+    ``hw``: the profile of ``plan.mesh.hardware`` when the caller has it; ``cache``: the
+    cost model's memo, shared by the caller's plans on ``graph`` (a pipeline search prices
+    its best shapes under every schedule: the same stages, walked once). The stages and
+    the estimate are priced once, from one set of walks."""
+    hw = hw or HardwareProfile.from_dict(plan.mesh.hardware)
     runtime = runtime or plan_runtime(plan, hw)
-    costs = plan_stage_costs(plan, graph, hw, runtime=runtime)
+    cache = {} if cache is None else cache
+    costs = plan_stage_costs(plan, graph, hw, runtime=runtime, cache=cache)
     stages = tuple(replace(st, predicted=c.prediction()) for st, c in zip(plan.stages, costs))
     plan = replace(plan, stages=stages)
-    return replace(plan, predicted=estimate_plan(plan, graph, runtime=runtime, hw=hw))
+    return replace(plan, predicted=estimate_plan(plan, graph, runtime=runtime, hw=hw,
+                                                 cache=cache))
 
 
 def chunk_groups(plan: Plan) -> list[list[int]] | None:

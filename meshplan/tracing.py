@@ -171,10 +171,7 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
         flat, signature = flatten_call(example_inputs, example_targets)
     else:
         flat = tuple(example_inputs)
-    # one tensor passed twice (ids as input and as target) would be one placeholder used
-    # twice in the export, a graph unlike the one every later call (distinct tensors) makes
-    seen: set[int] = set()
-    flat = tuple(x.clone() if id(x) in seen or seen.add(id(x)) else x for x in flat)
+    flat = _distinct(flat)
     cache_key = _trace_key(model, flat, loss_fn, signature, loss, device)
     if cache_key is not None and cache_key in _TRACES:
         _TRACES.move_to_end(cache_key)
@@ -201,6 +198,14 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
         while len(_TRACES) > _TRACES_KEPT:
             _TRACES.popitem(last=False)
     return ep
+
+
+def _distinct(flat: tuple) -> tuple:
+    """``flat`` with a tensor passed twice (ids as input and as target) cloned: one tensor
+    would be one placeholder used twice in the export, a graph unlike the one every later
+    call (distinct tensors) makes."""
+    seen: set[int] = set()
+    return tuple(x.clone() if id(x) in seen or seen.add(id(x)) else x for x in flat)
 
 
 # Exports of meta models by what determines them (_trace_key). The planner, the engine
@@ -363,12 +368,23 @@ def _module_tensors(model: nn.Module, *, slots: bool = False):
 
 
 def trace(model: nn.Module, example_inputs: Inputs, *, loss_fn: LossFn | None = None,
-          example_targets=(), model_name: str = "") -> OpGraph:
+          example_targets=(), model_name: str = "", repeat: bool = True) -> OpGraph:
     """Trace ``model`` (+ loss) on ``example_inputs`` (and ``example_targets``) into an
-    OpGraph; the convention of the inputs is ``export_training_graph``'s."""
+    OpGraph; the convention of the inputs is ``export_training_graph``'s. With ``repeat``, a
+    model of many identical blocks is exported with three of them and its graph written
+    from that (meshplan/repeat_trace.py: the same OpGraph, 10x faster at 96 blocks);
+    ``repeat=False`` always exports the whole model."""
     flat, signature = flatten_call(example_inputs, example_targets)
-    ep = export_training_graph(model, flat, loss_fn, signature=signature)
-    graph = graph_from_export(ep, model, model_name=model_name or type(model).__name__)
+    name = model_name or type(model).__name__
+    graph = None
+    if repeat:
+        from meshplan.repeat_trace import repeated_graph
+
+        flat = _distinct(flat)
+        graph = repeated_graph(model, flat, loss_fn, signature, model_name=name)
+    if graph is None:
+        ep = export_training_graph(model, flat, loss_fn, signature=signature)
+        graph = graph_from_export(ep, model, model_name=name)
     return dataclasses.replace(graph, signature=signature)
 
 

@@ -38,6 +38,7 @@ plan, which is what keeps a 1,024-device search in seconds.
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
@@ -262,8 +263,13 @@ def search(problem: Problem, space: SearchSpace = SearchSpace()) -> PipelinePlan
     return search_best(problem, space, keep=1)[0]
 
 
+class _FloorBroken(Exception):  # a shape's bound fell under the cost function's floor
+    pass
+
+
 def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
-                keep: int = 1, within: float = INF, cap: float = INF) -> list[PipelinePlan]:
+                keep: int = 1, within: float = INF, cap: float = INF,
+                floors: bool = True) -> list[PipelinePlan]:
     """The ``keep`` best plans of distinct pipeline shapes, fastest first (a caller that
     prices plans more exactly than the search's tables re-ranks them), among those within
     a factor ``1 + within`` of the fastest: shapes beyond it are pruned unpriced. Plans
@@ -297,24 +303,53 @@ def search_best(problem: Problem, space: SearchSpace = SearchSpace(), *,
         return table_cache[key]
 
     # lower bounds first (fastest options, no memory, no send/recv): visit the most promising
-    # pipeline shapes first and stop at the first whose bound cannot beat the best plan
+    # pipeline shapes first and stop at the first whose bound cannot beat the best plan. A
+    # probe-free floor under each bound (``time_floor_s``) defers pricing it: the same order,
+    # and shapes whose floor cannot beat the best plan are never priced
     relaxed_cache: dict = {}
-    bounded = []
+    floor_of = getattr(problem.cost_fn, "time_floor_s", None) if floors else None
+    if min(space.zero) != 0 or (space.pipeline_zero and min(space.pipeline_zero) != 0):
+        floor_of = None  # the floor prices no ZeRO traffic
+    pending = []
     for order, combo in enumerate(_combos(problem, space)):
         schedule, stages, virtual, b, mesh, sp = combo
         if not _may_fit(problem, space, stages, mesh):
             continue
-        loose = tables_for(problem.num_devices // stages, b, mesh,
-                           virtual_stages_for(schedule, virtual), sp, relaxed=True)
-        if loose is None:
-            continue
-        s0, _ = cut([(loose, 0.0, INF)] * stages, INF, INF)
         v = virtual_stages_for(schedule, virtual)
-        bound = s0 / v + (b - 1 / v) * s0 / stages
-        if np.isfinite(bound):
-            bounded.append((bound, order, combo))
-    bounded.sort()
-    for bound, _, combo in bounded:
+        f0 = floor_of(problem.num_devices // stages, b) if floor_of else 0.0
+        pending.append((f0 / v + (b - 1 / v) * f0 / stages, order, combo))
+    heapq.heapify(pending)
+    bounded: list = []  # heap of (bound, order, combo) of the shapes priced so far
+
+    def next_shape():
+        """The next shape by (bound, order), None past the last (_FloorBroken: a bound
+        under its floor)."""
+        while pending and (not bounded or pending[0][:2] <= bounded[0][:2]):
+            floor, order, combo = heapq.heappop(pending)
+            if floor >= threshold():
+                pending.clear()  # every later bound is at least its floor
+                break
+            schedule, stages, virtual, b, mesh, sp = combo
+            v = virtual_stages_for(schedule, virtual)
+            loose = tables_for(problem.num_devices // stages, b, mesh, v, sp, relaxed=True)
+            if loose is None:
+                continue
+            s0, _ = cut([(loose, 0.0, INF)] * stages, INF, INF)
+            bound = s0 / v + (b - 1 / v) * s0 / stages
+            if bound < floor:
+                raise _FloorBroken
+            if np.isfinite(bound):
+                heapq.heappush(bounded, (bound, order, combo))
+        return heapq.heappop(bounded) if bounded else None
+
+    while True:
+        try:
+            visit = next_shape()
+        except _FloorBroken:  # not a bound for this cost function: search without floors
+            return search_best(problem, space, keep=keep, within=within, cap=cap, floors=False)
+        if visit is None:
+            break
+        bound, _, combo = visit
         if bound >= threshold():
             break
         schedule, stages, virtual, b, mesh, sp = combo

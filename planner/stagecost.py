@@ -27,13 +27,14 @@ from dataclasses import replace
 
 from meshplan import support
 from meshplan.costmodel.estimate import default_runtime, stage_cost, with_stage_predictions
+from meshplan.costmodel.compute import BACKWARD_FLOPS_FACTOR, DTYPE_NAMES
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
 from meshplan.planner.cp_placements import CpPropagator
 from meshplan.planner.manual import Propagator, attention_heads, stage_params, with_cp_axis
 from meshplan.planner.assemble import batch_and_seq, mesh_info, model_info, training_config
 from meshplan.planner.clusters import LayerUnit, layer_units
-from meshplan.graph import OpGraph
+from meshplan.graph import OpGraph, OpKind
 from meshplan.planner.inter import (PipelinePlan, Problem, SearchSpace, StageCost, StageOption,
                                     search_best)
 from meshplan.plan import Estimate, Plan, SolverInfo, Stage
@@ -81,11 +82,17 @@ class MegatronStageCost:
         self._storage: dict = {}
         self._cp_spans: dict = {}
         self._stage_params: dict = {}
+        self._param_dicts: dict = {}
         # the cost model's own memo (operator walks, activation profiles, collective prices):
         # stages that share placements (every recompute and ZeRO choice of one (dp, tp) range)
         # walk their operators once
         self._cost_cache: dict = {}
+        # the memo of whole plans priced in full (assemble_plan, best_schedule): kept apart
+        # from the probes', which price ranges on cut graphs (``neighbourhood``)
+        self._plan_cache: dict = {}
+        self._plan_hw: tuple | None = None
         self._cp = None  # CpPropagator after its one walk
+        self._matmul_floor: float | None = None
 
     # -- placements ---------------------------------------------------------------------------
     def placements(self, dp: int, tp: int, sp: bool, zero: int, cp: bool = False):
@@ -122,7 +129,14 @@ class MegatronStageCost:
         span = (names[0], names[-1], len(names))
         if span not in self._stage_params:
             self._stage_params[span] = stage_params(self.graph, names)
-        params = {p: params[p] for p in self._stage_params[span]}
+        # one dict (by identity) per range and storage: the cost model keeps the parameter
+        # walk of every recompute choice and pipeline position of a stage under it
+        pkey = (span, id(params))
+        hit = self._param_dicts.get(pkey)
+        if hit is None or hit[0] is not params:
+            hit = self._param_dicts[pkey] = (params, {p: params[p]
+                                                      for p in self._stage_params[span]})
+        params = hit[1]
         # the same operator and input dicts (by identity) for every recompute and ZeRO choice
         # of one range and mesh: the cost model's memo is keyed on them. The operator rules
         # do not read dp, and the cp layout only whether a dp axis exists (with_cp_axis
@@ -140,7 +154,12 @@ class MegatronStageCost:
         ops, inputs = hit
         shape, axes, n = (dp, tp), ("dp", "tp"), dp * tp
         if option.cp > 1:  # parameters and inputs read no cp records
-            shape, axes, _, params, _ = with_cp_axis({}, dp, option.cp, tp, {}, params, {})
+            ckey = (pkey, dp, option.cp, tp)
+            chit = self._param_dicts.get(ckey)
+            if chit is None or chit[0] is not params:
+                shape, axes, _, cparams, _ = with_cp_axis({}, dp, option.cp, tp, {}, params, {})
+                chit = self._param_dicts[ckey] = (params, cparams, shape, axes)
+            _, params, shape, axes = chit
             n *= option.cp
         return Stage(index=index, devices=tuple(range(index * n, (index + 1) * n)),
                      mesh_shape=shape, axis_names=axes, layers=layers,
@@ -159,6 +178,37 @@ class MegatronStageCost:
         if span not in self._cp_spans:
             self._cp_spans[span] = self._cp.gather_kv_early(names)
         return self._cp_spans[span]
+
+    def predicted(self, plan: Plan, graph: OpGraph) -> Plan:
+        """``with_stage_predictions`` of a plan on the whole graph, with the memo and the
+        hardware profile every plan of this search shares (one profile object: the memo
+        keys on its id)."""
+        hardware = plan.mesh.hardware
+        if self._plan_hw is None or self._plan_hw[0] != hardware:
+            self._plan_hw = (hardware, HardwareProfile.from_dict(hardware))
+        return with_stage_predictions(plan, graph, hw=self._plan_hw[1], cache=self._plan_cache)
+
+    def time_floor_s(self, size: int, microbatches: int) -> float:
+        """A lower bound on the relaxed (no recompute, ZeRO-0, time-only) sum of stage times
+        of any cut of the model over stages of ``size`` devices at ``microbatches``
+        microbatches, priced by no probe: every matmul's forward and backward
+        FLOPs at the device's peak times the matmul curve's ceiling, split over every
+        device of a stage and every microbatch (``compute.op_time`` prices no matmul
+        faster, contention only slows it, and the other terms of a stage's time are not
+        negative). 0 where that does not hold: measured operator times, torch.compile's
+        fused kernels, fp8 GEMMs, tensor-parallel overlap."""
+        runtime = default_runtime(self.hw, engine=self.engine, pipeline=True)
+        if self.hw.measured_ops or runtime.compiled or runtime.tp_comm_overlap or \
+                self.dtype == "fp8":
+            return 0.0
+        if self._matmul_floor is None:
+            dev = self.hw.device
+            peak = dev.peak_flops(DTYPE_NAMES.get(self.dtype, self.dtype)) * \
+                dev.matmul_efficiency.max_eff
+            flops = sum(n.flops for n in self.graph.nodes if n.kind == OpKind.MATMUL)
+            self._matmul_floor = flops * (1 + BACKWARD_FLOPS_FACTOR[OpKind.MATMUL]) / peak
+        # (1 - 1e-9): the search's affine sums round where the walks' sums do not
+        return self._matmul_floor / (size * microbatches) * (1 - 1e-9)
 
     def weights_floor_gib(self, stages: int, dp: int, tp: int, zero: int) -> float:
         """Model state of the average stage with every parameter split over tp: no stage of
@@ -286,7 +336,7 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
                 stages=tuple(stages), predicted=_EMPTY,
                 solver=SolverInfo(name=NAME, status=status, notes=tuple(notes)), graph=graph,
                 engine=cost.engine)
-    plan = with_stage_predictions(plan, graph)
+    plan = cost.predicted(plan, graph)
     return replace(plan, solver=replace(plan.solver, objective_s=answer.step_time_s))
 
 
@@ -324,7 +374,7 @@ def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                               for answer in search_best(problem, space, keep=WIDEN, cap=cap_s))
                   if _shape(p) not in seen]
     plan = min(plans, key=lambda p: (not p.predicted.fits, p.predicted.step_time_s))
-    plan = best_schedule(plan, graph, space)
+    plan = best_schedule(plan, graph, space, cost)
     return replace(plan, wall_time_s=time.perf_counter() - start)
 
 
@@ -334,7 +384,8 @@ def _shape(plan: Plan) -> tuple:
             tuple((st.layers, st.mesh_shape, st.zero, st.recompute) for st in plan.stages))
 
 
-def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace) -> Plan:
+def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace,
+                  cost: MegatronStageCost | None = None) -> Plan:
     """The chosen pipeline shape under every schedule the space allows, priced in full.
 
     The search ranks candidates with stage prices rounded to ``space.eps``, so it can miss
@@ -358,7 +409,9 @@ def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace) -> Plan:
                 variants.append(replace(t, schedule=schedule, virtual_stages=v))
     best = plan
     for training in variants:
-        candidate = with_stage_predictions(replace(plan, training=training), graph)
+        candidate = replace(plan, training=training)
+        candidate = cost.predicted(candidate, graph) if cost is not None else \
+            with_stage_predictions(candidate, graph)
         if candidate.predicted.fits and \
                 candidate.predicted.step_time_s < best.predicted.step_time_s:
             best = candidate

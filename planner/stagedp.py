@@ -115,13 +115,13 @@ def build_tables(classes: RangeClasses, problem, options, microbatches: int, hop
     # of few units: exact tables, at the price of one probe per range class
     exact = getattr(problem.cost_fn, "range_cost", None) is not None and \
         classes.num_units <= getattr(problem.cost_fn, "exact_units", 0)
+    # send/recv between stages (x v chunks under the interleaved schedule)
+    factor = np.array([hops * p2p_hops(bool(f), bool(l))
+                       for f, l in zip(classes.is_first, classes.is_last)])
     for o, opt in enumerate(options):
         mbs = problem.global_batch // (microbatches * opt.mesh_shape[0])
         row = _range_row if exact else _additive_row if unit_cost is not None else _generic_row
         stage_costs[o], recv = row(arrays[:, o], classes, problem, opt, mbs, cache, need_memory)
-        # send/recv between stages (x v chunks under the interleaved schedule)
-        factor = np.array([hops * p2p_hops(bool(f), bool(l))
-                           for f, l in zip(classes.is_first, classes.is_last)])
         arrays[0, o] += factor * np.where(np.isfinite(recv), recv, 0.0)
     if stage_blocks is not None:
         first = np.array([problem.unit_layers[j][0] for j in classes.rep_first])
@@ -172,17 +172,18 @@ def _additive_row(row, classes, problem, opt, mbs, cache, need_memory=True):
     unit_cost = problem.cost_fn.unit_cost
     lead = np.full((6, n), INF)
     marginal = np.zeros((6, n))
-    for i in range(n):
-        for leading, table in ((True, lead), (False, marginal)):
-            if not leading and i == 0:
-                continue
-            key = ("unit", problem.unit_keys[i - (not leading):i + 1], leading, opt, mbs)
+    # units of equal keys share one answer: one call per distinct key (a few for a model of
+    # identical blocks), written to all their columns at once
+    for leading, table in ((True, lead), (False, marginal)):
+        for keys, (first, columns) in _unit_groups(problem.unit_keys, leading, cache).items():
+            key = ("unit", keys, leading, opt, mbs)
             if key not in cache:
-                cache[key] = unit_cost(i, opt, mbs, leading=leading, need_memory=need_memory)
+                cache[key] = unit_cost(first, opt, mbs, leading=leading,
+                                       need_memory=need_memory)
             sc = cache[key]
-            table[:, i] = INF if sc is None else (sc.time_s, sc.step_s, sc.weights_gib,
-                                                  sc.activation_gib, sc.recv_s,
-                                                  sc.transient_gib)
+            table[:, columns] = INF if sc is None else np.array(
+                (sc.time_s, sc.step_s, sc.weights_gib, sc.activation_gib, sc.recv_s,
+                 sc.transient_gib))[:, None]
     bad = ~np.isfinite(marginal[0])
     prefix = np.concatenate([np.zeros((6, 1)), np.cumsum(np.where(bad, 0.0, marginal), axis=1)],
                             axis=1)
@@ -193,6 +194,19 @@ def _additive_row(row, classes, problem, opt, mbs, cache, need_memory=True):
     row[:4] = sums[:4]
     row[4] = sums[5]
     return [None] * classes.num_classes, lead[4, j]
+
+
+def _unit_groups(unit_keys: tuple, leading: bool, cache: dict) -> dict:
+    """{unit keys of a leading unit (one key) or of a unit after its predecessor (two):
+    (first such unit, all such units)}, in unit order; kept in ``cache``."""
+    key = ("unit groups", unit_keys, leading)
+    if key not in cache:
+        groups: dict = {}
+        for i in range(0 if leading else 1, len(unit_keys)):
+            keys = unit_keys[i - (not leading):i + 1]
+            groups.setdefault(keys, (i, []))[1].append(i)
+        cache[key] = {k: (first, np.array(cols)) for k, (first, cols) in groups.items()}
+    return cache[key]
 
 
 def cut(tables_by_position: Sequence[tuple[Tables, float, float]], t_max: float,
