@@ -79,18 +79,26 @@ def moment_bytes(optimizer: str) -> int:
     return ADAM_MOMENT_BYTES if optimizer == "adam" else SGD_MOMENTUM_BYTES
 
 
-def state_bytes_per_param(dtype: str, optimizer: str) -> StateBytes:
+def state_bytes_per_param(dtype: str, optimizer: str, *, grad_bytes: float = GRAD_BYTES,
+                          master_bytes: float = MASTER_BYTES) -> StateBytes:
+    """The table above. Under mixed precision a stack may keep less than Megatron's table:
+    ``grad_bytes`` 2 where gradients accumulate and reduce in bf16 (NeMo's recipes,
+    ``grad_sync_dtype: bf16``), ``master_bytes`` 2 where the optimizer keeps only the 16 low
+    bits of the fp32 master beside the bf16 weights (Apex ``DistributedFusedAdam``
+    ``store_param_remainders``: weight and remainder together are the fp32 value)."""
     moments = moment_bytes(optimizer)
     if dtype == ComputeDtype.FP32:
         return StateBytes(weights=4, grads=GRAD_BYTES, optimizer=moments)
-    return StateBytes(weights=2, grads=GRAD_BYTES, optimizer=MASTER_BYTES + moments)
+    return StateBytes(weights=2, grads=grad_bytes, optimizer=master_bytes + moments)
 
 
 def model_state_bytes(numel: float, *, dtype: str, optimizer: str, zero: int,
-                      dp: int) -> tuple[float, float, float]:
+                      dp: int, grad_bytes: float = GRAD_BYTES,
+                      master_bytes: float = MASTER_BYTES) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes on one device for ``numel`` local parameters
-    (already divided by tensor/pipeline sharding), under ZeRO stage ``zero`` over ``dp``."""
-    b = state_bytes_per_param(dtype, optimizer)
+    (already divided by tensor/pipeline sharding), under ZeRO stage ``zero`` over ``dp``;
+    ``grad_bytes`` / ``master_bytes`` as ``state_bytes_per_param``."""
+    b = state_bytes_per_param(dtype, optimizer, grad_bytes=grad_bytes, master_bytes=master_bytes)
     d = max(1, dp)
     weights = numel * b.weights / (d if zero >= 3 else 1)
     grads = numel * b.grads / (d if zero >= 2 else 1)
@@ -281,12 +289,15 @@ def causal_masks(graph: OpGraph) -> set[str]:
 
 
 def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq_len: int,
-                       micro_fraction: float, attention_extra_per_node: float = 0.0) -> ActivationProfile:
+                       micro_fraction: float, attention_extra_per_node: float = 0.0,
+                       recomputed: dict | None = None) -> ActivationProfile:
     """Saved-for-backward bytes per layer for the operators ``nodes`` (names).
 
     ``split_of(name)`` gives how many devices split that tensor; ``micro_fraction`` scales
     the traced global batch to one microbatch; ``attention_extra_per_node`` adds tensors an
-    attention kernel keeps beyond its inputs (e.g. the probabilities of math attention).
+    attention kernel keeps beyond its inputs (e.g. the probabilities of math attention);
+    ``recomputed`` maps a tensor that a fused kernel rebuilds in its backward to the tensors
+    kept in its place (``fusion.recomputed_inside``: the stack fuses its elementwise chains).
     """
     inputs = dict(graph.inputs)
     kept: dict[int, float] = {}
@@ -306,16 +317,17 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             loss_working = max(loss_working, loss_grad_bytes(node, graph, dtype_bytes, inputs)
                                * micro_fraction / max(1, split_of(src)))
         for t in saved_inputs(node, graph):
-            root = alias_root(t, graph)
-            if root in seen:
-                continue
-            seen.add(root)
-            b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
-            kept[layer] = kept.get(layer, 0.0) + b
-            if root in masks:
-                mask_kept[layer] = mask_kept.get(layer, 0.0) + b
-            if not is_seq_squared(root, graph, seq_len):
-                selective[layer] = selective.get(layer, 0.0) + b
+            for root in _kept_for(alias_root(t, graph), recomputed):
+                if root in seen:
+                    continue
+                seen.add(root)
+                b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction \
+                    / max(1, split_of(root))
+                kept[layer] = kept.get(layer, 0.0) + b
+                if root in masks:
+                    mask_kept[layer] = mask_kept.get(layer, 0.0) + b
+                if not is_seq_squared(root, graph, seq_len):
+                    selective[layer] = selective.get(layer, 0.0) + b
         if layer >= 0 and _is_param_matmul(name, graph):
             # selective checkpointing stores every such output in the forward, whether
             # the backward reads it or not (the recompute reuses it)
@@ -344,6 +356,14 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                     mask_boundary[at] = mask_boundary.get(at, 0.0) + b
     return ActivationProfile(kept, selective, boundary, matmuls, mask_kept, mask_boundary,
                              loss_working)
+
+
+def _kept_for(root: str, recomputed: dict | None) -> tuple[str, ...]:
+    """The tensors kept so that ``root`` is available in the backward: itself, or where a
+    fused kernel rebuilds it, the materialized tensors it is rebuilt from."""
+    if recomputed and root in recomputed:
+        return recomputed[root]
+    return (root,)
 
 
 def _is_param_matmul(name: str, graph: OpGraph) -> bool:
