@@ -33,7 +33,8 @@ section 5: recompute the attention core only).
 
 Pipeline schedules keep activations of several microbatches at once (``inflight_microbatches``):
 GPipe all m; 1F1B p - stage on stage ``stage`` (Narayanan et al. 2021, section 2.2.1);
-interleaved 1F1B the same amplified by 1 + (p-1)/(p v) (Korthikanti et al. 2022, section 4.2.3).
+interleaved 1F1B p + (p - 1 - 2 stage)/v, Megatron-Core's warmup count (on the first stage
+Korthikanti et al. 2022's p (1 + (p-1)/(p v)), section 4.2.3).
 """
 
 from __future__ import annotations
@@ -378,13 +379,18 @@ def _is_param_matmul(name: str, graph: OpGraph) -> bool:
 def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatches: int,
                           virtual_stages: int = 1) -> float:
     """Microbatches whose activations stage ``stage`` holds at its peak (see module doc)."""
-    m, p = microbatches, num_stages
+    m, p, v = microbatches, num_stages, virtual_stages
     if schedule == Schedule.GPIPE or p == 1:
         return float(m) if p > 1 else 1.0
-    base = min(p - stage, m)
-    if schedule == Schedule.INTERLEAVED and virtual_stages > 1:
-        return min(float(m), base * (1 + (p - 1) / (p * virtual_stages)))
-    return float(base)
+    if schedule == Schedule.INTERLEAVED and v > 1:
+        # Megatron-Core's interleaved 1F1B (pipeline_parallel/schedules.py
+        # get_pp_rank_microbatches): rank r runs 2 (p - r - 1) + (v - 1) p warmup forwards
+        # of model chunks (microbatch groups of p), then one more before each backward, so
+        # it holds that many chunk activations plus one, each 1/v of its stage's; rank 0:
+        # p + (p - 1) / v, Korthikanti et al.'s amplification, and every rank about p
+        chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+        return chunks / v
+    return float(min(p - stage, m))
 
 
 def activation_memory(per_microbatch_bytes: float, working_bytes: float, *, schedule: str,
