@@ -6,10 +6,11 @@ sequences of 8,192), planned by hand with ``meshplan.manual_plan`` as the paper 
 with sequence parallelism, PP16, DP64 or DP128, bf16, optimizer state and gradients sharded
 over DP as its FSDP-style ZeRO-2 did), priced on the DGX H100 preset (the paper's parts:
 H100 SXM 80 GB HBM3 at 700 W, 400 Gb/s per GPU) as Meta's own stack runs it, and its
-predicted throughput (model FLOPs per second per GPU) compared with the published one. The paper does not give every knob: microbatch size 1; the schedule
-is the fastest fitting of 1F1B and interleaved 1F1B with 2, 4 or 8 chunks per rank group,
-the 126 blocks cut into uneven chunks with the lighter ones first and last (as the paper's
-section 3.3.2 removes a layer from the first and the last stage). With 8 chunks per rank
+predicted throughput (model FLOPs per second per GPU) compared with the published one.
+The paper does not give every knob: microbatch size 1; the schedule is the fastest
+fitting of 1F1B and interleaved 1F1B with 2, 4 or 8 chunks per rank group, the 126 blocks
+cut into uneven chunks with the lighter ones first and last (as the paper's section 3.3.2
+removes a layer from the first and the last stage). With 8 chunks per rank
 group (128 chunks) every chunk holds one block but the first, which holds only the
 embedding, and the last, only the head and loss: the layout that section describes ("the
 first model chunk on the first stage has only the embedding"). Each with the least

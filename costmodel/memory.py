@@ -29,7 +29,9 @@ backward starts with the loss's gradients while all of them are kept
 (``loss_grad_bytes``). Under recompute "full" a layer keeps only its input (Megatron's
 checkpointing of each layer's input), and the layer being back-propagated holds its full
 set once; "selective" drops the tensors of seq x seq size (Korthikanti et al. 2022,
-section 5: recompute the attention core only).
+section 5: recompute the attention core only). A stack that fuses each elementwise chain into
+one kernel (Transformer Engine, Megatron-Core's fusions) keeps only what the kernel
+materializes: ``activation_profile(recomputed=fusion.recomputed_inside(...))``.
 
 Pipeline schedules keep activations of several microbatches at once (``inflight_microbatches``):
 GPipe all m; 1F1B p - stage on stage ``stage`` (Narayanan et al. 2021, section 2.2.1);
