@@ -3,23 +3,30 @@
 trace -> **cost**: each row traced on the meta device at its global batch (sequence 8,192),
 planned by hand with ``meshplan.manual_plan`` exactly as the recipe ran it (TP, PP, CP,
 virtual pipeline stages, microbatch 1, the global batch) and priced as Megatron-LM / NeMo
-run it (``engine="megatron"``: the distributed optimizer, ZeRO-1 over dp x cp; sequence
-parallelism where TP > 1; overlapped gradient reduce-scatter and parameter all-gather;
-TP communication overlap; cuDNN fused causal attention; context parallelism on head-tail
-chunks with the loss on each chunk), on the ``dgx-h100`` preset, whose constants come from
-datasheets and kernel measurements, never from these rows.
+run it (``engine="nemo"``: Megatron-Core with Transformer Engine as the ``megatron`` profile
+prices it - sequence parallelism where TP > 1, overlapped gradient reduce-scatter and
+parameter all-gather, TP communication overlap, cuDNN fused causal attention, context
+parallelism on head-tail chunks with the loss on each chunk, fused norms / SwiGLU / RoPE
+keeping only what they materialize - trained with the recipes' optimizer, Apex's
+distributed fused Adam with ``grad_sync_dtype: bf16``: bf16 gradients, fp32 Adam state with
+16-bit master remainders, sharded over dp x cp), on the ``dgx-h100`` preset, whose
+constants come from datasheets and kernel measurements, never from these rows.
 
 Source: NVIDIA/dgxc-benchmarking, llama3.1/README_8b.md, README_70b.md, README_405b.md
 ("Llama 3.1 ... 24.09 BF16" tables: NeMo 24.09 container, DGX H100; training step time in
 seconds per step, the last step of the run). Configurations as the tables head them:
 8B TP1 PP1 CP2 MBS1 GA32, global batch 16 sequences per GPU; 70B TP4 PP4 CP2 VP5 MBS1
 GA64, 2 per GPU; 405B TP8 PP9 CP2 VP7 MBS1 GA63, 252 per 576 GPUs (the proxy rows under 576
-GPUs, with fewer layers, as published). Not published, so assumed: no activation
-recompute (the tables list none), sequence parallelism with TP (NeMo's Llama recipes), the
-Llama 3.1 vocabulary of 128,256 (the 405B README trains on synthetic data with GPT-2's
-tokenizer as a proxy but counts its FLOPs with 128,256), 8 KV heads (Llama 3.1; the 405B
-README's FLOP formula uses 16 query groups). No memory is published; every row ran on 80 GB
-H100s, so every row must fit.
+GPUs, with fewer layers, as published). The recipes' own settings (the repository's
+llama3.1/llama3.1_{8b,70b,405b}.yaml and configure.sh at its first tag, v24.11.1, which
+runs the nemo:24.09 container): no activation recompute (``activations_checkpoint_*:
+null``), sequence parallelism with TP (``sequence_parallel: true`` on 70B/405B),
+``optim.name: distributed_fused_adam`` with ``grad_sync_dtype: bf16``, fused RoPE, SwiGLU
+and cross entropy; 8B and 70B use the Llama 3 tokenizer (128,256 entries), the 405B recipe
+trains on mock data with Megatron's ``GPT2BPETokenizer`` (50,257, padded to a multiple of
+``make_vocab_size_divisible_by`` 128 x TP 8: 51,200) and ``num_query_groups: 16``; the
+proxy rows set ``num_layers``/PP as configure.sh does. No memory is published; every row
+ran on 80 GB H100s, so every row must fit.
 
 ``--dtype fp8`` prices the same rows with ``dtype="fp8"`` (costmodel/fp8.py: the block
 linears' GEMMs in fp8 with Transformer Engine's current scaling, as NeMo's FP8 runs) against
@@ -46,11 +53,12 @@ from meshplan.tracing import trace
 
 SEQ = 8192
 SOURCE = "NVIDIA/dgxc-benchmarking llama3.1/README_{}.md, 24.09 BF16 table"
-MODELS = {  # hidden, FFN, heads, KV heads (Llama 3.1, Meta's model cards)
-    "8b": (4096, 14336, 32, 8),
-    "70b": (8192, 28672, 64, 8),
-    "405b": (16384, 53248, 128, 8),
+MODELS = {  # hidden, FFN, heads, KV heads, vocabulary: the recipes' llama3.1_*.yaml
+    "8b": (4096, 14336, 32, 8, 128256),  # Llama 3 tokenizer
+    "70b": (8192, 28672, 64, 8, 128256),
+    "405b": (16384, 53248, 128, 16, 51200),  # num_query_groups: 16; GPT-2 BPE, padded
 }
+ENGINE = "nemo"  # costmodel/estimate.py nemo_runtime: the recipes' optimizer
 # (model, layers, GPUs, TP, PP, CP, VP, global batch, published step s)
 ROWS = (
     ("8b", 32, 8, 1, 1, 2, 1, 128, 12.91),
@@ -83,10 +91,10 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def spec(model: str, layers: int) -> str:
-    hidden, ffn, heads, kv = MODELS[model]
+    hidden, ffn, heads, kv, vocab = MODELS[model]
     return (f"transformers:llama?hidden_size={hidden}&intermediate_size={ffn}"
             f"&num_hidden_layers={layers}&num_attention_heads={heads}"
-            f"&num_key_value_heads={kv}&vocab_size=128256&max_position_embeddings={SEQ}")
+            f"&num_key_value_heads={kv}&vocab_size={vocab}&max_position_embeddings={SEQ}")
 
 
 def predict(row, dtype: str = "bf16") -> dict:
@@ -105,7 +113,7 @@ def predict(row, dtype: str = "bf16") -> dict:
                                 microbatch_size=1, sequence_parallel=tp > 1, zero=1,
                                 schedule="interleaved-1f1b" if vp > 1 else "1f1b",
                                 virtual_stages=vp, recompute="none", dtype=dtype,
-                                engine="megatron")
+                                engine=ENGINE)
     est = plan.predicted
     extra = {}
     if dtype != "bf16":  # the bf16 row beside it
@@ -113,7 +121,7 @@ def predict(row, dtype: str = "bf16") -> dict:
                                     microbatch_size=1, sequence_parallel=tp > 1, zero=1,
                                     schedule="interleaved-1f1b" if vp > 1 else "1f1b",
                                     virtual_stages=vp, recompute="none", dtype="bf16",
-                                    engine="megatron").predicted
+                                    engine=ENGINE).predicted
         extra = {"bf16_published_step_s": bf16_published,
                  "bf16_predicted_step_s": round(bf16.step_time_s, 3),
                  "published_speedup": round(bf16_published / published, 3),
@@ -180,7 +188,7 @@ def main(argv=None) -> int:
     text = (f"# Cost model vs NeMo's published Llama 3.1 runs on DGX H100 ({args.dtype})\n\n"
             "NVIDIA/dgxc-benchmarking llama3.1 READMEs (NeMo 24.09"
             f"{', FP8 tables' if fp8 else ''}), priced with "
-            f"`manual_plan(..., dtype=\"{args.dtype}\", engine=\"megatron\")` on the dgx-h100 "
+            f"`manual_plan(..., dtype=\"{args.dtype}\", engine=\"{ENGINE}\")` on the dgx-h100 "
             "preset; error = "
             "(predicted - published) / published step time (+: predicted slower). No memory "
             "is published: every row ran in 80 GB.\n\n" + "\n".join(stat_lines) + "\n\n"

@@ -41,7 +41,7 @@ from meshplan.costmodel.compute import (ATTENTION_KERNELS, DTYPE_BYTES, DTYPE_NA
 from meshplan.costmodel.eager import (MEMORY_BOUND, PRECISIONS, EagerOp, eager_kernels,
                                       eager_time, fsdp_copy_out_bytes, kernels_time_s,
                                       Kernel)
-from meshplan.costmodel.fusion import fused_by_member, fused_time
+from meshplan.costmodel.fusion import fused_by_member, fused_time, recomputed_inside
 from meshplan.costmodel import fp8 as fp8_model
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.errors import PlanningError
@@ -64,6 +64,9 @@ from meshplan.placements import PARTIAL, REPLICATE, shard
 STACKS = {"megatron": "Megatron-LM / NeMo (Megatron-Core with Transformer Engine)",
           "megatron-2021": "Megatron-LM as of SC'21 (attention through memory, gradients "
                            "all-reduced after the pipeline flush)",
+          "nemo": "NeMo's Megatron GPT recipes as NVIDIA's dgxc-benchmarking 24.09-24.11 "
+                  "runs them (Megatron-Core with Transformer Engine, Apex's distributed "
+                  "fused Adam: bf16 gradients, fp32 master kept as 16-bit remainders)",
           "torchtitan": "torchtitan (FSDP2, eager)"}
 PROFILES = ENGINES + tuple(STACKS)
 BACKENDS = ("gloo", "nccl")
@@ -204,6 +207,19 @@ class RuntimeModel:
       "te-current"), its cast kernels ("eager", "fused", "cast-transpose") and whether
       FSDP all-gathers the block linears' weights in fp8 (torchtitan's
       ``enable_fsdp_float8_all_gather``). Read only under fp8.
+    grad_bytes, master_bytes: bytes per parameter, under bf16/fp16, of the accumulated
+      gradient and of the master copy in the optimizer state (``memory.state_bytes_per_param``):
+      4 and 4 where gradients are fp32 main grads and the master an fp32 copy (Megatron-LM
+      forces ``accumulate_allreduce_grads_in_fp32`` under bf16, megatron/training/
+      arguments.py; torch FSDP2's fp32 shard); 2 and 2 for NeMo's recipes on Apex's
+      ``DistributedFusedAdam`` (``nemo_runtime``). The gradient sync moves ``grad_bytes``.
+    fp32_embedding_grads: the input embedding's gradient stays fp32 whatever
+      ``grad_bytes`` says (NeMo's ``with_fp32_embedding_grads``, default True).
+    fused_activations: the stack runs each elementwise chain between matmuls as one fused
+      kernel whose backward rebuilds the chain's intermediates from the tensors it
+      materializes (``fusion.recomputed_inside``): Transformer Engine's fused RMSNorm /
+      LayerNorm, Megatron-Core's fused SwiGLU and RoPE. False: eager autograd keeps every
+      intermediate its backward reads.
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -232,6 +248,10 @@ class RuntimeModel:
     fp8_all_gather: bool = False
     eager_kernels: bool = False
     mixed_precision: str = "autocast"
+    grad_bytes: float = GRAD_BYTES
+    master_bytes: float = MASTER_BYTES
+    fp32_embedding_grads: bool = False
+    fused_activations: bool = False
     engine: str = Engine.GRAPH
     backend: str = "nccl"
 
@@ -304,6 +324,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
     eager = hw.device.host_cores <= 0 and hw.device.name != "cpu"
     if engine == "megatron":
         return megatron_runtime(backend=backend, overlap=overlap)
+    if engine == "nemo":
+        return nemo_runtime(backend=backend, overlap=overlap)
     if engine == "megatron-2021":
         # Megatron-LM 2021 (Narayanan et al., SC'21; examples/sc21): Q K^T, the fused
         # scale-mask-softmax and P V through memory (no fused attention yet), gradients in one
@@ -372,8 +394,32 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
                         fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
                         attention_kernel="cudnn", tp_comm_overlap=True,
                         overlap_efficiency=overlap, fp8_recipe="te-current",
-                        fp8_casts="cast-transpose",
+                        fp8_casts="cast-transpose", fused_activations=True,
                         engine="megatron", backend=backend)
+
+
+def nemo_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeModel:
+    """NeMo's Megatron GPT (NeMo 2.0's ``MegatronGPTModel`` with ``mcore_gpt``, the NeMo
+    24.09 container) as NVIDIA's dgxc-benchmarking llama3.1 recipes run it (their
+    llama3.1_*.yaml, v24.11.1): Megatron-Core's model with Transformer Engine as
+    ``megatron_runtime`` prices it, trained with ``optim.name: distributed_fused_adam``
+    (Apex's ``DistributedFusedAdam`` through NeMo's ``MegatronDistributedFusedAdam``),
+    ``grad_sync_dtype: bf16``, ``contiguous_grad_buffer`` and ``contiguous_param_buffer``:
+
+    - gradients accumulate in one contiguous bf16 buffer (2 bytes a parameter) and are
+      reduce-scattered in bf16; the word embedding's in fp32 (``_with_fp32_optimizer``,
+      ``with_fp32_embedding_grads`` default True: megatron_gpt_model.py
+      ``configure_optimizers``);
+    - bf16 weights with fp32 Adam state: NeMo sets ``store_params=False,
+      store_param_remainders=True`` (megatron_base_model.py ``setup_optimization``), so the
+      optimizer keeps the moments and the 16 low bits of each fp32 master (4 + 4 + 2 bytes),
+      sharded over the data-parallel group with context parallelism
+      (``get_data_parallel_group(with_context_parallel=True)``, nemo/core/optim/
+      distributed_adam.py).
+    Under fp8 the recipes set ``fp8_params``, and NeMo then stores fp32 masters
+    (``store_params=True``): 4 bytes."""
+    return replace(megatron_runtime(backend=backend, overlap=overlap), grad_bytes=2.0,
+                   master_bytes=2.0, fp32_embedding_grads=True, engine="nemo")
 
 
 @lru_cache(maxsize=1 << 16)
@@ -487,7 +533,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                               grad_sync_s=traffic.step_s, optimizer_s=optimizer_s, memory=None)
 
     prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
-                                    seq_len=seq_len, attention=runtime.attention, cache=cache)
+                                    seq_len=seq_len, attention=runtime.attention, cache=cache,
+                                    fused=runtime.fused_activations)
     kept, working = prof.stage_bytes(stage.recompute,
                                      keep_matmuls_only=runtime.selective_keeps_matmuls,
                                      without_masks=runtime.causal_mask_skipped)
@@ -674,6 +721,7 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
     dpa = dp_axis(stage)
     cpa = _zero_cp_axis(stage, runtime)
     zero = stage.zero
+    fp32_grads = _embedding_weights(graph) if runtime.fp32_embedding_grads else set()
     weights = grads = opt = opt_numel = synced = 0.0
     tensors = 0
     unit_numel: dict[int, float] = {}
@@ -685,7 +733,8 @@ def parameter_walk(stage: Stage, graph: OpGraph, consumer_out: dict, *, dtype: s
             continue
         outs = readers.get(pname, ())
         part = parameter_part(info, pl, outs, _param_layer(pname, graph), shape, dpa, cpa,
-                              zero=zero, dtype=dtype, optimizer=optimizer, runtime=runtime)
+                              zero=zero, dtype=dtype, optimizer=optimizer, runtime=runtime,
+                              fp32_grads=pname in fp32_grads)
         weights, grads, opt = weights + part.weights_bytes, grads + part.grads_bytes, \
             opt + part.optimizer_bytes
         opt_numel += part.optimizer_numel
@@ -727,17 +776,25 @@ class ParamPart:
 
 def parameter_part(info, pl: tuple[str, ...], outs, layer: int, shape: tuple[int, ...],
                    dpa: int | None, cpa: int | None, *, zero: int, dtype: str, optimizer: str,
-                   runtime: RuntimeModel) -> ParamPart:
+                   runtime: RuntimeModel, fp32_grads: bool = False) -> ParamPart:
     """Model state and gradient collectives of one parameter stored as ``pl``, read by
-    operators whose (output, read-as) placements are ``outs`` (``parameter_walk``)."""
+    operators whose (output, read-as) placements are ``outs`` (``parameter_walk``).
+    ``fp32_grads``: its gradient stays fp32 whatever ``runtime.grad_bytes`` says (NeMo's
+    word embedding, ``RuntimeModel.fp32_embedding_grads``)."""
+    # the ZeRO/FSDP group: dp, or dp x cp where the engine shards over both
     dp = (shape[dpa] if dpa is not None else 1) * (shape[cpa] if cpa is not None else 1)
     numel = info.numel / split_factor(pl, shape, skip_axis=dpa if zero >= 3 else None)
-    w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp)
+    gb = GRAD_BYTES if dtype == ComputeDtype.FP32 or fp32_grads else runtime.grad_bytes
+    # the 16-bit remainder of a master needs bf16 weights as its high half (Apex's
+    # store_param_remainders); fp16 or fp8 weights keep a whole fp32 master
+    master = runtime.master_bytes if dtype == ComputeDtype.BF16 else MASTER_BYTES
+    w, g, o = model_state_bytes(numel, dtype=dtype, optimizer=optimizer, zero=zero, dp=dp,
+                                grad_bytes=gb, master_bytes=master)
     if runtime.full_grad_accumulation and (
             zero == 2 or (zero >= 3 and not runtime.zero3_per_use)):
         # the full gradient, reduce-scattered once per step (the graph engine's ZeRO-2;
         # a module-engine pipeline stage at ZeRO-2 or 3, DECISIONS 61)
-        g = numel * GRAD_BYTES
+        g = numel * gb
     if dtype == ComputeDtype.FP32 and dp > 1 and zero in (1, 2):
         # the fp32 shard the optimizer steps, beside the full weights: the graph
         # engine's ZeRO-1/2 master, FSDP2's shard (under bf16: the master counted in
@@ -748,7 +805,7 @@ def parameter_part(info, pl: tuple[str, ...], outs, layer: int, shape: tuple[int
     mine: list[GradSync] = []
     if info.trainable:
         mine = _grad_syncs(numel, pl, outs, layer, shape, dpa, zero=zero, dtype=dtype,
-                           runtime=runtime, cpa=cpa)
+                           runtime=runtime, cpa=cpa, grad_bytes=gb)
         if dtype == ComputeDtype.FP8 and runtime.fp8_all_gather and layer >= 0 \
                 and len(info.shape) == 2:  # a block linear's weight, gathered in fp8
             mine = [replace(s, weight_bytes=s.weight_bytes / 2) for s in mine]
@@ -791,7 +848,8 @@ def _zero_cp_axis(stage: Stage, runtime: RuntimeModel) -> int | None:
 
 def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
                 shape: tuple[int, ...], dpa: int | None, *, zero: int, dtype: str,
-                runtime: RuntimeModel, cpa: int | None = None) -> list[GradSync]:
+                runtime: RuntimeModel, cpa: int | None = None,
+                grad_bytes: float = GRAD_BYTES) -> list[GradSync]:
     """The gradient is partial on an axis where an operator split on it reads the weight
     whole (R); a weight read as P (a row-parallel bias) has the same gradient everywhere.
     It is reduced where the weight is replicated, and always over dp (ZeRO shards keep
@@ -818,7 +876,7 @@ def _grad_syncs(numel: float, placement: tuple[str, ...], outs, layer: int,
         if kind == Collective.REDUCE_SCATTER and runtime.reduce_scatter_as_all_reduce:
             kind = Collective.ALL_REDUCE
         piece = cp if axis == dpa and synced_on_cp else 1
-        out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * GRAD_BYTES / piece,
+        out.append(GradSync(kind=kind, axis=axis, grad_bytes=numel * grad_bytes / piece,
                             weight_bytes=numel * (4 if dtype == ComputeDtype.FP32 else 2) / piece,
                             layer=layer, uses=max(1, len(outs)), on_dp=on_dp,
                             per_use=axis == dpa and zero >= 3 and runtime.zero3_per_use))
@@ -993,13 +1051,15 @@ def optimizer_step_s(numel: float, tensors: int, hw: HardwareProfile, *, dtype: 
 
 def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                              microbatches: int, seq_len: int, attention: str = "flash",
-                             cache: dict | None = None) -> ActivationProfile:
+                             cache: dict | None = None,
+                             fused: bool = False) -> ActivationProfile:
     """Activation bytes per layer of one microbatch on one device of ``stage``. It does not
     depend on recompute, ZeRO or the schedule, so ``cache`` keeps it for every plan that
-    shares ``stage.ops``."""
+    shares ``stage.ops``. ``fused``: the stack's fused kernels keep only what they
+    materialize (``RuntimeModel.fused_activations``)."""
     m = max(1, microbatches)
     key = ("activations", id(stage.ops), id(stage.inputs), stage.mesh_shape, m, dtype,
-           hw.device.name, seq_len, attention)
+           hw.device.name, seq_len, attention, fused)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] is stage.ops and hit[1] is stage.inputs:
         return hit[2]
@@ -1018,7 +1078,8 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
                  for n in names), default=0.0)
     prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
                               seq_len=seq_len, micro_fraction=1.0 / m,
-                              attention_extra_per_node=extra)
+                              attention_extra_per_node=extra,
+                              recomputed=recomputed_inside(graph, names) if fused else None)
     if cache is not None:
         cache[key] = (stage.ops, stage.inputs, prof)
     return prof
@@ -1752,6 +1813,12 @@ def _bytes(graph: OpGraph, name: str, dbytes: int) -> float:
 def param_layer(name: str, graph: OpGraph) -> int:
     """The block a parameter belongs to (its ZeRO-3 / FSDP unit), -1 outside the blocks."""
     return _param_layer(name, graph)
+
+
+def _embedding_weights(graph: OpGraph) -> set[str]:
+    """The parameters an embedding lookup reads (the word embedding)."""
+    return {i for n in graph.nodes if n.kind == OpKind.EMBEDDING for i in n.inputs
+            if i in graph.param_map}
 
 
 def _param_layer(name: str, graph: OpGraph) -> int:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, roofline_s
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.memory import alias_root
 from meshplan.graph import OpGraph, OpKind
 
 FUSIBLE = (OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION)
@@ -166,6 +167,10 @@ def _reads_data(graph: OpGraph, reader: str, inside: set[str]) -> bool:
     return False
 
 
+def _cast(graph: OpGraph, name: str) -> bool:
+    return graph.node(name).target.startswith(("aten.to.", "aten._to_copy."))
+
+
 def fused_by_member(graph: OpGraph, names) -> dict[str, FusedGroup]:
     """Each fusible operator of ``names`` that compiles into a group -> its group (views
     are left out: they cost nothing either way)."""
@@ -183,3 +188,51 @@ def fused_time(group: FusedGroup, hw: HardwareProfile, dtype: str, shard: float,
     forward = (roofline_s(hw, 0.0, nbytes, dtype) + fixed) * contention
     backward = (roofline_s(hw, 0.0, 2.0 * nbytes, dtype) + fixed) * contention
     return OpTime(forward, backward)
+
+
+def recomputed_inside(graph: OpGraph, names) -> dict[str, tuple[str, ...]]:
+    """What a fused kernel's backward rebuilds instead of keeping: each intermediate of a
+    group (a member whose value no operator outside the group reads) -> the tensors the
+    group materializes anyway that it derives from (the group's external inputs and the
+    values it writes), weights left out.
+
+    Activation memory of fused kernels: a fused backward recomputes its intermediates from
+    what it saved, so a tensor eager autograd keeps inside the chain (the fp32 copy and the
+    normalized value of an RMSNorm, the SiLU output of SwiGLU) costs only the
+    materialized tensors it comes from. Transformer Engine's fused RMSNorm in
+    ``LayerNormLinear`` keeps its input and the per-row rstd (``ln_out`` is the GEMM's
+    input); Megatron-Core's fused SwiGLU (``bias_swiglu_impl``, ``SwiGLUFunction``) keeps
+    only the fc1 output; its fused RoPE (``apply_rope_fusion``) only the frequencies
+    (Megatron-Core 0.16.1, megatron/core/fusions/fused_bias_swiglu.py, fused_rope via
+    Transformer Engine). Groups as ``fusion_groups`` finds them."""
+    out: dict[str, tuple[str, ...]] = {}
+    for group in fusion_groups(graph, names):
+        inside = set(group.members)
+        written = set(group.writes)
+        memo: dict[str, tuple[str, ...]] = {}
+        # a dtype cast inside a fused kernel happens in registers (TE's norms read bf16 and
+        # compute in fp32): never materialized, whoever reads it (a trace in fp32 shares
+        # one no-op cast between the norm and the residual add)
+        written -= {n for n in written if _cast(graph, n)}
+
+        def sources(name: str, depth: int = 0) -> tuple[str, ...]:
+            if name in memo:
+                return memo[name]
+            found: list[str] = []
+            for i in graph.node(name).inputs:
+                root = alias_root(i, graph)
+                if root in graph.param_map:
+                    continue
+                if root in inside and root not in written and depth < 64:
+                    found += [s for s in sources(root, depth + 1) if s not in found]
+                elif root not in found:
+                    found.append(root)
+            memo[name] = tuple(found)
+            return memo[name]
+
+        for name in group.members:
+            users = graph.users.get(name, ())
+            if _cast(graph, name) or (name != graph.output and users and name not in written
+                                      and all(u in inside for u in users)):
+                out[name] = sources(name)
+    return out

@@ -29,11 +29,14 @@ backward starts with the loss's gradients while all of them are kept
 (``loss_grad_bytes``). Under recompute "full" a layer keeps only its input (Megatron's
 checkpointing of each layer's input), and the layer being back-propagated holds its full
 set once; "selective" drops the tensors of seq x seq size (Korthikanti et al. 2022,
-section 5: recompute the attention core only).
+section 5: recompute the attention core only). A stack that fuses each elementwise chain into
+one kernel (Transformer Engine, Megatron-Core's fusions) keeps only what the kernel
+materializes: ``activation_profile(recomputed=fusion.recomputed_inside(...))``.
 
 Pipeline schedules keep activations of several microbatches at once (``inflight_microbatches``):
 GPipe all m; 1F1B p - stage on stage ``stage`` (Narayanan et al. 2021, section 2.2.1);
-interleaved 1F1B the same amplified by 1 + (p-1)/(p v) (Korthikanti et al. 2022, section 4.2.3).
+interleaved 1F1B p + (p - 1 - 2 stage)/v, Megatron-Core's warmup count (on the first stage
+Korthikanti et al. 2022's p (1 + (p-1)/(p v)), section 4.2.3).
 """
 
 from __future__ import annotations
@@ -79,18 +82,26 @@ def moment_bytes(optimizer: str) -> int:
     return ADAM_MOMENT_BYTES if optimizer == "adam" else SGD_MOMENTUM_BYTES
 
 
-def state_bytes_per_param(dtype: str, optimizer: str) -> StateBytes:
+def state_bytes_per_param(dtype: str, optimizer: str, *, grad_bytes: float = GRAD_BYTES,
+                          master_bytes: float = MASTER_BYTES) -> StateBytes:
+    """The table above. Under mixed precision a stack may keep less than Megatron's table:
+    ``grad_bytes`` 2 where gradients accumulate and reduce in bf16 (NeMo's recipes,
+    ``grad_sync_dtype: bf16``), ``master_bytes`` 2 where the optimizer keeps only the 16 low
+    bits of the fp32 master beside the bf16 weights (Apex ``DistributedFusedAdam``
+    ``store_param_remainders``: weight and remainder together are the fp32 value)."""
     moments = moment_bytes(optimizer)
     if dtype == ComputeDtype.FP32:
         return StateBytes(weights=4, grads=GRAD_BYTES, optimizer=moments)
-    return StateBytes(weights=2, grads=GRAD_BYTES, optimizer=MASTER_BYTES + moments)
+    return StateBytes(weights=2, grads=grad_bytes, optimizer=master_bytes + moments)
 
 
 def model_state_bytes(numel: float, *, dtype: str, optimizer: str, zero: int,
-                      dp: int) -> tuple[float, float, float]:
+                      dp: int, grad_bytes: float = GRAD_BYTES,
+                      master_bytes: float = MASTER_BYTES) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes on one device for ``numel`` local parameters
-    (already divided by tensor/pipeline sharding), under ZeRO stage ``zero`` over ``dp``."""
-    b = state_bytes_per_param(dtype, optimizer)
+    (already divided by tensor/pipeline sharding), under ZeRO stage ``zero`` over ``dp``;
+    ``grad_bytes`` / ``master_bytes`` as ``state_bytes_per_param``."""
+    b = state_bytes_per_param(dtype, optimizer, grad_bytes=grad_bytes, master_bytes=master_bytes)
     d = max(1, dp)
     weights = numel * b.weights / (d if zero >= 3 else 1)
     grads = numel * b.grads / (d if zero >= 2 else 1)
@@ -281,12 +292,15 @@ def causal_masks(graph: OpGraph) -> set[str]:
 
 
 def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq_len: int,
-                       micro_fraction: float, attention_extra_per_node: float = 0.0) -> ActivationProfile:
+                       micro_fraction: float, attention_extra_per_node: float = 0.0,
+                       recomputed: dict | None = None) -> ActivationProfile:
     """Saved-for-backward bytes per layer for the operators ``nodes`` (names).
 
     ``split_of(name)`` gives how many devices split that tensor; ``micro_fraction`` scales
     the traced global batch to one microbatch; ``attention_extra_per_node`` adds tensors an
-    attention kernel keeps beyond its inputs (e.g. the probabilities of math attention).
+    attention kernel keeps beyond its inputs (e.g. the probabilities of math attention);
+    ``recomputed`` maps a tensor that a fused kernel rebuilds in its backward to the tensors
+    kept in its place (``fusion.recomputed_inside``: the stack fuses its elementwise chains).
     """
     inputs = dict(graph.inputs)
     kept: dict[int, float] = {}
@@ -306,16 +320,17 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             loss_working = max(loss_working, loss_grad_bytes(node, graph, dtype_bytes, inputs)
                                * micro_fraction / max(1, split_of(src)))
         for t in saved_inputs(node, graph):
-            root = alias_root(t, graph)
-            if root in seen:
-                continue
-            seen.add(root)
-            b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(root))
-            kept[layer] = kept.get(layer, 0.0) + b
-            if root in masks:
-                mask_kept[layer] = mask_kept.get(layer, 0.0) + b
-            if not is_seq_squared(root, graph, seq_len):
-                selective[layer] = selective.get(layer, 0.0) + b
+            for root in _kept_for(alias_root(t, graph), recomputed):
+                if root in seen:
+                    continue
+                seen.add(root)
+                b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction \
+                    / max(1, split_of(root))
+                kept[layer] = kept.get(layer, 0.0) + b
+                if root in masks:
+                    mask_kept[layer] = mask_kept.get(layer, 0.0) + b
+                if not is_seq_squared(root, graph, seq_len):
+                    selective[layer] = selective.get(layer, 0.0) + b
         if layer >= 0 and _is_param_matmul(name, graph):
             # selective checkpointing stores every such output in the forward, whether
             # the backward reads it or not (the recompute reuses it)
@@ -346,6 +361,14 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                              loss_working)
 
 
+def _kept_for(root: str, recomputed: dict | None) -> tuple[str, ...]:
+    """The tensors kept so that ``root`` is available in the backward: itself, or where a
+    fused kernel rebuilds it, the materialized tensors it is rebuilt from."""
+    if recomputed and root in recomputed:
+        return recomputed[root]
+    return (root,)
+
+
 def _is_param_matmul(name: str, graph: OpGraph) -> bool:
     """An output of a matmul with a weight (linear, addmm, mm): what the module engine's
     selective recompute saves."""
@@ -358,13 +381,18 @@ def _is_param_matmul(name: str, graph: OpGraph) -> bool:
 def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatches: int,
                           virtual_stages: int = 1) -> float:
     """Microbatches whose activations stage ``stage`` holds at its peak (see module doc)."""
-    m, p = microbatches, num_stages
+    m, p, v = microbatches, num_stages, virtual_stages
     if schedule == Schedule.GPIPE or p == 1:
         return float(m) if p > 1 else 1.0
-    base = min(p - stage, m)
-    if schedule == Schedule.INTERLEAVED and virtual_stages > 1:
-        return min(float(m), base * (1 + (p - 1) / (p * virtual_stages)))
-    return float(base)
+    if schedule == Schedule.INTERLEAVED and v > 1:
+        # Megatron-Core's interleaved 1F1B (pipeline_parallel/schedules.py
+        # get_pp_rank_microbatches): rank r runs 2 (p - r - 1) + (v - 1) p warmup forwards
+        # of model chunks (microbatch groups of p), then one more before each backward, so
+        # it holds that many chunk activations plus one, each 1/v of its stage's; rank 0:
+        # p + (p - 1) / v, Korthikanti et al.'s amplification, and every rank about p
+        chunks = min(m * v, 2 * (p - stage - 1) + (v - 1) * p + 1)
+        return chunks / v
+    return float(min(p - stage, m))
 
 
 def activation_memory(per_microbatch_bytes: float, working_bytes: float, *, schedule: str,

@@ -97,6 +97,12 @@ def test_zero3_buffer():
     ("gpipe", 0, 4, 16, 1, 16), ("gpipe", 3, 4, 16, 1, 16),
     ("1f1b", 0, 4, 16, 1, 4), ("1f1b", 3, 4, 16, 1, 1), ("1f1b", 0, 4, 2, 1, 2),
     ("interleaved-1f1b", 0, 4, 16, 2, 4 * (1 + 3 / 8)),
+    # Megatron-Core get_pp_rank_microbatches: 2 (p - r - 1) + (v - 1) p warmup chunks + 1,
+    # each 1/v of the rank's activations: later ranks hold about p, not p - r
+    ("interleaved-1f1b", 1, 4, 16, 2, (2 * 2 + 4 + 1) / 2),
+    ("interleaved-1f1b", 3, 4, 16, 2, (0 + 4 + 1) / 2),
+    ("interleaved-1f1b", 8, 9, 63, 7, (6 * 9 + 1) / 7),  # NeMo 405B, last rank
+    ("interleaved-1f1b", 0, 4, 2, 2, 2),  # all in warmup: every microbatch's chunks
     ("1f1b", 0, 1, 8, 1, 1),
 ])
 def test_inflight_microbatches(schedule, stage, p, m, v, expect):
