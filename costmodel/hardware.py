@@ -15,7 +15,7 @@ link's bandwidth and latency), ``measured_ops`` (operator signature -> measured 
 ``device.attention_efficiency`` (fused attention's fraction of peak; absent: as GEMMs) and
 ``device.fp8_gemm_efficiency`` (fp8 GEMMs by scaling, of ``peak_tflops.float8``) and
 ``device.memory_paths`` (eager elementwise kernels by path, a fraction of the contiguous
-streaming rate: costmodel/eager.py).
+streaming rate: costmodel/kernel_paths.py).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class DeviceSpec:
     # fp8 GEMMs by scaling ("tensorwise", "rowwise"): fraction of peak_tflops["float8"]
     # (costmodel/fp8.py); empty: the device prices no fp8 GEMMs
     fp8_gemm_efficiency: dict = field(default_factory=dict)
-    # eager elementwise kernels by path (costmodel/eager.py PATHS: "mixed_dtype",
+    # eager elementwise kernels by path (costmodel/kernel_paths.py PATHS: "mixed_dtype",
     # "broadcast", "upcast", "strided", "reduction", "slice_backward"): bandwidth reached as
     # a fraction of the contiguous same-dtype kernel's (memory_efficiency); a path not
     # listed streams at the contiguous rate
@@ -171,8 +171,14 @@ def validate_profile(d) -> list[str]:
             if key in dev and not 0 < dev[key]["max_eff"] <= 1:
                 problems.append(f"$.device.{key}.max_eff is {dev[key]['max_eff']}; it is a "
                                 "fraction of peak in (0, 1]")
+        from meshplan.costmodel.kernel_paths import CONTIGUOUS, PATHS
+
+        known = [p for p in PATHS if p != CONTIGUOUS]
         for path, ratio in dev.get("memory_paths", {}).items():
-            if not 0 < ratio <= 1:
+            if path not in known:
+                problems.append(f"$.device.memory_paths.{path} is not a path meshplan prices; "
+                                f"use one of {', '.join(known)}")
+            elif not 0 < ratio <= 1:
                 problems.append(f"$.device.memory_paths.{path} is {ratio}; it is a fraction "
                                 "of the contiguous rate in (0, 1]")
         if not dev["peak_tflops"]:

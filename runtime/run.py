@@ -126,6 +126,9 @@ class ParallelRun:
         returns the norm before."""
         if not max_norm > 0:
             raise DataError(f"max_norm={max_norm} must be a positive number")
+        if not (norm_type > 0):  # inf passes; 0, negatives and nan have no norm to clip by
+            raise DataError(f"norm_type={norm_type} must be a positive number or inf "
+                            "(2.0 is the usual)")
         from meshplan.runtime.grad_clip import clip_grad_norm_
         return clip_grad_norm_(self.engine, max_norm, norm_type)
 

@@ -192,3 +192,18 @@ def test_pipeline_contention_uses_busy_ranks():
                        processes_on_host=4)
     assert dcost.forward_s == pytest.approx(whole.forward_s, rel=1e-6)
     assert contention_factor(hw, 4) == pytest.approx(4.0)
+
+
+def test_a_misspelt_memory_path_is_refused():
+    """A path name the eager model does not price would silently run at the contiguous rate."""
+    import pathlib
+
+    from meshplan.costmodel.hardware import validate_profile
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    with open(root / "costmodel" / "presets" / "dgx-h100.json") as f:
+        profile = json.load(f)
+    assert validate_profile(profile) == []
+    profile["device"]["memory_paths"]["stridded"] = 0.1
+    problems = validate_profile(profile)
+    assert len(problems) == 1 and "stridded" in problems[0] and "strided" in problems[0]

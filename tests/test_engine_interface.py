@@ -54,3 +54,15 @@ def test_one_run_class():
                if c.__module__ == run.__name__]
     assert [c.__name__ for c in classes] == ["ParallelRun"]
     assert run.ParallelRun.__subclasses__() == []
+
+
+@pytest.mark.parametrize("max_norm,norm_type,word", [(0.0, 2.0, "max_norm"),
+                                                      (1.0, 0.0, "norm_type"),
+                                                      (1.0, float("nan"), "norm_type"),
+                                                      (1.0, -1.0, "norm_type")])
+def test_clipping_refuses_a_norm_it_cannot_clip_by(max_norm, norm_type, word):
+    """Checked before any engine or collective is touched (a zero norm_type divided by zero)."""
+    from meshplan.runtime.run import DataError, ParallelRun
+
+    with pytest.raises(DataError, match=word):
+        ParallelRun.clip_grad_norm_(object(), max_norm, norm_type)
