@@ -128,6 +128,7 @@ def load_full_state_dict(engine, state: Mapping[str, torch.Tensor] | None, *,
     if check is not None:
         check(keys)
     tensors = engine.state_tensors()
+    _agree_on_shapes(entries, state, tensors, names)
     for key, shape, dtype in entries:
         full = state[key] if state is not None and key in state else None
         if broadcast_from_rank0:  # every rank takes part, whichever stage holds the tensor
@@ -138,3 +139,23 @@ def load_full_state_dict(engine, state: Mapping[str, torch.Tensor] | None, *,
         set_full(key, full, tensors, names)
     engine.after_load({a for k in keys for a in (names or {}).get(k, [k])})
     return keys
+
+
+def _agree_on_shapes(entries, state, tensors, names) -> None:
+    """Refuse a state whose shapes differ from the model's on every rank at once, before any
+    tensor moves: only the ranks of the stage holding a tensor can see its shape, and a
+    refusal there alone would leave the other ranks waiting in the next broadcast."""
+    wrong = []
+    for key, shape, _ in entries:
+        if shape is None:
+            shape = tuple(state[key].shape)
+        target = next((tensors[a] for a in (names or {}).get(key, [key]) if a in tensors), None)
+        if target is not None and tuple(target.shape) != tuple(shape):
+            wrong.append(f"{key}: state has shape {list(shape)}, the model "
+                         f"{list(target.shape)}")
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, wrong)
+    wrong = sorted({w for part in everyone for w in part})
+    if wrong:
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise DataError(f"{wrong[0]}{more}; load the state of this model")

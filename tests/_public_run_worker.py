@@ -187,6 +187,18 @@ def bad_loads_modules():
         errors["broadcast_missing"] = None
     except meshplan.MeshplanError as exc:
         errors["broadcast_missing"] = f"{type(exc).__name__}: {exc}"
+    # a pipeline: the head lives on stage 1 only, so only its ranks can see a wrong shape
+    piped = meshplan.manual_plan(meta_pp := make("llama", cls, cfg, "meta"),
+                                 meshplan.Mesh.local(dist.get_world_size()),
+                                 example_inputs=(ids,), dp=2, pp=2)
+    run_pp = meshplan.parallelize(meta_pp, piped)
+    wrong = {**state, "lm_head.weight": state["lm_head.weight"][:-1]}
+    try:
+        run_pp.load_full_state_dict(wrong if dist.get_rank() == 0 else None,
+                                    broadcast_from_rank0=True)
+        errors["broadcast_shape_pp"] = None
+    except meshplan.MeshplanError as exc:
+        errors["broadcast_shape_pp"] = f"{type(exc).__name__}: {exc}"
     run.load_full_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"},
                              strict=False)
     try:

@@ -93,5 +93,7 @@ def test_module_engine_loads_follow_the_same_rules(results):
     assert bad["engine"] == "modules"
     assert bad["broadcast_missing"] is not None and "missing" in bad["broadcast_missing"]
     assert bad["partial"] is not None and "lm_head.weight" in bad["partial"]
-    for key in ("broadcast_missing", "partial"):
+    # a wrong shape on the stage that holds the tensor: refused on every rank, not a hang
+    assert bad["broadcast_shape_pp"] is not None and "lm_head.weight" in bad["broadcast_shape_pp"]
+    for key in ("broadcast_missing", "partial", "broadcast_shape_pp"):
         assert "\n" not in bad[key] and bad[key].startswith("DataError"), bad[key]
