@@ -90,7 +90,7 @@ def torchtitan(hardware: str, compiled: bool) -> list[dict]:
         if compiled:
             if (hw, gpus) not in torchtitan_published.COMPILED:
                 continue
-            published, gib = torchtitan_published.COMPILED[(hw, gpus)][0], None
+            published, gib = torchtitan_published.COMPILED[(hw, gpus)][:2]
         r = _find(rows, "torchtitan_published", model=model, gpus=gpus, recompute=rec,
                   compiled=compiled, engine="modules")
         out.append(_row(published / r["predicted_tokens_per_gpu"] - 1, r["fits"],

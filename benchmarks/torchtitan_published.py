@@ -69,8 +69,9 @@ ROWS = (
     ("a100", "Llama-2-13B", LLAMA2_13B, 64, 2, 4096, "selective", 1904, None, A100),
 )
 # the same runs with torch.compile on (torchtitan compiles each TransformerBlock), priced with
-# meshplan.estimate(plan, compiled=True): (hardware, GPUs) -> tokens/s per GPU, source
-COMPILED = {("h100", 8): (6667, H100 + " Table 1, FSDP + torch.compile")}
+# meshplan.estimate(plan, compiled=True): (hardware, GPUs) -> tokens/s per GPU, GiB, source
+COMPILED = {("h100", 8): (6667, 77.0, H100 + " Table 1, FSDP + torch.compile"),
+            ("h100", 128): (6514, 62.0, H100 + " Table 3, FSDP + torch.compile")}
 # The same document's TP / PP / CP rows (Tables 2, 4, 5, 6), exactly as published. Every one
 # runs torch.compile and Float8 (torchao, on nn.Linear) with bf16 elsewhere; "local batch" is
 # per data-parallel (FSDP) rank; tokens/s per GPU as torchtitan logs it (over all GPUs).
@@ -148,7 +149,7 @@ def main() -> int:
                                         dtype="bf16", engine=engine)
             est = meshplan.estimate(plan, compiled=True) if compiled else plan.predicted
             if compiled:
-                published, published_gib, source = compiled_row[0], None, compiled_row[1]
+                published, published_gib, source = compiled_row
             tokens = local_batch * seq / est.step_time_s
             rows.append({"hardware": PRESETS[hw], "model": name, "gpus": gpus,
                          "local_batch": local_batch, "seq": seq, "recompute": recompute,
