@@ -26,6 +26,11 @@ Overlap is explicit (``RuntimeModel``): the fraction of the gradient sync hidden
 backward, and of ZeRO-3 all-gathers hidden behind compute, times the fraction of that the
 backend really hides (``overlap_efficiency``: all on NCCL, none on gloo, where FSDP2's
 collectives block the CPU thread).
+
+This module composes a stage's costs and the plan's; the parts are priced beside it:
+``runtime_profiles`` (``RuntimeModel``, ``default_runtime``), ``stage_layout`` (placement
+arithmetic, the activation profile), ``operators`` (the operator pass), ``params`` (the
+parameter walk) and ``param_traffic`` (gradient sync, ZeRO gathers, optimizer step).
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ __all__ = ['BACKENDS', 'CONTENTION_ITERATIONS', 'CollectivePrices', 'DDP_BUCKET_
            'plan_runtime', 'plan_stage_costs', 'rank_group_record', 'reshard_collectives',
            'runtime_hardware', 'selective_recomputes', 'split_factor', 'stage_activation_profile',
            'stage_cost', 'stage_costs', 'value_bytes', 'with_stage_predictions',
-           'zero3_unit_latency_s', '_cached_eager_kernels', '_operator_pass', '_tp_overlap_hidden_s']
+           'zero3_unit_latency_s', '_cached_eager_kernels', '_operator_pass',
+           '_tp_overlap_hidden_s']
 
 
 @dataclass(frozen=True, slots=True)

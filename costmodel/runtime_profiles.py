@@ -1,4 +1,4 @@
-"""Runtime profiles: how the executing engine or stack schedules its work, as the estimate prices it.
+"""Runtime profiles: how the executing engine or stack schedules its work, as priced.
 
 trace -> **cost** -> solve -> run. ``RuntimeModel`` holds the documented factors of one runtime
 (overlap of the gradient sync and of ZeRO-3 all-gathers, what the backend really hides, gradient
