@@ -4,8 +4,8 @@ trace -> **cost** -> solve -> run. ``parameter_walk`` walks a stage's parameters
 (``ParamWalk``): for each, ``parameter_part`` gives its model-state bytes per device
 (weights, gradients, optimizer state under the stage's ZeRO level) and its gradient syncs
 (``GradSync``: all-reduce or reduce-scatter over the axes that split its consumers, ZeRO-3
-gathers per use); tied weights are synced once, by their owner. ``param_layer`` is the layer
-a parameter belongs to. ``costmodel/param_traffic.py`` prices these syncs.
+gathers per use); a tied weight is walked once, with the readers of all its tied names.
+``param_layer`` is the layer a parameter belongs to. ``costmodel/param_traffic.py`` prices these syncs.
 """
 
 from __future__ import annotations
