@@ -5,7 +5,8 @@ trace -> **cost** -> solve -> run. ``parameter_walk`` walks a stage's parameters
 (weights, gradients, optimizer state under the stage's ZeRO level) and its gradient syncs
 (``GradSync``: all-reduce or reduce-scatter over the axes that split its consumers, ZeRO-3
 gathers per use); a tied weight is walked once, with the readers of all its tied names.
-``param_layer`` is the layer a parameter belongs to. ``costmodel/param_traffic.py`` prices these syncs.
+``param_layer`` is the layer a parameter belongs to. ``costmodel/param_traffic.py`` prices
+these syncs.
 """
 
 from __future__ import annotations
