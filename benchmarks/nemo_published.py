@@ -58,7 +58,7 @@ MODELS = {  # hidden, FFN, heads, KV heads, vocabulary: the recipes' llama3.1_*.
     "70b": (8192, 28672, 64, 8, 128256),
     "405b": (16384, 53248, 128, 16, 51200),  # num_query_groups: 16; GPT-2 BPE, padded
 }
-ENGINE = "nemo"  # costmodel/estimate.py nemo_runtime: the recipes' optimizer
+ENGINE = "nemo"  # costmodel/runtime_profiles.py nemo_runtime: the recipes' optimizer
 # (model, layers, GPUs, TP, PP, CP, VP, global batch, published step s)
 ROWS = (
     ("8b", 32, 8, 1, 1, 2, 1, 128, 12.91),

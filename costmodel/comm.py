@@ -43,6 +43,7 @@ import math
 from enum import StrEnum
 
 from meshplan.costmodel.hardware import HardwareProfile, LinkSpec
+from meshplan.plan import Stage
 
 
 class Collective(StrEnum):
@@ -163,3 +164,43 @@ def axis_link(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int,
         return False, n
     local = max(1, min(n, devices_per_node // stride)) if stride < devices_per_node else 1
     return True, local
+
+
+class CollectivePrices:
+    """Seconds of one collective on one axis of a stage's mesh (``coll(kind, bytes,
+    axis)``). Identical layers ask for the same collectives again and again: each is priced
+    once, in ``cache`` when given (shared by every stage on the same devices)."""
+
+    __slots__ = ("hw", "shape", "links", "tree", "memo")
+
+    def __init__(self, stage: Stage, hw: HardwareProfile, *, backend: str,
+                 cache: dict | None = None):
+        self.hw = hw
+        self.shape = stage.mesh_shape
+        first = stage.devices[0] if stage.devices else 0
+        self.links = [axis_link(self.shape, a, hw.devices_per_node, first)
+                      for a in range(len(self.shape))]
+        self.tree = backend == "nccl"  # NCCL picks ring or tree; gloo rings
+        self.memo = {} if cache is None else cache.setdefault(
+            ("collectives", self.shape, first, id(hw), backend), {})
+
+    def __call__(self, kind: Collective, nbytes: float, axis: int) -> float:
+        key = (kind, nbytes, axis)
+        t = self.memo.get(key)
+        if t is None:
+            crosses, local = self.links[axis]
+            t = self.memo[key] = collective_time_s(self.hw, kind, nbytes, self.shape[axis],
+                                                   crosses_nodes=crosses, local_size=local,
+                                                   tree=self.tree)
+        return t
+
+
+def bandwidth_s(coll, kind: Collective, nbytes: float, axis: int) -> float:
+    """A collective's time less its latency: the share of one buffer's time a tensor in it
+    adds (a flat buffer pays its latency once)."""
+    return _bandwidth_s(coll, kind, nbytes, axis)
+
+
+def _bandwidth_s(coll, kind: Collective, nbytes: float, axis: int) -> float:
+    """A collective's time less its latency (the time of an empty one)."""
+    return coll(kind, nbytes, axis) - coll(kind, 1e-30, axis) if nbytes else 0.0

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 
 from meshplan.costmodel.compute import OpTime
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.stage_layout import split_factor
 from meshplan.errors import PlanningError
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.vocabulary import ComputeDtype
@@ -222,8 +223,6 @@ def weight_copy_bytes(stage, graph: OpGraph, fp8: Fp8Pricing | None, layer_of) -
     copies = FP8_WEIGHT_COPIES[fp8.recipe] if fp8 is not None else 0
     if not copies:
         return 0.0
-    from meshplan.costmodel.estimate import split_factor  # imports this module
-
     total = 0.0
     for name, pl in stage.params.items():
         info = graph.param_map.get(name)

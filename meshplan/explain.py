@@ -159,7 +159,8 @@ def price(node, graph, stage: Stage, pricer, out_pl, w_pl, *, optimizer: str,
     input collectives; ``estimate.parameter_part``: its weights' state and gradient sync):
     compute and the collectives of its inputs for every microbatch, its weights' sync once.
     ``inputs``: the placements it reads (default: ``_read_as`` of the placement)."""
-    from meshplan.costmodel.estimate import dp_axis, param_layer, parameter_part
+    from meshplan.costmodel.params import param_layer, parameter_part
+    from meshplan.costmodel.stage_layout import dp_axis
     from meshplan.plan import OpPlacement
 
     mesh = stage.mesh_shape

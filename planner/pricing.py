@@ -22,14 +22,16 @@ already multiplied by the number of identical layers a group stands for).
 
 from __future__ import annotations
 
-from meshplan.costmodel.comm import Collective
+from meshplan.costmodel.comm import Collective, CollectivePrices, bandwidth_s as _bandwidth_s
 from meshplan.costmodel.compute import contention_factor
-from meshplan.costmodel.estimate import (CollectivePrices, bandwidth_s as _bandwidth_s,
-                                         causal_attention, default_runtime, eager_kernel_table,
-                                         input_collectives, operator_time, optimizer_step_s,
-                                         param_layer, parameter_part, per_use_sync_s,
-                                         selective_recomputes, value_bytes, zero3_unit_latency_s)
 from meshplan.costmodel.memory import GIB, causal_masks
+from meshplan.costmodel.operators import (causal_attention, eager_kernel_table, input_collectives,
+                                          operator_time, selective_recomputes)
+from meshplan.costmodel.param_traffic import (optimizer_step_s, per_use_sync_s,
+                                              zero3_unit_latency_s)
+from meshplan.costmodel.params import param_layer, parameter_part
+from meshplan.costmodel.runtime_profiles import default_runtime
+from meshplan.costmodel.stage_layout import value_bytes
 from meshplan.errors import PlanningError
 from meshplan.plan import MemoryBreakdown, OpPlacement, Stage
 from meshplan.planner import ilp

@@ -7,7 +7,7 @@ import pytest
 
 from meshplan.costmodel.compute import (materialized_attention_saved_bytes,
                                         materialized_attention_time, op_time)
-from meshplan.costmodel.estimate import RuntimeModel
+from meshplan.costmodel.runtime_profiles import RuntimeModel
 from meshplan.costmodel.hardware import EfficiencyCurve, load_preset
 from meshplan.errors import PlanningError
 from meshplan.graph import OpKind, OpNode, TensorMeta

@@ -135,7 +135,7 @@ def test_attention_priced_on_the_stacks_kernel(tiny_llama_h100):
     ratio of the preset's two curves; hardware without a curve for the kernel keeps its
     attention_efficiency."""
     from meshplan.costmodel.compute import roofline_s
-    from meshplan.costmodel.estimate import runtime_hardware
+    from meshplan.costmodel.runtime_profiles import runtime_hardware
     from meshplan.graph import OpKind
 
     _, _, mesh = tiny_llama_h100
@@ -157,7 +157,7 @@ def test_tp_comm_overlap_hides_at_most_all_but_one_chunk(tiny_llama_h100):
     """Megatron's --tp-comm-overlap decomposes each collective + GEMM into tp chunks: at most
     (tp - 1) / tp of the tensor-parallel communication hides, and never more than the
     matmuls' time; meshplan's runtimes expose it all."""
-    from meshplan.costmodel.estimate import _tp_overlap_hidden_s
+    from meshplan.costmodel.operators import _tp_overlap_hidden_s
 
     model, graph, mesh = tiny_llama_h100
     plan = meshplan.manual_plan(model, mesh, graph=graph, tp=4, dp=2, sequence_parallel=True,

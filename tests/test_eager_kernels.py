@@ -466,7 +466,7 @@ def test_cached_walk_scales_accumulation_with_the_microbatch_count(tiny):
     from the whole reads the whole graph's walk."""
     import dataclasses
 
-    from meshplan.costmodel.estimate import _cached_eager_kernels
+    from meshplan.costmodel.operators import _cached_eager_kernels
 
     graph = tiny
     names = [n.name for n in graph.nodes]

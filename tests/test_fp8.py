@@ -8,11 +8,13 @@ import pytest
 
 import meshplan
 from meshplan.costmodel import fp8 as fp8_model
+from meshplan.costmodel.comm import CollectivePrices
 from meshplan.costmodel.compute import op_time
-from meshplan.costmodel.estimate import (CollectivePrices, _operator_pass, default_runtime,
-                                         parameter_walk)
 from meshplan.costmodel.hardware import HardwareProfile, load_preset
 from meshplan.costmodel.memory import GIB
+from meshplan.costmodel.operators import _operator_pass
+from meshplan.costmodel.params import parameter_walk
+from meshplan.costmodel.runtime_profiles import default_runtime
 from meshplan.errors import NotSupportedError, PlanningError
 from meshplan.graph import OpKind, TensorMeta
 from meshplan.plan import Plan

@@ -129,7 +129,8 @@ def test_resharding_costs_follow_the_collectives():
     """The ILP prices an edge with the estimate's own function (one pricer); DTensor's
     refusals stay the planner's."""
     from meshplan.costmodel.comm import Collective, collective_time_s
-    from meshplan.costmodel.estimate import CollectivePrices, input_collectives
+    from meshplan.costmodel.comm import CollectivePrices
+    from meshplan.costmodel.operators import input_collectives
     from meshplan.plan import Stage
 
     hw = load_preset("dgx-a100-80gb")

@@ -10,7 +10,7 @@ transformer_config.py``, ``transformer_block.get_num_layers_to_build``,
 ``pipeline_parallel/schedules.py``), the release of megatron-core 0.16.1 on PyPI.
 
 What is written is what meshplan's ``megatron`` engine profile prices
-(``costmodel/estimate.py`` ``megatron_runtime``): the distributed optimizer for ZeRO-1
+(``costmodel/runtime_profiles.py`` ``megatron_runtime``): the distributed optimizer for ZeRO-1
 (sharded over dp x cp), overlapped gradient reduce and parameter all-gather, cuDNN fused
 attention (Transformer Engine's FusedAttention: ``--attention-backend fused``), context
 parallelism in a ring of send/recv (``--cp-comm-type p2p``), TP communication overlap

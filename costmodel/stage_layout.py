@@ -1,0 +1,207 @@
+"""Stage layout: how a stage's placements cut its tensors, and what its activations hold.
+
+trace -> **cost** -> solve -> run. The placement arithmetic every part of the cost model shares:
+``split_factor`` (pieces a tensor is cut into), ``reshard_collectives`` (the collectives turning
+one placement into another on one axis), ``dp_axis``, the placements each operator reads
+(``_placements``, ``_received_placements``, ``_split_of``), ``chunked_loss_stage`` (the loss
+computed on sequence chunks) and ``stage_activation_profile``, the activation bytes per layer of
+one microbatch (``costmodel/memory.py`` does the counting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+from meshplan.costmodel.comm import Collective
+from meshplan.costmodel.compute import DTYPE_BYTES, attention_saved_bytes
+from meshplan.costmodel.fusion import recomputed_inside
+from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.memory import ActivationProfile, activation_profile, alias_root
+from meshplan.graph import OpGraph, OpKind
+from meshplan.placements import PARTIAL, REPLICATE, shard
+from meshplan.plan import Stage
+
+
+@lru_cache(maxsize=1 << 16)
+def split_factor(placements: tuple[str, ...], mesh_shape: tuple[int, ...],
+                 skip_axis: int | None = None) -> int:
+    """How many pieces a tensor (or an operator's work) is cut into by these placements."""
+    n = 1
+    for axis, (pl, size) in enumerate(zip(placements, mesh_shape)):
+        if pl != REPLICATE and axis != skip_axis:
+            n *= size
+    return n
+
+
+def reshard_collectives(src: str, dst: str, *, needs_grad: bool) -> tuple[str | None, str | None]:
+    """(forward collective, backward collective) turning placement ``src`` into ``dst`` on
+    one axis. R->S is a local slice whose gradient is all-gathered."""
+    if src == dst:
+        return None, None
+    if src == PARTIAL:
+        if dst == REPLICATE:
+            return Collective.ALL_REDUCE, None
+        return Collective.REDUCE_SCATTER, (Collective.ALL_GATHER if needs_grad else None)
+    if src.startswith("S"):
+        if dst == REPLICATE:
+            return Collective.ALL_GATHER, (Collective.REDUCE_SCATTER if needs_grad else None)
+        if dst.startswith("S"):
+            return Collective.ALL_TO_ALL, (Collective.ALL_TO_ALL if needs_grad else None)
+        return None, None  # S -> P: local
+    if dst.startswith("S"):
+        return None, (Collective.ALL_GATHER if needs_grad else None)
+    return None, None  # R -> P: local
+
+
+def dp_axis(stage: Stage) -> int | None:
+    """The data-parallel axis: named "dp", else the axis the first input's batch is split on."""
+    if "dp" in stage.axis_names:
+        return stage.axis_names.index("dp")
+    for pl in stage.inputs.values():
+        for axis, p in enumerate(pl):
+            if p == shard(0):
+                return axis
+    return None
+
+
+# -- memory: activations and buffers ----------------------------------------------------------
+
+def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
+                             microbatches: int, seq_len: int, attention: str = "flash",
+                             cache: dict | None = None,
+                             fused: bool = False) -> ActivationProfile:
+    """Activation bytes per layer of one microbatch on one device of ``stage``. It does not
+    depend on recompute, ZeRO or the schedule, so ``cache`` keeps it for every plan that
+    shares ``stage.ops``. ``fused``: the stack's fused kernels keep only what they
+    materialize (``RuntimeModel.fused_activations``)."""
+    m = max(1, microbatches)
+    key = ("activations", id(stage.ops), id(stage.inputs), stage.mesh_shape, m, dtype,
+           hw.device.name, seq_len, attention, fused)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is stage.ops and hit[1] is stage.inputs:
+        return hit[2]
+    placement = _placements(stage)
+    read_as = _received_placements(stage, graph, placement)
+    shape = stage.mesh_shape
+
+    def split_of(tensor: str) -> int:
+        pl = placement.get(tensor) or read_as.get(tensor)
+        return split_factor(pl, shape) if pl else 1
+
+    names = list(stage.ops)
+    dbytes = DTYPE_BYTES[dtype]
+    # s x s tensors an attention core keeps (materialized, or CPU math with dropout), each
+    extra = max((attention_saved_bytes(graph.node(n), hw, attention, dtype, split_of(n) * m)
+                 for n in names), default=0.0)
+    prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
+                              seq_len=seq_len, micro_fraction=1.0 / m,
+                              attention_extra_per_node=extra,
+                              recomputed=recomputed_inside(graph, names) if fused else None)
+    if cache is not None:
+        cache[key] = (stage.ops, stage.inputs, prof)
+    return prof
+
+
+def _placements(stage: Stage) -> dict:
+    """Placement of every value the stage produces or takes as input."""
+    placement = {n: stage.inputs.get(n) for n in stage.inputs}
+    placement.update({n: op.output for n, op in stage.ops.items()})
+    return placement
+
+
+def _split_of(stage: Stage, graph: OpGraph):
+    """How many pieces a value of ``stage`` is cut into, as ``stage_activation_profile``
+    counts it (its placement here, or as its first consumer receives it)."""
+    placement = _placements(stage)
+    read_as = _received_placements(stage, graph, placement)
+
+    def split_of(tensor: str) -> int:
+        pl = placement.get(tensor) or read_as.get(tensor)
+        return split_factor(pl, stage.mesh_shape) if pl else 1
+    return split_of
+
+
+def _received_placements(stage: Stage, graph: OpGraph, placement: dict) -> dict:
+    """A tensor another stage produced lives here as its first consumer reads it (the
+    placement the send/recv delivers, as ``p2p_bytes`` prices it), not whole."""
+    read_as: dict[str, tuple[str, ...]] = {}
+    for name in stage.ops:
+        for k, src in enumerate(graph.node(name).inputs):
+            if src not in placement and src not in graph.param_map \
+                    and k < len(stage.ops[name].inputs):
+                read_as.setdefault(src, stage.ops[name].inputs[k])
+                read_as.setdefault(alias_root(src, graph), stage.ops[name].inputs[k])
+    return read_as
+
+
+def chunked_loss_stage(stage: Stage, graph: OpGraph, cache: dict | None = None) -> Stage:
+    """``stage`` with the operators after its last block (final norm, head, the loss)
+    computed on each rank's cp chunk: every one of them that reads an activation or a graph
+    input (the labels, sliced to the rank's chunk) is split on the cp axis, reading its
+    inputs as they are produced (no gather). The stage as PyTorch's context_parallel runs
+    it (``RuntimeModel.cp_composable``); unchanged without a cp axis or a tail."""
+    if "cp" not in stage.axis_names:
+        return stage
+    # the cache keeps the chunked operators only: stages that share ``stage.ops`` (every
+    # recompute and ZeRO choice of one range in the pipeline search) differ in the rest
+    key = ("chunked-loss", id(stage.ops))
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is stage.ops:
+        return replace(stage, ops=hit[1])
+    ax = stage.axis_names.index("cp")
+    names = list(stage.ops)
+    last_block = max((i for i, n in enumerate(names) if graph.node(n).layer >= 0), default=-1)
+    placement = _placements(stage)
+    ops = dict(stage.ops)
+    for name in names[last_block + 1:]:
+        node, op = graph.node(name), stage.ops[name]
+        reads = [k for k, i in enumerate(node.inputs)
+                 if i not in graph.param_map and k < len(op.inputs) and op.inputs[k]]
+        if not reads or not op.output or graph.node(name).kind == OpKind.CREATION:
+            continue
+        inputs = list(op.inputs)
+        for k in reads:
+            src = placement.get(node.inputs[k])
+            if src:
+                inputs[k] = _set_axis(inputs[k], ax, src[ax])
+        out = op.output if op.output[ax] != REPLICATE else _set_axis(op.output, ax, shard(0))
+        ops[name] = replace(op, inputs=tuple(inputs), output=out)
+        placement[name] = out
+    if cache is not None:
+        cache[key] = (stage.ops, ops)
+    return replace(stage, ops=ops)
+
+
+def _set_axis(placements: tuple[str, ...], axis: int, value: str) -> tuple[str, ...]:
+    return tuple(value if a == axis else p for a, p in enumerate(placements))
+
+
+def _feeds_split(stage: Stage, graph: OpGraph, axis: int) -> set[str]:
+    """Operators whose output is replicated on ``axis`` and reaches, through replicated
+    views only, an operator split on it: where a replicated value's gradient is partial."""
+    out: set[str] = set()
+    for name in reversed(list(stage.ops)):  # consumers come later in graph order
+        op = stage.ops[name]
+        if not op.output or op.output[axis] != REPLICATE:
+            continue
+        for user in graph.users.get(name, ()):
+            uop = stage.ops.get(user)
+            if uop is not None and uop.output and (uop.output[axis] != REPLICATE or (
+                    user in out and graph.node(user).kind == OpKind.VIEW)):
+                out.add(name)
+                break
+    return out
+
+
+def value_bytes(graph: OpGraph, name: str, dtype: str) -> float:
+    """Bytes of one value (an operator's outputs or a graph input) in the compute dtype, as
+    the operator walk prices its redistribution (the whole traced batch)."""
+    return _bytes(graph, name, DTYPE_BYTES[dtype])
+
+
+def _bytes(graph: OpGraph, name: str, dbytes: int) -> float:
+    metas = graph.node(name).outputs if name in graph else \
+        tuple(m for n, m in graph.inputs if n == name)
+    return sum(mm.numel * (dbytes if mm.dtype.startswith(("float", "bfloat")) else
+                           mm.bytes / max(1, mm.numel)) for mm in metas)
