@@ -148,7 +148,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p
                + traffic.gather_exposed_s + traffic.microbatch_s)
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
-                               contention=all_procs)
+                               contention=all_procs, runtime=runtime)
     if not memory:
         return StageBreakdown(forward_s=ops.fwd + copy_fwd, backward_s=ops.bwd + copy_bwd,
                               recompute_s=recompute, comm_s=comm_mb,

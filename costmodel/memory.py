@@ -109,12 +109,15 @@ def model_state_bytes(numel: float, *, dtype: str, optimizer: str, zero: int,
     return weights, grads, opt
 
 
-def optimizer_traffic_s(numel: float, *, dtype: str, optimizer: str, hw) -> float:
+def optimizer_traffic_s(numel: float, *, dtype: str, optimizer: str, hw,
+                        grad_bytes: float = GRAD_BYTES,
+                        master_bytes: float = MASTER_BYTES) -> float:
     """Memory-bound time of the optimizer step over ``numel`` parameters on one device: it
-    reads and writes every state byte once (2 x ``state_bytes_per_param``) at the device's
-    large-transfer memory bandwidth. Per-tensor kernel costs come on top (estimate.py)."""
+    reads and writes every state byte once (2 x ``state_bytes_per_param``, with the
+    runtime's gradient and master widths) at the device's large-transfer memory bandwidth.
+    Per-tensor kernel costs come on top (costmodel/param_traffic.py)."""
     dev = hw.device
-    b = state_bytes_per_param(dtype, optimizer)
+    b = state_bytes_per_param(dtype, optimizer, grad_bytes=grad_bytes, master_bytes=master_bytes)
     return 2 * b.total * numel / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(1e9))
 
 

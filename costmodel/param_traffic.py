@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 from meshplan.costmodel.comm import Collective, CollectivePrices, _bandwidth_s
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import (grad_sync_buffer_bytes, optimizer_traffic_s,
-                                       zero3_buffer_bytes)
+from meshplan.costmodel.memory import (GRAD_BYTES, MASTER_BYTES, grad_sync_buffer_bytes,
+                                       optimizer_traffic_s, zero3_buffer_bytes)
 from meshplan.costmodel.params import GradSync, ParamWalk
 from meshplan.costmodel.runtime_profiles import RuntimeModel
 from meshplan.plan import Stage
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 
 OPTIMIZER_OPS_PER_TENSOR = {"adam": 10, "sgd": 3}  # torch.optim _single_tensor_adam / sgd
@@ -172,20 +172,28 @@ def _after_backward_traffic(params: ParamWalk, zero: int, coll: CollectivePrices
 
 
 def _optimizer_s(params: ParamWalk, hw: HardwareProfile, *, dtype: str, optimizer: str,
-                 contention: float) -> float:
-    """The optimizer step: its state read and written at memory bandwidth, plus kernels
-    per tensor (the per-tensor fixed costs are CPU work on a CPU host and time-share its
-    cores too)."""
+                 contention: float, runtime: RuntimeModel | None = None) -> float:
+    """The optimizer step: its state read and written at memory bandwidth (the runtime's
+    gradient and master widths: NeMo's bf16 gradients and 16-bit master remainders), plus
+    kernels per tensor (the per-tensor fixed costs are CPU work on a CPU host and
+    time-share its cores too)."""
+    widths = {}
+    if runtime is not None and dtype != ComputeDtype.FP32:
+        widths["grad_bytes"] = runtime.grad_bytes
+        if dtype == ComputeDtype.BF16:  # remainders need bf16 weights as their high half
+            widths["master_bytes"] = runtime.master_bytes
     return optimizer_step_s(params.optimizer_numel, params.tensors, hw, dtype=dtype,
-                            optimizer=optimizer, contention=contention)
+                            optimizer=optimizer, contention=contention, **widths)
 
 
 def optimizer_step_s(numel: float, tensors: int, hw: HardwareProfile, *, dtype: str,
-                     optimizer: str, contention: float) -> float:
+                     optimizer: str, contention: float, grad_bytes: float = GRAD_BYTES,
+                     master_bytes: float = MASTER_BYTES) -> float:
     """The optimizer step over ``numel`` parameters in ``tensors`` tensors (``_optimizer_s``):
     linear in both, so the intra-op ILP prices it parameter by parameter."""
     dev = hw.device
-    return (optimizer_traffic_s(numel, dtype=dtype, optimizer=optimizer, hw=hw)
+    return (optimizer_traffic_s(numel, dtype=dtype, optimizer=optimizer, hw=hw,
+                                grad_bytes=grad_bytes, master_bytes=master_bytes)
             + tensors * OPTIMIZER_OPS_PER_TENSOR.get(optimizer, 10)
             * (dev.kernel_latency_s + dev.framework_overhead_s)) * contention
 

@@ -170,16 +170,19 @@ def _cached_parameter_walk(cache: dict | None, stage: Stage, graph: OpGraph, con
     if cache is None:
         return parameter_walk(stage, graph, consumer_out, dtype=dtype, optimizer=optimizer,
                               runtime=runtime)
-    key = ("param-walk", id(stage.params), id(consumer_out), id(graph.params),
-           graph.block_module, stage.mesh_shape, stage.axis_names, stage.zero, dtype,
-           optimizer, runtime)
+    # dp_axis reads the stage's inputs where no axis is named dp; NeMo's fp32 embedding
+    # gradient reads the graph's operators (a neighbourhood graph shares only its params)
+    nodes = graph.nodes if runtime.fp32_embedding_grads else None
+    key = ("param-walk", id(stage.params), id(consumer_out), id(graph.params), id(nodes),
+           repr(stage.inputs), graph.block_module, stage.mesh_shape, stage.axis_names,
+           stage.zero, dtype, optimizer, runtime)
     hit = cache.get(key)
     if hit is not None and hit[0] is stage.params and hit[1] is consumer_out and \
-            hit[2] is graph.params:
+            hit[2] is graph.params and hit[4] is nodes:
         return hit[3]
     walk = parameter_walk(stage, graph, consumer_out, dtype=dtype, optimizer=optimizer,
                           runtime=runtime)
-    cache[key] = (stage.params, consumer_out, graph.params, walk)
+    cache[key] = (stage.params, consumer_out, graph.params, walk, nodes)
     return walk
 
 
@@ -235,9 +238,20 @@ def param_layer(name: str, graph: OpGraph) -> int:
 
 
 def _embedding_weights(graph: OpGraph) -> set[str]:
-    """The parameters an embedding lookup reads (the word embedding)."""
-    return {i for n in graph.nodes if n.kind == OpKind.EMBEDDING for i in n.inputs
-            if i in graph.param_map}
+    """The word embedding: the weight of an embedding indexed by the token ids (a graph
+    input, through views), under every name tied to it (GPT-2's lookup reads
+    ``lm_head.weight``, tied to ``transformer.wte.weight``); not a position embedding, which
+    is indexed by positions built inside the graph."""
+    from_ids = {name for name, _ in graph.inputs}
+    found = set()
+    for n in graph.nodes:
+        acts = [i for i in n.inputs if i not in graph.param_map]
+        if n.kind == OpKind.VIEW and acts and acts[0] in from_ids:
+            from_ids.add(n.name)
+        if n.kind == OpKind.EMBEDDING and any(i in from_ids for i in acts):
+            found.update(i for i in n.inputs if i in graph.param_map)
+    roots = {graph.param_map[p].tied_to or p for p in found}
+    return found | roots | {p.name for p in graph.params if p.tied_to in roots}
 
 
 def _param_layer(name: str, graph: OpGraph) -> int:

@@ -159,7 +159,8 @@ def price(node, graph, stage: Stage, pricer, out_pl, w_pl, *, optimizer: str,
     input collectives; ``estimate.parameter_part``: its weights' state and gradient sync):
     compute and the collectives of its inputs for every microbatch, its weights' sync once.
     ``inputs``: the placements it reads (default: ``_read_as`` of the placement)."""
-    from meshplan.costmodel.params import param_layer, parameter_part
+    from meshplan.costmodel.params import (_embedding_weights, _zero_cp_axis, param_layer,
+                                           parameter_part)
     from meshplan.costmodel.stage_layout import dp_axis
     from meshplan.plan import OpPlacement
 
@@ -171,14 +172,19 @@ def price(node, graph, stage: Stage, pricer, out_pl, w_pl, *, optimizer: str,
     compute = m * pricer.compute_s(node, op)
     comm = m * pricer.input_comm_s(node, op)
     state = 0.0
+    # as the estimate's parameter walk: ZeRO over dp x cp where the runtime shards over both,
+    # NeMo's fp32 word-embedding gradient
+    cpa = _zero_cp_axis(stage, pricer.runtime)
+    fp32_grads = _embedding_weights(graph) if pricer.runtime.fp32_embedding_grads else set()
     for k, p in enumerate(node.inputs):
         info = graph.param_map.get(p)
         if info is None or k >= len(op.inputs):
             continue
         stored = tuple(REPLICATE if x == PARTIAL else x for x in op.inputs[k])
         part = parameter_part(info, stored, [(op.output, op.inputs[k])], param_layer(p, graph),
-                              mesh, dp_axis(stage), None, zero=stage.zero, dtype=pricer.dtype,
-                              optimizer=optimizer, runtime=pricer.runtime)
+                              mesh, dp_axis(stage), cpa, zero=stage.zero, dtype=pricer.dtype,
+                              optimizer=optimizer, runtime=pricer.runtime,
+                              fp32_grads=p in fp32_grads)
         state += part.weights_bytes + part.grads_bytes + part.optimizer_bytes
         comm += sum(pricer.coll(s.kind, s.grad_bytes, s.axis) for s in part.syncs)
     out_split = 1

@@ -70,3 +70,35 @@ def test_nemo_recipe_state_bf16_grads_and_master_remainders(tiny_llama_h100, dty
     assert nemo.optimizer_gib == pytest.approx((master + 8) * n / 8 / GIB)
     assert megatron.grads_gib == pytest.approx(4 * n / GIB)
     assert megatron.optimizer_gib == pytest.approx(12 * n / 8 / GIB)
+
+
+def test_nemo_fp32_gradient_is_the_word_embeddings_even_when_tied():
+    """NeMo keeps the word embedding's gradient in fp32 (``with_fp32_embedding_grads``): on
+    GPT-2 the lookup reads ``lm_head.weight``, tied to ``transformer.wte.weight``, so the tie
+    must be followed; the position embedding (wpe) stays bf16. bf16 -> fp32 adds 2 bytes per
+    element of wte and nothing else."""
+    from dataclasses import replace
+
+    from meshplan.costmodel.params import parameter_walk
+    from meshplan.costmodel.runtime_profiles import nemo_runtime
+    from meshplan.specs import example_inputs, parse_model_spec
+
+    spec = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=1024&n_positions=128"
+    model = parse_model_spec(spec).build("meta")
+    inputs = example_inputs(model, 16, 64)
+    graph = meshplan.trace(model, inputs, model_name=spec)
+    plan = meshplan.manual_plan(model, meshplan.Mesh.local(4), example_inputs=inputs,
+                                graph=graph, dp=4, microbatch_size=4)
+    stage = plan.stages[0]
+    readers: dict = {}
+    for n in graph.nodes:
+        op = stage.ops[n.name]
+        for k, i in enumerate(n.inputs):
+            if i in graph.param_map and k < len(op.inputs):
+                readers.setdefault(i, []).append((op.output, op.inputs[k]))
+    runtime = nemo_runtime(backend="gloo")
+    grads = {flag: parameter_walk(stage, graph, readers, dtype="bf16", optimizer="adam",
+                                  runtime=replace(runtime, fp32_embedding_grads=flag)).grads_bytes
+             for flag in (True, False)}
+    wte = graph.param_map["transformer.wte.weight"].numel
+    assert grads[True] - grads[False] == pytest.approx(2 * wte)

@@ -64,3 +64,27 @@ def test_explains_chosen_row_is_the_priced_operator(plans):
     chosen = next(a for a in e.alternatives if a.chosen)
     compute, comm, _ = as_planned(plan, graph, 0)["addmm"]
     assert (chosen.compute_s, chosen.comm_s) == pytest.approx((compute, comm), rel=1e-12)
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_explain_prices_parameters_as_the_estimate_does(cp, monkeypatch):
+    """Under a runtime that shards ZeRO over dp x cp (Megatron-LM), explain's per-operator
+    state adds up to the estimate's weights + gradients + optimizer state, with or without
+    cp (it divided the optimizer state by dp alone). Activations are left out of explain's
+    memory column here by pricing them at 0 bytes per element."""
+    import meshplan.explain as explain_module
+    from meshplan.costmodel.compute import DTYPE_BYTES
+
+    monkeypatch.setattr(explain_module, "DTYPE_BYTES", {**DTYPE_BYTES, "bf16": 0})
+    model = parse_model_spec(
+        "transformers:llama?hidden_size=256&intermediate_size=512&num_hidden_layers=2&"
+        "num_attention_heads=4&num_key_value_heads=2&vocab_size=1024&"
+        "max_position_embeddings=256").build("meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = meshplan.trace(model, example_inputs(model, 8, 256))
+    plan = meshplan.manual_plan(model, Mesh.preset("dgx-h100", nodes=1), graph=graph,
+                                dp=8 // cp, cp=cp, dtype="bf16", zero=1, engine="megatron")
+    state = sum(gib for _, _, gib in as_planned(plan, graph, 0).values())
+    m = plan.predicted.memory
+    assert state == pytest.approx(m.params_gib + m.grads_gib + m.optimizer_gib, rel=1e-6)
