@@ -237,11 +237,10 @@ def param_layer(name: str, graph: OpGraph) -> int:
     return _param_layer(name, graph)
 
 
-def _embedding_weights(graph: OpGraph) -> set[str]:
-    """The word embedding: the weight of an embedding indexed by the token ids (a graph
-    input, through views), under every name tied to it (GPT-2's lookup reads
-    ``lm_head.weight``, tied to ``transformer.wte.weight``); not a position embedding, which
-    is indexed by positions built inside the graph."""
+def token_embedding_reads(graph: OpGraph) -> set[str]:
+    """The weights of the embeddings indexed by the token ids (a graph input, through
+    views), under the names the lookups read them by; not a position embedding, indexed by
+    positions built inside the graph."""
     from_ids = {name for name, _ in graph.inputs}
     found = set()
     for n in graph.nodes:
@@ -249,9 +248,20 @@ def _embedding_weights(graph: OpGraph) -> set[str]:
         if n.kind == OpKind.VIEW and acts and acts[0] in from_ids:
             from_ids.add(n.name)
         if n.kind == OpKind.EMBEDDING and any(i in from_ids for i in acts):
-            found.update(i for i in n.inputs if i in graph.param_map)
-    roots = {graph.param_map[p].tied_to or p for p in found}
-    return found | roots | {p.name for p in graph.params if p.tied_to in roots}
+            found.update(p for p in n.params if p in graph.param_map)
+    return found
+
+
+def with_ties(graph: OpGraph, names: set[str]) -> set[str]:
+    """``names`` and every parameter name tied to one of them."""
+    roots = {graph.param_map[p].tied_to or p for p in names}
+    return set(names) | roots | {p.name for p in graph.params if p.tied_to in roots}
+
+
+def _embedding_weights(graph: OpGraph) -> set[str]:
+    """The word embedding under every name tied to it (GPT-2's lookup reads
+    ``lm_head.weight``, tied to ``transformer.wte.weight``)."""
+    return with_ties(graph, token_embedding_reads(graph))
 
 
 def _param_layer(name: str, graph: OpGraph) -> int:

@@ -254,16 +254,11 @@ def stage_node_groups(graph: OpGraph, pp: int,
 def token_embedding_weights(graph: OpGraph, tp: int) -> set[str]:
     """Weights of embeddings indexed by the token ids (a graph input), and their ties, when
     tp divides the vocabulary: these are vocab-parallel."""
-    from_ids = {name for name, _ in graph.inputs}
-    out = set()
-    for n in graph.nodes:
-        acts = [i for i in n.inputs if i not in graph.param_map]
-        if n.kind == OpKind.VIEW and acts and acts[0] in from_ids:
-            from_ids.add(n.name)
-        if n.kind == OpKind.EMBEDDING and any(i in from_ids for i in acts):
-            out.update(p for p in n.params if tp > 1 and graph.param_map[p].shape[0] % tp == 0)
-    names = {graph.param_map[p].tied_to or p for p in out}
-    return out | names | {p.name for p in graph.params if p.tied_to in names}
+    from meshplan.costmodel.params import token_embedding_reads, with_ties
+
+    out = {p for p in token_embedding_reads(graph)
+           if tp > 1 and graph.param_map[p].shape[0] % tp == 0}
+    return with_ties(graph, out)
 
 
 def stage_params(graph: OpGraph, names) -> list[str]:
