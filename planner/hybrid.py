@@ -104,7 +104,15 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
         if ilp_plan is not None and ilp_plan.engine != engine:
             from meshplan.costmodel.estimate import with_stage_predictions
 
+            graph_s = ilp_plan.solver.objective_s
             ilp_plan = with_stage_predictions(replace(ilp_plan, engine=engine), graph)
+            # the ILP chose placements at the graph engine's prices; the plan promises the
+            # engine that runs it, and says so
+            ilp_plan = replace(ilp_plan, solver=replace(
+                ilp_plan.solver, objective_s=ilp_plan.predicted.step_time_s,
+                notes=ilp_plan.solver.notes + (
+                    f"placements chosen by the intra-op ILP at the graph engine's prices "
+                    f"({graph_s:.4g} s); re-priced as the {engine} engine runs them",)))
         if ilp_plan is not None and ilp_plan.predicted.peak_memory_gib <= limit and (
                 best is None or ilp_plan.predicted.step_time_s < best.predicted.step_time_s):
             best = ilp_plan
