@@ -307,24 +307,20 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
         return replace(default_runtime(hw, engine=Engine.MODULES, backend=backend,
                                        pipeline=pipeline), engine="torchtitan",
                        fp8_recipe="torchao-tensorwise", fp8_all_gather=True)
-    if engine == Engine.MODULES and pipeline:
-        return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
-                            reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
-                            full_grad_accumulation=True, sync_overlaps_backward=False,
-                            reduce_scatter_per_microbatch=False, selective_keeps_matmuls=True,
-                            causal_mask_skipped=True, causal_attention=True,
-                            fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
-                            overlap_efficiency=overlap, eager_kernels=eager,
-                            mixed_precision="fsdp", engine=engine, backend=backend)
     if engine == Engine.MODULES:
-        return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
-                            reduce_scatter_as_all_reduce=gloo, flat_grad_sync=False,
-                            full_grad_accumulation=False, sync_overlaps_backward=True,
-                            reduce_scatter_per_microbatch=True, selective_keeps_matmuls=True,
-                            causal_mask_skipped=True, causal_attention=True,
-                            fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
-                            overlap_efficiency=overlap, eager_kernels=eager,
-                            mixed_precision="fsdp", engine=engine, backend=backend)
+        modules = RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0,
+                               zero3_per_use=False, reduce_scatter_as_all_reduce=gloo,
+                               flat_grad_sync=False, full_grad_accumulation=False,
+                               sync_overlaps_backward=True, reduce_scatter_per_microbatch=True,
+                               selective_keeps_matmuls=True, causal_mask_skipped=True,
+                               causal_attention=True, fsdp_keeps_shards=True, zero_over_cp=True,
+                               cp_composable=True, overlap_efficiency=overlap,
+                               eager_kernels=eager, mixed_precision="fsdp", engine=engine,
+                               backend=backend)
+        if pipeline:  # a pipelined stage keeps full gradients and reduces them once per step
+            return replace(modules, full_grad_accumulation=True, sync_overlaps_backward=False,
+                           reduce_scatter_per_microbatch=False)
+        return modules
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=0.0, zero3_per_use=True,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
                         full_grad_accumulation=True, causal_attention=True,
