@@ -92,7 +92,7 @@ def torchtitan(hardware: str, compiled: bool) -> list[dict]:
                 continue
             published, gib = torchtitan_published.COMPILED[(hw, gpus)][:2]
         r = _find(rows, "torchtitan_published", model=model, gpus=gpus, recompute=rec,
-                  compiled=compiled, engine="modules")
+                  compiled=compiled, engine="torchtitan")
         out.append(_row(published / r["predicted_tokens_per_gpu"] - 1, r["fits"],
                         r["peak_memory_gib"], gib, f"{model} {rec} AC @{gpus}"))
     return out
@@ -231,7 +231,10 @@ def main(argv=None) -> int:
     text = ("# Validation by group: published H100 runs and the A100 sets\n\n"
             "Error: predicted vs published step time (+: predicted slower); the rows and "
             "their sources are the group scripts' tables (module docstring). Every row ran, "
-            "so every one should fit.\n\n" + "\n".join(lines) + "\n" + "\n".join(detail)
+            "so every one should fit. Published GiB of the torchtitan rows is what "
+            "torchtitan logs, the caching allocator's peak reserved memory "
+            "(`max_reserved_gib`), which bounds from above the peak of live tensors that "
+            "meshplan predicts.\n\n" + "\n".join(lines) + "\n" + "\n".join(detail)
             + "\n\nReproduce: the group scripts, then `python benchmarks/h100_validation.py"
             + (" --price-parallel" if args.price_parallel else "") + "`.\n")
     print(text)

@@ -4,9 +4,12 @@ Llama 3 / Llama 2 on 64 A100s.
 trace -> **cost**: each model traced on the meta device at torchtitan's batch (local batch x
 sequence per GPU), planned by hand with ``meshplan.manual_plan`` as torchtitan ran it: FSDP
 (ZeRO-3, ``fully_shard`` per block) over every GPU, the run's activation checkpointing, bf16
-parameters with fp32 reduction, AdamW; priced on the preset of that hardware for the engine
-that runs such a plan (the module engine: FSDP2 with prefetch, SDPA with ``is_causal=True``)
-and for the graph engine.
+parameters with fp32 reduction, AdamW; priced on the preset of that hardware for the stack
+that ran it (``engine="torchtitan"``: FSDP2 with prefetch as the module engine runs it, SDPA
+with ``is_causal=True``, and torchtitan's own op-level selective AC, which saves SDPA's
+outputs and every other block matmul's: tests/test_torchtitan_sac.py) and for meshplan's
+graph engine. torchtitan logs the caching allocator's peak reserved memory
+(``max_reserved_gib``), an upper bound of the peak of live tensors that meshplan predicts.
 
 Sources:
 - H100 rows: pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (end of 2024),
@@ -141,8 +144,8 @@ def main() -> int:
         if hw == "a100" and args.a100_attention_efficiency is not None:
             mesh = _with_attention_efficiency(mesh, args.a100_attention_efficiency)
         compiled_row = COMPILED.get((hw, gpus))
-        for engine, compiled in (("auto", False), ("graph", False)) + \
-                ((("auto", True),) if compiled_row else ()):
+        for engine, compiled in (("torchtitan", False), ("graph", False)) + \
+                ((("torchtitan", True),) if compiled_row else ()):
             start = time.perf_counter()
             plan = meshplan.manual_plan(model, mesh, graph=graph, dp=gpus, zero=3,
                                         microbatch_size=local_batch, recompute=recompute,
@@ -184,8 +187,12 @@ def main() -> int:
             "`meshplan.estimate(plan, compiled=True)`: costmodel/fusion.py). H100 rows: preset h100-96gb-hbm2e (96 GB HBM2e, "
             f"500 W), pytorch/torchtitan {H100}. A100 rows: preset dgx-a100-80gb, "
             f"pytorch/torchtitan {A100} (64 A100 80GB; no memory published). "
-            "AC: torchtitan's activation checkpointing as meshplan prices it (selective = "
-            "the module engine's op-level policy).\n\n" + "\n".join(lines)
+            "Engine `torchtitan`: the torchtitan profile (FSDP2 as the module engine runs it, "
+            "selective AC by torchtitan's own op-level rule: SDPA and every other block matmul "
+            "saved, memory.alternate_matmuls); `graph`: meshplan's graph engine beside it. "
+            "Published GiB is what torchtitan logs, the caching allocator's peak *reserved* "
+            "memory (`max_reserved_gib`); peak GiB is the predicted peak of live tensors, "
+            "which the reserved peak bounds from above.\n\n" + "\n".join(lines)
             + "\n\nReproduce: `python benchmarks/torchtitan_published.py`.\n")
     print("\n" + text)
     if args.only or args.a100_attention_efficiency is not None:

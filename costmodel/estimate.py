@@ -43,7 +43,7 @@ from meshplan.costmodel.compute import DTYPE_NAMES, contention_factor
 from meshplan.costmodel.eager import Kernel, fsdp_copy_out_bytes, kernels_time_s
 from meshplan.costmodel.fusion import fused_by_member
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import GIB, activation_memory, causal_masks
+from meshplan.costmodel.memory import GIB, activation_memory, alternate_matmuls, causal_masks
 from meshplan.costmodel.operators import (OperatorPricer, _cached_eager_kernels,
                                           _cached_operator_pass, _operator_pass, _recompute_s,
                                           _tp_overlap_hidden_s, causal_attention,
@@ -159,6 +159,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                     fused=runtime.fused_activations)
     kept, working = prof.stage_bytes(stage.recompute,
                                      keep_matmuls_only=runtime.selective_keeps_matmuls,
+                                     alternate=runtime.selective_alternate_matmuls,
                                      without_masks=runtime.causal_mask_skipped)
     if fp8 is not None and stage.recompute != Recompute.FULL:  # fp8 inputs saved for the backward
         kept -= fp8_model.saved_input_bytes_saved(graph, stage.ops, _split_of(stage, graph),
@@ -257,7 +258,9 @@ def operator_pricer(plan: Plan, graph: OpGraph, stage_index: int) -> OperatorPri
         if precision else None,
         fused=fused_by_member(graph, list(stage.ops)) if runtime.compiled else {},
         fp8=fp8_model.fp8_pricing(t.dtype, runtime),
-        masks=causal_masks(graph) if causal else set())
+        masks=causal_masks(graph) if causal else set(),
+        alternate=alternate_matmuls(graph) if runtime.selective_alternate_matmuls
+        else frozenset())
 
 
 def stage_costs(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,

@@ -222,6 +222,9 @@ class ActivationProfile:
     kept_selective: dict
     boundary: dict
     kept_matmuls: dict = field(default_factory=dict)
+    # what torchtitan's op-level selective AC keeps of a block beside its input: the
+    # outputs of its odd parameter matmuls and of its attention kernels (``alternate_matmuls``)
+    kept_alternate: dict = field(default_factory=dict)
     # bytes of causal masks (``causal_masks``) among kept / boundary, by layer
     mask_kept: dict = field(default_factory=dict)
     mask_boundary: dict = field(default_factory=dict)
@@ -229,7 +232,8 @@ class ActivationProfile:
     loss_working: float = 0.0
 
     def stage_bytes(self, recompute: str, *, keep_matmuls_only: bool = False,
-                    without_masks: bool = False) -> tuple[float, float]:
+                    without_masks: bool = False,
+                    alternate: bool = False) -> tuple[float, float]:
         """(bytes kept per in-flight microbatch, extra working set of the backward: one
         layer's recompute, or the loss's gradients, ``loss_working``, whichever is larger).
 
@@ -237,17 +241,20 @@ class ActivationProfile:
         op-level policy, runtime/modules.py ``_SAVED_IN_SELECTIVE``): a block keeps its input
         and its parameter matmuls' outputs (``kept_matmuls``) and recomputes the rest, one
         block at a time in the backward. ``without_masks``: the engine never allocates the
-        causal masks the trace made (``causal_masks``)."""
+        causal masks the trace made (``causal_masks``). ``alternate`` (with
+        ``keep_matmuls_only``): torchtitan's op-level policy, which keeps its attention
+        kernels' outputs and every other parameter matmul's (``kept_alternate``) instead."""
         if without_masks and (self.mask_kept or self.mask_boundary):
             return replace(self, kept=_minus(self.kept, self.mask_kept),
                            kept_selective=_minus(self.kept_selective, self.mask_kept),
                            boundary=_minus(self.boundary, self.mask_boundary),
                            mask_kept={}, mask_boundary={}).stage_bytes(
-                recompute, keep_matmuls_only=keep_matmuls_only)
+                recompute, keep_matmuls_only=keep_matmuls_only, alternate=alternate)
         if recompute == Recompute.SELECTIVE and keep_matmuls_only:
+            saved = self.kept_alternate if alternate else self.kept_matmuls
             kept = sum(self.boundary.values()) + self.kept.get(-1, 0.0) \
-                + sum(v for i, v in self.kept_matmuls.items() if i >= 0)
-            working = max((v - self.kept_matmuls.get(i, 0.0) for i, v in self.kept.items()
+                + sum(v for i, v in saved.items() if i >= 0)
+            working = max((v - saved.get(i, 0.0) for i, v in self.kept.items()
                            if i >= 0), default=0.0)
             return kept, max(working, self.loss_working)
         if recompute == Recompute.FULL:
@@ -310,6 +317,8 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
     selective: dict[int, float] = {}
     boundary: dict[int, float] = {}
     matmuls: dict[int, float] = {}  # outputs of parameter matmuls among the kept tensors
+    alternate: dict[int, float] = {}  # torchtitan's op-level selective AC (kept_alternate)
+    recomputed_mm = alternate_matmuls(graph)
     masks = causal_masks(graph)
     mask_kept: dict[int, float] = {}
     mask_boundary: dict[int, float] = {}
@@ -339,6 +348,16 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             # the backward reads it or not (the recompute reuses it)
             matmuls[layer] = matmuls.get(layer, 0.0) + tensor_bytes(
                 name, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(name))
+            if name not in recomputed_mm:
+                alternate[layer] = alternate.get(layer, 0.0) + tensor_bytes(
+                    name, graph, dtype_bytes, inputs) * micro_fraction / max(1, split_of(name))
+        if layer >= 0 and node.kind == OpKind.ATTENTION:
+            # SDPA's outputs: the attention output and its fp32 logsumexp (one per query row)
+            out = tensor_bytes(name, graph, dtype_bytes, inputs)
+            meta = node.out
+            lse = meta.numel / meta.shape[-1] * 4 if meta is not None and meta.shape else 0.0
+            alternate[layer] = alternate.get(layer, 0.0) + (out + lse) * micro_fraction \
+                / max(1, split_of(name))
         if node.kind == OpKind.ATTENTION and attention_extra_per_node:
             kept[layer] = kept.get(layer, 0.0) + attention_extra_per_node
         if layer >= 0:
@@ -360,8 +379,8 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                 boundary[at] = boundary.get(at, 0.0) + b
                 if root in masks:
                     mask_boundary[at] = mask_boundary.get(at, 0.0) + b
-    return ActivationProfile(kept, selective, boundary, matmuls, mask_kept, mask_boundary,
-                             loss_working)
+    return ActivationProfile(kept, selective, boundary, matmuls, alternate, mask_kept,
+                             mask_boundary, loss_working)
 
 
 def _kept_for(root: str, recomputed: dict | None) -> tuple[str, ...]:
@@ -379,6 +398,22 @@ def _is_param_matmul(name: str, graph: OpGraph) -> bool:
         return False
     node = graph.node(name)
     return node.kind == OpKind.MATMUL and any(i in graph.param_map for i in node.inputs)
+
+
+def alternate_matmuls(graph: OpGraph) -> frozenset[str]:
+    """The block parameter matmuls torchtitan's op-level selective activation checkpointing
+    recomputes: its policy (torchtitan ``_apply_op_sac``; the same rule since its first
+    release) counts ``aten.mm`` calls per checkpointed block and saves every call's output
+    but the 2nd, 4th, ... one's, with SDPA's outputs; everything else it recomputes. In a
+    Llama block (q, k, v, o, gate, up, down) that recomputes k, o and up."""
+    count: dict[int, int] = {}
+    out = set()
+    for node in graph.nodes:
+        if node.layer >= 0 and _is_param_matmul(node.name, graph):
+            count[node.layer] = count.get(node.layer, 0) + 1
+            if count[node.layer] % 2 == 0:
+                out.add(node.name)
+    return frozenset(out)
 
 
 def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatches: int,

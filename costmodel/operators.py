@@ -19,7 +19,7 @@ from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, materialized_attenti
 from meshplan.costmodel.eager import EagerOp, MEMORY_BOUND, eager_kernels, eager_time
 from meshplan.costmodel.fusion import fused_by_member, fused_time
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import alias_root, causal_masks
+from meshplan.costmodel.memory import alias_root, alternate_matmuls, causal_masks
 from meshplan.costmodel.runtime_profiles import RuntimeModel
 from meshplan.costmodel.stage_layout import (_bytes, _feeds_split, _placements, reshard_collectives,
                                              split_factor)
@@ -54,6 +54,9 @@ class _OperatorPass:
     mm_fwd: float = 0.0
     mm_bwd: float = 0.0
     tp: int = 1
+    # torchtitan's op-level selective AC: every block operator but its attention kernels and
+    # its odd parameter matmuls (memory.alternate_matmuls)
+    rec_alternate: float = 0.0
 
 
 def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: HardwareProfile,
@@ -94,11 +97,16 @@ def _recompute_s(ops: _OperatorPass, recompute: str,
     """(recomputed forward compute, its activation collectives) per microbatch. "full"
     reruns every block operator's forward with its collectives; "selective" the attention
     core (Korthikanti et al. 2022, section 5), or, in the module engine, every block
-    operator but the parameter matmuls (``RuntimeModel.selective_keeps_matmuls``)."""
+    operator but the parameter matmuls (``RuntimeModel.selective_keeps_matmuls``), or in
+    torchtitan every one but the attention kernels and the odd parameter matmuls
+    (``RuntimeModel.selective_alternate_matmuls``)."""
     if recompute == Recompute.FULL:
         return ops.rec_full, ops.comm_layers_fwd
     if recompute == Recompute.SELECTIVE:
-        return (ops.rec_nonmatmul if runtime.selective_keeps_matmuls else ops.rec_sel), 0.0
+        if runtime.selective_keeps_matmuls:
+            return (ops.rec_alternate if runtime.selective_alternate_matmuls
+                    else ops.rec_nonmatmul), 0.0
+        return ops.rec_sel, 0.0
     return 0.0, 0.0
 
 
@@ -185,7 +193,8 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     sent: set[str] = set()
     dbytes = DTYPE_BYTES[dtype]
 
-    fwd = bwd = rec_full = rec_sel = rec_nonmatmul = 0.0
+    fwd = bwd = rec_full = rec_sel = rec_nonmatmul = rec_alternate = 0.0
+    recomputed_mm = alternate_matmuls(graph)
     comm_fwd = comm_bwd = comm_layers_fwd = p2p_bytes = 0.0
     tp_ax = stage.axis_names.index("tp") if "tp" in stage.axis_names else None
     tp_fwd = tp_bwd = tp_layers_fwd = mm_fwd = mm_bwd = 0.0
@@ -221,9 +230,13 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             if not (node.kind == OpKind.MATMUL
                     and any(i in graph.param_map for i in node.inputs)):
                 rec_nonmatmul += t.forward_s
+                if node.kind != OpKind.ATTENTION:
+                    rec_alternate += t.forward_s
             else:
                 mm_fwd += t.forward_s
                 mm_bwd += t.backward_s
+                if name in recomputed_mm:
+                    rec_alternate += t.forward_s
         for k, p in enumerate(node.inputs):
             if p in graph.param_map and k < len(op.inputs):
                 consumer_out.setdefault(p, []).append((op.output, op.inputs[k]))
@@ -258,7 +271,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                 comm_bwd += tb
                 tp_bwd += tb if on_tp else 0.0
     return _OperatorPass(ops=stage.ops, inputs=stage.inputs, fwd=fwd, bwd=bwd, rec_full=rec_full, rec_sel=rec_sel,
-                         rec_nonmatmul=rec_nonmatmul,
+                         rec_nonmatmul=rec_nonmatmul, rec_alternate=rec_alternate,
                          comm_fwd=comm_fwd, comm_bwd=comm_bwd, comm_layers_fwd=comm_layers_fwd,
                          p2p_bytes=p2p_bytes, consumer_out=consumer_out, tp_fwd=tp_fwd,
                          tp_bwd=tp_bwd, tp_layers_fwd=tp_layers_fwd, mm_fwd=mm_fwd,
@@ -367,6 +380,8 @@ class OperatorPricer:
     fused: dict
     fp8: object
     masks: set
+    # block matmuls torchtitan's op-level selective AC recomputes (memory.alternate_matmuls)
+    alternate: frozenset = frozenset()
 
     def compute_s(self, node, op) -> float:
         """Forward, backward and recomputed forward of one microbatch."""
@@ -378,10 +393,15 @@ class OperatorPricer:
                           causal=causal_attention(node, self.graph, self.masks,
                                                    self.runtime.cp_composable or cp_ax is None))
         rec = self.stage.recompute
-        again = node.layer >= 0 and (rec == Recompute.FULL or rec == Recompute.SELECTIVE and (
-            not (node.kind == OpKind.MATMUL and any(i in self.graph.param_map for i in node.inputs))
-            if self.runtime.selective_keeps_matmuls
-            else selective_recomputes(node, self.graph, group)))
+        param_mm = node.kind == OpKind.MATMUL and any(i in self.graph.param_map
+                                                       for i in node.inputs)
+        if not self.runtime.selective_keeps_matmuls:
+            sel = selective_recomputes(node, self.graph, group)
+        elif self.runtime.selective_alternate_matmuls:
+            sel = node.name in self.alternate if param_mm else node.kind != OpKind.ATTENTION
+        else:
+            sel = not param_mm
+        again = node.layer >= 0 and (rec == Recompute.FULL or rec == Recompute.SELECTIVE and sel)
         return t.total_s + (t.forward_s if again else 0.0)
 
     def input_comm_s(self, node, op) -> float:

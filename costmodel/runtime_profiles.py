@@ -90,6 +90,11 @@ class RuntimeModel:
       parameter matmuls' outputs and recomputes every other block operator (the module
       engine's op-level policy, as torchtitan's); False: Korthikanti et al.'s selective,
       which recomputes only the attention core (the graph engine, runtime/graph/spmd.py).
+    selective_alternate_matmuls: with ``selective_keeps_matmuls``, torchtitan's own op-level
+      policy instead (``memory.alternate_matmuls``): it keeps SDPA's outputs and every other
+      parameter matmul's output of a block (the 1st, 3rd, ... ``aten.mm`` call) and
+      recomputes the rest: in a Llama block k, o and up projections are recomputed and the
+      attention kernel is not.
     attention: the attention core's kernels: "flash" (fused, the s x s scores stay on chip:
       FlashAttention, cuDNN SDPA, what PyTorch's SDPA picks on GPUs) or "materialized"
       (scores and probabilities written to memory, as attention ran before fused kernels,
@@ -201,6 +206,7 @@ class RuntimeModel:
     sync_overlaps_backward: bool = False
     reduce_scatter_per_microbatch: bool = False
     selective_keeps_matmuls: bool = False
+    selective_alternate_matmuls: bool = False
     attention: str = "flash"
     causal_mask_skipped: bool = False
     causal_attention: bool = False
@@ -306,7 +312,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
         # (``enable_fsdp_float8_all_gather``, as torchtitan's float8 runs are published)
         return replace(default_runtime(hw, engine=Engine.MODULES, backend=backend,
                                        pipeline=pipeline), engine="torchtitan",
-                       fp8_recipe="torchao-tensorwise", fp8_all_gather=True)
+                       fp8_recipe="torchao-tensorwise", fp8_all_gather=True,
+                       selective_alternate_matmuls=True)
     if engine == Engine.MODULES:
         modules = RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0,
                                zero3_per_use=False, reduce_scatter_as_all_reduce=gloo,

@@ -1,0 +1,142 @@
+"""torchtitan's op-level selective activation checkpointing, priced as torchtitan runs it.
+
+torchtitan's ``selective_ac_option = "op"`` (``_apply_op_sac``) counts ``aten.mm`` calls
+per checkpointed block and saves the output of every call but the 2nd, 4th, ..., with SDPA's
+outputs; everything else is recomputed in the backward. meshplan's own module engine saves
+every parameter matmul and recomputes attention (runtime/modules.py). The ``torchtitan``
+profile prices torchtitan's rule (``RuntimeModel.selective_alternate_matmuls``,
+``memory.alternate_matmuls``); these tests measure both rules on this CPU.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import pytest
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import meshplan
+from meshplan.costmodel.estimate import default_runtime, stage_cost
+from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.memory import alternate_matmuls
+from meshplan.costmodel.stage_layout import stage_activation_profile
+from meshplan.runtime.memory_probe import StepMemoryProbe
+from meshplan.specs import parse_model_spec
+from meshplan.tracing import next_token_loss, trace
+
+BATCH, SEQ = 2, 256
+SPEC = ("transformers:llama?hidden_size=512&intermediate_size=1376&num_hidden_layers=4&"
+        f"num_attention_heads=8&num_key_value_heads=4&vocab_size=1024&max_position_embeddings={SEQ}")
+# the SDPA kernels torchtitan's save list names, and torch's CPU flash kernel beside them
+_SDPA = {torch.ops.aten._scaled_dot_product_flash_attention.default,
+         torch.ops.aten._scaled_dot_product_efficient_attention.default,
+         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+_MM = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+
+def _torchtitan_policy(count, ctx, func, *args, **kwargs):
+    """torchtitan's rule, written here from its description: count mm calls per block
+    (separately in the forward and the recompute), save SDPA and every mm but the 2nd, 4th..."""
+    if func in _MM:
+        key = "recompute" if ctx.is_recompute else "forward"
+        count[key] += 1
+        keep = count[key] % 2 == 1
+    else:
+        keep = func in _SDPA
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _modules_policy(ctx, func, *args, **kwargs):
+    """meshplan's module engine (runtime/modules.py): every parameter matmul saved."""
+    return CheckpointPolicy.MUST_SAVE if func in _MM else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _kept_after_forward(policy: str) -> int:
+    """Live tensor bytes the forward leaves for the backward (parameters excluded): a bf16
+    HF Llama with every block checkpointed under ``policy``."""
+    torch.manual_seed(0)
+    model = parse_model_spec(SPEC).build("cpu").to(torch.bfloat16)
+    layers = model.model.layers
+    for i, block in enumerate(list(layers)):
+        if policy == "torchtitan":
+            fn = lambda: create_selective_checkpoint_contexts(  # noqa: E731
+                partial(_torchtitan_policy, defaultdict(int)))
+        else:
+            fn = partial(create_selective_checkpoint_contexts, _modules_policy)
+        layers[i] = checkpoint_wrapper(block, context_fn=fn)
+    ids = torch.randint(0, 1024, (BATCH, SEQ))
+    with StepMemoryProbe(list(model.parameters())) as probe:
+        loss = next_token_loss(model(ids).logits, ids)
+        kept = probe.current_bytes - probe.start_bytes
+    loss.backward()  # the rule runs its recompute without error
+    return kept
+
+
+@pytest.fixture(scope="module")
+def priced():
+    meta = parse_model_spec(SPEC).build("meta")
+    graph = trace(meta, (torch.zeros(BATCH * 8, SEQ, dtype=torch.long, device="meta"),))
+    plan = meshplan.manual_plan(meta, meshplan.Mesh.preset("dgx-h100", nodes=1), graph=graph,
+                                dp=8, microbatch_size=BATCH, dtype="bf16",
+                                recompute="selective", engine="modules")
+    return plan, graph
+
+
+def _kept(plan, graph, engine: str) -> float:
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    rt = default_runtime(hw, engine=engine)
+    t = plan.training
+    prof = stage_activation_profile(plan.stages[0], graph, hw, dtype=t.dtype,
+                                    microbatches=t.microbatches, seq_len=SEQ)
+    return prof.stage_bytes("selective", keep_matmuls_only=rt.selective_keeps_matmuls,
+                            without_masks=rt.causal_mask_skipped,
+                            alternate=rt.selective_alternate_matmuls)[0]
+
+
+def test_alternate_matmuls_are_k_o_and_up_in_a_llama_block(priced):
+    _, graph = priced
+    names = alternate_matmuls(graph)
+    per_layer = defaultdict(list)
+    for n in graph.nodes:
+        if n.name in names:
+            per_layer[n.layer].append(n.name)
+    assert sorted(per_layer) == [0, 1, 2, 3]
+    for layer, got in per_layer.items():
+        assert len(got) == 3
+        for proj, name in zip(("k_proj", "o_proj", "up_proj"), got):
+            assert any(proj in p for p in graph.node(name).params), (proj, name)
+
+
+def test_kept_activations_match_torchtitans_rule_measured_on_cpu(priced):
+    """Measured on this CPU (torch 2.13, transformers 5.x): the bytes each rule leaves alive
+    after the forward, against the kept activations each profile predicts for one GPU of the
+    same microbatch; and the difference between the rules (torchtitan keeps SDPA's output
+    and logsumexp but drops the k, o and up projections' outputs)."""
+    plan, graph = priced
+    measured = {p: _kept_after_forward(p) for p in ("modules", "torchtitan")}
+    predicted = {"modules": _kept(plan, graph, "modules"),
+                 "torchtitan": _kept(plan, graph, "torchtitan")}
+    for p in measured:
+        assert 0.9 < predicted[p] / measured[p] < 1.1, (p, predicted[p] / 2**20,
+                                                          measured[p] / 2**20)
+    drop_m = measured["modules"] - measured["torchtitan"]
+    drop_p = predicted["modules"] - predicted["torchtitan"]
+    assert drop_m > 0 and 0.9 < drop_p / drop_m < 1.1, (drop_p / 2**20, drop_m / 2**20)
+
+
+def test_torchtitan_profile_recomputes_its_rule(priced):
+    """Recompute time: the module engine reruns every block operator but the parameter
+    matmuls; torchtitan reruns those minus the attention kernel plus the k, o and up GEMMs."""
+    plan, graph = priced
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    t = plan.training
+    kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
+              seq_len=t.seq_len)
+    costs = {e: stage_cost(plan.stages[0], graph, hw, runtime=default_runtime(hw, engine=e),
+                           **kw) for e in ("modules", "torchtitan")}
+    assert costs["torchtitan"].recompute_s != pytest.approx(costs["modules"].recompute_s,
+                                                            rel=1e-3)
+    assert costs["torchtitan"].memory.activations_gib < costs["modules"].memory.activations_gib
