@@ -145,14 +145,19 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                     optimizer=optimizer, runtime=runtime)
     traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd + copy_fwd,
                                backward_s=ops.bwd + copy_bwd, recompute_s=recompute)
+    # compute beside a collective runs slower (DeviceSpec.overlap_slowdown): each second of
+    # communication hidden behind compute costs that fraction of a second of compute
+    slow = hw.device.overlap_slowdown
     comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p
-               + traffic.gather_exposed_s + traffic.microbatch_s)
+               + traffic.gather_exposed_s + traffic.microbatch_s
+               + slow * (tp_hidden + traffic.hidden_microbatch_s))
+    grad_sync_s = traffic.step_s + slow * traffic.hidden_step_s
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs, runtime=runtime)
     if not memory:
         return StageBreakdown(forward_s=ops.fwd + copy_fwd, backward_s=ops.bwd + copy_bwd,
                               recompute_s=recompute, comm_s=comm_mb,
-                              grad_sync_s=traffic.step_s, optimizer_s=optimizer_s, memory=None)
+                              grad_sync_s=grad_sync_s, optimizer_s=optimizer_s, memory=None)
 
     prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
                                     seq_len=seq_len, attention=runtime.attention, cache=cache,
@@ -174,7 +179,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                              activations_gib=acts / GIB, buffers_gib=buffers / GIB)
     return StageBreakdown(forward_s=ops.fwd + copy_fwd, backward_s=ops.bwd + copy_bwd,
                           recompute_s=recompute,
-                     comm_s=comm_mb, grad_sync_s=traffic.step_s, optimizer_s=optimizer_s,
+                     comm_s=comm_mb, grad_sync_s=grad_sync_s, optimizer_s=optimizer_s,
                      memory=memory)
 
 

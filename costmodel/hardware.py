@@ -67,6 +67,10 @@ class DeviceSpec:
     # a fraction of the contiguous same-dtype kernel's (memory_efficiency); a path not
     # listed streams at the contiguous rate
     memory_paths: dict = field(default_factory=dict)
+    # fraction by which compute slows while a collective runs beside it on the same device
+    # (NCCL's kernels take SMs, memory bandwidth and power): each second of communication an
+    # engine hides behind compute adds this much compute time (costmodel/estimate.py)
+    overlap_slowdown: float = 0.0
 
     def memory_path_ratio(self, path: str) -> float:
         """Fraction of the contiguous streaming rate an eager kernel on ``path`` reaches."""

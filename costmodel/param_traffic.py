@@ -33,6 +33,10 @@ class _TrafficTimes:
     step_s: float  # exposed once per step: gradient sync, ZeRO-1/2 updated-shard gathers
     microbatch_s: float  # exposed per microbatch: per-use ZeRO-3 / per-microbatch reduce-scatter
     gather_exposed_s: float  # ZeRO-3 weight all-gathers per microbatch not hidden by compute
+    # collective seconds hidden behind compute, per microbatch and once per step: the time
+    # compute runs beside a collective (``DeviceSpec.overlap_slowdown`` prices its cost)
+    hidden_microbatch_s: float = 0.0
+    hidden_step_s: float = 0.0
 
 
 class _Traffic:
@@ -77,19 +81,26 @@ def _param_traffic_s(params: ParamWalk, stage: Stage, coll: CollectivePrices,
         # step's forward, FSDP2's prefetch): the last block's stays exposed
         behind = backward_s + recompute_s
         e = runtime.overlap_efficiency
+        hidden_mb = 0.0
         if runtime.reduce_scatter_per_microbatch and stage.zero >= 2:
-            mb_sync += _hidden_s(grad_sync, behind, units, e)
+            exposed_rs = _hidden_s(grad_sync, behind, units, e)
+            mb_sync += exposed_rs
+            hidden_mb = grad_sync - exposed_rs
             grad_sync = 0.0
         step = _hidden_s(grad_sync, behind, units, e) + \
             _hidden_s(updated_gather, forward_s, units, e)
+        hidden_step = grad_sync + updated_gather - step
     else:
         # the gather of updated weights follows the optimizer step: nothing to overlap with
-        step = grad_sync * (1 - runtime.overlap_efficiency * runtime.grad_sync_overlap) \
-            + updated_gather
+        hidden_mb = 0.0
+        hidden_step = grad_sync * runtime.overlap_efficiency * runtime.grad_sync_overlap
+        step = grad_sync - hidden_step + updated_gather
     compute = forward_s + backward_s + recompute_s
     ideal = max(0.0, gather - runtime.param_gather_overlap * compute)
     exposed = gather - runtime.overlap_efficiency * (gather - ideal)
-    return _TrafficTimes(step_s=step, microbatch_s=mb_sync, gather_exposed_s=exposed)
+    return _TrafficTimes(step_s=step, microbatch_s=mb_sync, gather_exposed_s=exposed,
+                         hidden_microbatch_s=hidden_mb + gather - exposed,
+                         hidden_step_s=hidden_step)
 
 
 def _hidden_s(t: float, behind: float, units: int, efficiency: float = 1.0) -> float:

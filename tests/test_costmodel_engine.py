@@ -83,8 +83,42 @@ def test_module_engine_overlaps_the_gradient_sync(wide):
     latency = collective_time_s(_hw(plan), Collective.ALL_REDUCE, 1e-30, 8)
     blocks = 4 + 1  # four blocks and the root's parameters: one collective each
     assert mods.backward_s > flat  # the backward is long enough to hide all but one block
-    assert mods.grad_sync_s == pytest.approx((flat - latency + blocks * latency) / blocks,
+    total = flat - latency + blocks * latency  # one collective per block
+    slow = _hw(plan).device.overlap_slowdown  # the hidden part slows the backward beside it
+    assert slow > 0
+    assert mods.grad_sync_s == pytest.approx(total / blocks + slow * total * (1 - 1 / blocks),
                                              rel=1e-6)
+
+
+def test_compute_beside_a_collective_is_priced_slower(wide):
+    """``device.overlap_slowdown`` (Lee et al. 2025, arXiv 2507.03114: compute slows 18.9%
+    on average while a collective runs beside it): every second of communication the module
+    engine hides behind compute (FSDP2's prefetched all-gathers and per-block
+    reduce-scatters) adds that fraction of a second; a device without it prices overlap as
+    free, and an engine that hides nothing (the graph engine) is unchanged."""
+    model, graph, mesh = wide
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, microbatch_size=8,
+                                dtype="bf16", zero=3, engine="modules")
+    hw = _hw(plan)
+    free = dataclasses.replace(hw, device=dataclasses.replace(hw.device, overlap_slowdown=0.0))
+    t = plan.training
+    kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
+              seq_len=t.seq_len)
+    for engine in ("modules", "graph"):
+        rt = default_runtime(hw, engine=engine)
+        slowed = stage_cost(plan.stages[0], graph, hw, runtime=rt, **kw)
+        ideal = stage_cost(plan.stages[0], graph, free, runtime=rt, **kw)
+        extra = (slowed.comm_s + slowed.grad_sync_s) - (ideal.comm_s + ideal.grad_sync_s)
+        if engine == "graph":
+            assert extra == pytest.approx(0.0, abs=1e-12)
+            continue
+        # the hidden communication: all of FSDP2's per-block traffic but what stays exposed
+        exposed = ideal.comm_s + ideal.grad_sync_s
+        flat = stage_cost(plan.stages[0], graph, hw, runtime=dataclasses.replace(
+            rt, overlap_efficiency=0.0), **kw)
+        hidden = flat.comm_s + flat.grad_sync_s - exposed
+        assert hidden > 0
+        assert extra == pytest.approx(hw.device.overlap_slowdown * hidden, rel=1e-6)
 
 
 def test_module_engine_on_gloo_hides_no_collective(wide):

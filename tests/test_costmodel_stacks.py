@@ -173,7 +173,9 @@ def test_tp_comm_overlap_hides_at_most_all_but_one_chunk(tiny_llama_h100):
     ops = next(v for v in cache.values() if hasattr(v, "tp_fwd"))
     tp_comm = ops.tp_fwd + ops.tp_bwd
     assert tp_comm > 0 and ops.tp == 4
-    assert hidden == pytest.approx(_tp_overlap_hidden_s(ops, "none"))
+    # what hides still slows the GEMMs beside it (device.overlap_slowdown)
+    slow = plan_hw(plan).device.overlap_slowdown
+    assert hidden == pytest.approx(_tp_overlap_hidden_s(ops, "none") * (1 - slow))
     assert hidden <= tp_comm * 3 / 4 + 1e-12 and hidden <= ops.mm_fwd + ops.mm_bwd + 1e-12
 
 
