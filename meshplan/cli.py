@@ -38,26 +38,17 @@ def _load_model_and_graph(args):
     return spec, loaded, loaded.trace(spec.name)
 
 
-def _check_stack_engine(args) -> None:
-    """--engine STACK prices a hand-written layout; the search (no --manual) covers meshplan's
-    engines, or a stack's own layouts with plan --for: refused in one line before tracing."""
-    if args.engine in EXPORT_TARGET and not args.manual and not getattr(args, "for_", None):
-        target = EXPORT_TARGET[args.engine]
-        raise SpecError(f"--engine {args.engine} prices a --manual layout as {args.engine} runs "
-                        f"it: add --manual dp=..,tp=..,pp=.., or search the layouts "
-                        f"{target} runs with meshplan plan --for {target}")
-
-
 # -- subcommands --------------------------------------------------------------------------------
 
 def cmd_plan(args) -> int:
     import meshplan
     from meshplan.specs import parse_manual_spec, parse_mesh_spec
+    from meshplan.stacks.commands import check_stack_engine
 
     if args.output:
         check_writable(args.output)
     mesh = parse_mesh_spec(args.mesh)
-    _check_stack_engine(args)
+    check_stack_engine(args)
     spec, loaded, graph = _load_model_and_graph(args)
     if args.for_ and args.manual:
         raise SpecError("--for TARGET searches the layouts the stack runs; --manual gives one: "
@@ -277,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seq", type=POSITIVE_INT, default=None, help="sequence length "
                        "(token models; a ModelBundle's examples fix it)")
         p.add_argument("--dtype", choices=DTYPES, default=None,
-                       help="fp8: priced and exported only (--for / --engine torchtitan|megatron)")
+                       help="fp8: priced and exported only (--for, or --engine STACK)")
 
     p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
     model_mesh(p)
@@ -396,6 +387,10 @@ def cmd_estimate(args) -> int:
     if args.from_:
         from meshplan.stacks.commands import cmd_estimate_from
 
+        if args.engine != "auto":
+            raise SpecError(f"--engine {args.engine} with --from: the file is priced as "
+                            f"{args.from_[0]} runs it; drop --engine")
+
         return cmd_estimate_from(args, lambda est: _print_estimate(est, fmt_time))
     hardware = load_profile(args.hardware) if args.hardware else None
     if args.plan:
@@ -425,9 +420,10 @@ def cmd_estimate(args) -> int:
                             "(and --seq for token models; with --manual dp=..,tp=..,pp=.. for "
                             "a hand-written plan)")
         from meshplan.specs import parse_manual_spec, parse_mesh_spec
+        from meshplan.stacks.commands import check_stack_engine
 
         mesh = parse_mesh_spec(args.mesh)
-        _check_stack_engine(args)
+        check_stack_engine(args)
         args.seq = args.seq or None
         spec, loaded, graph = _load_model_and_graph(args)
         if args.manual:

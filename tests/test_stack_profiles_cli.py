@@ -88,6 +88,10 @@ def test_estimate_engine_bad_combinations_are_one_line(priced, tmp_path, capsys)
     Plan.from_json(files["auto"]).with_spec("").to_json(bare)
     err = one_error_line(capsys, main(["estimate", str(bare), "--engine", "nemo"]))
     assert "--engine nemo" in err and "--model" in err
+    # a stack's own file is priced as that stack runs it
+    err = one_error_line(capsys, main(["estimate", "--from", "megatron", "args.txt", "--mesh",
+                                       "local:4", "--engine", "nemo"]))
+    assert "--engine nemo with --from" in err, err
 
 
 @pytest.mark.parametrize("command", ["plan", "estimate"])
