@@ -14,8 +14,14 @@ import sys
 
 from meshplan.checks import (check_batch_and_seq, check_checkpoint_dir, check_model_for_run,
                              check_run_numbers, check_writable, plan_and_graph, recorded_spec)
+from meshplan.costmodel.runtime_profiles import EXPORT_TARGET, PROFILES
 from meshplan.errors import MeshplanError, SpecError
+from meshplan.support import stack_refusal
 from meshplan.vocabulary import ComputeDtype, DTYPES, ENGINES, STACK_TARGETS
+
+# --engine of plan and estimate: "auto", or any runtime profile the cost model prices
+# (meshplan's engines, then the stacks it prices and exports but does not run)
+ENGINE_CHOICES = ("auto",) + PROFILES
 
 EXIT_USER_ERROR = 2
 
@@ -37,10 +43,12 @@ def _load_model_and_graph(args):
 def cmd_plan(args) -> int:
     import meshplan
     from meshplan.specs import parse_manual_spec, parse_mesh_spec
+    from meshplan.stacks.commands import check_stack_engine
 
     if args.output:
         check_writable(args.output)
     mesh = parse_mesh_spec(args.mesh)
+    check_stack_engine(args)
     spec, loaded, graph = _load_model_and_graph(args)
     if args.for_ and args.manual:
         raise SpecError("--for TARGET searches the layouts the stack runs; --manual gives one: "
@@ -70,9 +78,11 @@ def cmd_plan(args) -> int:
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
         plan.to_json(args.output)
-        then = f"export it with: {self_command()} export {shlex.quote(args.output)} --to " \
-            f"{args.for_}" if args.for_ else f"run it with: {self_command()} run " \
-            f"{shlex.quote(args.output)}"
+        if plan.engine in ENGINES:
+            then = f"run it with: {self_command()} run {shlex.quote(args.output)}"
+        else:  # priced for a stack meshplan does not run (support.stack_refusal)
+            then = f"export it with: {self_command()} export {shlex.quote(args.output)} " \
+                f"--to {EXPORT_TARGET[plan.engine]}"
         print(f"wrote {args.output}; {then}")
     return 0
 
@@ -98,10 +108,9 @@ def cmd_run(args) -> int:
     if args.metrics_out:
         check_writable(args.metrics_out)
     plan = Plan.from_json(args.plan)
-    if plan.engine in STACK_TARGETS:
-        raise SpecError(f"{args.plan} was made for {plan.engine} (meshplan plan --for "
-                        f"{plan.engine}): run it there after `meshplan export {args.plan} --to "
-                        f"{plan.engine}`, or plan without --for to run it with meshplan")
+    why = stack_refusal(plan.engine, where=args.plan, path=args.plan)
+    if why:  # priced for a stack (plan --for, --manual --engine STACK): exported, not run
+        raise SpecError(why)
     args.model = recorded_spec(plan, args.plan, args.model)
     loaded = check_model_for_run(plan, args.model, data=bool(args.data))
     nodes = Nodes(nnodes=args.nnodes, node_rank=args.node_rank,
@@ -259,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seq", type=POSITIVE_INT, default=None, help="sequence length "
                        "(token models; a ModelBundle's examples fix it)")
         p.add_argument("--dtype", choices=DTYPES, default=None,
-                       help="fp8: priced and exported only (--for / --engine torchtitan|megatron)")
+                       help="fp8: priced and exported only (--for, or --engine STACK)")
 
     p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
     model_mesh(p)
@@ -268,10 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None)
     p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0, help="the solver's limit; "
                    "with --for, the layout search keeps the best found after this long")
-    p.add_argument("--engine", choices=("auto",) + ENGINES + STACK_TARGETS, default="auto",
+    p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
                    help="the runtime the plan names: auto picks the module engine (PyTorch's "
-                   "composables) where the plan is expressible in it; torchtitan / megatron "
-                   "price a --manual layout as that stack runs it")
+                   "composables) where the plan is expressible in it; megatron, "
+                   "megatron-2021, nemo, torchtitan price a --manual layout as that stack "
+                   "runs it (exported, not run: meshplan export --to megatron|torchtitan)")
     p.add_argument("--for", dest="for_", choices=STACK_TARGETS, default=None,
                    help="search only the layouts this stack runs, priced as it runs them; "
                    "then meshplan export plan.json --to TARGET")
@@ -345,6 +355,10 @@ def _add_cost_commands(sub) -> None:
                    "recompute=none,sp=0,zero=0,vs=1")
     p.add_argument("--hardware", default="", help="re-price on this profile JSON (e.g. from "
                    "meshplan calibrate -o)")
+    p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
+                   help="price as this runtime runs the plan: auto is the engine a plan file "
+                   "names, or the one meshplan picks; megatron, megatron-2021, nemo, "
+                   "torchtitan price it as that stack runs it (as plan --engine)")
     p.add_argument("--compiled", action="store_true", help="price the repeated blocks as "
                    "torch.compile runs them (parallelize(..., compile=True), torchtitan's "
                    "compile): pointwise chains between matmuls fused; default eager")
@@ -373,35 +387,52 @@ def cmd_estimate(args) -> int:
     if args.from_:
         from meshplan.stacks.commands import cmd_estimate_from
 
+        if args.engine != "auto":
+            raise SpecError(f"--engine {args.engine} with --from: the file is priced as "
+                            f"{args.from_[0]} runs it; drop --engine")
+
         return cmd_estimate_from(args, lambda est: _print_estimate(est, fmt_time))
     hardware = load_profile(args.hardware) if args.hardware else None
     if args.plan:
         plan = Plan.from_json(args.plan)
+        engine = None if args.engine in ("auto", plan.engine) else args.engine
+        if engine and args.output:
+            raise SpecError(f"--engine {engine} with -o: {args.plan} names engine "
+                            f"{plan.engine!r}, and -o would write it with {engine}'s "
+                            f"prediction; drop -o, or make the plan with meshplan plan --manual "
+                            f"... --engine {engine} -o")
         args.model = args.model or plan.model.spec
         if not args.model:
+            if engine:
+                raise SpecError(f"--engine {engine} re-prices {args.plan} from the model's "
+                                "operators, which a plan file does not hold; pass --model SPEC "
+                                "(the spec the plan was made from)")
             print(f"prediction recorded in {args.plan} (pass --model SPEC to re-price):")
             _print_estimate(plan.predicted, fmt_time)
             return 0
         from meshplan.explain import retrace
 
         est = meshplan.estimate(plan, retrace(plan, args.model), hardware=hardware,
-                                compiled=args.compiled)
+                                compiled=args.compiled, engine=engine)
     else:
         if not (args.model and args.mesh and args.batch):
             raise SpecError("meshplan estimate needs a plan file, or --model, --mesh, --batch "
                             "(and --seq for token models; with --manual dp=..,tp=..,pp=.. for "
                             "a hand-written plan)")
         from meshplan.specs import parse_manual_spec, parse_mesh_spec
+        from meshplan.stacks.commands import check_stack_engine
 
         mesh = parse_mesh_spec(args.mesh)
+        check_stack_engine(args)
         args.seq = args.seq or None
         spec, loaded, graph = _load_model_and_graph(args)
         if args.manual:
             plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,
-                                        dtype=args.dtype, **parse_manual_spec(args.manual))
+                                        dtype=args.dtype, engine=args.engine,
+                                        **parse_manual_spec(args.manual))
         else:
             plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
-                                         dtype=args.dtype)
+                                         dtype=args.dtype, engine=args.engine)
         est = meshplan.estimate(plan, hardware=hardware, compiled=args.compiled) \
             if hardware or args.compiled else plan.predicted
     _print_estimate(est, fmt_time)

@@ -23,10 +23,11 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.context import chunk_words
+from meshplan.costmodel.runtime_profiles import EXPORT_TARGET
 from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
 from meshplan.plan import Plan, Stage
 from meshplan.support import cp_degree
-from meshplan.vocabulary import STACK_TARGETS, Engine
+from meshplan.vocabulary import ENGINES, Engine
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.
@@ -255,8 +256,9 @@ def head_table(plan: Plan) -> Table:
                  f"{p.memory_capacity_gib:.1f} GiB ({_pct(p.peak_memory_gib, p.memory_capacity_gib)})"
                  + ("" if p.fits else f"  DOES NOT FIT: {p.overflow}"))
     head.add_row("time breakdown", ", ".join(f"{k} {fmt_time(v)}" for k, v in p.breakdown.items()))
-    if plan.engine in STACK_TARGETS:
-        runs_on = (f"{plan.engine}, after `meshplan export PLAN --to {plan.engine}`"
+    if plan.engine not in ENGINES:  # priced for a stack (support.stack_refusal)
+        target = EXPORT_TARGET[plan.engine]
+        runs_on = (f"{plan.engine}, not meshplan: `meshplan export PLAN --to {target}`"
                    + (f" ({plan.engine_note})" if plan.engine_note else ""))
     elif plan.engine == Engine.MODULES:
         runs_on = "module engine (parallelize_module, fully_shard, checkpoint wrappers" + \

@@ -174,8 +174,10 @@ class Plan:
     # which runtime executes it: "modules" (PyTorch's composables: parallelize_module,
     # fully_shard, checkpoint wrappers; runtime/modules.py) where the plan is expressible
     # in them, else "graph" (the exported graph on DTensor; runtime/graph/parallelize.py);
-    # a Stack ("torchtitan", "megatron"): a plan made for that stack (meshplan plan --for),
-    # priced as it runs it, run there after `meshplan export` (meshplan/stacks/)
+    # a stack the cost model prices (costmodel/runtime_profiles.STACKS: "megatron",
+    # "megatron-2021", "nemo", "torchtitan"): a plan made for that stack (plan --for, or
+    # --manual --engine STACK), priced as it runs it, run there after `meshplan export`
+    # (meshplan/stacks/; EXPORT_TARGET), refused by meshplan's runtimes (support.stack_refusal)
     engine: str = Engine.GRAPH
     engine_note: str = ""  # why the graph engine runs it, when the module engine cannot
     # Not written to the file: the traced graph the plan was made from (for estimate/explain)

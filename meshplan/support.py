@@ -18,7 +18,7 @@ from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.placements import shard
-from meshplan.vocabulary import (ENGINE_DTYPES, PRICED_ONLY_DTYPES, STACK_TARGETS, TRAINED_DTYPES,
+from meshplan.vocabulary import (ENGINE_DTYPES, ENGINES, PRICED_ONLY_DTYPES, TRAINED_DTYPES,
                                  ComputeDtype, Engine, Recompute)
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
@@ -371,11 +371,32 @@ def plan_problems(plan: Plan) -> tuple[str, ...]:
     return out
 
 
+def stack_refusal(engine: str, *, where: str = "this plan", path: str = "plan.json",
+                  replan: str = "--engine auto (without --for)") -> str:
+    """Why meshplan's runtimes do not run a plan whose ``engine`` is a stack it was priced
+    for (``costmodel.runtime_profiles.STACKS``: ``plan --for`` or ``--manual --engine``), and
+    what to do instead, in one line; "" for meshplan's own engines (and for a name that is
+    no profile, which the plan file's schema and ``parallelize``'s engine check refuse).
+    ``meshplan run`` and ``meshplan.parallelize`` raise it before any process starts or any
+    module is touched; ``path`` is the plan file in the export command shown."""
+    from meshplan.costmodel.runtime_profiles import EXPORT_TARGET
+
+    target = EXPORT_TARGET.get(engine)
+    if target is None:
+        return ""
+    export = f"`meshplan export {path} --to {target}`"
+    how = (f"run it there after {export}" if target == engine else
+           f"export its layout for {target} with {export} (meshplan writes no {engine} "
+           "configuration)")
+    return (f"{where} was made for {engine}, a stack meshplan does not run: {how}; or "
+            f"re-plan with {replan} to run it with meshplan")
+
+
 def export_problems(plan: Plan) -> tuple[str, ...]:
     """Why ``plan`` cannot be read from a file: those of ``plan_problems``, except that a
     plan in an estimation-only dtype (fp8) loads when its layout would run in bf16."""
-    if plan.engine in STACK_TARGETS:
-        return ()  # a plan for another stack: its rules are checked by `meshplan export`
+    if plan.engine not in ENGINES:
+        return ()  # priced for another stack: its rules are checked by `meshplan export`
     if plan.training.dtype in PRICED_ONLY_DTYPES:
         from dataclasses import replace
 

@@ -34,6 +34,7 @@ from meshplan.runtime import loss_weights, state
 from meshplan.runtime.engine import (TENSOR_DTYPES, DataError, collective_device,  # noqa: F401
                                      data_parallel_coordinate, input_placements, plan_call,
                                      split_over_dp)  # re-exported: the worker, meshplan
+from meshplan.support import stack_refusal
 from meshplan.tracing import flatten_call, unflatten_call
 from meshplan.vocabulary import ENGINES, Engine
 
@@ -273,11 +274,10 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     ``loss_fn(outputs, *targets)`` must be the loss the plan was made with. The plan says
     which engine runs it (``plan.engine``); ``engine="graph"`` forces the graph engine.
     ``compile=True`` (module engine only) compiles each repeated block with torch.compile."""
-    stack = engine or getattr(plan, "engine", "")
-    if stack in ("torchtitan", "megatron"):
-        raise NotSupportedError(f"this plan was made for {stack} (meshplan plan --for {stack}): "
-                                f"run it there after `meshplan export plan.json --to {stack}`, "
-                                "or plan without --for to run it with meshplan")
+    why = stack_refusal(engine or getattr(plan, "engine", Engine.GRAPH),
+                        replan="engine='auto' (meshplan plan --engine auto)")
+    if why:  # a plan priced for another stack (costmodel/runtime_profiles.STACKS)
+        raise NotSupportedError(why)
     if not dist.is_available() or not dist.is_initialized():
         raise NotSupportedError("meshplan.parallelize runs inside a torchrun worker: call "
                                 "torch.distributed.init_process_group() first (gloo on CPU, "

@@ -172,6 +172,19 @@ def check_plan_for_args(args, model) -> None:
             raise SpecError(f"--for torchtitan: {why}")
 
 
+def check_stack_engine(args) -> None:
+    """plan / estimate ``--engine STACK`` prices a hand-written layout; the search (no
+    --manual) covers meshplan's engines, or a stack's own layouts with ``plan --for``: refused
+    in one line before tracing."""
+    from meshplan.costmodel.runtime_profiles import EXPORT_TARGET
+
+    if args.engine in EXPORT_TARGET and not args.manual and not getattr(args, "for_", None):
+        target = EXPORT_TARGET[args.engine]
+        raise SpecError(f"--engine {args.engine} prices a --manual layout as {args.engine} runs "
+                        f"it: add --manual dp=..,tp=..,pp=.., or search the layouts "
+                        f"{target} runs with meshplan plan --for {target}")
+
+
 def cmd_estimate_from(args, print_estimate) -> int:
     """``meshplan estimate --from TARGET FILE --mesh M [--model SPEC] [--compare] [-o]``."""
     from meshplan.specs import parse_mesh_spec
