@@ -8,9 +8,10 @@ trace -> **cost**: the rows are the other benchmarks' tables, imported, never co
 wrote to benchmarks/results/*.json with the public API (``manual_plan``, ``estimate``); this
 script checks that every published row of each table has its prediction there (a missing or
 stale one is an error naming the script to run) and summarises. ``--price-parallel`` also
-prices torchtitan's TP / CP rows (``PARALLEL_ROWS``: Float8 and torch.compile on every one)
-here, with ``manual_plan(..., dtype="fp8", engine="torchtitan")`` and
-``estimate(plan, compiled=True)``.
+prices torchtitan's TP / CP / PP rows (``PARALLEL_ROWS``: Float8 and torch.compile on every
+one) here, with ``manual_plan(..., dtype="fp8", engine="torchtitan")`` and
+``estimate(plan, compiled=True)``; the 405B pipelines at torchtitan's own defaults of the
+doc's commit for what the doc leaves out (``TORCHTITAN_STAGES_PER_RANK``).
 
 Error is the step time's, (predicted - published) / published, + where the prediction is
 slower (throughputs converted: published / predicted - 1). MAPE: mean |error|; bias: mean
@@ -137,12 +138,60 @@ def korthikanti_table5() -> list[dict]:
     return out
 
 
+# torchtitan's pipelined rows (Tables 5 and 6) at the knobs the doc leaves out, read from
+# torchtitan at the commit it names (9dec370, 2024-12-26), each at that commit's default:
+# - "local batch" is per data-parallel (FSDP) rank: train.py gives the data loader
+#   training.batch_size per dp rank ("global batch size {batch_size * dp_degree}"; Table 5:
+#   32 x FSDP 8 = its global 256), and a pipeline step runs that whole batch;
+# - microbatches: experimental.pipeline_parallel_microbatches defaults to None, and then
+#   build_pipeline_schedule (parallelisms/pipelining_utils.py) takes the pipeline degree: 8
+#   microbatches, of 32 / 8 = 4 sequences in Table 5 and 8 / 8 = 1 in Table 6 (32K tokens
+#   each). torchtitan 0.2.2 defaults to microbatches of 1 sequence instead (32 in Table 5),
+#   which the job files of benchmarks/ranking.py get;
+# - split: pipeline_parallel_split_points defaults to [], and then generate_split_points cuts
+#   the layers into pp x (1 stage per rank for single-stage schedules such as 1F1B, 2 for
+#   multi-stage ones such as Interleaved1F1B) stages (``torchtitan_split``): 126 layers into
+#   15 + 6 x 16 + 15 (1F1B) and 7 + 14 x 8 + 7 (Interleaved 1F1B, 2 stages per rank);
+# - FSDP under PP: apply_fsdp (parallelisms/parallelize_llama.py) passes
+#   reshard_after_forward=False to every block and the root when PP is on ("to avoid
+#   per-microbatch all-gathers"), so parameters stay gathered from forward to backward:
+#   ZeRO-2 in meshplan's words (DESIGN.md), over dp x cp; the TP / CP rows reshard (ZeRO-3).
+TORCHTITAN_STAGES_PER_RANK = {"1F1B": 1, "Interleaved 1F1B": 2}  # generate_split_points
+TORCHTITAN_SCHEDULES = {"1F1B": "1f1b", "Interleaved 1F1B": "interleaved-1f1b"}
+
+
+def torchtitan_split(num_layers: int, stages: int) -> tuple[int, ...]:
+    """Blocks per pipeline stage as torchtitan 9dec370 cuts a model given no split points
+    (parallelisms/pipelining_utils.generate_split_points): num_layers // stages in the
+    first stage, one more in each middle stage while the remainder lasts, and what is left
+    in the last."""
+    base, extra = divmod(num_layers, stages)
+    if base == 0:
+        raise ValueError(f"{stages} stages of {num_layers} layers: torchtitan refuses more "
+                         "stages than layers; choose fewer stages")
+    if stages == 1:
+        return (num_layers,)
+    middle = [base + (j < extra) for j in range(stages - 2)]
+    return (base, *middle, num_layers - base - sum(middle))
+
+
+def runs(counts: list[int]) -> str:
+    """[15, 16, 16, 15] -> "15/2x16/15"."""
+    out = []
+    for c in counts:
+        if out and out[-1][0] == c:
+            out[-1][1] += 1
+        else:
+            out.append([c, 1])
+    return "/".join(f"{n}x{c}" if n > 1 else str(c) for c, n in out)
+
+
 def price_parallel() -> list[dict]:
-    """torchtitan's TP / CP rows priced here: fp8 (torchao Float8 on the linears), compiled,
-    FSDP (ZeRO-3) over dp x cp, TP with sequence parallelism, full AC. The PP rows are
-    listed, not priced: the interleaved one's stages per rank are not published, and the
-    1F1B ones (a 405B trace each) are left for a longer run. AsyncTP is not told apart:
-    the torchtitan profile leaves TP collectives exposed, so both Table 4 rows get one
+    """torchtitan's TP / CP / PP rows priced here: fp8 (torchao Float8 on the linears),
+    compiled, FSDP over dp x cp (ZeRO-3; ZeRO-2 with PP, as torchtitan runs it), TP with
+    sequence parallelism, full AC; the pipelined rows with torchtitan's default microbatch
+    count and split (see ``TORCHTITAN_STAGES_PER_RANK``). AsyncTP is not told apart: the
+    torchtitan profile leaves TP collectives exposed, so both Table 4 rows get one
     prediction."""
     import torch
 
@@ -150,33 +199,45 @@ def price_parallel() -> list[dict]:
     from meshplan.specs import parse_model_spec
     from meshplan.tracing import trace
 
-    out, plans = [], {}
+    out, plans, graphs = [], {}, {}
     for (table, model, spec, gpus, fsdp, tp, pp, cp, local, seq, schedule, ac, what,
          published, gib) in torchtitan_published.PARALLEL_ROWS:
-        if pp > 1:
-            why = ("interleaved: stages per rank not published" if schedule != "1F1B" else
-                   "a 405B pipeline, not priced by this script yet")
-            out.append({"label": f"{table} {model} {what} (FSDP {fsdp} TP {tp} PP {pp} CP "
-                                 f"{cp}, seq {seq}, {schedule})", "skipped": why,
-                        "published_gib": gib})
-            continue
-        key = (spec, gpus, fsdp, tp, cp, local, seq, ac)
+        key = (spec, gpus, fsdp, tp, pp, cp, local, seq, schedule, ac)
         if key not in plans:
-            built = parse_model_spec(spec.replace(
-                "max_position_embeddings=8192", f"max_position_embeddings={seq}")).build("meta")
-            ids = torch.zeros((local * fsdp, seq), dtype=torch.long, device="meta")
-            graph = trace(built, (ids,), model_name=model)
+            if (spec, local * fsdp, seq) not in graphs:
+                built = parse_model_spec(spec.replace(
+                    "max_position_embeddings=8192", f"max_position_embeddings={seq}")).build(
+                        "meta")
+                ids = torch.zeros((local * fsdp, seq), dtype=torch.long, device="meta")
+                graphs[(spec, local * fsdp, seq)] = built, trace(built, (ids,),
+                                                                 model_name=model)
+            built, graph = graphs[(spec, local * fsdp, seq)]
             mesh = meshplan.Mesh.preset(torchtitan_published.PRESETS["h100"], nodes=gpus // 8)
+            kw = {}
+            if pp > 1:
+                v = TORCHTITAN_STAGES_PER_RANK[schedule]
+                kw = dict(pp=pp, schedule=TORCHTITAN_SCHEDULES[schedule], virtual_stages=v,
+                          stage_layers=torchtitan_split(graph.num_layers, pp * v))
             plan = meshplan.manual_plan(built, mesh, graph=graph, dp=fsdp, tp=tp, cp=cp,
-                                        zero=3, microbatch_size=local, recompute=ac,
-                                        dtype="fp8", sequence_parallel=tp > 1,
-                                        engine="torchtitan")
-            plans[key] = meshplan.estimate(plan, compiled=True)
-        est = plans[key]
+                                        zero=2 if pp > 1 else 3,
+                                        microbatch_size=local // pp if pp > 1 else local,
+                                        recompute=ac, dtype="fp8", sequence_parallel=tp > 1,
+                                        engine="torchtitan", **kw)
+            plans[key] = plan, meshplan.estimate(plan, compiled=True)
+        plan, est = plans[key]
         tokens = local * fsdp * seq / est.step_time_s / gpus
+        layout = f"FSDP {fsdp} TP {tp} CP {cp}, seq {seq}"
+        if pp > 1:
+            t = plan.training
+            layout = (f"FSDP {fsdp} as ZeRO-2, TP {tp} PP {pp} CP {cp}, seq {seq}, {schedule}, "
+                      f"{t.microbatches} microbatches of {t.microbatch_size}, stages of "
+                      f"{runs([b - a for a, b in (st.layers for st in plan.stages)])} blocks")
         out.append(_row(published / tokens - 1, est.fits, round(est.peak_memory_gib, 1), gib,
-                        f"{table} {model} {what} (FSDP {fsdp} TP {tp} CP {cp}, seq {seq})"))
-        print(out[-1], flush=True)
+                        f"{table} {model} {what} ({layout}): predicted {tokens:.0f} / "
+                        f"published {published} tokens/s per GPU"))
+        print(out[-1], {k: round(x, 2) for k, x in est.breakdown.items()},
+              {k: round(getattr(est.memory, f"{k}_gib"), 1) for k in
+               ("params", "grads", "optimizer", "activations", "buffers")}, flush=True)
     return out
 
 
@@ -205,11 +266,11 @@ GROUPS = (  # (name, device, rows)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--price-parallel", action="store_true",
-                    help="also price torchtitan's TP / CP rows (Float8, compiled) here")
+                    help="also price torchtitan's TP / CP / PP rows (Float8, compiled) here")
     args = ap.parse_args(argv)
     groups = [(name, device, rows()) for name, device, rows in GROUPS]
     if args.price_parallel:
-        groups.append(("torchtitan TP / CP, fp8 + compiled, beside", "H100 96 GB",
+        groups.append(("torchtitan TP / CP / PP, fp8 + compiled, beside", "H100 96 GB",
                        price_parallel()))
     lines = ["| group | device | rows | MAPE | max error | bias | fit | memory: predicted / "
              "published GiB |", "|---|---|---|---|---|---|---|---|"]

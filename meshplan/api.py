@@ -204,8 +204,12 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None,
-                engine: str = "auto") -> Plan:
+                engine: str = "auto", stage_layers: Sequence[int] = ()) -> Plan:
     """A Megatron-style plan written by hand (dp x cp x tp x pp devices), estimated.
+
+    ``stage_layers``: repeated blocks per pipeline chunk, in chunk order (pp x
+    virtual_stages counts, e.g. a stack's own split); empty: near-equal chunks
+    (planner/manual.py ``layer_bounds`` / ``chunk_bounds``).
 
     ``cp`` > 1 splits every activation's sequence over a context-parallel mesh axis
     (meshplan/context.py); the stage mesh is then (dp, cp, tp).
@@ -226,7 +230,8 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer,
-                             vocab_parallel_cp=engine in STACKS)
+                             vocab_parallel_cp=engine in STACKS,
+                             stage_layers=tuple(stage_layers))
     if engine in STACKS:
         return priced_for_stack(plan, graph, engine, model)
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is

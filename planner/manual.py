@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from itertools import accumulate
 
 from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.context import check_cp_model, insert_cp
@@ -54,10 +55,13 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                       virtual_stages: int = 1, recompute: str = Recompute.NONE,
                       sequence_parallel: bool = False, zero: int = 0,
                       dtype: str = ComputeDtype.FP32, optimizer: str = "adam",
-                      vocab_parallel_cp: bool = False, priced: bool = True) -> Plan:
+                      vocab_parallel_cp: bool = False, priced: bool = True,
+                      stage_layers: tuple[int, ...] = ()) -> Plan:
     """A Megatron-style plan (see the module docstring). ``vocab_parallel_cp``: keep the token
     embedding vocab-parallel under cp too, as Megatron-LM and torchtitan run it (a plan
-    priced for those stacks); meshplan's graph engine replicates it (``with_cp_axis``)."""
+    priced for those stacks); meshplan's graph engine replicates it (``with_cp_axis``).
+    ``stage_layers``: blocks per pipeline chunk in chunk order (pp x virtual_stages entries,
+    one stage record each), a stack's own split; empty: ``layer_bounds`` / ``chunk_bounds``."""
     start = time.perf_counter()
     _check(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
            schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
@@ -71,7 +75,9 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                                microbatches=graph.inputs[0][1].shape[0] // (dp * microbatch_size))
     per_stage = dp * cp * tp
     v = training.virtual_stages
-    if v > 1 and graph.num_layers % (pp * v):
+    if stage_layers:
+        bounds = split_bounds(graph.num_layers, pp * v, stage_layers)
+    elif v > 1 and graph.num_layers % (pp * v):
         # uneven interleaved chunks: one record per virtual stage, chunk j on rank group
         # j % pp (the layout runtime/pipeline and runtime/module_pipeline run)
         bounds = chunk_bounds(graph.num_layers, pp * v)
@@ -200,6 +206,15 @@ def layer_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
         out.append((first, last))
         first = last
     return out
+
+
+def split_bounds(num_layers: int, chunks: int, counts) -> list[tuple[int, int]]:
+    """The block ranges of a given split: ``counts[j]`` blocks in chunk j, contiguous."""
+    if len(counts) != chunks or sum(counts) != num_layers or min(counts) < 0:
+        raise PlanningError(f"stage_layers={list(counts)}: needs pp x virtual_stages = {chunks} "
+                            f"counts of blocks summing to the model's {num_layers}; fix the split")
+    ends = list(accumulate(counts))
+    return list(zip([0] + ends[:-1], ends))
 
 
 def chunk_bounds(num_layers: int, chunks: int) -> list[tuple[int, int]]:

@@ -5,7 +5,8 @@ how a manual plan records and prices uneven chunks. On 2 gloo processes (one lau
 both engines against one process (losses and every gradient): a 5-block Llama cut into 4
 chunks of 1, 1, 2 and 1 blocks (pp=2, v=2), and a 2-block Llama cut into 4 chunks of 0, 1,
 1 and 0 blocks, the first holding only the embedding and the last only the norm, head and
-loss (Llama 3's layout, arXiv 2407.21783 section 3.3.2).
+loss (Llama 3's layout, arXiv 2407.21783 section 3.3.2). A split given by the caller
+(``manual_plan(stage_layers=)``) is recorded and priced as given.
 """
 
 from __future__ import annotations
@@ -112,6 +113,26 @@ def test_too_many_chunks_is_one_clear_line(meta, graph):
     with pytest.raises(meshplan.PlanningError, match="pp\\*virtual_stages = 8 chunks"):
         meshplan.manual_plan(meta, meshplan.Mesh.local(2), example_inputs=(ids,), graph=graph,
                              pp=2, schedule="interleaved-1f1b", virtual_stages=4)
+
+
+def test_a_given_split_is_recorded_and_priced_as_given(meta, graph):
+    """``stage_layers``: a stack's own split (torchtitan's default puts the lighter stages
+    at the two ends), one record per chunk; a wrong count is one clear line."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    kw = dict(example_inputs=(ids,), graph=graph, pp=2, microbatch_size=2)
+    mesh = meshplan.Mesh.local(2)
+    even = meshplan.manual_plan(meta, mesh, **kw)
+    given = meshplan.manual_plan(meta, mesh, stage_layers=(1, 4), **kw)
+    assert [s.layers for s in even.stages] == [(0, 3), (3, 5)]
+    assert [s.layers for s in given.stages] == [(0, 1), (1, 5)]
+    assert given.predicted.step_time_s > even.predicted.step_time_s  # 4 blocks + head
+    inter = meshplan.manual_plan(meta, mesh, stage_layers=(2, 1, 1, 1), virtual_stages=2,
+                                 schedule="interleaved-1f1b", **kw)
+    assert [s.layers for s in inter.stages] == [(0, 2), (2, 3), (3, 4), (4, 5)]
+    assert [s.devices for s in inter.stages] == [(0,), (1,), (0,), (1,)]
+    for bad in ((2, 2), (1, 1, 3)):
+        with pytest.raises(meshplan.PlanningError, match="summing to the model's 5"):
+            meshplan.manual_plan(meta, mesh, stage_layers=bad, **kw)
 
 
 def test_empty_end_chunks_hold_the_embedding_and_the_head():
