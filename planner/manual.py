@@ -4,8 +4,7 @@ sequence parallelism and ZeRO, as the same ``Plan`` the solver writes.
 trace -> cost -> solve (here: a rule, not a search) -> **assemble** -> run. Behind
 ``meshplan.manual_plan``. Devices are numbered row-major over (pp, dp, cp, tp): tp innermost
 (inside a node), then cp, dp, pp outermost; stage s owns devices [s*dp*cp*tp, (s+1)*...) as a
-(dp, tp) mesh with axes ("dp", "tp"), both kept even at size 1, or with cp > 1 a (dp, cp, tp)
-mesh (context parallelism: meshplan/context.py gives the cp axis's placements).
+(dp, tp) mesh ("dp", "tp" kept at size 1), or with cp > 1 (dp, cp, tp) (meshplan/context.py).
 
 Placements come from propagating two rules through the graph in order (Shoeybi et al.
 2019, Megatron-LM section 3; Korthikanti et al. 2022 for sequence parallelism):
@@ -15,8 +14,7 @@ Placements come from propagating two rules through the graph in order (Shoeybi e
   activation is row-parallel (weight split on its input-feature dim, output P). So in a
   block the matmuls fed by a norm are column-parallel and the ones fed by attention or the
   activation function are row-parallel, whatever the modules are called. The role comes
-  from the graph, the weight dim from the operator: Conv1D's addmm weight is (in, out),
-  nn.Linear's weight (out, in);
+  from the graph, the weight dim from the operator (Conv1D's addmm (in, out), Linear's (out, in));
 - the token embedding and the output head are vocab-parallel (weight S(0) on tp; the
   embedding's output is P and all-reduced, the loss reads S(-1) logits as DTensor's
   loss_parallel does); the position embedding is replicated;
@@ -24,8 +22,7 @@ Placements come from propagating two rules through the graph in order (Shoeybi e
   parallelism, reduce-scatter to S(seq) (the norms, dropouts and residual adds then run
   sequence-split, and the next column-parallel matmul all-gathers);
 - views, elementwise ops and attention carry a split dim through (views by shape);
-- batch norm reads its input replicated (all-gathered) so its statistics are the global
-  batch's; its output stays batch-split on dp (each rank keeps its slice).
+- batch norm reads its input all-gathered (global batch statistics), its output batch-split.
 ZeRO-3 stores each weight S(d) on dp (the first dim dp divides) and ops read it R.
 """
 
@@ -60,8 +57,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
     """A Megatron-style plan (see the module docstring). ``vocab_parallel_cp``: keep the token
     embedding vocab-parallel under cp too, as Megatron-LM and torchtitan run it (a plan
     priced for those stacks); meshplan's graph engine replicates it (``with_cp_axis``).
-    ``stage_layers``: blocks per pipeline chunk in chunk order (pp x virtual_stages entries,
-    one stage record each), a stack's own split; empty: ``layer_bounds`` / ``chunk_bounds``."""
+    ``stage_layers``: a stack's own split, blocks per chunk (pp x v entries, one record each)."""
     start = time.perf_counter()
     _check(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
            schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
@@ -200,12 +196,7 @@ def attention_heads(graph: OpGraph) -> int:
 def layer_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
     """Contiguous, near-equal block ranges; earlier stages get the extra blocks."""
     base, extra = divmod(num_layers, pp)
-    out, first = [], 0
-    for s in range(pp):
-        last = first + base + (1 if s < extra else 0)
-        out.append((first, last))
-        first = last
-    return out
+    return split_bounds(num_layers, pp, [base + (s < extra) for s in range(pp)])
 
 
 def split_bounds(num_layers: int, chunks: int, counts) -> list[tuple[int, int]]:
@@ -233,11 +224,7 @@ def chunk_bounds(num_layers: int, chunks: int) -> list[tuple[int, int]]:
     ends = [i // 2 if i % 2 == 0 else chunks - 1 - i // 2 for i in range(chunks)]
     for i in range(size * chunks - num_layers):
         sizes[ends[i]] -= 1
-    out, first = [], 0
-    for n in sizes:
-        out.append((first, first + n))
-        first += n
-    return out
+    return split_bounds(num_layers, chunks, sizes)
 
 
 def stage_node_groups(graph: OpGraph, pp: int,

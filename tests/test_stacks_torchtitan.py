@@ -441,3 +441,18 @@ def test_benchmark_exports_accepted_by_torchtitan(tmp_path):
     for f, got, (_, devices) in zip(files, _run_worker(tmp_path, "mesh", jobs), jobs):
         back, _ = from_torchtitan(_toml_of(got["config"]), devices=devices)
         assert back == from_torchtitan(f.read_text(), devices=devices)[0], f.name
+
+
+def test_import_prices_the_configs_own_pipeline_split(tmp_path):
+    """A torchtitan job file with pp=4 and no split points is split by torchtitan's rule
+    (8, 9, 8, 7 blocks: the embedding and the head count as a layer each); the imported
+    plan's stages hold exactly those blocks, not meshplan's even split (9, 8, 8, 7)."""
+    import meshplan
+    from meshplan.stacks.commands import import_plan
+
+    path = tmp_path / "job.toml"
+    path.write_text("[model]\nflavor = \"8B\"\n[parallelism]\npipeline_parallel_degree = 4\n"
+                    "data_parallel_shard_degree = 2\n[training]\nlocal_batch_size = 8\n"
+                    "seq_len = 512\n[activation_checkpoint]\nmode = \"full\"\n")
+    plan = import_plan(str(path), "torchtitan", meshplan.Mesh.preset("dgx-h100", nodes=1))
+    assert [s.layers[1] - s.layers[0] for s in plan.stages] == [8, 9, 8, 7]

@@ -104,7 +104,8 @@ class StackLayout:
         return dict(dp=self.dp, tp=self.tp, cp=self.cp, pp=self.pp,
                     microbatch_size=self.microbatch_size, schedule=self.schedule,
                     virtual_stages=self.virtual_stages, recompute=self.recompute,
-                    sequence_parallel=self.sequence_parallel, zero=self.zero, dtype=self.dtype)
+                    sequence_parallel=self.sequence_parallel, zero=self.zero, dtype=self.dtype,
+                    stage_layers=self.stage_layers)
 
     def words(self) -> str:
         """One line, e.g. ``dp8 tp8 cp16 pp16 interleaved-1f1b x2 mb1 full SP ZeRO-1 bf16``."""
