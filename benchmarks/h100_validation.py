@@ -102,11 +102,11 @@ def torchtitan(hardware: str, compiled: bool) -> list[dict]:
 def llama3() -> list[dict]:
     rows = _load("llama3_published.json")["rows"]
     out = []
-    for gpus, tp, pp, dp, published in llama3_published.ROWS:
+    for gpus, tp, pp, dp, published in llama3_published.ROWS + (llama3_published.LONG_ROW,):
         r = _find(rows, "llama3_published", gpus=gpus, tp=tp, pp=pp, dp=dp)
         out.append(_row(published / r["predicted_tflops"] - 1, r["fits"], r["peak_memory_gib"],
-                        label=f"405B @{gpus} ({r['engine']}, v={r['virtual_stages']}, "
-                              f"{r['recompute']} recompute)"))
+                        label=f"405B @{gpus}, seq {r['seq']}, cp {r['cp']} ({r['engine']}, "
+                              f"v={r['virtual_stages']}, {r['recompute']} recompute)"))
     return out
 
 
