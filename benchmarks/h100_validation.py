@@ -120,6 +120,18 @@ def megatron() -> list[dict]:
     return out
 
 
+def mtnlg() -> list[dict]:
+    """MT-NLG 530B on 2240 / 2800 / 3360 A100s (Smith et al. 2022), priced by
+    megatron_published.py with Megatron's 2021 runtime: DeepSpeed's pipeline engine ran it."""
+    rows = _load("megatron_published.json").get("mtnlg_rows", [])
+    out = []
+    for key, row in megatron_published.MTNLG.items():
+        r = _find(rows, "megatron_published", model=key, gpus=row[5])
+        out.append(_row(r["error"], r["fits_80gib"], r["peak_memory_gib"],
+                        label=f"530B @{row[5]} (dp {r['dp']})"))
+    return out
+
+
 def korthikanti_table5() -> list[dict]:
     """Korthikanti et al. Table 5: 22B, 175B, 530B and 1T, full recompute and SP + selective
     (ranking.py prices them; time order is its subject, memory and fit are read here)."""
@@ -259,6 +271,8 @@ GROUPS = (  # (name, device, rows)
     ("Llama 3 405B, Meta's stack (Table 4)", "H100", llama3),
     ("Megatron-LM Table 1 (Narayanan et al. 2021)", "A100", megatron),
     ("A100 memory: Korthikanti et al. Table 5", "A100", korthikanti_table5),
+    ("A100: MT-NLG 530B (Smith et al. 2022; DeepSpeed's pipeline engine, priced as "
+     "Megatron-LM 2021)", "A100", mtnlg),
     ("torchtitan FSDP eager (A100)", "A100", lambda: torchtitan("a100", False)),
 )
 
