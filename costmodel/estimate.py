@@ -93,7 +93,9 @@ class StageBreakdown:
     forward_s: float
     backward_s: float
     recompute_s: float
-    comm_s: float  # exposed activation/p2p/ZeRO-3 communication per microbatch
+    # exposed activation/p2p/ZeRO-3 communication per microbatch, and the compute slowed
+    # beside what is hidden (DeviceSpec.overlap_slowdown); grad_sync_s likewise once per step
+    comm_s: float
     grad_sync_s: float  # exposed gradient sync, once per step
     optimizer_s: float
     memory: MemoryBreakdown | None  # None: priced with memory=False

@@ -402,18 +402,35 @@ def _is_param_matmul(name: str, graph: OpGraph) -> bool:
 
 def alternate_matmuls(graph: OpGraph) -> frozenset[str]:
     """The block parameter matmuls torchtitan's op-level selective activation checkpointing
-    recomputes: its policy (torchtitan ``_apply_op_sac``; the same rule since its first
-    release) counts ``aten.mm`` calls per checkpointed block and saves every call's output
-    but the 2nd, 4th, ... one's, with SDPA's outputs; everything else it recomputes. In a
-    Llama block (q, k, v, o, gate, up, down) that recomputes k, o and up."""
+    recomputes: its policy (torchtitan ``_apply_op_sac``, as of 9dec370, the commit
+    benchmarks/h100_validation.py prices) counts ``aten.mm`` calls per checkpointed block
+    and saves every call's output but the 2nd, 4th, ... one's, with SDPA's outputs;
+    everything else it recomputes. In a Llama block (q, k, v, o, gate, up, down) that
+    recomputes k, o and up. A matmul with a bias reaches the policy as ``aten.addmm``
+    (GPT-2's Conv1D calls it; ATen's ``linear`` takes it for a biased 2-D or contiguous 3-D
+    input), which is neither counted nor in that save list: recomputed (``_counts_as_mm``)."""
     count: dict[int, int] = {}
     out = set()
     for node in graph.nodes:
-        if node.layer >= 0 and _is_param_matmul(node.name, graph):
-            count[node.layer] = count.get(node.layer, 0) + 1
-            if count[node.layer] % 2 == 0:
-                out.add(node.name)
+        if node.layer < 0 or not _is_param_matmul(node.name, graph):
+            continue
+        if not _counts_as_mm(node):
+            out.add(node.name)
+            continue
+        count[node.layer] = count.get(node.layer, 0) + 1
+        if count[node.layer] % 2 == 0:
+            out.add(node.name)
     return frozenset(out)
+
+
+def _counts_as_mm(node) -> bool:
+    """A parameter matmul that dispatches ``aten.mm`` under the checkpoint's dispatch mode:
+    ``mm``, ``matmul`` of a 2-D weight, ``linear`` without a bias (ATen's ``linear`` ->
+    ``matmul`` -> ``mm``); not ``addmm`` (a bias), ``bmm``, ``baddbmm`` or ``einsum``."""
+    op = node.target.split(".")[1] if node.target.startswith("aten.") else ""
+    if op == "linear":
+        return len(node.inputs) < 3  # (input, weight[, bias])
+    return op in ("mm", "matmul")
 
 
 def inflight_microbatches(schedule: str, stage: int, num_stages: int, microbatches: int,

@@ -98,7 +98,7 @@ def _recompute_s(ops: _OperatorPass, recompute: str,
     reruns every block operator's forward with its collectives; "selective" the attention
     core (Korthikanti et al. 2022, section 5), or, in the module engine, every block
     operator but the parameter matmuls (``RuntimeModel.selective_keeps_matmuls``), or in
-    torchtitan every one but the attention kernels and the odd parameter matmuls
+    torchtitan every one but the attention kernels and the odd unbiased parameter matmuls
     (``RuntimeModel.selective_alternate_matmuls``)."""
     if recompute == Recompute.FULL:
         return ops.rec_full, ops.comm_layers_fwd

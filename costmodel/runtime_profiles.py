@@ -103,7 +103,7 @@ class RuntimeModel:
       policy instead (``memory.alternate_matmuls``): it keeps SDPA's outputs and every other
       parameter matmul's output of a block (the 1st, 3rd, ... ``aten.mm`` call) and
       recomputes the rest: in a Llama block k, o and up projections are recomputed and the
-      attention kernel is not.
+      attention kernel is not; a biased linear (``aten.addmm``) is neither counted nor kept.
     attention: the attention core's kernels: "flash" (fused, the s x s scores stay on chip:
       FlashAttention, cuDNN SDPA, what PyTorch's SDPA picks on GPUs) or "materialized"
       (scores and probabilities written to memory, as attention ran before fused kernels,

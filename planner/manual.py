@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from itertools import accumulate
+from numbers import Integral
 
 from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.context import check_cp_model, insert_cp
@@ -201,6 +202,11 @@ def layer_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
 
 def split_bounds(num_layers: int, chunks: int, counts) -> list[tuple[int, int]]:
     """The block ranges of a given split: ``counts[j]`` blocks in chunk j, contiguous."""
+    if not isinstance(counts, (list, tuple)) or \
+            not all(isinstance(c, Integral) and not isinstance(c, bool) for c in counts):
+        raise PlanningError(f"stage_layers={counts!r}: blocks per chunk are whole numbers; "
+                            f"give {chunks} ints summing to the model's {num_layers}")
+    counts = [int(c) for c in counts]
     if len(counts) != chunks or sum(counts) != num_layers or min(counts) < 0:
         raise PlanningError(f"stage_layers={list(counts)}: needs pp x virtual_stages = {chunks} "
                             f"counts of blocks summing to the model's {num_layers}; fix the split")

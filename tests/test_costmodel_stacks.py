@@ -233,3 +233,34 @@ def test_a_square_keeps_its_factor():
         mul = graph.node("mul")
         assert mul.inputs == ("linear",)
         assert saved_inputs(mul, graph) == kept
+
+
+@pytest.mark.parametrize("engine", ["megatron", "modules"])
+def test_overlap_slowdown_in_pipelined_stages_is_counted_once(tiny_llama_h100, engine):
+    """DECISIONS 99 in a pipeline: Megatron's gradient reduce-scatter and updated-weight
+    gather hide once per step (``--overlap-grad-reduce`` / ``--overlap-param-gather``), so
+    the slowdown lands in the step's tail, never per microbatch; a module-engine pipeline
+    reduces after the flush behind nothing, so its tail gains nothing. Each stage's extra
+    time is exactly overlap_slowdown x what hides (the same stage with overlap off)."""
+    model, graph, mesh = tiny_llama_h100
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, pp=2, microbatch_size=1,
+                                dtype="bf16", zero=1, engine=engine)
+    hw = plan_hw(plan)
+    slow = hw.device.overlap_slowdown
+    assert slow > 0
+    rt = default_runtime(hw, engine=engine, pipeline=True)
+    free = dataclasses.replace(hw, device=dataclasses.replace(hw.device, overlap_slowdown=0.0))
+    t = plan.training
+    for s in range(plan.num_stages):
+        kw = dict(dtype=t.dtype, optimizer=t.optimizer, microbatches=t.microbatches,
+                  num_stages=plan.num_stages, schedule=t.schedule, seq_len=t.seq_len)
+        st = plan.stages[s]
+        slowed = stage_cost(st, graph, hw, runtime=rt, **kw)
+        ideal = stage_cost(st, graph, free, runtime=rt, **kw)
+        bare = stage_cost(st, graph, hw, runtime=dataclasses.replace(
+            rt, overlap_efficiency=0.0, tp_comm_overlap=False), **kw)
+        assert slowed.comm_s == pytest.approx(ideal.comm_s, rel=1e-12)  # nothing per microbatch
+        hidden = bare.grad_sync_s - ideal.grad_sync_s
+        assert slowed.grad_sync_s - ideal.grad_sync_s == pytest.approx(slow * hidden,
+                                                                       rel=1e-9, abs=1e-15)
+        assert (hidden > 0) == (engine == "megatron"), (engine, s, hidden)

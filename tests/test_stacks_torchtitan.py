@@ -446,7 +446,7 @@ def test_benchmark_exports_accepted_by_torchtitan(tmp_path):
 def test_import_prices_the_configs_own_pipeline_split(tmp_path):
     """A torchtitan job file with pp=4 and no split points is split by torchtitan's rule
     (8, 9, 8, 7 blocks: the embedding and the head count as a layer each); the imported
-    plan's stages hold exactly those blocks, not meshplan's even split (9, 8, 8, 7)."""
+    plan's stages hold exactly those blocks, not meshplan's even split (8, 8, 8, 8)."""
     import meshplan
     from meshplan.stacks.commands import import_plan
 

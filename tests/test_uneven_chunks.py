@@ -135,6 +135,16 @@ def test_a_given_split_is_recorded_and_priced_as_given(meta, graph):
             meshplan.manual_plan(meta, mesh, stage_layers=bad, **kw)
 
 
+def test_a_split_that_is_not_whole_numbers_is_one_clear_line(meta, graph):
+    """Fractions, strings, bools or a bare int as ``stage_layers`` were a TypeError traceback
+    (or, for True, a stage of layers (0, True)); now one PlanningError line."""
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    kw = dict(example_inputs=(ids,), graph=graph, pp=2, microbatch_size=2)
+    for bad in ((2.5, 2.5), ("1", "4"), (True, 4), 5):
+        with pytest.raises(meshplan.PlanningError, match="whole numbers; give 2 ints summing"):
+            meshplan.manual_plan(meta, meshplan.Mesh.local(2), stage_layers=bad, **kw)
+
+
 def test_empty_end_chunks_hold_the_embedding_and_the_head():
     from meshplan.tracing import trace
 
