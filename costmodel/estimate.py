@@ -147,13 +147,13 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                     optimizer=optimizer, runtime=runtime)
     traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd + copy_fwd,
                                backward_s=ops.bwd + copy_bwd, recompute_s=recompute)
-    # compute beside a collective runs slower (DeviceSpec.overlap_slowdown): each second of
-    # communication hidden behind compute costs that fraction of a second of compute
+    # compute beside a collective runs slower (DeviceSpec.overlap_slowdown)
+    compute_mb = ops.fwd + copy_fwd + ops.bwd + copy_bwd + recompute
     slow = hw.device.overlap_slowdown
     comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p
                + traffic.gather_exposed_s + traffic.microbatch_s
-               + slow * (tp_hidden + traffic.hidden_microbatch_s))
-    grad_sync_s = traffic.step_s + slow * traffic.hidden_step_s
+               + overlap_cost_s(tp_hidden + traffic.hidden_microbatch_s, compute_mb, slow))
+    grad_sync_s = traffic.step_s + overlap_cost_s(traffic.hidden_step_s, compute_mb, slow)
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs, runtime=runtime)
     if not memory:
@@ -183,6 +183,17 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                           recompute_s=recompute,
                      comm_s=comm_mb, grad_sync_s=grad_sync_s, optimizer_s=optimizer_s,
                      memory=memory)
+
+
+def overlap_cost_s(hidden_s: float, compute_s: float, slow: float) -> float:
+    """Compute time added where ``hidden_s`` seconds of communication run beside ``compute_s``
+    seconds of compute that slows by ``slow`` meanwhile (``DeviceSpec.overlap_slowdown``,
+    Lee et al. 2025: compute beside a collective takes 1 + slow times as long): the
+    collectives overlap hidden_s / (1 + slow) seconds of unslowed compute, never more than
+    there is, and each such second costs ``slow`` more."""
+    if slow <= 0 or hidden_s <= 0:
+        return 0.0
+    return slow * min(hidden_s / (1 + slow), compute_s)
 
 
 def _fsdp_active(stage: Stage, runtime: RuntimeModel) -> bool:

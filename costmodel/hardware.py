@@ -218,3 +218,23 @@ def read_json(path, what: str):
 def load_profile(path) -> HardwareProfile:
     """A profile JSON file (e.g. written by ``meshplan calibrate -o``)."""
     return HardwareProfile.from_dict(read_json(path, "hardware profile"), origin=str(path))
+
+
+# the profile fields a calibration measures (on CUDA; a CPU calibration also measures its
+# peak, bandwidth and cores); the others keep the starting preset's value and source
+MEASURED = ("device.name", "device.memory_gib", "device.matmul_efficiency",
+            "device.memory_efficiency", "device.kernel_latency_s", "device.framework_overhead_s",
+            "intra_node", "inter_node")
+MEASURED_ON_CPU = MEASURED + ("device.peak_tflops", "device.memory_bandwidth_gbps",
+                              "device.host_cores")
+
+
+def calibrated_sources(preset_sources: dict, preset: str, where: str, measured) -> dict:
+    """Sources of a calibrated profile: ``where`` for what it measured ("*"), and for every
+    field it kept from ``preset`` (overlap slowdown, attention curves, eager paths...) that
+    preset's source, so a kept constant is not labelled as measured."""
+    out = {"*": where}
+    for key, text in preset_sources.items():
+        if not any(key == m or key.startswith(m + ".") for m in measured):
+            out[key] = f"not measured by calibrate, kept from the {preset} preset: {text}"
+    return out

@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from meshplan.costmodel.comm import Collective, bytes_factor, latency_steps
-from meshplan.costmodel.hardware import HardwareProfile, load_preset
+from meshplan.costmodel.hardware import (MEASURED, MEASURED_ON_CPU, HardwareProfile,
+                                        calibrated_sources, load_preset)
 from meshplan.vocabulary import ComputeDtype, Engine
 
 MATMUL_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768)
@@ -425,7 +426,8 @@ def calibrate(procs: int = 4, *, device: str | None = None, progress=None,
     a_el, b_el, r_el = fit_linear(*zip(*compute["elementwise"]))
     latency = compute["latency_s"]
     flop_rate, byte_rate = 1.0 / b_mm, 1.0 / b_el
-    base = load_preset("cpu-local" if device == "cpu" else "dgx-h100").to_dict()
+    preset = "cpu-local" if device == "cpu" else "dgx-h100"
+    base = load_preset(preset).to_dict()
     dev = base["device"]
     dtype_name = "float32" if device == "cpu" else "bfloat16"
     if device == "cpu":
@@ -459,7 +461,9 @@ def calibrate(procs: int = 4, *, device: str | None = None, progress=None,
         link["collectives"] = fitted_links
     base.update(name=f"calibrated-{device}", device=dev,
                 description=f"{dtype_name} compute and {backend} collectives {where}",
-                sources={"*": where + f"; {time.strftime('%Y-%m-%d')}"},
+                sources=calibrated_sources(
+                    base.get("sources", {}), preset, where + f"; {time.strftime('%Y-%m-%d')}",
+                    MEASURED_ON_CPU if device == "cpu" else MEASURED),
                 fitted={"matmul_samples": len(compute["matmul"]), "matmul_residual": r_mm,
                         "elementwise_samples": len(compute["elementwise"]),
                         "elementwise_residual": r_el, "collective_samples": len(rows),

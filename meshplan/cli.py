@@ -14,7 +14,8 @@ import sys
 
 from meshplan.checks import (check_batch_and_seq, check_checkpoint_dir, check_model_for_run,
                              check_run_numbers, check_writable, plan_and_graph, recorded_spec)
-from meshplan.costmodel.runtime_profiles import EXPORT_TARGET, PROFILES
+from meshplan.costmodel.runtime_profiles import PROFILES
+from meshplan.vocabulary import EXPORT_TARGET
 from meshplan.errors import MeshplanError, SpecError
 from meshplan.support import stack_refusal
 from meshplan.vocabulary import ComputeDtype, DTYPES, ENGINES, STACK_TARGETS

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.context import chunk_words
-from meshplan.costmodel.runtime_profiles import EXPORT_TARGET
+from meshplan.vocabulary import EXPORT_TARGET
 from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
 from meshplan.plan import Plan, Stage
 from meshplan.support import cp_degree

@@ -379,7 +379,7 @@ def stack_refusal(engine: str, *, where: str = "this plan", path: str = "plan.js
     no profile, which the plan file's schema and ``parallelize``'s engine check refuse).
     ``meshplan run`` and ``meshplan.parallelize`` raise it before any process starts or any
     module is touched; ``path`` is the plan file in the export command shown."""
-    from meshplan.costmodel.runtime_profiles import EXPORT_TARGET
+    from meshplan.vocabulary import EXPORT_TARGET
 
     target = EXPORT_TARGET.get(engine)
     if target is None:

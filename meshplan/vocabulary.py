@@ -65,6 +65,14 @@ class Stack(PlanName):
 
 STACK_TARGETS = tuple(s.value for s in Stack)  # ("torchtitan", "megatron")
 
+# the configuration `meshplan export --to` writes for a plan priced for each stack (none of
+# them runs in meshplan: support.stack_refusal). NeMo's GPT recipes run Megatron-Core and
+# Megatron-LM as of SC'21 is Megatron-LM: their layouts are Megatron-LM's tensor, pipeline
+# and data parallelism, so their plans export as Megatron-LM's arguments (the export checks
+# the layout, meshplan/stacks/megatron.py); meshplan writes no NeMo recipe.
+EXPORT_TARGET = {"megatron": "megatron", "megatron-2021": "megatron", "nemo": "megatron",
+                 "torchtitan": "torchtitan"}
+
 
 class ComputeDtype(PlanName):
     """``Plan.training.dtype``: the compute dtype; bf16/fp16/fp8 are mixed precision with fp32

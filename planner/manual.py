@@ -72,14 +72,15 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                                microbatches=graph.inputs[0][1].shape[0] // (dp * microbatch_size))
     per_stage = dp * cp * tp
     v = training.virtual_stages
+    L = graph.num_layers
+    # uneven interleaved chunks: one record per virtual stage, chunk j on rank group j % pp
+    # (the layout runtime/pipeline and runtime/module_pipeline run); a given split that is
+    # the default one is priced as the default (one price per layout)
+    bounds = chunk_bounds(L, pp * v) if v > 1 and L % (pp * v) else layer_bounds(L, pp)
     if stage_layers:
-        bounds = split_bounds(graph.num_layers, pp * v, stage_layers)
-    elif v > 1 and graph.num_layers % (pp * v):
-        # uneven interleaved chunks: one record per virtual stage, chunk j on rank group
-        # j % pp (the layout runtime/pipeline and runtime/module_pipeline run)
-        bounds = chunk_bounds(graph.num_layers, pp * v)
-    else:
-        bounds = layer_bounds(graph.num_layers, pp)
+        given = split_bounds(L, pp * v, stage_layers)
+        even = v > 1 and not L % (pp * v) and len(set(stage_layers)) == 1
+        bounds = bounds if even or given == bounds else given
     groups = stage_node_groups(graph, len(bounds), bounds)
     prop = Propagator(graph, dp=dp, tp=tp, sp=training.sequence_parallel,
                        seq_len=training.seq_len, zero=zero)

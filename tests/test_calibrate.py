@@ -91,3 +91,17 @@ def test_fit_runtime_recovers_a_known_profile():
     assert info["runtime_residual_nproc"] < 0.01
     # the calibration's runs are the graph engine's, and are priced as it
     assert cal._runtime_plan(meta, graph, 4, batch, profile=truth).engine == "graph"
+
+
+def test_a_calibrated_profile_keeps_the_source_of_what_it_did_not_measure():
+    """A CUDA calibration starts from dgx-h100 and measures the GEMM and memory curves,
+    latency and links; the constants it keeps (the overlap slowdown, attention kernels,
+    eager paths) keep the preset's source instead of being labelled measured."""
+    from meshplan.costmodel.hardware import MEASURED, calibrated_sources, load_preset
+
+    sources = load_preset("dgx-h100").sources
+    got = calibrated_sources(sources, "dgx-h100", "measured here", MEASURED)
+    assert got["*"] == "measured here"
+    assert "2507.03114" in got["device.overlap_slowdown"]
+    assert "device.matmul_efficiency" not in got and "intra_node" not in got
+    assert all(k == "*" or k in sources for k in got)

@@ -8,7 +8,8 @@ import pytest
 
 import meshplan
 from meshplan.cli import main
-from meshplan.costmodel.runtime_profiles import EXPORT_TARGET, PROFILES, STACKS
+from meshplan.costmodel.runtime_profiles import PROFILES, STACKS
+from meshplan.vocabulary import EXPORT_TARGET
 from meshplan.errors import NotSupportedError
 from meshplan.inspect import fmt_time
 from meshplan.plan import Plan, plan_schema

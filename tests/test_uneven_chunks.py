@@ -218,3 +218,26 @@ def test_uneven_chunks_match_one_process(launched, key, engine):
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+def test_the_default_split_given_explicitly_prices_the_same(meta, graph):
+    """One layout, one price: ``stage_layers`` equal to meshplan's own split gives the same
+    records and step time as leaving it out: 3 + 2 blocks at pp=2, the interleaved chunks of
+    5 blocks at v=2, and (the review's case, 1.2% apart before) 4 blocks in four chunks of
+    one at pp=2, v=2, which meshplan prices as two records of two."""
+    from meshplan.planner.manual import chunk_bounds
+    from meshplan.tracing import trace
+
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    mesh = meshplan.Mesh.local(2)
+    inter = dict(virtual_stages=2, schedule="interleaved-1f1b")
+    four = build("meta", LLAMA5.replace("num_hidden_layers=5", "num_hidden_layers=4"))
+    graph4 = trace(four, (ids,))
+    chunks = tuple(b - a for a, b in chunk_bounds(5, 4))
+    for model, g, extra, split in ((meta, graph, {}, (3, 2)), (meta, graph, inter, chunks),
+                                   (four, graph4, inter, (1, 1, 1, 1))):
+        kw = dict(example_inputs=(ids,), graph=g, pp=2, microbatch_size=2, **extra)
+        plain = meshplan.manual_plan(model, mesh, **kw)
+        given = meshplan.manual_plan(model, mesh, stage_layers=split, **kw)
+        assert [s.layers for s in given.stages] == [s.layers for s in plain.stages]
+        assert given.predicted.step_time_s == plain.predicted.step_time_s

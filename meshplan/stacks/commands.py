@@ -176,7 +176,7 @@ def check_stack_engine(args) -> None:
     """plan / estimate ``--engine STACK`` prices a hand-written layout; the search (no
     --manual) covers meshplan's engines, or a stack's own layouts with ``plan --for``: refused
     in one line before tracing."""
-    from meshplan.costmodel.runtime_profiles import EXPORT_TARGET
+    from meshplan.vocabulary import EXPORT_TARGET
 
     if args.engine in EXPORT_TARGET and not args.manual and not getattr(args, "for_", None):
         target = EXPORT_TARGET[args.engine]
