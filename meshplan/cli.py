@@ -2,7 +2,8 @@
 
 User errors (any MeshplanError, a missing file) print one line and exit 2; ``--debug``
 shows the traceback. Subcommands: demo, plan, show, explain, diff, estimate, calibrate,
-sweep, run, report.
+sweep, run, report (estimate and calibrate in meshplan/cli_cost.py; what they share in
+meshplan/cli_args.py).
 """
 
 from __future__ import annotations
@@ -12,31 +13,14 @@ import os
 import shlex
 import sys
 
-from meshplan.checks import (check_batch_and_seq, check_checkpoint_dir, check_model_for_run,
-                             check_run_numbers, check_writable, plan_and_graph, recorded_spec)
-from meshplan.costmodel.runtime_profiles import PROFILES
-from meshplan.vocabulary import EXPORT_TARGET
+from meshplan.checks import (check_checkpoint_dir, check_model_for_run, check_run_numbers,
+                             check_writable, plan_and_graph, recorded_spec)
+from meshplan.cli_args import (ENGINE_CHOICES, EXIT_USER_ERROR, POSITIVE_FLOAT, POSITIVE_INT,
+                               OneLineParser, load_model_and_graph)
+from meshplan.cli_cost import add_cost_commands
 from meshplan.errors import MeshplanError, SpecError
 from meshplan.support import stack_refusal
-from meshplan.vocabulary import ComputeDtype, DTYPES, ENGINES, STACK_TARGETS
-
-# --engine of plan and estimate: "auto", or any runtime profile the cost model prices
-# (meshplan's engines, then the stacks it prices and exports but does not run)
-ENGINE_CHOICES = ("auto",) + PROFILES
-
-EXIT_USER_ERROR = 2
-
-
-def _load_model_and_graph(args):
-    """The model spec, the model loaded at --batch (and --seq, for token models) on the meta
-    device with its example call (specs.LoadedModel), and its traced graph."""
-    from meshplan.specs import parse_model_spec
-
-    spec = parse_model_spec(args.model)
-    loaded = spec.load(args.batch, args.seq, device="meta")
-    if not loaded.bundle:
-        check_batch_and_seq(loaded.model, args.batch, args.seq)
-    return spec, loaded, loaded.trace(spec.name)
+from meshplan.vocabulary import EXPORT_TARGET, ComputeDtype, DTYPES, ENGINES, STACK_TARGETS
 
 
 # -- subcommands --------------------------------------------------------------------------------
@@ -50,7 +34,7 @@ def cmd_plan(args) -> int:
         check_writable(args.output)
     mesh = parse_mesh_spec(args.mesh)
     check_stack_engine(args)
-    spec, loaded, graph = _load_model_and_graph(args)
+    spec, loaded, graph = load_model_and_graph(args)
     if args.for_ and args.manual:
         raise SpecError("--for TARGET searches the layouts the stack runs; --manual gives one: "
                         "drop one (price a hand-written layout with --manual --engine TARGET)")
@@ -208,7 +192,7 @@ def cmd_sweep(args) -> int:
     if args.plot:
         check_writable(args.plot)
     mesh = parse_mesh_spec(args.mesh)
-    spec, loaded, graph = _load_model_and_graph(args)
+    spec, loaded, graph = load_model_and_graph(args)
     frame = run_sweep(loaded.model, mesh, graph=graph, model_name=spec.name, dtype=args.dtype,
                       output=args.output, plot=args.plot, auto=not args.no_auto,
                       time_limit_s=args.time_limit_s, progress=True,
@@ -225,31 +209,8 @@ def cmd_demo(args) -> int:
     return run_demo(procs=args.procs, steps=args.steps, workdir=args.workdir)
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, with its errors as one line (no usage block) and exit code 2."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _positive(cast):
-    def check(text: str):
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} must be positive")
-        return value
-    check.__name__ = cast.__name__  # argparse names the type in its messages
-    return check
-
-
-POSITIVE_INT, POSITIVE_FLOAT = _positive(int), _positive(float)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    ap = _OneLineParser(prog="meshplan", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="meshplan", description=__doc__.splitlines()[0])
     ap.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -330,165 +291,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_reading_commands(sub, model_mesh)
 
-    _add_cost_commands(sub)
+    add_cost_commands(sub)
     from meshplan.stacks.commands import add_export_command
 
     add_export_command(sub)
     return ap
-
-
-def _add_cost_commands(sub) -> None:
-    """estimate and calibrate: the cost model on the command line."""
-    p = sub.add_parser("estimate", help="predict a plan's step time, memory and MFU",
-                       description="`meshplan estimate plan.json --model SPEC` re-traces the "
-                       "model and re-prices the plan (a plan file holds placements, not the "
-                       "operator costs); without --model it prints the prediction recorded in "
-                       "the file. `meshplan estimate --model SPEC --mesh MESH --batch B --seq S "
-                       "--manual dp=..,tp=..` prices a Megatron-style plan.")
-    p.add_argument("plan", nargs="?", default="", help="a plan JSON file")
-    p.add_argument("--model", default="", help="model spec (re-trace and re-price)")
-    p.add_argument("--mesh", default="", help="mesh spec, for --manual")
-    p.add_argument("--batch", type=POSITIVE_INT, default=0, help="global batch, for --manual")
-    p.add_argument("--seq", type=POSITIVE_INT, default=0, help="sequence length, for --manual "
-                   "(token models)")
-    p.add_argument("--dtype", choices=DTYPES, default=None)
-    p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
-                   "recompute=none,sp=0,zero=0,vs=1")
-    p.add_argument("--hardware", default="", help="re-price on this profile JSON (e.g. from "
-                   "meshplan calibrate -o)")
-    p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",
-                   help="price as this runtime runs the plan: auto is the engine a plan file "
-                   "names, or the one meshplan picks; megatron, megatron-2021, nemo, "
-                   "torchtitan price it as that stack runs it (as plan --engine)")
-    p.add_argument("--compiled", action="store_true", help="price the repeated blocks as "
-                   "torch.compile runs them (parallelize(..., compile=True), torchtitan's "
-                   "compile): pointwise chains between matmuls fused; default eager")
-    p.add_argument("-o", "--output", default="", help="write the (re-priced) plan JSON here")
-    from meshplan.stacks.commands import add_from_arguments
-
-    add_from_arguments(p)
-    p.set_defaults(func=cmd_estimate)
-
-    p = sub.add_parser("calibrate", help="measure this machine and fit a hardware profile")
-    p.add_argument("--procs", type=int, default=4, help="collectives over 2..N local processes")
-    p.add_argument("-o", "--output", default="", help="also write the profile here")
-    p.add_argument("--no-cache", action="store_true", help="do not update the user cache "
-                   "(~/.cache/meshplan/calibration.json) that Mesh.local reads")
-    p.set_defaults(func=cmd_calibrate)
-
-
-def cmd_estimate(args) -> int:
-    import meshplan
-    from meshplan.costmodel.hardware import load_profile
-    from meshplan.inspect import fmt_time
-    from meshplan.plan import Plan
-
-    if args.output:
-        check_writable(args.output)
-    if args.from_:
-        from meshplan.stacks.commands import cmd_estimate_from
-
-        if args.engine != "auto":
-            raise SpecError(f"--engine {args.engine} with --from: the file is priced as "
-                            f"{args.from_[0]} runs it; drop --engine")
-
-        return cmd_estimate_from(args, lambda est: _print_estimate(est, fmt_time))
-    hardware = load_profile(args.hardware) if args.hardware else None
-    if args.plan:
-        plan = Plan.from_json(args.plan)
-        engine = None if args.engine in ("auto", plan.engine) else args.engine
-        if engine and args.output:
-            raise SpecError(f"--engine {engine} with -o: {args.plan} names engine "
-                            f"{plan.engine!r}, and -o would write it with {engine}'s "
-                            f"prediction; drop -o, or make the plan with meshplan plan --manual "
-                            f"... --engine {engine} -o")
-        args.model = args.model or plan.model.spec
-        if not args.model:
-            if engine:
-                raise SpecError(f"--engine {engine} re-prices {args.plan} from the model's "
-                                "operators, which a plan file does not hold; pass --model SPEC "
-                                "(the spec the plan was made from)")
-            print(f"prediction recorded in {args.plan} (pass --model SPEC to re-price):")
-            _print_estimate(plan.predicted, fmt_time)
-            return 0
-        from meshplan.explain import retrace
-
-        est = meshplan.estimate(plan, retrace(plan, args.model), hardware=hardware,
-                                compiled=args.compiled, engine=engine)
-    else:
-        if not (args.model and args.mesh and args.batch):
-            raise SpecError("meshplan estimate needs a plan file, or --model, --mesh, --batch "
-                            "(and --seq for token models; with --manual dp=..,tp=..,pp=.. for "
-                            "a hand-written plan)")
-        from meshplan.specs import parse_manual_spec, parse_mesh_spec
-        from meshplan.stacks.commands import check_stack_engine
-
-        mesh = parse_mesh_spec(args.mesh)
-        check_stack_engine(args)
-        args.seq = args.seq or None
-        spec, loaded, graph = _load_model_and_graph(args)
-        if args.manual:
-            plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,
-                                        dtype=args.dtype, engine=args.engine,
-                                        **parse_manual_spec(args.manual))
-        else:
-            plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
-                                         dtype=args.dtype, engine=args.engine)
-        est = meshplan.estimate(plan, hardware=hardware, compiled=args.compiled) \
-            if hardware or args.compiled else plan.predicted
-    _print_estimate(est, fmt_time)
-    if args.output:
-        plan.with_prediction(est).to_json(args.output)
-        print(f"wrote {args.output}")
-    return 0
-
-
-def _print_estimate(est, fmt_time) -> None:
-    print(f"step time        {fmt_time(est.step_time_s)}")
-    print("  breakdown      " + ", ".join(f"{k} {fmt_time(v)}" for k, v in est.breakdown.items()))
-    print(f"throughput       {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu * 100:.1f}%, "
-          f"bubble {est.bubble_fraction * 100:.1f}%")
-    m = est.memory
-    print(f"peak memory      {est.peak_memory_gib:.2f} GiB of {est.memory_capacity_gib:.1f} GiB per "
-          f"device (params {m.params_gib:.2f}, grads {m.grads_gib:.2f}, optimizer "
-          f"{m.optimizer_gib:.2f}, activations {m.activations_gib:.2f}, buffers {m.buffers_gib:.2f})")
-    print(f"fits             {'yes' if est.fits else 'NO: ' + est.overflow}")
-
-
-def cmd_calibrate(args) -> int:
-    import json
-
-    from rich.progress import Progress
-
-    from meshplan.calibrate import calibrate, progress_steps
-    from meshplan.mesh import calibration_cache_path
-    from meshplan.plan import atomic_write
-
-    if args.output:
-        check_writable(args.output)
-    if args.procs < 1:
-        raise SpecError(f"--procs {args.procs}: need at least 1 (2 or more to measure collectives)")
-    with Progress() as bar:
-        task = bar.add_task("calibrating", total=progress_steps(args.procs))
-        profile = calibrate(args.procs, progress=lambda: bar.advance(task))
-    text = profile.to_json()
-    targets = [args.output] if args.output else []
-    if not args.no_cache:
-        cache = calibration_cache_path()
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        targets.append(str(cache))
-    for path in targets:
-        atomic_write(path, text)
-        print(f"wrote {path}")
-    d = profile.device
-    print(f"matmul {d.peak_tflops.get('float32', 0) * 1e3:.1f} GFLOP/s asymptote, memory "
-          f"{d.memory_bandwidth_gbps:.1f} GB/s, op latency {d.kernel_latency_s * 1e6:.1f} us + "
-          f"framework {d.framework_overhead_s * 1e6:.1f} us; collectives: "
-          + ", ".join(f"{k} {v['latency_s'] * 1e6:.0f} us + B/{v['bandwidth_gbps']:.2f} GB/s"
-                      for k, v in profile.intra_node.collectives.items()))
-    print("fit residuals: " + json.dumps({k: v for k, v in profile.fitted.items()
-                                         if "residual" in k}))
-    return 0
 
 
 def _add_reading_commands(sub, model_mesh) -> None:
