@@ -109,6 +109,17 @@ def megatron_plan(model, graph, *, gpus: int, tp: int, pp: int, mb: int, v: int 
                                 engine=engine)
 
 
+def _priced(est) -> dict:
+    """The prediction's memory, fit, bubble and breakdown, as both tables record them."""
+    return {"peak_memory_gib": round(est.peak_memory_gib, 1),
+            "fits_80gib": est.peak_memory_gib <= MEMORY_GIB,
+            "memory_gib": {k: round(getattr(est.memory, k), 1) for k in
+                           ("params_gib", "grads_gib", "optimizer_gib", "activations_gib",
+                            "buffers_gib")},
+            "bubble_fraction": round(est.bubble_fraction, 3),
+            "breakdown_s": {k: round(v, 3) for k, v in est.breakdown.items()}}
+
+
 def predict(key: str) -> dict:
     layers, hidden, heads, tp, pp, gpus, mb, v, batch, published = ROWS[key]
     dp = gpus // (tp * pp)
@@ -124,13 +135,7 @@ def predict(key: str) -> dict:
             "predicted_tflops": round(tflops, 1), "measured_step_s": round(measured_s, 3),
             "predicted_step_s": round(est.step_time_s, 3),
             "error": round((est.step_time_s - measured_s) / measured_s, 4),
-            "peak_memory_gib": round(est.peak_memory_gib, 1),
-            "fits_80gib": est.peak_memory_gib <= MEMORY_GIB,
-            "memory_gib": {k: round(getattr(est.memory, k), 1) for k in
-                           ("params_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                            "buffers_gib")},
-            "bubble_fraction": round(est.bubble_fraction, 3),
-            "breakdown_s": {k: round(v, 3) for k, v in est.breakdown.items()},
+            **_priced(est),
             "trace_s": round(traced, 1), "estimate_s": round(time.perf_counter() - start, 1)}
 
 
@@ -148,13 +153,7 @@ def predict_mtnlg(key: str) -> dict:
             "predicted_tflops": round(flops / (est.step_time_s * gpus) / 1e12, 1),
             "measured_step_s": measured_s, "predicted_step_s": round(est.step_time_s, 3),
             "error": round((est.step_time_s - measured_s) / measured_s, 4),
-            "peak_memory_gib": round(est.peak_memory_gib, 1),
-            "fits_80gib": est.peak_memory_gib <= MEMORY_GIB,
-            "memory_gib": {k: round(getattr(est.memory, k), 1) for k in
-                           ("params_gib", "grads_gib", "optimizer_gib", "activations_gib",
-                            "buffers_gib")},
-            "bubble_fraction": round(est.bubble_fraction, 3),
-            "breakdown_s": {k: round(v, 3) for k, v in est.breakdown.items()},
+            **_priced(est),
             "trace_s": round(traced, 1)}
 
 

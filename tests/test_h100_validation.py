@@ -1,24 +1,14 @@
 """benchmarks/h100_validation.py's pure helpers: torchtitan's default pipeline split (the
 one its code of the published 405B runs used, 9dec370) against hand-counted cases."""
 
-import importlib.util
-import os
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from tests.harness.benchmarks import benchmark_module
 
 @pytest.fixture(scope="module")
 def validation():
-    spec = importlib.util.spec_from_file_location(
-        "h100_validation_benchmark", os.path.join(ROOT, "benchmarks", "h100_validation.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("h100_validation") as module:
+        yield module
 
 
 def test_torchtitan_split_by_hand(validation):

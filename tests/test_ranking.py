@@ -1,27 +1,18 @@
 """benchmarks/ranking.py (issue 14): Kendall's tau-b and regret against hand-computed cases,
 and its core run on one small sweep priced through the public path (manual_plan, estimate)."""
 
-import importlib.util
 import math
 import os
-import sys
 
 import pytest
 
 import meshplan
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from tests.harness.benchmarks import benchmark_module
 
 @pytest.fixture(scope="module")
 def ranking():
-    spec = importlib.util.spec_from_file_location(
-        "ranking_benchmark", os.path.join(ROOT, "benchmarks", "ranking.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_module("ranking") as module:
+        yield module
 
 
 def test_tau_b_by_hand(ranking):
