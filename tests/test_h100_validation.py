@@ -1,9 +1,10 @@
 """benchmarks/h100_validation.py's pure helpers: torchtitan's default pipeline split (the
 one its code of the published 405B runs used, 9dec370) against hand-counted cases."""
 
-
 import pytest
+
 from tests.harness.benchmarks import benchmark_module
+
 
 @pytest.fixture(scope="module")
 def validation():
