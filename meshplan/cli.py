@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
     model_mesh(p)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
-                   "recompute=none,sp=0,zero=0")
+                   "recompute=none,sp=0,zero=0 (split=3/2: blocks per pipeline chunk)")
     p.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None)
     p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0, help="the solver's limit; "
                    "with --for, the layout search keeps the best found after this long")

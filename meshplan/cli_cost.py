@@ -24,7 +24,7 @@ def add_cost_commands(sub) -> None:
                    "(token models)")
     p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
-                   "recompute=none,sp=0,zero=0,vs=1")
+                   "recompute=none,sp=0,zero=0,vs=1 (split=3/2: blocks per pipeline chunk)")
     p.add_argument("--hardware", default="", help="re-price on this profile JSON (e.g. from "
                    "meshplan calibrate -o)")
     p.add_argument("--engine", choices=ENGINE_CHOICES, default="auto",

@@ -449,13 +449,22 @@ def training_call(model: nn.Module, batch: int, seq: int, *, device="meta",
     return TrainingCall(head, {"input_ids": ids, "decoder_input_ids": decoder_ids}, (labels,))
 
 
+def _blocks_per_chunk(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split("/"))
+
+
+_blocks_per_chunk.__name__ = "blocks per pipeline chunk, e.g. 8/9/8/7"
+
+
 def parse_manual_spec(text: str) -> dict:
-    """dp=2,tp=2,pp=1,cp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0 -> manual_plan kwargs."""
+    """dp=2,tp=2,pp=1,cp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0,split=3/2 ->
+    manual_plan kwargs (split: ``stage_layers``, blocks per chunk)."""
     keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "cp": ("cp", int),
             "mb": ("microbatch_size", int),
             "schedule": ("schedule", str), "recompute": ("recompute", str),
             "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),
-            "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str)}
+            "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str),
+            "split": ("stage_layers", _blocks_per_chunk)}
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")

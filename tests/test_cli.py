@@ -192,3 +192,19 @@ def test_slurm_script_runs_torchrun_once_per_node(plan4, tmp_path, capsys):
     assert "--nproc-per-node=2" in argv
     assert "--rdzv-endpoint=nodeA:29500" in argv and "--rdzv-id=42" in argv
     assert argv[argv.index("--plan") + 1] == plan4
+
+
+def test_manual_split_places_the_blocks(tmp_path, capsys):
+    """``--manual ...,split=1/1`` gives each pipeline stage the blocks asked for (manual_plan's
+    ``stage_layers``); a split that is not whole numbers is one line, exit 2."""
+    from meshplan.plan import Plan
+
+    path = tmp_path / "p.json"
+    assert main(PLAN_ARGS + ["--mesh", "local:2", "--manual", "pp=2,split=2/0",
+                             "-o", str(path)]) == 0
+    plan = Plan.from_json(str(path))
+    assert [s.layers for s in plan.stages] == [(0, 2), (2, 2)]
+    capsys.readouterr()
+    assert main(PLAN_ARGS + ["--mesh", "local:2", "--manual", "pp=2,split=1/x"]) == 2
+    err = capsys.readouterr().err
+    assert "split" in err and "blocks per pipeline chunk" in err and "Traceback" not in err
