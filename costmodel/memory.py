@@ -408,7 +408,11 @@ def alternate_matmuls(graph: OpGraph) -> frozenset[str]:
     everything else it recomputes. In a Llama block (q, k, v, o, gate, up, down) that
     recomputes k, o and up. A matmul with a bias reaches the policy as ``aten.addmm``
     (GPT-2's Conv1D calls it; ATen's ``linear`` takes it for a biased 2-D or contiguous 3-D
-    input), which is neither counted nor in that save list: recomputed (``_counts_as_mm``)."""
+    input), which is neither counted nor in that save list: recomputed (``_counts_as_mm``).
+    One walk per graph: every operator pass of a search asks for the same set."""
+    hit = _ALTERNATE.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
     count: dict[int, int] = {}
     out = set()
     for node in graph.nodes:
@@ -420,7 +424,14 @@ def alternate_matmuls(graph: OpGraph) -> frozenset[str]:
         count[node.layer] = count.get(node.layer, 0) + 1
         if count[node.layer] % 2 == 0:
             out.add(node.name)
-    return frozenset(out)
+    if len(_ALTERNATE) >= 64:
+        _ALTERNATE.clear()
+    _ALTERNATE[id(graph)] = (graph, frozenset(out))
+    return _ALTERNATE[id(graph)][1]
+
+
+# id(graph) -> (graph, alternate_matmuls(graph)); the graph is held so its id is not reused
+_ALTERNATE: dict = {}
 
 
 def _counts_as_mm(node) -> bool:

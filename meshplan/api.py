@@ -231,8 +231,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer,
                              vocab_parallel_cp=engine in STACKS,
-                             stage_layers=stage_layers if isinstance(stage_layers, int)
-                             else tuple(stage_layers))
+                             stage_layers=stage_layers)
     if engine in STACKS:
         return priced_for_stack(plan, graph, engine, model)
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is

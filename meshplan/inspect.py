@@ -23,11 +23,10 @@ from rich.console import Console
 from rich.table import Table
 
 from meshplan.context import chunk_words
-from meshplan.vocabulary import EXPORT_TARGET
 from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
 from meshplan.plan import Plan, Stage
 from meshplan.support import cp_degree
-from meshplan.vocabulary import ENGINES, Engine
+from meshplan.vocabulary import ENGINES, EXPORT_TARGET, Engine
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.

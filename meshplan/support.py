@@ -18,8 +18,8 @@ from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.placements import shard
-from meshplan.vocabulary import (ENGINE_DTYPES, ENGINES, PRICED_ONLY_DTYPES, TRAINED_DTYPES,
-                                 ComputeDtype, Engine, Recompute)
+from meshplan.vocabulary import (ENGINE_DTYPES, ENGINES, EXPORT_TARGET, PRICED_ONLY_DTYPES,
+                                 TRAINED_DTYPES, ComputeDtype, Engine, Recompute)
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
@@ -379,8 +379,6 @@ def stack_refusal(engine: str, *, where: str = "this plan", path: str = "plan.js
     no profile, which the plan file's schema and ``parallelize``'s engine check refuse).
     ``meshplan run`` and ``meshplan.parallelize`` raise it before any process starts or any
     module is touched; ``path`` is the plan file in the export command shown."""
-    from meshplan.vocabulary import EXPORT_TARGET
-
     target = EXPORT_TARGET.get(engine)
     if target is None:
         return ""

@@ -135,14 +135,19 @@ def case(kind, options, batch=8, engine=None):
                       f"dp={run.dp_size}"}
 
 
-def bad_inputs():
-    """Each bad call must raise one DataError on every rank, with no hang."""
+def _llama_dp2_tp2(engine: str):
+    """The small Llama built on meta, planned dp=2 x tp=2 and parallelized on ``engine``."""
     cls, cfg = llama()
     meta = make("llama", cls, cfg, "meta")
     ids = torch.zeros(8, 8, dtype=torch.long, device="meta")
     plan = meshplan.manual_plan(meta, meshplan.Mesh.local(dist.get_world_size()),
                                 example_inputs=(ids,), dp=2, tp=2)
-    run = meshplan.parallelize(meta, plan, engine="graph")
+    return cls, cfg, meshplan.parallelize(meta, plan, engine=engine)
+
+
+def bad_inputs():
+    """Each bad call must raise one DataError on every rank, with no hang."""
+    cls, cfg, run = _llama_dp2_tp2("graph")
     errors = {}
 
     def attempt(name, fn):
@@ -173,12 +178,7 @@ def bad_loads_modules():
     DataError on every rank (it was refused on rank 0 alone, the others waiting in the
     broadcast), and a meta weight missing from a strict=False load is refused at the step
     (it trained on to_empty's uninitialised memory)."""
-    cls, cfg = llama()
-    meta = make("llama", cls, cfg, "meta")
-    ids = torch.zeros(8, 8, dtype=torch.long, device="meta")
-    plan = meshplan.manual_plan(meta, meshplan.Mesh.local(dist.get_world_size()),
-                                example_inputs=(ids,), dp=2, tp=2)
-    run = meshplan.parallelize(meta, plan, engine="modules")
+    cls, cfg, run = _llama_dp2_tp2("modules")
     real = make("llama", cls, cfg, "cpu")
     state = {**real.state_dict(), **dict(real.named_buffers())}
     errors = {"engine": run.engine_name}
@@ -190,7 +190,8 @@ def bad_loads_modules():
     # a pipeline: the head lives on stage 1 only, so only its ranks can see a wrong shape
     piped = meshplan.manual_plan(meta_pp := make("llama", cls, cfg, "meta"),
                                  meshplan.Mesh.local(dist.get_world_size()),
-                                 example_inputs=(ids,), dp=2, pp=2)
+                                 example_inputs=(torch.zeros(8, 8, dtype=torch.long,
+                                                             device="meta"),), dp=2, pp=2)
     run_pp = meshplan.parallelize(meta_pp, piped)
     wrong = {**state, "lm_head.weight": state["lm_head.weight"][:-1]}
     try:

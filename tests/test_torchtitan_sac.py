@@ -196,3 +196,12 @@ def test_biased_matmuls_are_neither_counted_nor_kept():
     measured = _kept_after_forward("torchtitan", BIASED)
     predicted = _kept(plan, graph, "torchtitan")
     assert 0.9 < predicted / measured < 1.1, (predicted / 2**20, measured / 2**20)
+
+
+if __name__ == "__main__":  # the table of DECISIONS 98: python -m tests.test_torchtitan_sac
+    for label, spec, rule in (("Llama, module-engine rule", SPEC, "modules"),
+                              ("Llama, torchtitan's rule", SPEC, "torchtitan"),
+                              ("Qwen2 (biased q, k, v), torchtitan's rule", BIASED, "torchtitan")):
+        plan, graph = _priced(spec)
+        print(f"{label}: measured {_kept_after_forward(rule, spec) / 2**20:.2f} MiB, "
+              f"predicted {_kept(plan, graph, rule) / 2**20:.2f} MiB")

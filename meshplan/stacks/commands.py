@@ -15,7 +15,7 @@ from meshplan.plan import Plan
 from meshplan.stacks.arch import ModelArch, arch_of_spec
 from meshplan.stacks.layout import StackLayout, check_expressible, layout_of
 from meshplan.stacks.search import TARGETS, target_module
-from meshplan.vocabulary import ComputeDtype
+from meshplan.vocabulary import EXPORT_TARGET, ComputeDtype
 
 SUFFIX = {"torchtitan": ".toml", "megatron": ".txt"}
 
@@ -176,8 +176,6 @@ def check_stack_engine(args) -> None:
     """plan / estimate ``--engine STACK`` prices a hand-written layout; the search (no
     --manual) covers meshplan's engines, or a stack's own layouts with ``plan --for``: refused
     in one line before tracing."""
-    from meshplan.vocabulary import EXPORT_TARGET
-
     if args.engine in EXPORT_TARGET and not args.manual and not getattr(args, "for_", None):
         target = EXPORT_TARGET[args.engine]
         raise SpecError(f"--engine {args.engine} prices a --manual layout as {args.engine} runs "
