@@ -84,8 +84,8 @@ def main() -> int:
               "plan_h200_mb4.json on the same H200 (benchmarks/results/"
               "kernel_profile_h200.json; " + KERNEL_PROFILE + "). Predicted: "
               "`compute.op_time` per operator (forward + backward; the causal attention on "
-              "half its FLOPs, on the preset's FlashAttention-2 curve, while torch 2.11 ran "
-              "cuDNN's kernel) and `fusion.fused_time` per fused group; the eager column is "
+              "half its FLOPs, on the preset's default curve, cuDNN's, the kernel torch 2.11 "
+              "ran) and `fusion.fused_time` per fused group; the eager column is "
               "one kernel per traced operator, the pricing before issue 26's eager terms "
               "(next section).", "",
               "| class | predicted eager | measured eager | predicted compiled | "

@@ -17,9 +17,12 @@ Two modes:
   python benchmarks/gpu_check.py measure --out DIR [--budget-s 420]   # on the GPU
   python benchmarks/gpu_check.py compare DIR    # on the CPU machine: predicted vs measured,
         writes benchmarks/results/gpu_check.md and .json
+  python benchmarks/gpu_check.py fit            # on the CPU machine: fits the GPU presets'
+        GEMM and attention curves to the recorded kernel points (benchmarks/gpu/kernel_fit.py)
 
-Nothing here is fitted to anything: the measured points are recorded beside the presets'
-published constants (benchmarks/results/gpu_check.md) as a measurement of this workplace's GPU.
+The GEMM and fused-attention curves of the H100 and H200 presets are fitted to the kernel
+points recorded here (``fit``); nothing is fitted to the one-GPU step, whose prediction is
+compared with its measurement, nor to any published training run.
 """
 
 from __future__ import annotations
@@ -324,9 +327,16 @@ def main(argv=None):
     m.add_argument("--sections", default="", help="comma-separated subset (default: all)")
     c = sub.add_parser("compare")
     c.add_argument("dir", nargs="+")
+    sub.add_parser("fit", help="fit the GPU presets' GEMM and attention curves to the "
+                   "recorded kernel points (benchmarks/results/gpu_check*.json)")
     args = ap.parse_args(argv)
     if args.mode == "make-plan":
         make_plan()
+    elif args.mode == "fit":
+        from kernel_fit import write_presets
+        for preset, fits in write_presets().items():
+            print(preset, "  ".join(f"{k}: max_eff {m} half_work {h:.3g} rms {100 * r:.1f}%"
+                                    for k, (m, h, r) in fits.items()))
     elif args.mode == "measure":
         measure(args.out, args.budget_s, tuple(filter(None, args.sections.split(","))))
     else:

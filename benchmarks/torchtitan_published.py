@@ -125,6 +125,20 @@ def _with_attention_efficiency(mesh, max_eff: float):
                                           device=replace(dev, attention_efficiency=curve)))
 
 
+def h100_mesh(gpus: int):
+    """The mesh of torchtitan's published H100 runs: its Grand Teton part, with PyTorch's SDPA
+    on the kernel the runs' torch chose. They ran torch nightlies of late 2024 / early 2025,
+    when SDPA tried its flash backend (FlashAttention-2) first: cuDNN attention was opt-in
+    from 2.5.1 (pytorch/pytorch#138522) until 2.9 made it the default on Hopper
+    (pytorch/pytorch#162073), which the preset's default curve follows. So these rows are
+    priced on the preset's fa2 curve (``DeviceSpec.with_attention_kernel``)."""
+    from dataclasses import replace
+
+    mesh = meshplan.Mesh.preset(PRESETS["h100"], nodes=gpus // 8)
+    hw = mesh.hardware
+    return replace(mesh, hardware=replace(hw, device=hw.device.with_attention_kernel("fa2")))
+
+
 PEAK_BAND = (835.0, 912.0, 989.0)  # NVL datasheet, the preset's midpoint, SXM datasheet
 
 
@@ -161,7 +175,8 @@ def main() -> int:
         model = parse_model_spec(spec).build(device="meta")
         ids = torch.zeros((local_batch * gpus, seq), dtype=torch.long, device="meta")
         graph = trace(model, (ids,), model_name=name)
-        mesh = meshplan.Mesh.preset(PRESETS[hw], nodes=gpus // 8)
+        mesh = h100_mesh(gpus) if hw == "h100" else \
+            meshplan.Mesh.preset(PRESETS[hw], nodes=gpus // 8)
         if hw == "a100" and args.a100_attention_efficiency is not None:
             mesh = _with_attention_efficiency(mesh, args.a100_attention_efficiency)
         compiled_row = COMPILED.get((hw, gpus))

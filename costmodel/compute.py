@@ -72,17 +72,37 @@ def op_signature(node: OpNode, dtype: str, shard: int = 1) -> str:
 
 
 def roofline_s(hw: HardwareProfile, flops: float, nbytes: float, dtype: str,
-               kind: OpKind | None = None) -> float:
+               kind: OpKind | None = None, work: float | None = None) -> float:
     """max(compute time, memory time) of one kernel, without fixed costs. Attention
-    (``kind``) runs at the device's fused-attention efficiency where the profile gives one."""
+    (``kind``) runs at the device's fused-attention efficiency where the profile gives one,
+    read at ``work`` (``attention_work``: the FLOPs of one query row of one head); other
+    kernels at their FLOPs."""
     dev = hw.device
-    curve = dev.attention_efficiency if kind == OpKind.ATTENTION and dev.attention_efficiency \
-        else dev.matmul_efficiency
-    t_flops = flops / (dev.peak_flops(DTYPE_NAMES.get(dtype, dtype)) * curve(flops)) \
+    attention = kind == OpKind.ATTENTION and dev.attention_efficiency is not None
+    curve = dev.attention_efficiency if attention else dev.matmul_efficiency
+    at = work if attention and work is not None else flops
+    t_flops = flops / (dev.peak_flops(DTYPE_NAMES.get(dtype, dtype)) * curve(at)) \
         if flops > 0 else 0.0
     t_bytes = nbytes / (dev.memory_bandwidth_gbps * 1e9 * dev.memory_efficiency(nbytes)) \
         if nbytes > 0 else 0.0
     return max(t_flops, t_bytes)
+
+
+def attention_work(node: OpNode, flops: float, shard: int = 1) -> float:
+    """The work a fused attention kernel's efficiency depends on: the FLOPs of one query row
+    of one head (4 x keys x head dim forward; ``flops`` on this device, ``shard`` devices
+    splitting its batch, heads or queries). A flash kernel streams every key block past each
+    tile of query rows, paying a fixed cost per tile (loading Q, rescaling and writing O), so
+    its efficiency follows the keys each row sees, not the batch, the heads or the number of
+    rows (benchmarks/gpu/kernel_fit.py fits the presets' curves on this work: rms 2% over
+    seq 1K-16K). An output without (..., queries, dim) dimensions: ``flops``."""
+    out = node.out
+    if out is None or len(out.shape) < 3:
+        return flops
+    rows = 1
+    for d in out.shape[:-1]:
+        rows *= d
+    return flops * shard / rows if rows > 0 else flops
 
 
 def op_time(node: OpNode, hw: HardwareProfile, dtype: str = ComputeDtype.FP32, shard: int = 1, *,
@@ -105,10 +125,12 @@ def op_time(node: OpNode, hw: HardwareProfile, dtype: str = ComputeDtype.FP32, s
     flops = node.flops / shard * (0.5 if causal and node.kind == OpKind.ATTENTION else 1.0)
     nbytes = (node.bytes_read + node.bytes_written) * scale / shard
     fixed = dev.kernel_latency_s + dev.framework_overhead_s
-    forward = (roofline_s(hw, flops, nbytes, dtype, node.kind) + fixed) * contention
+    work = attention_work(node, flops, shard) if node.kind == OpKind.ATTENTION else None
+    forward = (roofline_s(hw, flops, nbytes, dtype, node.kind, work) + fixed) * contention
     if node.flops:
         factor = BACKWARD_FLOPS_FACTOR.get(node.kind, 2.0)
-        backward = (roofline_s(hw, factor * flops, factor * nbytes, dtype, node.kind)
+        backward = (roofline_s(hw, factor * flops, factor * nbytes, dtype, node.kind,
+                               None if work is None else factor * work)
                     + 2 * fixed) * contention
     else:
         factor = BACKWARD_BYTES_FACTOR.get(node.kind, 2.0)

@@ -142,7 +142,8 @@ class RuntimeModel:
       K/V gradients all-reduced, the logits gathered before the shifted loss.
     attention_kernel: the fused attention kernel the stack runs ("fa2", "fa3", "cudnn"),
       priced on the device's curve for it (``DeviceSpec.attention_kernels``); "": the
-      device's ``attention_efficiency`` (PyTorch SDPA's flash backend, FlashAttention-2).
+      device's ``attention_efficiency``, the kernel PyTorch's SDPA picks by default there
+      (on Hopper cuDNN's since torch 2.9; DECISIONS 102).
     tp_comm_overlap: tensor-parallel all-gathers and reduce-scatters overlapped with the
       matmuls next to them, decomposed into tp chunks (``_tp_overlap_hidden_s``):
       Megatron-Core's ``--tp-comm-overlap`` (NeMo's recipes turn it on with TP), torchtitan's

@@ -1,6 +1,8 @@
 """The CPU machine's side of benchmarks/gpu_check.py: measured GPU points against the preset's
 curves and the one-GPU step against the plan's prediction; writes
-benchmarks/results/gpu_check.{md,json}. Nothing is fitted: the preset is read, not changed."""
+benchmarks/results/gpu_check.{md,json}. The preset is read, not changed: its GEMM and
+attention curves are fitted to these kernel points by ``gpu_check.py fit``
+(benchmarks/gpu/kernel_fit.py); the one-GPU step is never fitted."""
 
 from __future__ import annotations
 
@@ -35,27 +37,38 @@ def compare(*dirs: str) -> None:
     lines = [f"# GPU check: {device} (torch {raws[-1]['torch']}), against preset `{preset}`", "",
              "Measured by `benchmarks/gpu/run_on_device.sh` (benchmarks/gpu_check.py measure) on "
              "a lent GPU machine of this workplace; CUDA events, median of 5 timed batches of "
-             "calls after 3 warm-ups, [min, max] of the 5 in brackets. The preset's curves are "
-             "the published constants (costmodel/presets), not fitted to these points.", ""]
+             "calls after 3 warm-ups, [min, max] of the 5 in brackets. The preset's GEMM and "
+             "attention curves are fitted to these kernel points (`python benchmarks/gpu_check.py "
+             "fit`, benchmarks/gpu/kernel_fit.py); the one-GPU step below is not.", ""]
     bw = sections["bandwidth"]["result"]
     lines += [f"HBM copy: {bw['gbps']:.0f} GB/s counting read + write "
               f"([{bw['gbps_range'][0]:.0f}, {bw['gbps_range'][1]:.0f}]); preset "
               f"{dev.memory_bandwidth_gbps:.0f} x max efficiency {dev.memory_efficiency.max_eff} "
               f"= {dev.memory_bandwidth_gbps * dev.memory_efficiency.max_eff:.0f} GB/s.", ""]
+    from kernel_fit import gemm_time
+    c = dev.matmul_efficiency
+
+    def gemm_price(flops):
+        return gemm_time(c.max_eff, c.half_work, peak, dev.kernel_latency_s, flops)
+
     lines += ["## bf16 GEMM (torch.mm)", "",
-              "| m | k | n | GFLOP | measured TFLOP/s [min, max] | % of peak | preset curve % |",
+              "'preset %': the GEMM as the preset prices it (its curve and kernel launch).", "",
+              "| m | k | n | GFLOP | measured TFLOP/s [min, max] | % of peak | preset % |",
               "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sections["gemm_bf16"]["result"]:
         lines.append(f"| {r['m']} | {r['k']} | {r['n']} | {r['flops'] / 1e9:.1f} | "
                      f"{r['tflops']:.0f} [{r['tflops_min']:.0f}, {r['tflops_max']:.0f}] | "
                      f"{100 * r['tflops'] / peak:.1f} | "
-                     f"{100 * dev.matmul_efficiency(r['flops']):.1f} |")
-    att = dev.attention_efficiency
+                     f"{100 * r['flops'] / gemm_price(r['flops']) / (peak * 1e12):.1f} |")
+    from kernel_fit import ATTENTION_CURVES, attention_time
+    curves = {backend: dev.attention_kernels.get(curve) for curve, backend in
+              ATTENTION_CURVES.items()}
     lines += ["", "## Attention (F.scaled_dot_product_attention, bf16, 32 heads x 128, B x S = 16K "
               "tokens)", "",
               "TFLOP/s on the FLOPs the kernel does (causal: half of 4BHS²D forward; backward "
-              "2.5x forward). The preset prices fused attention on "
-              f"{att.max_eff if att else 'the GEMM curve'} of peak (FlashAttention-2).", "",
+              "2.5x forward). 'preset %': forward + backward as the preset prices it, on its "
+              "curve for the backend (fa2 for flash, cudnn), read at one query row's work "
+              "(compute.attention_work).", "",
               "| backend | seq | causal | fwd TFLOP/s | fwd % peak | fwd+bwd TFLOP/s | "
               "fwd+bwd % peak | preset % |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in sections["attention"]["result"]:
@@ -63,10 +76,16 @@ def compare(*dirs: str) -> None:
             lines.append(f"| {r['backend']} | {r['seq']} | {r['causal']} | error: "
                          f"{r['error'][:60]} | | | | |")
             continue
-        pre = 100 * (att(r["fwd_flops"]) if att else dev.matmul_efficiency(r["fwd_flops"]))
+        c = curves.get(r["backend"])
+        if c is None:
+            pre = ""
+        else:
+            t = attention_time(c.max_eff, c.half_work, peak, dev.kernel_latency_s,
+                               r["fwd_flops"], r["batch"] * r["heads"] * r["seq"])
+            pre = f"{100 * 3.5 * r['fwd_flops'] / t / (peak * 1e12):.1f}"
         lines.append(f"| {r['backend']} | {r['seq']} | {r['causal']} | {r['fwd_tflops']:.0f} | "
                      f"{100 * r['fwd_tflops'] / peak:.1f} | {r['fwd_bwd_tflops']:.0f} | "
-                     f"{100 * r['fwd_bwd_tflops'] / peak:.1f} | {pre:.1f} |")
+                     f"{100 * r['fwd_bwd_tflops'] / peak:.1f} | {pre} |")
     fp8_peak = 2 * peak  # Hopper dense fp8 = 2x bf16 (H100/H200 datasheets: 1,979 TFLOP/s)
     lines += ["", "## fp8 e4m3 GEMM (torch._scaled_mm, bf16 out)", "",
               f"% of the dense fp8 peak {fp8_peak:.0f} TFLOP/s (datasheet: 2x bf16). 'with cast "

@@ -1,0 +1,142 @@
+"""The GPU presets' GEMM and attention curves are fitted to the kernels measured on a lent GPU
+(benchmarks/gpu/kernel_fit.py, DECISIONS 102): the fit prices as the estimate does, finds a
+known curve again, and the presets hold exactly what it finds in the recorded measurements."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import sys
+
+import pytest
+
+from meshplan.costmodel.compute import op_time
+from meshplan.costmodel.hardware import load_preset
+from meshplan.graph import OpKind, OpNode, TensorMeta
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def kf():
+    spec = importlib.util.spec_from_file_location(
+        "kernel_fit_benchmark", os.path.join(ROOT, "benchmarks", "gpu", "kernel_fit.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def fitted(kf):
+    out = {}
+    for name in set(kf.FITS.values()):
+        record = kf.load_record(name)
+        dev = load_preset("dgx-h200" if "H200" in record["device"] else "dgx-h100").device
+        out[name] = kf.fits_from(record, dev.peak_tflops["bfloat16"], dev.kernel_latency_s)
+    return out
+
+
+def _node(kind, flops):
+    return OpNode(name="x", target="aten.mm.default", kind=kind, inputs=(),
+                  outputs=(TensorMeta((16, 16), "float32"),), flops=int(flops),
+                  bytes_read=16, bytes_written=16)
+
+
+def _attention(flops):
+    return OpNode(name="a", target="aten._scaled_dot_product_flash_attention.default",
+                  kind=OpKind.ATTENTION, inputs=(),
+                  outputs=(TensorMeta((2, 32, 4096, 128), "float32"),), flops=int(flops),
+                  bytes_read=16, bytes_written=16)
+
+
+@pytest.mark.parametrize("flops", [2e10, 5.5e11, 7.7e12])
+def test_the_fit_prices_each_kernel_as_the_estimate_does(kf, flops):
+    hw = load_preset("dgx-h100")
+    dev = hw.device
+    peak, lat = dev.peak_tflops["bfloat16"], dev.kernel_latency_s
+    t = op_time(_node(OpKind.MATMUL, flops), hw, "bf16")
+    m, h = dev.matmul_efficiency.max_eff, dev.matmul_efficiency.half_work
+    assert kf.gemm_time(m, h, peak, lat, flops) == pytest.approx(t.forward_s, rel=1e-9)
+    # attention, causal: the estimate halves the operator's FLOPs, as the kernel does, and
+    # reads the curve at one query row's work (2 x 32 heads x 4096 queries here)
+    a = op_time(_attention(2 * flops), hw, "bf16", causal=True)
+    c = dev.attention_efficiency
+    assert kf.attention_time(c.max_eff, c.half_work, peak, lat, flops, 2 * 32 * 4096) == \
+        pytest.approx(a.forward_s + a.backward_s, rel=1e-9)
+
+
+def test_the_fit_finds_a_known_curve_again(kf):
+    points = [(w, kf.gemm_time(0.65, 3e9, 989, 5e-6, w)) for w in (1e10, 1e11, 1e12, 1e13)]
+    m, h, rms = kf.fit(lambda m, h, w: kf.gemm_time(m, h, 989, 5e-6, w), points)
+    assert m == pytest.approx(0.65, abs=0.0015)
+    assert math.log10(h) == pytest.approx(math.log10(3e9), abs=0.02)
+    assert rms < 5e-3  # the grid: 30 steps a decade
+
+
+def test_presets_hold_the_curves_fitted_to_the_recorded_kernels(kf, fitted):
+    """An edit of a preset's curve without a refit (or a new measurement without one) fails."""
+    for preset, record in kf.FITS.items():
+        dev = load_preset(preset).device
+        fits = fitted[record]
+        assert (dev.matmul_efficiency.max_eff, dev.matmul_efficiency.half_work) == \
+            fits["matmul"][:2], preset
+        for curve in kf.ATTENTION_CURVES:
+            c = dev.attention_kernels[curve]
+            assert (c.max_eff, c.half_work) == fits[curve][:2], (preset, curve)
+        # SDPA's default on Hopper since torch 2.9 (what meshplan's own engines run)
+        assert dev.attention_efficiency == dev.attention_kernels["cudnn"]
+
+
+@pytest.mark.parametrize("preset", ["dgx-h100", "dgx-h200"])
+def test_the_presets_price_the_measured_kernels(kf, preset):
+    """Each measured GEMM and attention point against the preset's own curves: the published
+    constants they replace (0.75 / 8e9 GEMMs, 0.35 and 0.51 attention) missed the attention
+    points by up to 2x (seq 1K) and every large GEMM by 3-30%."""
+    hw = load_preset(preset)
+    dev = hw.device
+    record = kf.load_record(kf.FITS[preset])
+    peak, lat = dev.peak_tflops["bfloat16"], dev.kernel_latency_s
+
+    def rms(errors):
+        return math.sqrt(sum(e * e for e in errors) / len(errors))
+
+    c = dev.matmul_efficiency
+    gemm = [math.log(kf.gemm_time(c.max_eff, c.half_work, peak, lat, w) / t)
+            for w, t in kf.gemm_points(record)]
+    assert rms(gemm) < 0.10
+    for curve, backend in kf.ATTENTION_CURVES.items():
+        c = dev.attention_kernels[curve]
+        att = [math.log(kf.attention_time(c.max_eff, c.half_work, peak, lat, w, rows) / t)
+               for w, t, rows in kf.attention_points(record, backend)]
+        assert rms(att) < 0.04, (curve, rms(att))
+        assert max(abs(e) for e in att) < 0.08, curve
+
+
+def test_attention_efficiency_follows_the_keys_each_query_row_sees():
+    """A fused attention's price is read at one query row's work (compute.attention_work):
+    batch, heads and the devices splitting them change its time in proportion to its FLOPs;
+    a longer sequence (more keys per row) runs at a higher fraction of peak."""
+    hw = load_preset("dgx-h100")
+
+    def att(b, h, s):
+        n = OpNode(name="a", target="aten._scaled_dot_product_flash_attention.default",
+                   kind=OpKind.ATTENTION, inputs=(),
+                   outputs=(TensorMeta((b, h, s, 128), "float32"),),
+                   flops=4 * b * h * s * s * 128, bytes_read=16, bytes_written=16)
+        return n
+
+    lat = hw.device.kernel_latency_s
+    one = op_time(att(1, 8, 8192), hw, "bf16", causal=True).forward_s - lat
+    eight = op_time(att(8, 8, 8192), hw, "bf16", causal=True).forward_s - lat
+    assert eight == pytest.approx(8 * one, rel=1e-9)
+    # 64 heads split over 8 devices: each runs 8 heads, at the same efficiency
+    split = op_time(att(1, 64, 8192), hw, "bf16", 8, causal=True).forward_s - lat
+    assert split == pytest.approx(one, rel=1e-9)
+    # twice the keys per row: 4x the FLOPs in under 4x the time
+    longer = op_time(att(1, 8, 16384), hw, "bf16", causal=True).forward_s - lat
+    assert 3.0 * one < longer < 3.95 * one
