@@ -165,3 +165,18 @@ def test_every_attention_curve_is_read_per_query_row(preset):
         t = op_time(node, replace(hw, device=dev), "bf16", causal=True)
         eff = node.flops / 2 * 3.5 / t.total_s / peak
         assert 0.5 * curve.max_eff < eff <= curve.max_eff, (preset, kernel or "default", eff)
+
+
+def test_unbatched_attention_is_read_per_query_row_too():
+    """SDPA accepts (queries, dim) tensors (torch 2.13: F.scaled_dot_product_attention of
+    64 x 16 gives 64 x 16): one head of one sequence, priced as the same (1, 1, S, D) one.
+    Before, an output of fewer than 3 dims read the curve at the kernel's FLOPs."""
+    hw = load_preset("dgx-h100")
+
+    def att(shape):
+        s, d = shape[-2], shape[-1]
+        return OpNode(name="a", target="aten.scaled_dot_product_attention.default",
+                      kind=OpKind.ATTENTION, inputs=(),
+                      outputs=(TensorMeta(shape, "float32"),), flops=4 * s * s * d)
+
+    assert op_time(att((4096, 128)), hw, "bf16") == op_time(att((1, 1, 4096, 128)), hw, "bf16")
