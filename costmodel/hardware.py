@@ -12,7 +12,8 @@ Fields the first presets lacked all have defaults, so older profiles still load:
 kernel, e.g. DTensor dispatch), ``device.effective_cores`` (the cores N CPU processes
 effectively share, fitted from runs of the runtime; 0 = ``host_cores``), ``LinkSpec.collectives`` (per-collective overrides of the
 link's bandwidth and latency), ``measured_ops`` (operator signature -> measured time) and
-``device.attention_efficiency`` (fused attention's fraction of peak; absent: as GEMMs) and
+``device.attention_efficiency`` (fused attention's fraction of peak against one query row's
+FLOPs, ``compute.attention_work``; absent: as GEMMs) and
 ``device.fp8_gemm_efficiency`` (fp8 GEMMs by scaling, of ``peak_tflops.float8``) and
 ``device.memory_paths`` (eager elementwise kernels by path, a fraction of the contiguous
 streaming rate: costmodel/kernel_paths.py).
@@ -31,7 +32,8 @@ from meshplan.errors import MeshError
 class EfficiencyCurve:
     """Fraction of peak reached by a kernel of a given size: ``max_eff * w / (w + half_w)``.
 
-    ``w`` is the work of one kernel (FLOPs for matmuls, bytes for memory-bound ops); a
+    ``w`` is the work of one kernel (FLOPs for matmuls, bytes for memory-bound ops; for
+    fused attention the FLOPs of one query row of one head, ``compute.attention_work``); a
     kernel of ``half_w`` reaches half of ``max_eff``. Small kernels do not reach peak.
     """
 
