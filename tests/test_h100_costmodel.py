@@ -154,3 +154,22 @@ def test_torchtitan_benchmark_meshes_price_attention_as_stated():
     t = op_time(node, hw, "bf16", causal=True)
     eff = node.flops / 2 * 3.5 / t.total_s / hw.device.peak_flops("bfloat16")
     assert eff == pytest.approx(0.6, rel=0.01)
+
+
+@pytest.mark.parametrize("key", ["attention_efficiency", "fa2"])
+def test_an_attention_curve_in_kernel_flops_is_refused(key):
+    """A profile (or a plan saved before DECISIONS 102) whose attention curve's half_work is
+    in kernel FLOPs (the published curves' 8e9) would price attention at under 0.1% of peak,
+    since the curve is read at one query row's FLOPs: loading it is one clear error."""
+    d = load_preset("dgx-h100").to_dict()
+    if key == "fa2":
+        d["device"]["attention_kernels"]["fa2"]["half_work"] = 8e9
+    else:
+        d["device"][key]["half_work"] = 8e9
+    with pytest.raises(meshplan.MeshplanError, match=r"half_work is 8e\+09; attention curves "
+                                                     r"are read at one query row's FLOPs"):
+        HardwareProfile.from_dict(d)
+    # every shipped preset loads
+    from meshplan.costmodel.hardware import preset_names
+    for name in preset_names():
+        load_preset(name)
