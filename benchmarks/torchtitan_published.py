@@ -113,14 +113,15 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def _with_attention_efficiency(mesh, max_eff: float):
-    """``mesh`` whose device runs fused attention at ``max_eff`` of peak (the GEMM curve's
-    half-work point)."""
+    """``mesh`` whose device runs fused attention at ``max_eff`` of peak, flat: the curve is
+    read at one query row's work (``compute.attention_work``, ~1e6 FLOPs), so the GEMM
+    curve's half-work (3e9 kernel FLOPs on the A100) would price it under 0.1% of ``max_eff``."""
     from dataclasses import replace
 
     from meshplan.costmodel.hardware import EfficiencyCurve
 
     dev = mesh.hardware.device
-    curve = EfficiencyCurve(half_work=dev.matmul_efficiency.half_work, max_eff=max_eff)
+    curve = EfficiencyCurve(half_work=0.0, max_eff=max_eff)
     return replace(mesh, hardware=replace(mesh.hardware,
                                           device=replace(dev, attention_efficiency=curve)))
 

@@ -95,9 +95,10 @@ def attention_work(node: OpNode, flops: float, shard: int = 1) -> float:
     tile of query rows, paying a fixed cost per tile (loading Q, rescaling and writing O), so
     its efficiency follows the keys each row sees, not the batch, the heads or the number of
     rows (benchmarks/gpu/kernel_fit.py fits the presets' curves on this work: rms 2% over
-    seq 1K-16K). An output without (..., queries, dim) dimensions: ``flops``."""
+    seq 1K-16K). SDPA takes unbatched (queries, dim) inputs too: their rows are the queries.
+    An output without (..., queries, dim) dimensions: ``flops``."""
     out = node.out
-    if out is None or len(out.shape) < 3:
+    if out is None or len(out.shape) < 2:
         return flops
     rows = 1
     for d in out.shape[:-1]:

@@ -12,7 +12,8 @@ Fields the first presets lacked all have defaults, so older profiles still load:
 kernel, e.g. DTensor dispatch), ``device.effective_cores`` (the cores N CPU processes
 effectively share, fitted from runs of the runtime; 0 = ``host_cores``), ``LinkSpec.collectives`` (per-collective overrides of the
 link's bandwidth and latency), ``measured_ops`` (operator signature -> measured time) and
-``device.attention_efficiency`` (fused attention's fraction of peak; absent: as GEMMs) and
+``device.attention_efficiency`` (fused attention's fraction of peak against one query row's
+FLOPs, ``compute.attention_work``; absent: as GEMMs) and
 ``device.fp8_gemm_efficiency`` (fp8 GEMMs by scaling, of ``peak_tflops.float8``) and
 ``device.memory_paths`` (eager elementwise kernels by path, a fraction of the contiguous
 streaming rate: costmodel/kernel_paths.py).
@@ -31,7 +32,8 @@ from meshplan.errors import MeshError
 class EfficiencyCurve:
     """Fraction of peak reached by a kernel of a given size: ``max_eff * w / (w + half_w)``.
 
-    ``w`` is the work of one kernel (FLOPs for matmuls, bytes for memory-bound ops); a
+    ``w`` is the work of one kernel (FLOPs for matmuls, bytes for memory-bound ops; for
+    fused attention the FLOPs of one query row of one head, ``compute.attention_work``); a
     kernel of ``half_w`` reaches half of ``max_eff``. Small kernels do not reach peak.
     """
 
@@ -162,6 +164,13 @@ def hardware_schema() -> dict:
     return json.loads(text)
 
 
+# An attention curve is read at one query row's FLOPs (compute.attention_work): 4 x keys x
+# head dim, 1.07e9 at a million keys of head dim 256. A half_work above it is in the
+# kernel-FLOPs units of the curves before DECISIONS 102 (8e9), which would price attention at
+# under 0.1% of peak.
+MAX_ATTENTION_HALF_WORK = 4 * 2 ** 20 * 256
+
+
 def validate_profile(d) -> list[str]:
     """Problems of a profile dict against the schema (empty when it is valid)."""
     from meshplan.plan import validate_schema
@@ -175,6 +184,16 @@ def validate_profile(d) -> list[str]:
             if key in dev and not 0 < dev[key]["max_eff"] <= 1:
                 problems.append(f"$.device.{key}.max_eff is {dev[key]['max_eff']}; it is a "
                                 "fraction of peak in (0, 1]")
+        attention = ([("attention_efficiency", dev["attention_efficiency"])]
+                     if "attention_efficiency" in dev else []) + \
+            [(f"attention_kernels.{k}", c) for k, c in dev.get("attention_kernels", {}).items()]
+        for key, curve in attention:
+            if curve["half_work"] > MAX_ATTENTION_HALF_WORK:
+                problems.append(
+                    f"$.device.{key}.half_work is {curve['half_work']:g}; attention curves are "
+                    "read at one query row's FLOPs (4 x keys x head dim <= "
+                    f"{MAX_ATTENTION_HALF_WORK:g}), not the kernel's (DECISIONS 102): take the "
+                    "preset's curve or refit it (python benchmarks/gpu_check.py fit)")
         from meshplan.costmodel.kernel_paths import CONTIGUOUS, PATHS
 
         known = [p for p in PATHS if p != CONTIGUOUS]

@@ -116,3 +116,60 @@ def test_both_engines_run_attention_causal(llama):
         masked = replace(default_runtime(hw, engine=engine), causal_attention=False)
         fwd = estimate_plan(plan, graph, runtime=masked).breakdown["forward"]
         assert fwd - plan.predicted.breakdown["forward"] == pytest.approx(saved, rel=1e-6), engine
+
+
+def _torchtitan_published():
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "torchtitan_published_bench", os.path.join(root, "benchmarks",
+                                                       "torchtitan_published.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def test_torchtitan_benchmark_meshes_price_attention_as_stated():
+    """torchtitan's 2024 H100 rows run SDPA's flash backend (the preset's fa2 curve, DECISIONS
+    102); ``--a100-attention-efficiency E`` prices A100 attention at E of peak. The curve is
+    read at one query row's work, so E with the GEMM curve's half-work (3e9 kernel FLOPs)
+    priced the A100's attention at 0.04% of peak instead."""
+    tp = _torchtitan_published()
+    h100 = tp.h100_mesh(8).hardware
+    assert h100.device.attention_efficiency == \
+        load_preset("h100-96gb-hbm2e").device.attention_kernels["fa2"]
+    a100 = tp._with_attention_efficiency(meshplan.Mesh.preset("dgx-a100-80gb", nodes=8), 0.6)
+    hw = a100.hardware
+    s = 4096
+    node = OpNode(name="a", target="aten._scaled_dot_product_flash_attention.default",
+                  kind=OpKind.ATTENTION, inputs=(),
+                  outputs=(TensorMeta((1, 40, s, 128), "float32"),), flops=4 * 40 * s * s * 128)
+    t = op_time(node, hw, "bf16", causal=True)
+    eff = node.flops / 2 * 3.5 / t.total_s / hw.device.peak_flops("bfloat16")
+    assert eff == pytest.approx(0.6, rel=0.01)
+
+
+@pytest.mark.parametrize("key", ["attention_efficiency", "fa2"])
+def test_an_attention_curve_in_kernel_flops_is_refused(key):
+    """A profile (or a plan saved before DECISIONS 102) whose attention curve's half_work is
+    in kernel FLOPs (the published curves' 8e9) would price attention at under 0.1% of peak,
+    since the curve is read at one query row's FLOPs: loading it is one clear error."""
+    d = load_preset("dgx-h100").to_dict()
+    if key == "fa2":
+        d["device"]["attention_kernels"]["fa2"]["half_work"] = 8e9
+    else:
+        d["device"][key]["half_work"] = 8e9
+    with pytest.raises(meshplan.MeshplanError, match=r"half_work is 8e\+09; attention curves "
+                                                     r"are read at one query row's FLOPs"):
+        HardwareProfile.from_dict(d)
+    # every shipped preset loads
+    from meshplan.costmodel.hardware import preset_names
+    for name in preset_names():
+        load_preset(name)

@@ -88,6 +88,8 @@ def test_presets_hold_the_curves_fitted_to_the_recorded_kernels(kf, fitted):
         for curve in kf.ATTENTION_CURVES:
             c = dev.attention_kernels[curve]
             assert (c.max_eff, c.half_work) == fits[curve][:2], (preset, curve)
+        # fa3: published max_eff, no point measured; its half_work (per query row) is fa2's
+        assert dev.attention_kernels["fa3"].half_work == fits["fa2"][1], preset
         # SDPA's default on Hopper since torch 2.9 (what meshplan's own engines run)
         assert dev.attention_efficiency == dev.attention_kernels["cudnn"]
 
@@ -140,3 +142,41 @@ def test_attention_efficiency_follows_the_keys_each_query_row_sees():
     # twice the keys per row: 4x the FLOPs in under 4x the time
     longer = op_time(att(1, 8, 16384), hw, "bf16", causal=True).forward_s - lat
     assert 3.0 * one < longer < 3.95 * one
+
+
+@pytest.mark.parametrize("preset", ["dgx-h100", "dgx-h200", "h100-96gb-hbm2e"])
+def test_every_attention_curve_is_read_per_query_row(preset):
+    """Every fused-attention curve of a preset (the default and each named kernel, fa3's
+    too) is read at one query row's work (compute.attention_work, ~1e6 FLOPs at seq 8K), so
+    its half_work must be on that scale: a half_work left in kernel FLOPs (8e9, the
+    published curves') priced FlashAttention-3 at 0.03% of peak, 1,700x cuDNN's time."""
+    from dataclasses import replace
+
+    hw = load_preset(preset)
+    s = 8192
+    node = OpNode(name="a", target="aten._scaled_dot_product_flash_attention.default",
+                  kind=OpKind.ATTENTION, inputs=(),
+                  outputs=(TensorMeta((1, 32, s, 128), "float32"),),
+                  flops=4 * 32 * s * s * 128, bytes_read=16, bytes_written=16)
+    peak = hw.device.peak_tflops["bfloat16"] * 1e12
+    curves = {"": hw.device.attention_efficiency, **hw.device.attention_kernels}
+    for kernel, curve in curves.items():
+        dev = hw.device.with_attention_kernel(kernel)
+        t = op_time(node, replace(hw, device=dev), "bf16", causal=True)
+        eff = node.flops / 2 * 3.5 / t.total_s / peak
+        assert 0.5 * curve.max_eff < eff <= curve.max_eff, (preset, kernel or "default", eff)
+
+
+def test_unbatched_attention_is_read_per_query_row_too():
+    """SDPA accepts (queries, dim) tensors (torch 2.13: F.scaled_dot_product_attention of
+    64 x 16 gives 64 x 16): one head of one sequence, priced as the same (1, 1, S, D) one.
+    Before, an output of fewer than 3 dims read the curve at the kernel's FLOPs."""
+    hw = load_preset("dgx-h100")
+
+    def att(shape):
+        s, d = shape[-2], shape[-1]
+        return OpNode(name="a", target="aten.scaled_dot_product_attention.default",
+                      kind=OpKind.ATTENTION, inputs=(),
+                      outputs=(TensorMeta(shape, "float32"),), flops=4 * s * s * d)
+
+    assert op_time(att((4096, 128)), hw, "bf16") == op_time(att((1, 1, 4096, 128)), hw, "bf16")
