@@ -107,7 +107,7 @@ def attention_work(node: OpNode, flops: float, shard: int = 1) -> float:
 
 
 def op_time(node: OpNode, hw: HardwareProfile, dtype: str = ComputeDtype.FP32, shard: int = 1, *,
-            contention: float = 1.0, causal: bool = False) -> OpTime:
+            contention: float = 1.0, causal: bool = False, kv_chunks: int = 1) -> OpTime:
     """Forward and backward time of ``node`` when ``shard`` devices split its work evenly.
 
     ``contention`` (>= 1) slows compute when processes share CPU cores (estimate.py
@@ -115,6 +115,9 @@ def op_time(node: OpNode, hw: HardwareProfile, dtype: str = ComputeDtype.FP32, s
     ``is_causal=True``; flash attention skips the blocks above the diagonal, half of the
     FLOPs the operator counts (Dao 2023, FlashAttention-2, section 3.1.1; its TFLOP/s for
     causal attention are quoted on half the FLOPs, as ``attention_efficiency`` is).
+    ``kv_chunks``: ring context parallelism (``operators.ring_kv_chunks``) runs an attention
+    as one kernel per K/V chunk, each row seeing 1 / kv_chunks of the keys at a time, so the
+    attention curve is read at 1 / kv_chunks of a row's work.
     """
     if node.kind in FREE_KINDS:
         return OpTime(0.0, 0.0)
@@ -126,7 +129,8 @@ def op_time(node: OpNode, hw: HardwareProfile, dtype: str = ComputeDtype.FP32, s
     flops = node.flops / shard * (0.5 if causal and node.kind == OpKind.ATTENTION else 1.0)
     nbytes = (node.bytes_read + node.bytes_written) * scale / shard
     fixed = dev.kernel_latency_s + dev.framework_overhead_s
-    work = attention_work(node, flops, shard) if node.kind == OpKind.ATTENTION else None
+    work = attention_work(node, flops, shard) / max(1, kv_chunks) \
+        if node.kind == OpKind.ATTENTION else None
     forward = (roofline_s(hw, flops, nbytes, dtype, node.kind, work) + fixed) * contention
     if node.flops:
         factor = BACKWARD_FLOPS_FACTOR.get(node.kind, 2.0)

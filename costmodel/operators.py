@@ -218,7 +218,8 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             t = operator_time(node, op, graph, hw, dtype, shape, m, contention, group=group,
                               kernels=kernels, attention=attention, fp8=fp8,
                               causal=causal_attention(node, graph, masks,
-                                                       cp_composable or cp_ax is None))
+                                                       cp_composable or cp_ax is None),
+                              kv_chunks=ring_kv_chunks(node, op, shape, cp_ax, cp_composable))
             if tkey is not None:
                 times[tkey] = t
         fwd += t.forward_s
@@ -296,10 +297,24 @@ def selective_recomputes(node, graph: OpGraph, group=None) -> bool:
         group is not None and any(graph.node(n).kind == OpKind.SOFTMAX for n in group.members))
 
 
+def ring_kv_chunks(node, op, shape: tuple[int, ...], cp_ax: int | None,
+                   cp_composable: bool) -> int:
+    """K/V chunks an attention runs as under ring context parallelism: PyTorch's
+    ``context_parallel`` (the module engine, torchtitan) and Transformer Engine's p2p CP
+    (Megatron-LM, NeMo) pass K and V around the cp ring and run one attention kernel per
+    chunk of S / cp keys (head-tail balanced: a causal kernel on the diagonal chunk, full or
+    half ones on the others). The graph engine all-gathers K and V (``cp_composable`` False)
+    and runs one kernel over every key: 1."""
+    if node.kind != OpKind.ATTENTION or cp_ax is None or not cp_composable \
+            or op.output[cp_ax] == REPLICATE:
+        return 1
+    return shape[cp_ax]
+
+
 def operator_time(node, op, graph: OpGraph, hw: HardwareProfile, dtype: str,
                   shape: tuple[int, ...], m: int, contention: float, *, group=None,
                   kernels: dict | None = None, attention: str = "flash", fp8=None,
-                  causal: bool = False) -> OpTime:
+                  causal: bool = False, kv_chunks: int = 1) -> OpTime:
     """Forward and backward seconds of one operator placed as ``op`` (an OpPlacement) for
     one of ``m`` microbatches: fp8 GEMMs, a fused group (priced at its lead), eager kernels,
     materialized attention or ``compute.op_time``, plus the eager extras (autocast's casts,
@@ -321,7 +336,8 @@ def operator_time(node, op, graph: OpGraph, hw: HardwareProfile, dtype: str,
     elif attention == "materialized" and node.kind == OpKind.ATTENTION:
         t = materialized_attention_time(node, hw, dtype, shard, contention=contention)
     else:
-        t = op_time(node, hw, dtype, shard, contention=contention, causal=causal)
+        t = op_time(node, hw, dtype, shard, contention=contention, causal=causal,
+                    kv_chunks=kv_chunks)
     if kernels is not None and name in kernels and node.kind not in \
             MEMORY_BOUND + (OpKind.VIEW, OpKind.LOSS):  # autocast's casts, .grad sums
         extra = kernels[name]
@@ -391,7 +407,9 @@ class OperatorPricer:
                           self.m, self.contention, group=group, kernels=self.kernels,
                           attention=self.runtime.attention, fp8=self.fp8,
                           causal=causal_attention(node, self.graph, self.masks,
-                                                   self.runtime.cp_composable or cp_ax is None))
+                                                   self.runtime.cp_composable or cp_ax is None),
+                          kv_chunks=ring_kv_chunks(node, op, self.stage.mesh_shape, cp_ax,
+                                                   self.runtime.cp_composable))
         rec = self.stage.recompute
         param_mm = node.kind == OpKind.MATMUL and any(i in self.graph.param_map
                                                        for i in node.inputs)

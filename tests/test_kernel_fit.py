@@ -180,3 +180,60 @@ def test_unbatched_attention_is_read_per_query_row_too():
                       outputs=(TensorMeta(shape, "float32"),), flops=4 * s * s * d)
 
     assert op_time(att((4096, 128)), hw, "bf16") == op_time(att((1, 1, 4096, 128)), hw, "bf16")
+
+
+def test_ring_context_parallelism_reads_the_curve_per_kv_chunk(monkeypatch):
+    """Ring context parallelism (torch's context_parallel on the module engine and
+    torchtitan, Transformer Engine's p2p CP under Megatron-LM) runs one attention kernel per
+    K/V chunk of S / cp keys; the graph engine all-gathers K and V and runs one kernel over
+    all of them. The estimate reads the attention curve at a row's work / cp on the ring
+    engines (operators.ring_kv_chunks) and at the whole row's on the graph engine."""
+    import meshplan
+    from meshplan.costmodel import operators
+    from meshplan.costmodel.estimate import default_runtime
+    from meshplan.costmodel.stage_layout import split_factor
+    from meshplan.specs import example_inputs, parse_model_spec
+    from meshplan.tracing import trace
+
+    # head dim 128 at 2K tokens: attention is compute-bound and on the curve's slope
+    model = parse_model_spec("transformers:llama?hidden_size=256&intermediate_size=512"
+                             "&num_hidden_layers=2&num_attention_heads=2&num_key_value_heads=1"
+                             "&vocab_size=1024&max_position_embeddings=2048").build("meta")
+    graph = trace(model, example_inputs(model, 8, 2048))
+    mesh = meshplan.Mesh.preset("dgx-h100", nodes=1)
+    attn = [n for n in graph.nodes if n.kind == OpKind.ATTENTION]
+    for engine, chunks in (("modules", 2), ("torchtitan", 2), ("megatron", 2), ("graph", 1)):
+        plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, cp=2, dtype="bf16",
+                                    zero=1, engine=engine)
+        stage = plan.stages[0]
+        cp_ax = stage.axis_names.index("cp")
+        ring = default_runtime(load_preset("dgx-h100"), engine=engine).cp_composable
+        assert {operators.ring_kv_chunks(n, stage.ops[n.name], stage.mesh_shape, cp_ax, ring)
+                for n in attn} == {chunks}, engine
+    # the module engine's estimate moves by exactly the attention kernels' difference
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, cp=2, dtype="bf16", zero=1,
+                                engine="modules")
+    stage = plan.stages[0]
+    m = plan.training.microbatches
+    ring = meshplan.estimate(plan).breakdown["forward"]
+    monkeypatch.setattr(operators, "ring_kv_chunks", lambda *a: 1)
+    whole = meshplan.estimate(plan).breakdown["forward"]
+    hw = load_preset("dgx-h100")
+    delta = 0.0
+    for n in attn:
+        shard = split_factor(stage.ops[n.name].output, stage.mesh_shape) * m
+        delta += (op_time(n, hw, "bf16", shard, causal=True, kv_chunks=2).forward_s
+                  - op_time(n, hw, "bf16", shard, causal=True).forward_s) * m
+    assert delta > 0
+    assert ring - whole == pytest.approx(delta, rel=1e-6)
+    # explain's pricer (the chosen placement and its alternatives) reads it the same way
+    monkeypatch.undo()
+    from meshplan.costmodel.estimate import operator_pricer
+    from meshplan.costmodel.operators import operator_time
+
+    pricer = operator_pricer(plan, graph, 0)
+    for n in attn:
+        op = stage.ops[n.name]
+        t = operator_time(n, op, graph, pricer.hw, "bf16", stage.mesh_shape, m,
+                          pricer.contention, kernels=pricer.kernels, causal=True, kv_chunks=2)
+        assert pricer.compute_s(n, op) == pytest.approx(t.total_s, rel=1e-9)
