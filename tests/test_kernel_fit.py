@@ -4,31 +4,21 @@ known curve again, and the presets hold exactly what it finds in the recorded me
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import sys
 
 import pytest
 
 from meshplan.costmodel.compute import op_time
 from meshplan.costmodel.hardware import load_preset
 from meshplan.graph import OpKind, OpNode, TensorMeta
+from tests.harness.benchmarks import benchmark_module
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def kf():
-    spec = importlib.util.spec_from_file_location(
-        "kernel_fit_benchmark", os.path.join(ROOT, "benchmarks", "gpu", "kernel_fit.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
+    with benchmark_module("gpu/kernel_fit") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 @pytest.fixture(scope="module")

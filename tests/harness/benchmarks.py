@@ -12,10 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @contextmanager
 def benchmark_module(name: str):
-    """``benchmarks/<name>.py`` imported under a private name (registered in sys.modules while
+    """``benchmarks/<name>.py`` (``name`` may be ``gpu/kernel_fit``) imported under a private name (registered in sys.modules while
     in use: dataclasses look their module up there), removed again afterwards."""
     spec = importlib.util.spec_from_file_location(
-        f"{name}_benchmark", os.path.join(ROOT, "benchmarks", f"{name}.py"))
+        f"{name.replace('/', '_')}_benchmark", os.path.join(ROOT, "benchmarks", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     try:
