@@ -4,7 +4,9 @@ price with, and one training step of meshplan's module engine against its predic
 trace -> **cost** -> run. The cost model prices a GEMM at ``max_eff * work / (work +
 half_work)`` of the device peak and fused attention on a curve of the same form
 (costmodel/hardware.py); this script measures both on the GPU it runs on, plus HBM copy
-bandwidth, fp8 GEMMs (``torch._scaled_mm``, tensorwise and rowwise scales) and one bf16 step
+bandwidth, fp8 GEMMs (``torch._scaled_mm``, tensorwise and rowwise scales), four Llama 3.1 8B
+blocks under torchtitan's op-level selective AC eager and compiled (benchmarks/gpu/sac_compile.py,
+section ``sac_compile``, last: ``--sections sac_compile`` runs it alone) and one bf16 step
 of a ~0.9B-parameter Llama-style model (benchmarks/gpu/model.py) run by
 ``meshplan.parallelize`` on one GPU, eager and with ``compile=True``, next to the same step in
 plain PyTorch (no meshplan). Every section is timed with CUDA events after warm-up, repeated,
@@ -295,7 +297,8 @@ def measure(out: str, budget_s: float, only: tuple[str, ...] = ()):
                 ("plain_compiled", lambda: plain_step(True)),
                 ("meshplan_compiled", lambda: meshplan_step(plan, True)),
                 ("meshplan_eager_mb4", lambda: meshplan_step(plan4, False)),
-                ("meshplan_compiled_mb4", lambda: meshplan_step(plan4, True))]
+                ("meshplan_compiled_mb4", lambda: meshplan_step(plan4, True)),
+                ("sac_compile", lambda: __import__("sac_compile").measure())]
     for key, fn in sections:
         if only and key not in only:
             continue

@@ -152,6 +152,8 @@ def compare(*dirs: str) -> None:
         lines.append(f"| {label} | {med * 1e3:.1f} [{lo * 1e3:.1f}, {hi * 1e3:.1f}] | "
                      f"{', '.join(f'{e * 1e3:.1f}' for e in each)} | {pred[0]} | "
                      f"{peak_gib:.1f} | {pred[1]} |")
+    if "sac_compile" in sections:
+        lines += _sac_compile_lines(sections["sac_compile"]["result"], preset)
     os.makedirs(RESULTS, exist_ok=True)
     # the H200's record keeps its first name; other GPUs get their own files
     name = "gpu_check" if preset == "dgx-h200" else f"gpu_check_{short}"
@@ -161,3 +163,30 @@ def compare(*dirs: str) -> None:
         json.dump({"device": device, "torch": raws[-1]["torch"], "preset": preset,
                    "steps": rows, "sections": sections}, f, indent=1)
     print("\n".join(lines))
+
+
+def _sac_compile_lines(res: dict, preset: str) -> list[str]:
+    """Four Llama 3.1 8B blocks, torchtitan's op-level selective AC or none, eager or
+    compiled: measured forward + backward against the torchtitan profile's price."""
+    import sac_compile
+    pred = sac_compile.predict(preset)
+    lines = ["", "## torch.compile under torchtitan's selective AC (benchmarks/gpu/sac_compile.py)",
+             "", f"{res['blocks']} Llama 3.1 8B blocks on bf16 hidden states of {res['batch']} x "
+             f"{res['seq']} tokens, bf16 parameters, SDPA's flash backend; forward + backward, "
+             "median of 5 after 2 warm-ups [min, max]. Predicted: `manual_plan(..., "
+             "engine=\"torchtitan\")` forward + backward + recompute on the preset's fa2 curve.",
+             "", "| AC | mode | measured ms [min, max] | predicted ms | predicted / measured | "
+             "peak GiB |", "|---|---|---:|---:|---:|---:|"]
+    for key, r in res["modes"].items():
+        ac, mode = key.split("_")
+        lines.append(f"| {ac} | {mode} | {r['median_s'] * 1e3:.1f} [{r['min_s'] * 1e3:.1f}, "
+                     f"{r['max_s'] * 1e3:.1f}] | {pred[key] * 1e3:.1f} | "
+                     f"{pred[key] / r['median_s']:.3f} | {r['peak_gib']:.1f} |")
+    for ac in ("selective", "none"):
+        m = res["modes"]
+        if f"{ac}_eager" in m and f"{ac}_compiled" in m:
+            saved = m[f"{ac}_eager"]["median_s"] - m[f"{ac}_compiled"]["median_s"]
+            psaved = pred[f"{ac}_eager"] - pred[f"{ac}_compiled"]
+            lines.append(f"\nCompile saves {saved * 1e3:.1f} ms measured, {psaved * 1e3:.1f} ms "
+                         f"predicted ({ac} AC).")
+    return lines

@@ -1,0 +1,153 @@
+"""torch.compile under torchtitan's op-level selective activation checkpointing, measured on
+one GPU against the cost model (issue 26: torchtitan's compiled H100 rows are predicted 15%
+fast while its eager rows are 6% fast, and the estimate saves about 0.6 s of compile per
+8-GPU step where torchtitan's tables show 0.39 s; the one-GPU check of
+benchmarks/gpu_check.py compiles blocks without selective AC, so it cannot tell whether the
+fusion model or the SAC-with-compile composition is off).
+
+What runs: ``BLOCKS`` Llama 3.1 8B decoder blocks (benchmarks/gpu/model.py ``Block``: hidden
+4096, 32 query / 8 KV heads, SwiGLU 14336) on bf16 hidden states of ``BATCH`` x ``SEQ``
+tokens (torchtitan's local batch), bf16 parameters (FSDP2's mixed-precision compute), a
+scalar loss; forward + backward timed, with and without torchtitan's op-level selective AC
+(``torchtitan_policy``: its rule as DECISIONS 98 describes it), eager and with every block
+``torch.compile``d after the checkpoint wrapper (torchtitan's ``apply_ac`` then
+``apply_compile``). SDPA is pinned to its flash backend, the kernel torchtitan's December 2024
+runs ran (DECISIONS 102) and the one their save list names.
+
+``measure()`` runs on the GPU (``gpu_check.py measure`` section ``sac_compile``);
+``predict(preset)`` prices the same step on the CPU machine with ``meshplan.manual_plan(...,
+engine="torchtitan")`` and ``meshplan.estimate(plan, compiled=...)`` (forward + backward +
+recompute of the breakdown; no optimizer, no communication on one GPU).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+
+import torch
+from torch import nn
+
+from model import Block, init_weights
+
+BATCH, SEQ, BLOCKS = 2, 8192, 4
+DIMS = {"dim": 4096, "heads": 32, "kv_heads": 8, "hidden": 14336}  # Llama 3.1 8B's block
+THETA = 500000.0
+MODES = (("selective", False), ("selective", True), ("none", False), ("none", True))
+
+
+class Blocks(nn.Module):
+    """Decoder blocks on hidden states (no embedding, head or loss kernels of their own)."""
+
+    def __init__(self, blocks: int = BLOCKS, dim: int = DIMS["dim"], heads: int = DIMS["heads"],
+                 kv_heads: int = DIMS["kv_heads"], hidden: int = DIMS["hidden"]):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(blocks))
+        hd = dim // heads
+        inv = 1.0 / (THETA ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.to(pos.device))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin)
+        return x
+
+
+def loss_fn(out, *rest):
+    return out.float().pow(2).mean()
+
+
+def torchtitan_policy(count, ctx, func, *args, **kwargs):
+    """torchtitan's op rule (9dec370 ``_apply_op_sac``, DECISIONS 98): count ``aten.mm`` per
+    block, separately in the forward and the recompute; save SDPA's outputs and every mm's
+    but the 2nd, 4th, ...; recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default, aten.max.default}
+    key = "recompute" if ctx.is_recompute else "forward"
+    if func == aten.mm.default:
+        count[key] += 1
+    keep = func in save and not (func == aten.mm.default and count[key] % 2 == 0)
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def build(ac: str, compiled: bool, device: str, **dims) -> Blocks:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    torch.manual_seed(0)
+    net = Blocks(**dims).to(device=device, dtype=torch.bfloat16)
+    init_weights(net)
+    for i, block in enumerate(list(net.layers)):
+        if ac == "selective":
+            block = checkpoint_wrapper(block, preserve_rng_state=False, context_fn=lambda: (
+                create_selective_checkpoint_contexts(partial(torchtitan_policy,
+                                                             defaultdict(int)))))
+        net.layers[i] = torch.compile(block) if compiled else block
+    return net
+
+
+def run_step(net: Blocks, x) -> float:
+    loss = loss_fn(net(x))
+    loss.backward()
+    return float(loss.detach())
+
+
+def measure(steps: int = 5, **dims) -> dict:
+    """Forward + backward of each mode on the GPU: median of ``steps`` after two warm-ups
+    (compile, allocator), [min, max], peak allocated GiB."""
+    import statistics
+    import time
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    dim = dims.get("dim", DIMS["dim"])
+    out = {}
+    for ac, compiled in MODES:
+        net = build(ac, compiled, "cuda", **dims)
+        x = torch.randn(BATCH, SEQ, dim, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            for _ in range(steps + 2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                run_step(net, x)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+        t = times[2:]
+        out[f"{ac}_{'compiled' if compiled else 'eager'}"] = {
+            "median_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+        del net, x
+        torch.cuda.empty_cache()
+    return {"batch": BATCH, "seq": SEQ, "blocks": BLOCKS, "dims": {**DIMS, **dims},
+            "modes": out}
+
+
+def predict(preset: str, **dims) -> dict:
+    """The same step priced by meshplan on ``preset`` with its fa2 attention curve:
+    {mode: seconds of forward + backward + recompute}."""
+    from dataclasses import replace
+
+    import meshplan
+    dim = dims.get("dim", DIMS["dim"])
+    with torch.device("meta"):
+        net = Blocks(**dims)
+    x = torch.zeros(BATCH, SEQ, dim, device="meta")
+    graph = meshplan.trace(net, (x,), loss_fn=loss_fn)
+    mesh = meshplan.Mesh.from_dict({"shape": [1], "hardware": preset, "name": f"{preset}:1"})
+    hw = mesh.hardware
+    mesh = replace(mesh, hardware=replace(hw, device=hw.device.with_attention_kernel("fa2")))
+    out = {}
+    for ac, compiled in MODES:
+        plan = meshplan.manual_plan(net, mesh, graph=graph, dp=1, dtype="bf16", recompute=ac,
+                                    microbatch_size=BATCH, engine="torchtitan")
+        b = meshplan.estimate(plan, compiled=compiled).breakdown
+        out[f"{ac}_{'compiled' if compiled else 'eager'}"] = \
+            b["forward"] + b["backward"] + b["recompute"]
+    return out
