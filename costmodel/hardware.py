@@ -173,7 +173,7 @@ MAX_ATTENTION_HALF_WORK = 4 * 2 ** 20 * 256
 
 def validate_profile(d) -> list[str]:
     """Problems of a profile dict against the schema (empty when it is valid)."""
-    from meshplan.plan import validate_schema
+    from meshplan.schema import validate_schema
 
     if not isinstance(d, dict):
         return [f"a profile is a JSON object, got {type(d).__name__}"]

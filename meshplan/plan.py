@@ -19,6 +19,7 @@ from pathlib import Path
 from meshplan.errors import PlanFileError
 from meshplan.placements import shard_dim
 from meshplan.schedules import SCHEDULES, Schedule
+from meshplan.schema import validate_schema
 from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Engine, Recompute, plain
 
 SCHEMA_VERSION = "meshplan.plan/v1"
@@ -464,53 +465,6 @@ def atomic_write(path: str | os.PathLike, text: str) -> None:
 
 def plan_schema() -> dict:
     return json.loads(resources.files("meshplan").joinpath("plan.schema.json").read_text())
-
-
-def validate_schema(value, schema: dict, path: str = "$", root: dict | None = None) -> list[str]:
-    """A small JSON Schema (draft 2020-12 subset) validator: type, required, properties,
-    additionalProperties, items, enum, pattern, minimum, $ref to #/$defs. Returns problems."""
-    root = root or schema
-    if "$ref" in schema:
-        schema = root["$defs"][schema["$ref"].rsplit("/", 1)[-1]]
-    problems: list[str] = []
-    expected = schema.get("type")
-    if expected is not None:
-        types = expected if isinstance(expected, list) else [expected]
-        if not any(_is_type(value, t) for t in types):
-            return [f"{path} should be {' or '.join(types)}, got {json.dumps(value)[:40]}"]
-    if "enum" in schema and value not in schema["enum"]:
-        problems.append(f"{path} is {value!r}; expected one of {schema['enum']}")
-    if "pattern" in schema and isinstance(value, str) and not re.search(schema["pattern"], value):
-        problems.append(f"{path} is {value!r}, which does not match {schema['pattern']}")
-    if "minimum" in schema and isinstance(value, (int, float)) and value < schema["minimum"]:
-        problems.append(f"{path} is {value}, below the minimum {schema['minimum']}")
-    if isinstance(value, dict):
-        for key in schema.get("required", []):
-            if key not in value:
-                problems.append(f"{path} is missing required field {key!r}")
-        props = schema.get("properties", {})
-        extra = schema.get("additionalProperties", True)
-        for key, sub in value.items():
-            if key in props:
-                problems += validate_schema(sub, props[key], f"{path}.{key}", root)
-            elif extra is False:
-                problems.append(f"{path} has unknown field {key!r}")
-            elif isinstance(extra, dict):
-                problems += validate_schema(sub, extra, f"{path}.{key}", root)
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            problems += validate_schema(item, schema["items"], f"{path}[{i}]", root)
-    return problems
-
-
-def _is_type(value, t: str) -> bool:
-    return {
-        "object": isinstance(value, dict), "array": isinstance(value, list),
-        "string": isinstance(value, str), "boolean": isinstance(value, bool),
-        "integer": isinstance(value, int) and not isinstance(value, bool),
-        "number": isinstance(value, (int, float)) and not isinstance(value, bool),
-        "null": value is None,
-    }[t]
 
 
 def check_placements(placements, ndim: int, what: str) -> None:
