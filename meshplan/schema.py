@@ -22,9 +22,14 @@ def validate_schema(value, schema: dict) -> list[str]:
     """The problems of ``value`` against ``schema``, ordered by their path, each once (one
     ``required`` error per missing field names them all: ``_lines``); empty: valid."""
     errors = _Validator(schema).iter_errors(value)
-    lines = [line for e in sorted(errors, key=lambda e: [str(p) for p in e.absolute_path])
+    lines = [line for e in sorted(errors, key=_path_key)
              for line in _lines(e)]
     return list(dict.fromkeys(lines))
+
+
+def _path_key(e) -> list:
+    """Sort key of an error's path: array indices as numbers (item 2 before item 10)."""
+    return [(0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in e.absolute_path]
 
 
 def _lines(e) -> list[str]:

@@ -158,3 +158,10 @@ def test_each_problem_is_reported_once(plan):
         "$.training is missing required field 'dtype'",
         "$.training is missing required field 'schedule'",
         "$.training has unknown field 'zz'", "$.training has unknown field 'yy'"])
+
+
+def test_problems_come_in_index_order():
+    """The first problem is the one a plan file's error names: item 2 before item 10."""
+    value = [0, 0, "a"] + [0] * 7 + ["b"]
+    assert validate_schema(value, {"type": "array", "items": {"type": "integer"}}) == [
+        '$[2] should be integer, got "a"', '$[10] should be integer, got "b"']
