@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import json
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, validators
+
+# draft 2020-12 counts a float with a zero fraction (8.0) as an integer; meshplan's files never
+# did: a count or mesh size read as 8.0 would reach range() and torch as a float
+_Validator = validators.extend(Draft202012Validator, type_checker=(
+    Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))))
 
 
 def validate_schema(value, schema: dict) -> list[str]:
-    """The problems of ``value`` against ``schema``, in document order (empty: valid)."""
-    errors = Draft202012Validator(schema).iter_errors(value)
-    return [line for e in sorted(errors, key=lambda e: [str(p) for p in e.absolute_path])
-            for line in _lines(e)]
+    """The problems of ``value`` against ``schema``, ordered by their path, each once (one
+    ``required`` error per missing field names them all: ``_lines``); empty: valid."""
+    errors = _Validator(schema).iter_errors(value)
+    lines = [line for e in sorted(errors, key=_path_key)
+             for line in _lines(e)]
+    return list(dict.fromkeys(lines))
+
+
+def _path_key(e) -> list:
+    """Sort key of an error's path: array indices as numbers (item 2 before item 10)."""
+    return [(0, p, "") if isinstance(p, int) else (1, 0, str(p)) for p in e.absolute_path]
 
 
 def _lines(e) -> list[str]:

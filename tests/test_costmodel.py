@@ -207,3 +207,12 @@ def test_a_misspelt_memory_path_is_refused():
     profile["device"]["memory_paths"]["stridded"] = 0.1
     problems = validate_profile(profile)
     assert len(problems) == 1 and "stridded" in problems[0] and "strided" in problems[0]
+
+
+def test_a_profile_with_a_whole_float_count_is_refused():
+    """devices_per_node 8.0 is an integer to draft 2020-12, not to meshplan's profiles."""
+    d = load_preset("dgx-h100").to_dict()
+    d["devices_per_node"] = 8.0
+    assert validate_profile(d) == ["$.devices_per_node should be integer, got 8.0"]
+    with pytest.raises(MeshError, match=r"devices_per_node should be integer, got 8\.0"):
+        HardwareProfile.from_dict(d)

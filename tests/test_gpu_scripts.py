@@ -45,3 +45,37 @@ def test_the_prediction_prices_recompute_and_fusion(sac, monkeypatch):
     t = sac.predict("dgx-h100", **TINY)
     assert t["selective_eager"] > t["none_eager"] > t["none_compiled"] > 0
     assert t["selective_eager"] > t["selective_compiled"]
+
+
+@pytest.mark.parametrize("ac", ["selective", "none"])
+def test_the_compiled_blocks_are_not_traced_with_dynamic_shapes(sac, ac, monkeypatch):
+    """gpu_check.py's earlier sections compile model.py's Block at another size in the same
+    process; a second size makes dynamo retrace with symbolic shapes (automatic dynamic), so
+    the section would time a dynamic-shape graph where torchtitan runs a static one."""
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(any(isinstance(s, torch.SymInt) for t in example_inputs
+                          for s in (t.shape if isinstance(t, torch.Tensor) else (t,))))
+        return gm.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m: compile_(m, backend=recorder))
+    other = torch.compile(sac.Block(32, 2, 1, 64))  # the earlier section's block size
+    other(torch.randn(1, 16, 32), torch.ones(16, 16), torch.zeros(16, 16))
+    assert graphs == [False]
+    net = sac.build(ac, True, "cpu", **TINY)
+    x = torch.randn(2, 32, TINY["dim"], dtype=torch.bfloat16)
+    sac.run_step(net, x)
+    assert len(graphs) > 1 and not any(graphs)
+
+
+def test_a_step_leaves_its_own_gradients(sac):
+    """Timed steps run back to back: each must compute its gradients, not add to the last
+    step's (torchtitan zeroes them every step; the prediction has no accumulation)."""
+    net = sac.build("none", False, "cpu", **TINY)
+    x = torch.randn(2, 32, TINY["dim"], dtype=torch.bfloat16)
+    sac.run_step(net, x)
+    once = [p.grad.clone() for p in net.parameters()]
+    sac.run_step(net, x)
+    assert all(torch.equal(a, p.grad) for a, p in zip(once, net.parameters()))

@@ -80,6 +80,11 @@ def torchtitan_policy(count, ctx, func, *args, **kwargs):
 def build(ac: str, compiled: bool, device: str, **dims) -> Blocks:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    if compiled:
+        # a fresh dynamo, as torchtitan's process has: gpu_check.py's earlier sections
+        # compile model.py's Block at another size, and a second size makes dynamo retrace
+        # with symbolic shapes (automatic dynamic shapes)
+        torch._dynamo.reset()
     torch.manual_seed(0)
     net = Blocks(**dims).to(device=device, dtype=torch.bfloat16)
     init_weights(net)
@@ -93,6 +98,10 @@ def build(ac: str, compiled: bool, device: str, **dims) -> Blocks:
 
 
 def run_step(net: Blocks, x) -> float:
+    """Forward + backward into fresh gradients (torchtitan zeroes them every step; nothing
+    adds to the last step's)."""
+    for p in net.parameters():
+        p.grad = None
     loss = loss_fn(net(x))
     loss.backward()
     return float(loss.detach())
