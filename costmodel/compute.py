@@ -35,6 +35,7 @@ Recomputing an operator costs its forward time again (``OpTime.forward_s``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshplan.costmodel.hardware import HardwareProfile
@@ -100,9 +101,7 @@ def attention_work(node: OpNode, flops: float, shard: int = 1) -> float:
     out = node.out
     if out is None or len(out.shape) < 2:
         return flops
-    rows = 1
-    for d in out.shape[:-1]:
-        rows *= d
+    rows = math.prod(out.shape[:-1])
     return flops * shard / rows if rows > 0 else flops
 
 

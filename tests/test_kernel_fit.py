@@ -23,12 +23,7 @@ def kf():
 
 @pytest.fixture(scope="module")
 def fitted(kf):
-    out = {}
-    for name in set(kf.FITS.values()):
-        record = kf.load_record(name)
-        dev = load_preset("dgx-h200" if "H200" in record["device"] else "dgx-h100").device
-        out[name] = kf.fits_from(record, dev.peak_tflops["bfloat16"], dev.kernel_latency_s)
-    return out
+    return {name: kf.record_fits(kf.load_record(name)) for name in set(kf.FITS.values())}
 
 
 def _node(kind, flops):

@@ -28,7 +28,8 @@ def compare(*dirs: str) -> None:
     for raw in raws:  # later runs add or replace sections (a rerun of the step sections)
         sections.update({k: v for k, v in raw["sections"].items() if "result" in v})
     device = raws[-1]["device"]
-    preset = "dgx-h200" if "H200" in device else "dgx-h100"
+    from kernel_fit import measured_preset
+    preset = measured_preset(device)
     dev = load_preset(preset).device
     peak = dev.peak_tflops["bfloat16"]
     short = preset.split("-")[1]

@@ -108,6 +108,19 @@ def load_record(name: str) -> dict:
         return json.load(f)
 
 
+def measured_preset(device: str) -> str:
+    """The preset of the GPU a record was measured on (``record["device"]``)."""
+    return "dgx-h200" if "H200" in device else "dgx-h100"
+
+
+def record_fits(record: dict) -> dict:
+    """``fits_from`` at the peak and launch cost of the GPU ``record`` was measured on: its
+    points are fractions of that GPU's peak, carried to every preset fitted from them."""
+    with open(os.path.join(PRESETS, f"{measured_preset(record['device'])}.json")) as f:
+        dev = json.load(f)["device"]
+    return fits_from(record, dev["peak_tflops"]["bfloat16"], dev["kernel_latency_s"])
+
+
 def _measured(record_name: str, record: dict, preset: str) -> str:
     part = ("" if preset != "h100-96gb-hbm2e" else
             " Measured on the H100 80GB HBM3 (700 W): the same GH100 chip and kernels, its "
@@ -128,18 +141,16 @@ def _result(fitted) -> str:
 def write_presets(names=tuple(FITS)) -> dict:
     """Fit each preset's curves to its record and write them, with their sources, into
     costmodel/presets/<name>.json. Returns {preset: fits}."""
-    done = {}
+    done, fitted = {}, {}
     for preset in names:
         path = os.path.join(PRESETS, f"{preset}.json")
         with open(path) as f:
             data = json.load(f)
         dev = data["device"]
         record = load_record(FITS[preset])
-        # the fractions are of the measured GPU's peak (its preset's), carried to this one
-        measured_preset = "dgx-h200" if "H200" in record["device"] else "dgx-h100"
-        with open(os.path.join(PRESETS, f"{measured_preset}.json")) as f:
-            mdev = json.load(f)["device"]
-        fits = fits_from(record, mdev["peak_tflops"]["bfloat16"], mdev["kernel_latency_s"])
+        if FITS[preset] not in fitted:  # two presets share the H100's record: fit it once
+            fitted[FITS[preset]] = record_fits(record)
+        fits = fitted[FITS[preset]]
         src = data["sources"]
         m, h, _ = fits["matmul"]
         dev["matmul_efficiency"] = {"half_work": h, "max_eff": m}

@@ -81,6 +81,20 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def rope_inv_freq(dim: int, heads: int, theta: float) -> torch.Tensor:
+    """Rotary inverse frequencies of one head of ``dim // heads``."""
+    hd = dim // heads
+    return 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+
+
+def rope_tables(inv_freq: torch.Tensor, seq: int, like: torch.Tensor):
+    """(cos, sin) of positions 0..seq-1, in ``like``'s dtype and on its device."""
+    pos = torch.arange(seq, device=like.device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq.to(pos.device))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(like.dtype), emb.sin().to(like.dtype)
+
+
 class Llama(nn.Module):
     def __init__(self, vocab=32000, dim=2048, layers=16, heads=16, kv_heads=8, hidden=5632,
                  max_seq=4096, theta=500000.0):
@@ -89,16 +103,11 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
-        hd = dim // heads
-        inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(dim, heads, theta), persistent=False)
 
     def forward(self, ids):
-        pos = torch.arange(ids.shape[1], device=ids.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.to(pos.device))
-        emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(ids)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope_tables(self.inv_freq, ids.shape[1], x)
         for block in self.layers:
             x = block(x, cos, sin)
         return self.lm_head(self.norm(x))

@@ -28,7 +28,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from model import Block, init_weights
+from model import Block, init_weights, rope_inv_freq, rope_tables
 
 BATCH, SEQ, BLOCKS = 2, 8192, 4
 DIMS = {"dim": 4096, "heads": 32, "kv_heads": 8, "hidden": 14336}  # Llama 3.1 8B's block
@@ -43,15 +43,10 @@ class Blocks(nn.Module):
                  kv_heads: int = DIMS["kv_heads"], hidden: int = DIMS["hidden"]):
         super().__init__()
         self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(blocks))
-        hd = dim // heads
-        inv = 1.0 / (THETA ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(dim, heads, THETA), persistent=False)
 
     def forward(self, x):
-        pos = torch.arange(x.shape[1], device=x.device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.to(pos.device))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = rope_tables(self.inv_freq, x.shape[1], x)
         for block in self.layers:
             x = block(x, cos, sin)
         return x
