@@ -205,25 +205,18 @@ def price_parallel() -> list[dict]:
     count and split (see ``TORCHTITAN_STAGES_PER_RANK``). AsyncTP is not told apart: the
     torchtitan profile leaves TP collectives exposed, so both Table 4 rows get one
     prediction."""
-    import torch
-
     import meshplan
-    from meshplan.specs import parse_model_spec
-    from meshplan.tracing import trace
 
     out, plans, graphs = [], {}, {}
     for (table, model, spec, gpus, fsdp, tp, pp, cp, local, seq, schedule, ac, what,
          published, gib) in torchtitan_published.PARALLEL_ROWS:
-        key = (spec, gpus, fsdp, tp, pp, cp, local, seq, schedule, ac)
+        key = (model, gpus, fsdp, tp, pp, cp, local, seq, schedule, ac)
         if key not in plans:
-            if (spec, local * fsdp, seq) not in graphs:
-                built = parse_model_spec(spec.replace(
-                    "max_position_embeddings=8192", f"max_position_embeddings={seq}")).build(
-                        "meta")
-                ids = torch.zeros((local * fsdp, seq), dtype=torch.long, device="meta")
-                graphs[(spec, local * fsdp, seq)] = built, trace(built, (ids,),
-                                                                 model_name=model)
-            built, graph = graphs[(spec, local * fsdp, seq)]
+            gkey = (model, local * fsdp, seq)
+            if gkey not in graphs:  # torchtitan's model code, traced with its loss
+                graphs[gkey] = torchtitan_published.torchtitan_graph(spec, local * fsdp, seq,
+                                                                     model)
+            built, graph = graphs[gkey]
             mesh = torchtitan_published.h100_mesh(gpus)  # SDPA's flash backend, as they ran
             kw = {}
             if pp > 1:

@@ -31,15 +31,10 @@ import sys
 import torch
 
 import meshplan
-from meshplan.specs import parse_model_spec
-from meshplan.tracing import trace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from torchtitan_published import h100_mesh  # noqa: E402
+from torchtitan_published import LLAMA3_8B, h100_mesh, torchtitan_graph  # noqa: E402
 
-SPEC = ("transformers:llama?hidden_size=4096&intermediate_size=14336&num_hidden_layers=32"
-        "&num_attention_heads=32&num_key_value_heads=8&vocab_size=128256"
-        "&max_position_embeddings=8192")
 SOURCE = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 # (GPUs, table, compiled bf16 tok/s/GPU, GiB, compiled Float8 tok/s/GPU, GiB)
 ROWS = ((8, "Table 1", 6667, 77.0, 8532, 76.8), (128, "Table 3", 6514, 62.0, 8380, 61.8))
@@ -49,11 +44,10 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 def main() -> int:
     torch.set_num_threads(1)
-    model = parse_model_spec(SPEC).build(device="meta")
     rows = []
     for gpus, table, bf16_pub, bf16_gib, fp8_pub, fp8_gib in ROWS:
-        ids = torch.zeros((LOCAL_BATCH * gpus, SEQ), dtype=torch.long, device="meta")
-        graph = trace(model, (ids,), model_name="Llama-3.1-8B")
+        # torchtitan's model code (benchmarks/torchtitan_llama.py), traced with its loss
+        model, graph = torchtitan_graph(LLAMA3_8B, LOCAL_BATCH * gpus, SEQ, "Llama-3.1-8B")
         mesh = h100_mesh(gpus)  # h100-96gb-hbm2e, SDPA's flash backend as the runs had it
         pred = {}
         for dtype in ("bf16", "fp8"):

@@ -1,7 +1,9 @@
 """Cost model vs torchtitan's published FSDP runs: Llama-3.1-8B on 8 and 128 H100s, and
 Llama 3 / Llama 2 on 64 A100s.
 
-trace -> **cost**: each model traced on the meta device at torchtitan's batch (local batch x
+trace -> **cost**: each model, written as torchtitan writes it (benchmarks/torchtitan_llama.py:
+rotary embedding on complex numbers, which torch.compile leaves unfused, and torchtitan's
+loss on the fp32 logits), traced on the meta device at torchtitan's batch (local batch x
 sequence per GPU), planned by hand with ``meshplan.manual_plan`` as torchtitan ran it: FSDP
 (ZeRO-3, ``fully_shard`` per block) over every GPU, the run's activation checkpointing, bf16
 parameters with fp32 reduction, AdamW; priced on the preset of that hardware for the stack
@@ -48,18 +50,26 @@ import torch
 
 import meshplan
 from meshplan.tracing import trace
-from meshplan.specs import parse_model_spec
 
 
-def _llama(hidden, inter, layers, heads, kv, vocab, seq):
-    return (f"transformers:llama?hidden_size={hidden}&intermediate_size={inter}"
-            f"&num_hidden_layers={layers}&num_attention_heads={heads}"
-            f"&num_key_value_heads={kv}&vocab_size={vocab}&max_position_embeddings={seq}")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torchtitan_llama  # noqa: E402  (Llama 3 as torchtitan writes it)
+
+LLAMA3_8B = torchtitan_llama.LLAMA3_8B
+LLAMA3_70B = torchtitan_llama.LLAMA3_70B
+LLAMA2_13B = torchtitan_llama.LLAMA2_13B
+LLAMA3_405B = torchtitan_llama.LLAMA3_405B
 
 
-LLAMA3_8B = _llama(4096, 14336, 32, 32, 8, 128256, 8192)
-LLAMA3_70B = _llama(8192, 28672, 80, 64, 8, 128256, 8192)
-LLAMA2_13B = _llama(5120, 13824, 40, 40, 40, 32000, 4096)
+def torchtitan_graph(spec: dict, batch: int, seq: int, name: str):
+    """(model, graph): torchtitan's model code (benchmarks/torchtitan_llama.py) of flavor
+    ``spec`` on the meta device, traced with its loss at ``batch`` sequences of ``seq``."""
+    model = torchtitan_llama.build(**spec, max_seq=seq)
+    ids = torch.zeros((batch, seq), dtype=torch.long, device="meta")
+    return model, trace(model, (ids,), example_targets=(ids,), loss_fn=torchtitan_llama.loss,
+                        model_name=name)
+
+
 H100 = "benchmarks/llama3_h100_202412_torchtitan.md"
 A100 = "docs/performance.md"
 # (hardware, model, spec, GPUs, local batch, sequence, recompute, tokens/s per GPU, GiB, source)
@@ -80,7 +90,6 @@ COMPILED = {("h100", 8): (6667, 77.0, H100 + " Table 1, FSDP + torch.compile"),
 # per data-parallel (FSDP) rank; tokens/s per GPU as torchtitan logs it (over all GPUs).
 # (table, model, spec, GPUs, FSDP, TP, PP, CP, local batch, sequence, schedule, AC,
 #  techniques, tokens/s per GPU, GiB)
-LLAMA3_405B = _llama(16384, 53248, 126, 128, 8, 128256, 8192)
 PARALLEL_ROWS = (
     ("Table 2", "Llama-3.1-8B", LLAMA3_8B, 8, 8, 1, 1, 1, 1, 32768, "", "full",
      "FSDP + CP + torch.compile + Float8", 3890, 83.9),
@@ -173,9 +182,7 @@ def main() -> int:
             in ROWS:
         if args.only and hw != args.only:
             continue
-        model = parse_model_spec(spec).build(device="meta")
-        ids = torch.zeros((local_batch * gpus, seq), dtype=torch.long, device="meta")
-        graph = trace(model, (ids,), model_name=name)
+        model, graph = torchtitan_graph(spec, local_batch * gpus, seq, name)
         mesh = h100_mesh(gpus) if hw == "h100" else \
             meshplan.Mesh.preset(PRESETS[hw], nodes=gpus // 8)
         if hw == "a100" and args.a100_attention_efficiency is not None:

@@ -55,6 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshplan.costmodel.compute import DTYPE_BYTES, OpTime
+from meshplan.costmodel.fusion import runs_eager
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, SLICE_BACKWARD, SLICES,
                                              STRIDED, UPCAST, elementwise_path, is_float,
@@ -132,6 +133,8 @@ def effective_inputs(graph: OpGraph) -> dict[str, tuple[str, ...]]:
                     break
                 i = src.inputs[0]
             resolved.append(i)
+        if node.target.startswith("aten.type_as"):  # x.type_as(y) reads y's dtype only
+            resolved = resolved[:1]
         out[node.name] = tuple(resolved)
     return out
 
@@ -187,7 +190,11 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
             b = o = _meta_itemsize(out.dtype)
         elif _is_cast(node):
             src = size[floats[0]]
-            if out.dtype in ("bfloat16", "float16"):
+            like = node.inputs[1] if node.target.startswith("aten.type_as") and \
+                len(node.inputs) > 1 else None
+            if like in origin:  # x.type_as(y): y's dtype before any upcast of it
+                b = o = origin[like]
+            elif out.dtype in ("bfloat16", "float16"):
                 b = o = 2
             elif src < _meta_itemsize(out.dtype):
                 b, o = _meta_itemsize(out.dtype), src  # x.float(): an upcast
@@ -205,7 +212,8 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
 
 
 def _meta_itemsize(dtype: str) -> int:
-    for key, n in (("float64", 8), ("int64", 8), ("float32", 4), ("int32", 4),
+    for key, n in (("complex128", 16), ("complex64", 8), ("complex32", 4),
+                   ("float64", 8), ("int64", 8), ("float32", 4), ("int32", 4),
                    ("bfloat16", 2), ("float16", 2), ("int16", 2), ("bool", 1), ("int8", 1),
                    ("uint8", 1), ("float8", 1)):
         if dtype.startswith(key):
@@ -232,7 +240,7 @@ def _carrying_grads(graph: OpGraph, outside: set[str]) -> frozenset[str]:
     trainable = {p.name for p in graph.params if p.trainable}
     for n in graph.nodes:
         if n.kind != OpKind.CREATION and any(i in trainable or i in out for i in n.inputs) \
-                and any(is_float(o.dtype) for o in n.outputs):
+                and any(_differentiable(o.dtype) for o in n.outputs):
             out.add(n.name)
     return frozenset(out)
 
@@ -269,7 +277,9 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
         node = graph.node(name)
         if node.out is None:
             continue
-        in_compiled = compiled and node.layer >= 0
+        # inductor fuses a block's operators, or calls its extern kernels, except those
+        # it leaves to ATen (complex ones and the casts they read: fusion.runs_eager)
+        in_compiled = compiled and node.layer >= 0 and not runs_eager(graph, name)
         fwd, bwd = ([], []) if in_compiled else \
             _operator_kernels(graph, node, inputs[name], size, lay, nbytes, needs_grad,
                               name in grads)
@@ -307,6 +317,10 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
     return out
 
 
+def _differentiable(dtype: str) -> bool:
+    return is_float(dtype) or dtype.startswith("complex")
+
+
 def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], size: dict,
                       lay: dict, nbytes, needs_grad,
                       back: bool) -> tuple[list[Kernel], list[Kernel]]:
@@ -315,13 +329,16 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
     t = node.target
     o = nbytes(node.name)
     ins = [i for i in inputs if i in size]
-    floats = [i for i in ins if is_float(value_dtype(graph, i))]
+    floats = [i for i in ins if _differentiable(value_dtype(graph, i))]
     grad_ins = [i for i in floats if needs_grad(i)] if back else []
     if node.kind in (OpKind.MATMUL, OpKind.ATTENTION, OpKind.EMBEDDING, OpKind.CREATION):
         return [], []  # priced by op_time (FLOPs / their own kernels)
     if node.kind == OpKind.LOSS:
         return _loss_kernels(graph, ins, size, nbytes, back)
-    if node.kind == OpKind.VIEW:
+    if _is_cast(node) and node.kind != OpKind.VIEW:  # type_as: a cast, or nothing
+        if not floats or size[floats[0]] == size[node.name]:
+            return [], []
+    if node.kind == OpKind.VIEW or _is_cast(node):
         if _is_cast(node) and floats and size[floats[0]] != size[node.name]:
             up = size[node.name] > size[floats[0]]
             strided = lay.get(floats[0]) == "strided"

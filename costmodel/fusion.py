@@ -16,7 +16,11 @@ The model here, a pure function of the OpGraph:
 
 - fusible: ``OpKind`` ELEMENTWISE, NORM, SOFTMAX, REDUCTION; views join a group and cost
   nothing (as in eager); matmuls, attention, embeddings, losses and unknown operators end a
-  group (inductor calls cuBLAS / the SDPA kernel for them, "extern kernels").
+  group (inductor calls cuBLAS / the SDPA kernel for them, "extern kernels"), and so does
+  any operator that reads or writes a complex tensor: inductor has no code generation for
+  complex values and runs such an operator as its eager kernel (the multiply of torchtitan's
+  rotary embedding, ``view_as_complex(x.float()) * freqs_cis``, with the fp32 value it reads
+  materialized by the kernel before it).
 - only operators of the repeated blocks (``layer >= 0``) fuse, each group inside one
   block: meshplan's ``compile=True`` and torchtitan compile each block on its own
   (``runtime/modules.py`` ``compile_blocks``; torchtitan ``apply_compile``), the embedding,
@@ -37,6 +41,7 @@ from dataclasses import dataclass
 
 from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, roofline_s
 from meshplan.costmodel.hardware import HardwareProfile
+from meshplan.costmodel.kernel_paths import value_dtype
 from meshplan.costmodel.memory import alias_root
 from meshplan.graph import OpGraph, OpKind
 
@@ -57,6 +62,9 @@ class FusedGroup:
     writes: tuple[str, ...]
     read_bytes: int
     written_bytes: int
+    # of read_bytes, values a complex operator made (viewed as real): fp32 whatever the
+    # compute dtype (complex64 is a pair of fp32), priced at their width
+    fp32_read_bytes: int = 0
 
     @property
     def bytes(self) -> int:
@@ -107,14 +115,27 @@ def fusion_groups(graph: OpGraph, names) -> tuple[FusedGroup, ...]:
 
 
 def _fuses(graph: OpGraph, name: str) -> bool:
-    return name in graph and graph.node(name).kind in FUSIBLE + TRANSPARENT
+    return name in graph and graph.node(name).kind in FUSIBLE + TRANSPARENT \
+        and not _complex(graph, name)
+
+
+def _complex(graph: OpGraph, name: str) -> bool:
+    """Whether ``name`` writes or reads a complex tensor: inductor generates no code for
+    complex operators (torch/_inductor/lowering.py ``unsupported_input_tensor``) and runs
+    them as eager ATen kernels, each a separate launch that reads and writes memory
+    (tests/test_fusion_complex.py compiles torchtitan's rotary embedding and finds them)."""
+    node = graph.node(name)
+    return any(m.dtype.startswith("complex") for m in node.outputs) or any(
+        value_dtype(graph, i).startswith("complex") for i in node.inputs)
 
 
 def _group(graph: OpGraph, members: list[str]) -> FusedGroup:
     inside = set(members)
     reads: dict[str, str] = {}
     for name in members:
-        for i in graph.node(name).inputs:
+        node = graph.node(name)
+        # x.type_as(y) reads y's dtype, not its data
+        for i in node.inputs[:1] if node.target.startswith("aten.type_as") else node.inputs:
             if i not in inside and i not in reads:
                 reads[i] = name
     written: set[str] = set()
@@ -126,13 +147,52 @@ def _group(graph: OpGraph, members: list[str]) -> FusedGroup:
                 written.add(root)
     # a view member moves nothing: an external input read only through views is read by
     # the member behind them, and a value written is its fusible producer's output
-    read_bytes = sum(_tensor_bytes(graph, t) for t, reader in reads.items()
-                     if _reads_data(graph, reader, inside))
+    loaded = [t for t, reader in reads.items() if _reads_data(graph, reader, inside)]
     writes = tuple(n for n in members if n in written)
     lead = next(n for n in members if graph.node(n).kind in FUSIBLE)
     return FusedGroup(members=tuple(members), lead=lead, reads=tuple(reads.items()), writes=writes,
-                      read_bytes=read_bytes,
-                      written_bytes=sum(_tensor_bytes(graph, n) for n in writes))
+                      read_bytes=sum(_tensor_bytes(graph, t) for t in loaded),
+                      written_bytes=sum(_tensor_bytes(graph, n) for n in writes),
+                      fp32_read_bytes=sum(_tensor_bytes(graph, t) for t in loaded
+                                          if _from_complex(graph, t)))
+
+
+def _from_complex(graph: OpGraph, name: str) -> bool:
+    """Whether ``name`` is a complex operator's result, or a view of one (``view_as_real``)."""
+    for _ in range(64):
+        if name not in graph:
+            return value_dtype(graph, name).startswith("complex")
+        node = graph.node(name)
+        if any(m.dtype.startswith("complex") for m in node.outputs):
+            return True
+        if node.kind not in TRANSPARENT or not node.inputs:
+            return False
+        name = node.inputs[0]
+    return False
+
+
+def runs_eager(graph: OpGraph, name: str) -> bool:
+    """Whether a block operator runs as its eager kernel under torch.compile though it is
+    memory-bound: one that reads or writes a complex tensor (``_complex``), and a cast whose
+    value such an operator reads (through views), which a kernel of its own materializes
+    (inductor's ``view_as_complex(x.float())`` before torchtitan's rotary multiply)."""
+    if name not in graph:
+        return False
+    if _complex(graph, name):
+        return True
+    if not _cast(graph, name):
+        return False
+    frontier, seen = [name], set()
+    while frontier:
+        for u in graph.users.get(frontier.pop(), ()):
+            if u in seen or u not in graph:
+                continue
+            seen.add(u)
+            if _complex(graph, u):
+                return True
+            if graph.node(u).kind in TRANSPARENT:
+                frontier.append(u)
+    return False
 
 
 def _producer(graph: OpGraph, name: str, inside: set[str]) -> str | None:
@@ -183,7 +243,8 @@ def fused_time(group: FusedGroup, hw: HardwareProfile, dtype: str, shard: float,
     """Forward and backward time of one fused kernel whose work ``shard`` devices (and
     microbatches) split: one roofline over its external bytes plus one fixed cost each way."""
     dev = hw.device
-    nbytes = group.bytes * DTYPE_BYTES.get(dtype, 4) / 4 / shard
+    narrow = (group.bytes - group.fp32_read_bytes) * DTYPE_BYTES.get(dtype, 4) / 4
+    nbytes = (narrow + group.fp32_read_bytes) / shard
     fixed = dev.kernel_latency_s + dev.framework_overhead_s
     forward = (roofline_s(hw, 0.0, nbytes, dtype) + fixed) * contention
     backward = (roofline_s(hw, 0.0, 2.0 * nbytes, dtype) + fixed) * contention

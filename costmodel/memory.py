@@ -55,12 +55,14 @@ MASTER_BYTES = 4  # fp32 master weights under mixed precision (Micikevicius et a
 GRAD_BYTES = 4  # fp32 gradients / Megatron's fp32 main_grad under mixed precision
 
 _LINEAR_ELEMENTWISE = re.compile(r"aten\.(add|sub|neg|clone|fill|copy|zeros_like|ones_like|"
-                                 r"eq|ne|lt|le|gt|ge|__and__|__or__|logical_\w+|where|masked_fill)\.")
+                                 r"eq|ne|lt|le|gt|ge|__and__|__or__|logical_\w+|where|masked_fill|"
+                                 r"type_as)\.")  # a cast's backward casts the gradient back
 _MUL = re.compile(r"aten\.mul\.")
 # views whose output aliases their input's storage (a saved view costs nothing extra)
 _ALIASING = re.compile(r"aten\.(view|_unsafe_view|reshape|transpose|t|permute|split|"
                        r"split_with_sizes|chunk|slice|select|expand|unsqueeze|squeeze|flatten|"
-                       r"unflatten|alias|detach|narrow|unbind|movedim)\.|getitem")
+                       r"unflatten|alias|detach|narrow|unbind|movedim|view_as_complex|"
+                       r"view_as_real)\.|getitem")
 
 
 @dataclass(frozen=True, slots=True)

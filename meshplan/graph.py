@@ -201,12 +201,13 @@ class OpGraph:
 
     @cached_property
     def grad_nodes(self) -> frozenset[str]:
-        """Floating-point operators downstream of a trainable parameter (they carry grads)."""
+        """Floating-point (or complex) operators downstream of a trainable parameter (they carry
+        grads)."""
         out: set[str] = set()
         trainable = {p.name for p in self.params if p.trainable}
         for n in self.nodes:
             if any(i in trainable or i in out for i in n.inputs) and n.kind != OpKind.CREATION:
-                if any(o.dtype.startswith(("float", "bfloat")) for o in n.outputs):
+                if any(o.dtype.startswith(("float", "bfloat", "complex")) for o in n.outputs):
                     out.add(n.name)
         return frozenset(out)
 

@@ -30,7 +30,8 @@ _KIND_PATTERNS: tuple[tuple[OpKind, re.Pattern], ...] = tuple(
         (OpKind.REDUCTION, r"aten\.(sum|mean|amax|amin|max|min|var|std|norm|cumsum|argmax|all|any)\."),
         (OpKind.VIEW, r"aten\.(view|_unsafe_view|reshape|transpose|t|permute|split|split_with_sizes|"
                       r"chunk|cat|stack|slice|select|expand|unsqueeze|squeeze|flatten|unflatten|"
-                      r"contiguous|clone|alias|detach|to|_to_copy|index|narrow|unbind|movedim)\."),
+                      r"contiguous|clone|alias|detach|to|_to_copy|index|narrow|unbind|movedim|"
+                      r"view_as_complex|view_as_real)\."),
         (OpKind.CREATION, r"aten\.(arange|zeros|ones|full|empty|new_ones|new_zeros|new_full|"
                           r"new_empty|scalar_tensor|tensor|ones_like|zeros_like|full_like|tril|triu)"),
         (OpKind.VIEW, r"^(<built-in function getitem>|getitem)$"),

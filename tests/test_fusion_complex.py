@@ -1,0 +1,133 @@
+"""torchtitan's rotary embedding under torch.compile (issue 26: torchtitan's compiled H100 rows
+predicted 17-19% too fast). torchtitan multiplies the query and key by a complex table; inductor
+generates no code for complex values and runs that multiply as its eager ATen kernel, with the
+fp32 upcast it reads materialized by a kernel of its own (costmodel/fusion.py ``runs_eager``).
+Checked by compiling the rotary embedding with inductor on this CPU, then closed forms."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from meshplan.costmodel.eager import eager_kernels, element_bytes
+from meshplan.costmodel.fusion import fusion_groups, runs_eager
+from meshplan.costmodel.memory import saved_inputs
+from meshplan.tracing import trace
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import torchtitan_llama  # noqa: E402
+
+sys.path.pop(0)
+
+B, S, DIM, HEADS, KV = 2, 16, 64, 4, 2
+
+
+@pytest.fixture(scope="module")
+def tt():
+    model = torchtitan_llama.build(dim=DIM, layers=2, heads=HEADS, kv_heads=KV, hidden=128,
+                                   vocab=256, max_seq=S)
+    ids = torch.zeros((B, S), dtype=torch.long, device="meta")
+    return trace(model, (ids,), example_targets=(ids,), loss_fn=torchtitan_llama.loss)
+
+
+def test_inductor_runs_the_complex_multiply_as_an_aten_kernel():
+    """What the rule stands on, measured here: the code inductor generates for torchtitan's
+    rotary embedding calls ATen's complex ``mul`` (a fallback kernel), once for the query
+    and once for the key, after a generated kernel that writes the fp32 upcast."""
+    from torch._inductor.utils import run_and_get_code
+
+    def rope(q, k, table):
+        return torchtitan_llama.rotate(q, k, table)
+
+    q = torch.randn(B, S, HEADS, DIM // HEADS, dtype=torch.bfloat16)
+    k = torch.randn(B, S, KV, DIM // HEADS, dtype=torch.bfloat16)
+    table = torchtitan_llama.freqs_table(DIM // HEADS, S, 500000.0)
+    torch._dynamo.reset()
+    out, codes = run_and_get_code(torch.compile(rope), q, k, table)
+    code = "\n".join(codes)
+    assert code.count("torch.ops.aten.mul.Tensor(") == 2
+    assert "view_as_complex" in code
+    want = rope(q, k, table)
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+def test_complex_operators_stay_out_of_the_fused_kernels(tt):
+    """No fused group holds an operator that reads or writes a complex value; the complex
+    multiplies and the upcasts they read run eagerly; the cast back to bf16 after them is
+    fused, reading the fp32 result at its width (before: the multiply was fused with the
+    casts around it, and priced nothing under compile)."""
+    names = [n.name for n in tt.nodes]
+    complex_ops = [n.name for n in tt.nodes if n.layer == 0 and n.target == "aten.mul.Tensor"
+                   and n.out.dtype == "complex64"]
+    assert len(complex_ops) == 2  # query and key
+    groups = fusion_groups(tt, names)
+    members = {m for g in groups for m in g.members}
+    assert not members & set(complex_ops)
+    upcasts = [n.name for n in tt.nodes if n.layer == 0 and n.target.startswith("aten.to.")
+               and runs_eager(tt, n.name)]
+    assert len(upcasts) == 2  # xq.float(), xk.float()
+    assert not any(runs_eager(tt, n.name) for n in tt.nodes if n.layer == 0 and
+                   n.target.startswith("aten.type_as"))
+    back = [g for g in groups if tt.node(g.lead).layer == 0 and any(
+        tt.node(m).target.startswith("aten.type_as")
+        for m in g.members) and g.fp32_read_bytes]
+    q_numel = B * S * DIM
+    assert sorted(g.fp32_read_bytes for g in back) == [B * S * KV * DIM // HEADS * 4,
+                                                       q_numel * 4]
+
+
+def test_the_eager_kernels_of_the_rotary_embedding_closed_form(tt):
+    """bf16 run (FSDP2's parameters): the query's upcast reads 2 and writes 4 bytes per
+    element; the complex multiply reads the fp32 pairs and the table and writes fp32 pairs;
+    the cast back reads 4 and writes 2 (it reads the query's dtype, not its data: no
+    gradient sum for it). Compiled, the upcast and the multiply keep their kernels."""
+    size = element_bytes(tt, dtype="bf16", precision="fsdp")
+    n = B * S * DIM  # query elements
+    mul = next(x for x in tt.nodes if x.layer == 0 and x.target == "aten.mul.Tensor"
+               and x.out.dtype == "complex64" and x.out.numel == n // 2)
+    table = mul.inputs[1]
+    table_bytes = tt.node(table).out.numel * 8
+    for compiled in (False, True):
+        kernels = eager_kernels(tt, [x.name for x in tt.nodes], dtype="bf16",
+                                precision="fsdp", compiled=compiled)
+        (k,) = kernels[mul.name].forward
+        assert (k.read_bytes, k.written_bytes) == (n * 4 + table_bytes, n * 4)
+        (kb,) = kernels[mul.name].backward  # grad * conj(table)
+        assert (kb.read_bytes, kb.written_bytes) == (n * 4 + table_bytes, n * 4)
+        upcast = tt.node(mul.inputs[0])
+        while not upcast.target.startswith("aten.to."):
+            upcast = tt.node(upcast.inputs[0])
+        (u,) = kernels[upcast.name].forward
+        assert (u.read_bytes, u.written_bytes) == (n * 2, n * 4)
+    cast_back = next(x for x in tt.nodes if x.layer == 0 and x.target.startswith("aten.type_as")
+                     and x.out.numel == n)
+    assert size[cast_back.name] == 2
+    eager = eager_kernels(tt, [x.name for x in tt.nodes], dtype="bf16", precision="fsdp")
+    (c,) = eager[cast_back.name].forward
+    assert (c.read_bytes, c.written_bytes) == (n * 4, n * 2)
+    assert len(eager[cast_back.name].backward) == 1  # the gradient's upcast, no sum
+    assert saved_inputs(cast_back, tt) == ()  # a cast keeps nothing for its backward
+
+
+def test_torchtitan_model_compiled_pays_for_its_rotary_embedding(monkeypatch):
+    """The rule's effect on a whole estimate: compiled, torchtitan's Llama prices its
+    complex multiplies and upcasts (more than the same trace with them fused)."""
+    import meshplan
+    from meshplan.costmodel import fusion, operators
+
+    model = torchtitan_llama.build(dim=DIM, layers=2, heads=HEADS, kv_heads=KV, hidden=128,
+                                   vocab=256, max_seq=S)
+    ids = torch.zeros((8, S), dtype=torch.long, device="meta")
+    graph = trace(model, (ids,), example_targets=(ids,), loss_fn=torchtitan_llama.loss)
+    mesh = meshplan.Mesh.preset("dgx-h100", nodes=1)
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=8, zero=3, microbatch_size=1,
+                                dtype="bf16", engine="torchtitan")
+    operators._EAGER_WALKS.clear()
+    with_rule = meshplan.estimate(plan, compiled=True).step_time_s
+    monkeypatch.setattr(fusion, "_complex", lambda graph, name: False)
+    operators._EAGER_WALKS.clear()
+    without = meshplan.estimate(plan, compiled=True).step_time_s
+    operators._EAGER_WALKS.clear()
+    assert with_rule > without
