@@ -61,7 +61,9 @@ def test_the_compiled_blocks_are_not_traced_with_dynamic_shapes(sac, ac, monkeyp
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda m: compile_(m, backend=recorder))
-    other = torch.compile(sac.Block(32, 2, 1, 64))  # the earlier section's block size
+    import model  # benchmarks/gpu/model.py, on the path beside sac_compile
+
+    other = torch.compile(model.Block(32, 2, 1, 64))  # the earlier section's block size
     other(torch.randn(1, 16, 32), torch.ones(16, 16), torch.zeros(16, 16))
     assert graphs == [False]
     net = sac.build(ac, True, "cpu", **TINY)

@@ -5,8 +5,11 @@ fast while its eager rows are 6% fast, and the estimate saves about 0.6 s of com
 benchmarks/gpu_check.py compiles blocks without selective AC, so it cannot tell whether the
 fusion model or the SAC-with-compile composition is off).
 
-What runs: ``BLOCKS`` Llama 3.1 8B decoder blocks (benchmarks/gpu/model.py ``Block``: hidden
-4096, 32 query / 8 KV heads, SwiGLU 14336) on bf16 hidden states of ``BATCH`` x ``SEQ``
+What runs: ``BLOCKS`` Llama 3.1 8B decoder blocks as torchtitan writes them
+(benchmarks/torchtitan_llama.py ``TransformerBlock``: hidden 4096, 32 query / 8 KV heads,
+SwiGLU 14336, the rotary embedding on complex numbers that inductor leaves unfused,
+DECISIONS 105; the complex64 table stays complex64, as torchtitan keeps it) on bf16 hidden
+states of ``BATCH`` x ``SEQ``
 tokens (torchtitan's local batch), bf16 parameters (FSDP2's mixed-precision compute), a
 scalar loss; forward + backward timed, with and without torchtitan's op-level selective AC
 (``torchtitan_policy``: its rule as DECISIONS 98 describes it), eager and with every block
@@ -22,13 +25,20 @@ recompute of the breakdown; no optimizer, no communication on one GPU).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections import defaultdict
 from functools import partial
 
 import torch
 from torch import nn
 
-from model import Block, init_weights, rope_inv_freq, rope_tables
+from model import init_weights
+
+_BENCHMARKS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _BENCHMARKS not in sys.path:
+    sys.path.append(_BENCHMARKS)
+from torchtitan_llama import TransformerBlock, freqs_table  # noqa: E402
 
 BATCH, SEQ, BLOCKS = 2, 8192, 4
 DIMS = {"dim": 4096, "heads": 32, "kv_heads": 8, "hidden": 14336}  # Llama 3.1 8B's block
@@ -42,13 +52,15 @@ class Blocks(nn.Module):
     def __init__(self, blocks: int = BLOCKS, dim: int = DIMS["dim"], heads: int = DIMS["heads"],
                  kv_heads: int = DIMS["kv_heads"], hidden: int = DIMS["hidden"]):
         super().__init__()
-        self.layers = nn.ModuleList(Block(dim, heads, kv_heads, hidden) for _ in range(blocks))
-        self.register_buffer("inv_freq", rope_inv_freq(dim, heads, THETA), persistent=False)
+        self.layers = nn.ModuleList(TransformerBlock(dim, heads, kv_heads, hidden, 1e-5)
+                                    for _ in range(blocks))
+        self.register_buffer("freqs_cis", freqs_table(dim // heads, SEQ, THETA),
+                             persistent=False)
 
     def forward(self, x):
-        cos, sin = rope_tables(self.inv_freq, x.shape[1], x)
+        freqs_cis = self.freqs_cis[: x.shape[1]]
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, freqs_cis)
         return x
 
 
@@ -81,7 +93,10 @@ def build(ac: str, compiled: bool, device: str, **dims) -> Blocks:
         # with symbolic shapes (automatic dynamic shapes)
         torch._dynamo.reset()
     torch.manual_seed(0)
-    net = Blocks(**dims).to(device=device, dtype=torch.bfloat16)
+    net = Blocks(**dims)
+    table = net.freqs_cis
+    net = net.to(device=device, dtype=torch.bfloat16)
+    net.freqs_cis = table.to(device)  # Module.to(dtype) would cast the complex table to bf16
     init_weights(net)
     for i, block in enumerate(list(net.layers)):
         if ac == "selective":
