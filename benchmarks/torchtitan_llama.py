@@ -1,9 +1,11 @@
 """Llama 3 written the way torchtitan writes it, for pricing torchtitan's published runs.
 
 The transformers Llama the other benchmarks trace computes the same function, but a plan is
-priced on the operators that run, and torchtitan's model code runs different ones
-(torchtitan 0.2.2 ``torchtitan/models/llama3/model/model.py``, and its late-2024 version
-that the published H100 runs used):
+priced on the operators that run, and torchtitan's model code runs different ones. This is
+its late-2024 version, which the published H100 runs used (pytorch/torchtitan
+``torchtitan/models/llama/model.py`` and ``models/norms.py``); torchtitan 0.2.2 keeps the
+complex rotary embedding (``models/llama3/model/model.py`` ``apply_rotary_emb``) but has
+since moved to ``nn.RMSNorm`` and SDPA's ``enable_gqa`` in place of ``repeat_kv``:
 
 - **rotary embedding on complex numbers**: the query and key are upcast to fp32, viewed as
   complex pairs and multiplied by a complex64 table ``freqs_cis``, then viewed back as real

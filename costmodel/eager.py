@@ -58,6 +58,7 @@ from meshplan.costmodel.compute import DTYPE_BYTES, OpTime
 from meshplan.costmodel.fusion import runs_eager
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, SLICE_BACKWARD, SLICES,
+                                             materializes,
                                              STRIDED, UPCAST, elementwise_path, is_float,
                                              layouts, stream_s, sum_path, value_dtype,
                                              value_numel)
@@ -180,7 +181,11 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
         if out is None:
             continue
         floats = [i for i in inputs[node.name] if i in size and is_float(value_dtype(graph, i))]
-        if not is_float(out.dtype):
+        like = node.inputs[1] if node.target.startswith("aten.type_as") and \
+            len(node.inputs) > 1 else None
+        if like in origin and is_float(out.dtype):  # x.type_as(y): y's dtype before any
+            b = o = origin[like]                    # upcast of it, whatever x is
+        elif not is_float(out.dtype):
             b = o = _meta_itemsize(out.dtype)
         elif node.kind in (OpKind.MATMUL, OpKind.ATTENTION):
             b = o = compute
@@ -190,11 +195,7 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
             b = o = _meta_itemsize(out.dtype)
         elif _is_cast(node):
             src = size[floats[0]]
-            like = node.inputs[1] if node.target.startswith("aten.type_as") and \
-                len(node.inputs) > 1 else None
-            if like in origin:  # x.type_as(y): y's dtype before any upcast of it
-                b = o = origin[like]
-            elif out.dtype in ("bfloat16", "float16"):
+            if out.dtype in ("bfloat16", "float16"):
                 b = o = 2
             elif src < _meta_itemsize(out.dtype):
                 b, o = _meta_itemsize(out.dtype), src  # x.float(): an upcast
@@ -336,6 +337,8 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
     if node.kind == OpKind.LOSS:
         return _loss_kernels(graph, ins, size, nbytes, back)
     if _is_cast(node) and node.kind != OpKind.VIEW:  # type_as: a cast, or nothing
+        if not floats and ins:  # (h > 0).type_as(h): a bool or integer value cast
+            return [Kernel(nbytes(ins[0]), o, CONTIGUOUS)], []
         if not floats or size[floats[0]] == size[node.name]:
             return [], []
     if node.kind == OpKind.VIEW or _is_cast(node):
@@ -349,6 +352,9 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
         if t.startswith("aten.cat"):
             return [Kernel(sum(nbytes(i) for i in ins), o,
                            elementwise_path(graph, size, lay, ins, node.name))], []
+        if materializes(graph, node.name):  # repeat_kv's copy: the expanded value written
+            src = graph.node(node.inputs[0]).inputs[0]
+            return [Kernel(nbytes(src), o, BROADCAST)], []
         if t.startswith(SLICES) and grad_ins:
             return [], [Kernel(0.0, nbytes(grad_ins[0]), SLICE_BACKWARD),
                         Kernel(o, o, SLICE_BACKWARD)]
@@ -390,6 +396,9 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
             if i not in grad_ins:
                 continue
             other = floats[1 - k]
+            if value_dtype(graph, other).startswith("complex"):
+                # grad * other.conj(): mul reads no conjugate view, so autograd clones it
+                bwd.append(Kernel(nbytes(other), nbytes(other), CONTIGUOUS))
             prod = elementwise_path(graph, size, lay, (node.name, other), node.name)
             bwd.append(Kernel(o + nbytes(other), o, prod))  # grad * other (or / other)
             if t.startswith("aten.div.") and k == 1:  # -grad * self / other**2
@@ -469,8 +478,19 @@ def fsdp_copy_out_bytes(weight_numel: float, *, dtype: str, passes: int) -> floa
     ``foreach_all_gather_copy_out`` (torch.distributed.fsdp._fully_shard._fsdp_collectives)
     reads the gathered flat buffer and writes every unsharded parameter, in the parameter
     dtype, once per all-gather (``passes``: 2 when the weights are resharded after the
-    forward and gathered again for the backward, ZeRO-3; 1 otherwise). The copy-in
-    (cast of the fp32 shard and its copy into the all-gather buffer) and the gradients'
-    ``_chunk_cat`` into the reduce-scatter buffer run on FSDP2's side streams, beside the
-    compute, and are not counted."""
+    forward and gathered again for the backward, ZeRO-3; 1 otherwise). The all-gather's
+    copy-in (cast of the fp32 shard and its copy into the all-gather buffer) runs on
+    FSDP2's side stream (``all_gather_copy_in_stream``), beside the compute, and is not
+    counted; the gradients' copy-in is (``fsdp_reduce_copy_in_bytes``)."""
     return passes * 2 * weight_numel * DTYPE_BYTES.get(dtype, 4)
+
+
+def fsdp_reduce_copy_in_bytes(weight_numel: float, *, dtype: str, reduce_bytes: float) -> float:
+    """Bytes FSDP2 moves on the compute stream per gradient reduction of one unit:
+    ``foreach_reduce`` (same file) runs ``foreach_reduce_scatter_copy_in``, one
+    ``chunk_cat`` that reads every unsharded gradient in the parameter dtype and writes it
+    into the reduce-scatter buffer in the reduce dtype (fp32 under torchtitan's
+    ``MixedPrecisionPolicy(reduce_dtype=float32)``), on the current stream, before the
+    reduce-scatter stream waits on it ("Only after the copy-in finishes can we free the
+    gradients"; torch 2.13)."""
+    return weight_numel * (DTYPE_BYTES.get(dtype, 4) + reduce_bytes)

@@ -40,7 +40,8 @@ from dataclasses import dataclass, replace
 from meshplan.costmodel import fp8 as fp8_model
 from meshplan.costmodel.comm import Collective, CollectivePrices, bandwidth_s, collective_time_s
 from meshplan.costmodel.compute import DTYPE_NAMES, contention_factor
-from meshplan.costmodel.eager import Kernel, fsdp_copy_out_bytes, kernels_time_s
+from meshplan.costmodel.eager import (Kernel, fsdp_copy_out_bytes, fsdp_reduce_copy_in_bytes,
+                                      kernels_time_s)
 from meshplan.costmodel.fusion import fused_by_member
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, activation_memory, alternate_matmuls, causal_masks
@@ -137,9 +138,10 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                 runtime.backend, runtime.attention,
                                 causal=runtime.causal_attention,
                                 cp_composable=runtime.cp_composable, compiled=runtime.compiled,
-                                fp8=fp8, eager=_eager_precision(stage, runtime))
+                                fp8=fp8, eager=_eager_precision(stage, runtime),
+                                skip_masks=runtime.causal_mask_skipped)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
-    copy_fwd, copy_bwd = _fsdp_copy_out_s(stage, graph, hw, dtype, runtime, contention)
+    copy_fwd, copy_bwd = _fsdp_copy_out_s(stage, graph, hw, dtype, runtime, contention, m)
     tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
@@ -219,11 +221,14 @@ def _eager_precision(stage: Stage, runtime: RuntimeModel) -> str:
 
 
 def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str,
-                     runtime: RuntimeModel, contention: float) -> tuple[float, float]:
-    """(forward, backward) seconds per microbatch of FSDP2's all-gather copy-out on the
-    compute stream (``eager.fsdp_copy_out_bytes``), one copy per FSDP unit (the blocks and
-    the root) and gather: before the forward, and again before the backward where ZeRO-3
-    resharded the weights after the forward."""
+                     runtime: RuntimeModel, contention: float,
+                     microbatches: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds per microbatch of FSDP2's copies on the compute stream,
+    one kernel per FSDP unit (the blocks and the root) each: the all-gather copy-out
+    (``eager.fsdp_copy_out_bytes``) before the forward, and again before the backward where
+    ZeRO-3 resharded the weights after the forward; the gradients' copy-in to the
+    reduction (``eager.fsdp_reduce_copy_in_bytes``) in the backward, every microbatch
+    where the gradients are reduce-scattered every microbatch, else once per step."""
     if not runtime.eager_kernels or stage.zero < 1 or not _fsdp_active(stage, runtime):
         return 0.0, 0.0
     shape, dpa = stage.mesh_shape, dp_axis(stage)
@@ -236,7 +241,12 @@ def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: s
         units[layer] = units.get(layer, 0.0) + info.numel / split_factor(pl, shape, skip_axis=dpa)
     one = sum(kernels_time_s([Kernel(0.0, fsdp_copy_out_bytes(n, dtype=dtype, passes=1))],
                              hw, 1.0) for n in units.values()) * contention
-    return one, (one if stage.zero >= 3 else 0.0)
+    copy_in = sum(kernels_time_s([Kernel(0.0, fsdp_reduce_copy_in_bytes(
+        n, dtype=dtype, reduce_bytes=runtime.grad_bytes))], hw, 1.0)
+        for n in units.values()) * contention
+    per_mb = runtime.reduce_scatter_per_microbatch and stage.zero >= 2
+    copy_in /= 1 if per_mb else max(1, microbatches)
+    return one, (one if stage.zero >= 3 else 0.0) + copy_in
 
 
 def _p2p_s(stage: Stage, hw: HardwareProfile, p2p_bytes: float, *, num_stages: int,

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, roofline_s
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.kernel_paths import value_dtype
+from meshplan.costmodel.kernel_paths import materializes, value_dtype
 from meshplan.costmodel.memory import alias_root
 from meshplan.graph import OpGraph, OpKind
 
@@ -109,7 +109,7 @@ def fusion_groups(graph: OpGraph, names) -> tuple[FusedGroup, ...]:
         groups.setdefault(find(name), []).append(name)
     out = []
     for members in groups.values():
-        if any(graph.node(n).kind in FUSIBLE for n in members):
+        if any(_works(graph, n) for n in members):
             out.append(_group(graph, members))
     return tuple(sorted(out, key=lambda g: graph.position(g.members[0])))
 
@@ -119,11 +119,20 @@ def _fuses(graph: OpGraph, name: str) -> bool:
         and not _complex(graph, name)
 
 
+def _works(graph: OpGraph, name: str) -> bool:
+    """A member the kernel computes and may write: a fusible operator, or a view that
+    copies (``kernel_paths.materializes``: repeat_kv's reshape of an expand)."""
+    return graph.node(name).kind in FUSIBLE or materializes(graph, name)
+
+
 def _complex(graph: OpGraph, name: str) -> bool:
     """Whether ``name`` writes or reads a complex tensor: inductor generates no code for
-    complex operators (torch/_inductor/lowering.py ``unsupported_input_tensor``) and runs
-    them as eager ATen kernels, each a separate launch that reads and writes memory
-    (tests/test_fusion_complex.py compiles torchtitan's rotary embedding and finds them)."""
+    complex arithmetic (torch/_inductor/lowering.py ``unsupported_input_tensor``) and runs
+    it as eager ATen kernels, each a separate launch that reads and writes memory
+    (tests/test_fusion_complex.py compiles torchtitan's rotary embedding and finds them).
+    Every complex operator is treated so; inductor does decompose a complex ``add`` into
+    real adds (torch/_inductor/decomposition.py), which no priced model has, and which this
+    prices as an eager kernel, a little high."""
     node = graph.node(name)
     return any(m.dtype.startswith("complex") for m in node.outputs) or any(
         value_dtype(graph, i).startswith("complex") for i in node.inputs)
@@ -149,7 +158,7 @@ def _group(graph: OpGraph, members: list[str]) -> FusedGroup:
     # the member behind them, and a value written is its fusible producer's output
     loaded = [t for t, reader in reads.items() if _reads_data(graph, reader, inside)]
     writes = tuple(n for n in members if n in written)
-    lead = next(n for n in members if graph.node(n).kind in FUSIBLE)
+    lead = next(n for n in members if _works(graph, n))
     return FusedGroup(members=tuple(members), lead=lead, reads=tuple(reads.items()), writes=writes,
                       read_bytes=sum(_tensor_bytes(graph, t) for t in loaded),
                       written_bytes=sum(_tensor_bytes(graph, n) for n in writes),
@@ -200,7 +209,7 @@ def _producer(graph: OpGraph, name: str, inside: set[str]) -> str | None:
     view of a tensor from outside the group (nothing to write)."""
     for _ in range(64):
         node = graph.node(name)
-        if node.kind not in TRANSPARENT:
+        if node.kind not in TRANSPARENT or materializes(graph, name):
             return name
         src = next((i for i in node.inputs if i in inside), None)
         if src is None:
@@ -213,7 +222,7 @@ def _reads_data(graph: OpGraph, reader: str, inside: set[str]) -> bool:
     """Whether the external input ``reader`` takes is loaded by the kernel: a fusible reader
     loads it; a view reader loads it when some fusible member reads the view (directly or
     through further views)."""
-    if graph.node(reader).kind not in TRANSPARENT:
+    if _works(graph, reader):
         return True
     frontier, seen = [reader], set()
     while frontier:
@@ -221,7 +230,7 @@ def _reads_data(graph: OpGraph, reader: str, inside: set[str]) -> bool:
         for u in graph.users.get(n, ()):
             if u in inside and u not in seen:
                 seen.add(u)
-                if graph.node(u).kind not in TRANSPARENT:
+                if _works(graph, u):
                     return True
                 frontier.append(u)
     return False
@@ -235,7 +244,7 @@ def fused_by_member(graph: OpGraph, names) -> dict[str, FusedGroup]:
     """Each fusible operator of ``names`` that compiles into a group -> its group (views
     are left out: they cost nothing either way)."""
     return {n: g for g in fusion_groups(graph, names) for n in g.members
-            if graph.node(n).kind in FUSIBLE}
+            if _works(graph, n)}
 
 
 def fused_time(group: FusedGroup, hw: HardwareProfile, dtype: str, shard: float, *,

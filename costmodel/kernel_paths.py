@@ -107,6 +107,22 @@ def layouts(graph: OpGraph, inputs: dict) -> dict[str, str]:
     return lay
 
 
+def materializes(graph: OpGraph, name: str) -> bool:
+    """Whether the view ``name`` copies: a reshape of an ``expand`` that added elements
+    (a stride-0 tensor has no layout the new shape can view, so ``reshape`` calls
+    ``clone``): grouped-query attention's ``repeat_kv``, ``x[:, :, :, None].expand(...)
+    .reshape(...)``, writes every repeated key and value."""
+    if name not in graph:
+        return False
+    node = graph.node(name)
+    if not node.target.startswith(_RESHAPES) or node.target.startswith("aten.view") \
+            or not node.inputs or node.inputs[0] not in graph:
+        return False
+    src = graph.node(node.inputs[0])
+    return src.target.startswith("aten.expand") and bool(src.inputs) and \
+        value_numel(graph, src.inputs[0]) < value_numel(graph, src.name)
+
+
 def value_shape(graph: OpGraph, name: str) -> tuple[int, ...]:
     if name in graph:
         out = graph.node(name).out

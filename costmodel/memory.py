@@ -303,6 +303,34 @@ def causal_masks(graph: OpGraph) -> set[str]:
     return out
 
 
+_BUILDERS: dict = {}
+
+
+def mask_builders(graph: OpGraph) -> frozenset[str]:
+    """The causal masks (``causal_masks``) and every operator that only they need: the
+    data-independent operators whose values only mask builders read (the position indices,
+    comparisons and ``and``s a Hugging Face export builds a (batch, 1, seq, seq) mask with).
+    An engine that runs the user's modules eagerly builds none of them
+    (``RuntimeModel.causal_mask_skipped``), so none is priced there."""
+    hit = _BUILDERS.get(id(graph))
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    out = set(causal_masks(graph))
+    if out:
+        users = graph.users
+        for node in reversed(graph.nodes):  # readers before producers
+            name = node.name
+            if name in out or name in graph.data_nodes:
+                continue
+            readers = users.get(name, ())
+            if readers and all(u in out for u in readers):
+                out.add(name)
+    if len(_BUILDERS) > 32:
+        _BUILDERS.clear()
+    _BUILDERS[id(graph)] = (graph, frozenset(out))
+    return frozenset(out)
+
+
 def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq_len: int,
                        micro_fraction: float, attention_extra_per_node: float = 0.0,
                        recomputed: dict | None = None) -> ActivationProfile:

@@ -19,7 +19,7 @@ from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, materialized_attenti
 from meshplan.costmodel.eager import EagerOp, MEMORY_BOUND, eager_kernels, eager_time
 from meshplan.costmodel.fusion import fused_by_member, fused_time
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import alias_root, alternate_matmuls, causal_masks
+from meshplan.costmodel.memory import alias_root, alternate_matmuls, causal_masks, mask_builders
 from meshplan.costmodel.runtime_profiles import RuntimeModel
 from meshplan.costmodel.stage_layout import (_bytes, _feeds_split, _placements, reshard_collectives,
                                              split_factor)
@@ -63,12 +63,16 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
                           dtype: str, m: int, contention: float, coll,
                           backend: str = "nccl", attention: str = "flash", *,
                           causal: bool = False, cp_composable: bool = False,
-                          compiled: bool = False, fp8=None, eager: str = "") -> _OperatorPass:
+                          compiled: bool = False, fp8=None, eager: str = "",
+                          skip_masks: bool = False) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets). ``causal``: attention
-    that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``)."""
+    that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``);
+    ``skip_masks``: the engine builds no causal mask (``RuntimeModel.causal_mask_skipped``),
+    so the operators that only build one cost nothing (``memory.mask_builders``)."""
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
-           contention, id(hw), backend, attention, causal, cp_composable, compiled, fp8, eager)
+           contention, id(hw), backend, attention, causal, cp_composable, compiled, fp8, eager,
+           skip_masks)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
@@ -86,7 +90,7 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
         times = hit[3]
     result = _operator_pass(stage, graph, hw, dtype, m, contention, coll, attention,
                             causal=causal, cp_composable=cp_composable, compiled=compiled, fp8=fp8,
-                            kernels=kernels, times=times)
+                            kernels=kernels, times=times, skip_masks=skip_masks)
     if cache is not None:
         cache[key] = result
     return result
@@ -173,7 +177,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                    contention: float, coll, attention: str = "flash", *,
                    causal: bool = False, cp_composable: bool = False,
                    compiled: bool = False, fp8=None, kernels: dict | None = None,
-                   times: dict | None = None) -> _OperatorPass:
+                   times: dict | None = None, skip_masks: bool = False) -> _OperatorPass:
     """``kernels``: each operator's eager kernels (``RuntimeModel.eager_kernels``,
     costmodel/eager.py), None to price every operator with ``compute.op_time``.
     ``times``: {(operator, placement): OpTime} of this hardware, dtype, microbatch count,
@@ -206,7 +210,10 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     feeds_split = _feeds_split(stage, graph, cp_ax) if cp_ax is not None else set()
     consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
     fused = fused_by_member(graph, names) if compiled else {}  # torch.compile's kernels
+    unbuilt = mask_builders(graph) if skip_masks else frozenset()
     for name in names:
+        if name in unbuilt:  # the engine builds no causal mask
+            continue
         node = graph.node(name)
         op = stage.ops[name]
         group = fused.get(name)
@@ -401,6 +408,8 @@ class OperatorPricer:
 
     def compute_s(self, node, op) -> float:
         """Forward, backward and recomputed forward of one microbatch."""
+        if self.runtime.causal_mask_skipped and node.name in mask_builders(self.graph):
+            return 0.0  # the engine builds no causal mask
         cp_ax = self.stage.axis_names.index("cp") if "cp" in self.stage.axis_names else None
         group = self.fused.get(node.name)
         t = operator_time(node, op, self.graph, self.hw, self.dtype, self.stage.mesh_shape,

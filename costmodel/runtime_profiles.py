@@ -167,7 +167,8 @@ class RuntimeModel:
       eager PyTorch launches for them (costmodel/eager.py: dtypes as they run, autocast's
       casts, autograd's backward kernels and gradient sums, the loss on fp32 logits) and,
       with ``mixed_precision="fsdp"`` where FSDP2 wraps the stage, FSDP2's all-gather
-      copy-out on the compute stream (``eager.fsdp_copy_out_bytes``). On for meshplan's
+      copy-out and its gradients' copy-in on the compute stream
+      (``eager.fsdp_copy_out_bytes``, ``eager.fsdp_reduce_copy_in_bytes``). On for meshplan's
       engines and torchtitan on GPUs; off for Megatron-LM / NeMo, whose Transformer Engine
       and hand-fused kernels (fused layer norm, bias-GeLU, scale-mask-softmax, RoPE) run
       the elementwise work in few kernels, priced one kernel per operator

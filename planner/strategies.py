@@ -419,6 +419,10 @@ def _dim_map(node: OpNode, in_shape, out_shape) -> dict[int, int] | None:
         return {d: d + off for d in range(n_in) if in_shape[d] == out_shape[d + off]}
     if name in _RESHAPES:
         return _reshape_map(in_shape, out_shape)
+    if name == "view_as_complex":  # (..., n, 2) real -> (..., n) complex: the pair dim goes
+        return {d: d for d in range(n_in - 1)}
+    if name == "view_as_real":  # (..., n) complex -> (..., n, 2) real
+        return {d: d for d in range(n_in)}
     return None
 
 

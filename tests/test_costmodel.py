@@ -187,9 +187,10 @@ def test_pipeline_contention_uses_busy_ranks():
     assert costs[1].optimizer_s == pytest.approx(full.optimizer_s)  # every rank steps at once
     dp = manual_plan(meta, mesh, graph=graph, dtype="fp32", dp=4, microbatch_size=2)
     dcost = plan_stage_costs(dp, graph, hw)[0]
+    from meshplan.costmodel.runtime_profiles import plan_runtime
     whole = stage_cost(dp.stages[0], graph, hw, dtype="fp32", optimizer=t.optimizer,
                        microbatches=dp.training.microbatches, seq_len=t.seq_len,
-                       processes_on_host=4)
+                       processes_on_host=4, runtime=plan_runtime(dp, hw))  # its engine's
     assert dcost.forward_s == pytest.approx(whole.forward_s, rel=1e-6)
     assert contention_factor(hw, 4) == pytest.approx(4.0)
 

@@ -17,6 +17,7 @@ import meshplan
 from meshplan.costmodel.compute import roofline_s
 from meshplan.costmodel.eager import (EagerOp, Kernel, eager_kernels, eager_time,
                                       effective_inputs, element_bytes, fsdp_copy_out_bytes,
+                                      fsdp_reduce_copy_in_bytes,
                                       kernel_stream_s)
 from meshplan.costmodel.estimate import (_fsdp_copy_out_s, default_runtime, estimate_plan)
 from meshplan.costmodel.hardware import load_preset
@@ -413,6 +414,10 @@ def test_megatron_and_cpu_hosts_keep_one_kernel_per_operator(tiny):
 def test_fsdp_copy_out_on_the_compute_stream(tiny):
     """FSDP2 copies every all-gathered unit out into the unsharded bf16 weights (read and
     write, 2 bytes each) before the forward, and under ZeRO-3 again before the backward;
+    and copies each unit's bf16 gradients into the fp32 reduce-scatter buffer (read 2,
+    write 4) on the compute stream in the backward (torch's ``foreach_reduce`` runs
+    ``foreach_reduce_scatter_copy_in`` before the reduce-scatter stream waits; before: not
+    counted), every microbatch, or once per step where the gradients are reduced once;
     one copy per unit (the blocks and the root)."""
     hw = load_preset("dgx-h100")
     runtime = default_runtime(hw, engine="modules")
@@ -426,9 +431,15 @@ def test_fsdp_copy_out_on_the_compute_stream(tiny):
     fixed = hw.device.kernel_latency_s + hw.device.framework_overhead_s
     want = sum(roofline_s(hw, 0, fsdp_copy_out_bytes(n, dtype="bf16", passes=1), "bf16")
                + fixed for n in units.values())
-    assert fwd == pytest.approx(want) and bwd == pytest.approx(want)
+    copy_in = sum(roofline_s(hw, 0, n * (2 + 4), "bf16") + fixed for n in units.values())
+    assert fsdp_reduce_copy_in_bytes(10, dtype="bf16", reduce_bytes=4) == 60
+    assert fwd == pytest.approx(want) and bwd == pytest.approx(want + copy_in)
     z2 = _plan(tiny, devices=2, dp=2, zero=2, engine="modules").stages[0]
-    assert _fsdp_copy_out_s(z2, tiny, hw, "bf16", runtime, 1.0) == (pytest.approx(want), 0.0)
+    assert _fsdp_copy_out_s(z2, tiny, hw, "bf16", runtime, 1.0) == (pytest.approx(want),
+                                                                     pytest.approx(copy_in))
+    once = replace(runtime, reduce_scatter_per_microbatch=False)  # reduced once per step
+    assert _fsdp_copy_out_s(z2, tiny, hw, "bf16", once, 1.0, microbatches=4)[1] == \
+        pytest.approx(copy_in / 4)
     one = _plan(tiny, dp=1, engine="modules").stages[0]  # no FSDP on one GPU: autocast
     assert _fsdp_copy_out_s(one, tiny, hw, "bf16", runtime, 1.0) == (0.0, 0.0)
 

@@ -86,6 +86,38 @@ def test_the_module_engine_holds_no_causal_mask(llama):
     assert diff == pytest.approx(2 * 2 * SEQ * SEQ)
 
 
+def test_engines_that_build_no_mask_do_not_price_its_operators():
+    """The module engine and the stacks it stands in for run the model eagerly, where
+    transformers builds no causal mask: the operators the export made it with (position
+    indices, comparisons and ``and``s at batch x seq x seq) cost them nothing, so a
+    data-parallel rank's step does not grow with the global batch (before: those operators,
+    replicated, were priced at the global batch, 63 ms per step for Llama 3.1 8B on 128
+    GPUs). The graph engine replays the export and builds them."""
+    from meshplan.costmodel.memory import causal_masks, mask_builders
+    from meshplan.tracing import trace
+
+    seq = 1024  # masks of batch x seq x seq booleans: bandwidth, not launches
+    model = parse_model_spec(LLAMA.replace("max_position_embeddings=64",
+                                           f"max_position_embeddings={seq}")).build(device="meta")
+    built = {}
+    for dp in (2, 8):  # FSDP2 on both (one device would run autocast's fp32 weights)
+        ids = torch.zeros(2 * dp, seq, dtype=torch.long, device="meta")
+        graph = trace(model, (ids,))
+        builders = mask_builders(graph)
+        assert causal_masks(graph) <= builders
+        assert not builders & graph.data_nodes
+        assert {graph.node(n).target.split(".")[1] for n in builders} >= {"le", "__and__"}
+        mesh = meshplan.Mesh.from_dict({"shape": [dp], "hardware": "dgx-h100",
+                                        "name": f"h100x{dp}"})
+        for engine in ("torchtitan", "megatron", "graph"):
+            plan = meshplan.manual_plan(model, mesh, (ids,), graph=graph, dp=dp, zero=3,
+                                        microbatch_size=2, dtype="bf16", engine=engine)
+            built[engine, dp] = plan.predicted.breakdown["forward"]
+    assert built["torchtitan", 8] == pytest.approx(built["torchtitan", 2], rel=1e-3)
+    assert built["megatron", 8] == pytest.approx(built["megatron", 2], rel=1e-3)
+    assert built["graph", 8] > built["graph", 2] * 1.02  # replicated, at 4x the rows
+
+
 def test_both_engines_run_attention_causal(llama):
     """The module engine's eager model builds no mask; the graph engine's replay finds the
     folded causal mask and drops it (DECISIONS 67): both price the attention at half its
