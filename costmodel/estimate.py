@@ -44,7 +44,8 @@ from meshplan.costmodel.eager import (Kernel, fsdp_copy_out_bytes, fsdp_reduce_c
                                       kernels_time_s)
 from meshplan.costmodel.fusion import fused_by_member
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import GIB, activation_memory, alternate_matmuls, causal_masks
+from meshplan.costmodel.memory import (GIB, activation_memory, alternate_matmuls, causal_masks,
+                                       mask_builders)
 from meshplan.costmodel.operators import (OperatorPricer, _cached_eager_kernels,
                                           _cached_operator_pass, _operator_pass, _recompute_s,
                                           _tp_overlap_hidden_s, causal_attention,
@@ -284,7 +285,9 @@ def operator_pricer(plan: Plan, graph: OpGraph, stage_index: int) -> OperatorPri
         contention=contention, coll=CollectivePrices(stage, hw, backend=runtime.backend),
         kernels=eager_kernel_table(graph, t.dtype, precision, m, runtime.compiled)
         if precision else None,
-        fused=fused_by_member(graph, list(stage.ops)) if runtime.compiled else {},
+        fused=fused_by_member(graph, list(stage.ops), mask_builders(graph)
+                              if runtime.causal_mask_skipped else frozenset())
+        if runtime.compiled else {},
         fp8=fp8_model.fp8_pricing(t.dtype, runtime),
         masks=causal_masks(graph) if causal else set(),
         alternate=alternate_matmuls(graph) if runtime.selective_alternate_matmuls

@@ -80,10 +80,11 @@ def _tensor_bytes(graph: OpGraph, name: str) -> int:
     return sum(m.bytes for n, m in graph.inputs if n == name)
 
 
-def fusion_groups(graph: OpGraph, names) -> tuple[FusedGroup, ...]:
+def fusion_groups(graph: OpGraph, names, plain=frozenset()) -> tuple[FusedGroup, ...]:
     """The kernels torch.compile makes of the fusible operators among ``names`` (a stage's
     operators, in graph order): groups with at least one fusible operator; operators outside
-    every group run as in eager. See the module docstring for the rule."""
+    every group run as in eager. See the module docstring for the rule. ``plain``: copying
+    views the engine does not run (they stay views)."""
     names = [n for n in names if n in graph]
     depth: dict[str, int] = {}
     for name in names:
@@ -109,8 +110,8 @@ def fusion_groups(graph: OpGraph, names) -> tuple[FusedGroup, ...]:
         groups.setdefault(find(name), []).append(name)
     out = []
     for members in groups.values():
-        if any(_works(graph, n) for n in members):
-            out.append(_group(graph, members))
+        if any(_works(graph, n, plain) for n in members):
+            out.append(_group(graph, members, plain))
     return tuple(sorted(out, key=lambda g: graph.position(g.members[0])))
 
 
@@ -119,10 +120,11 @@ def _fuses(graph: OpGraph, name: str) -> bool:
         and not _complex(graph, name)
 
 
-def _works(graph: OpGraph, name: str) -> bool:
+def _works(graph: OpGraph, name: str, plain=frozenset()) -> bool:
     """A member the kernel computes and may write: a fusible operator, or a view that
-    copies (``kernel_paths.materializes``: repeat_kv's reshape of an expand)."""
-    return graph.node(name).kind in FUSIBLE or materializes(graph, name)
+    copies (``kernel_paths.materializes``: repeat_kv's reshape of an expand) unless the
+    engine never runs that copy (``plain``: ``memory.mask_builders``' repeats)."""
+    return graph.node(name).kind in FUSIBLE or (materializes(graph, name) and name not in plain)
 
 
 def _complex(graph: OpGraph, name: str) -> bool:
@@ -138,7 +140,7 @@ def _complex(graph: OpGraph, name: str) -> bool:
         value_dtype(graph, i).startswith("complex") for i in node.inputs)
 
 
-def _group(graph: OpGraph, members: list[str]) -> FusedGroup:
+def _group(graph: OpGraph, members: list[str], plain=frozenset()) -> FusedGroup:
     inside = set(members)
     reads: dict[str, str] = {}
     for name in members:
@@ -151,14 +153,14 @@ def _group(graph: OpGraph, members: list[str]) -> FusedGroup:
     for name in members:
         users = graph.users.get(name, ())
         if name == graph.output or not users or any(u not in inside for u in users):
-            root = _producer(graph, name, inside)
+            root = _producer(graph, name, inside, plain)
             if root is not None:
                 written.add(root)
     # a view member moves nothing: an external input read only through views is read by
     # the member behind them, and a value written is its fusible producer's output
-    loaded = [t for t, reader in reads.items() if _reads_data(graph, reader, inside)]
+    loaded = [t for t, reader in reads.items() if _reads_data(graph, reader, inside, plain)]
     writes = tuple(n for n in members if n in written)
-    lead = next(n for n in members if _works(graph, n))
+    lead = next(n for n in members if _works(graph, n, plain))
     return FusedGroup(members=tuple(members), lead=lead, reads=tuple(reads.items()), writes=writes,
                       read_bytes=sum(_tensor_bytes(graph, t) for t in loaded),
                       written_bytes=sum(_tensor_bytes(graph, n) for n in writes),
@@ -204,12 +206,12 @@ def runs_eager(graph: OpGraph, name: str) -> bool:
     return False
 
 
-def _producer(graph: OpGraph, name: str, inside: set[str]) -> str | None:
+def _producer(graph: OpGraph, name: str, inside: set[str], plain=frozenset()) -> str | None:
     """The fusible member whose output ``name`` is (through views), None when ``name`` is a
     view of a tensor from outside the group (nothing to write)."""
     for _ in range(64):
         node = graph.node(name)
-        if node.kind not in TRANSPARENT or materializes(graph, name):
+        if node.kind not in TRANSPARENT or (materializes(graph, name) and name not in plain):
             return name
         src = next((i for i in node.inputs if i in inside), None)
         if src is None:
@@ -218,11 +220,11 @@ def _producer(graph: OpGraph, name: str, inside: set[str]) -> str | None:
     return None
 
 
-def _reads_data(graph: OpGraph, reader: str, inside: set[str]) -> bool:
+def _reads_data(graph: OpGraph, reader: str, inside: set[str], plain=frozenset()) -> bool:
     """Whether the external input ``reader`` takes is loaded by the kernel: a fusible reader
     loads it; a view reader loads it when some fusible member reads the view (directly or
     through further views)."""
-    if _works(graph, reader):
+    if _works(graph, reader, plain):
         return True
     frontier, seen = [reader], set()
     while frontier:
@@ -230,7 +232,7 @@ def _reads_data(graph: OpGraph, reader: str, inside: set[str]) -> bool:
         for u in graph.users.get(n, ()):
             if u in inside and u not in seen:
                 seen.add(u)
-                if _works(graph, u):
+                if _works(graph, u, plain):
                     return True
                 frontier.append(u)
     return False
@@ -240,11 +242,11 @@ def _cast(graph: OpGraph, name: str) -> bool:
     return graph.node(name).target.startswith(("aten.to.", "aten._to_copy."))
 
 
-def fused_by_member(graph: OpGraph, names) -> dict[str, FusedGroup]:
+def fused_by_member(graph: OpGraph, names, plain=frozenset()) -> dict[str, FusedGroup]:
     """Each fusible operator of ``names`` that compiles into a group -> its group (views
-    are left out: they cost nothing either way)."""
-    return {n: g for g in fusion_groups(graph, names) for n in g.members
-            if _works(graph, n)}
+    are left out: they cost nothing either way). ``plain`` as ``fusion_groups``."""
+    return {n: g for g in fusion_groups(graph, names, plain) for n in g.members
+            if _works(graph, n, plain)}
 
 
 def fused_time(group: FusedGroup, hw: HardwareProfile, dtype: str, shard: float, *,

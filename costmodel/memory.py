@@ -44,6 +44,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from meshplan.costmodel.kernel_paths import materializes
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.schedules import Schedule
 from meshplan.vocabulary import ComputeDtype, Recompute
@@ -309,13 +310,30 @@ _BUILDERS: dict = {}
 def mask_builders(graph: OpGraph) -> frozenset[str]:
     """The causal masks (``causal_masks``) and every operator that only they need: the
     data-independent operators whose values only mask builders read (the position indices,
-    comparisons and ``and``s a Hugging Face export builds a (batch, 1, seq, seq) mask with).
-    An engine that runs the user's modules eagerly builds none of them
-    (``RuntimeModel.causal_mask_skipped``), so none is priced there."""
+    comparisons and ``and``s a Hugging Face export builds a (batch, 1, seq, seq) mask with),
+    and the key / value repeats of an attention that reads such a mask: transformers' SDPA
+    path repeats them (``repeat_kv``, a copy: ``kernel_paths.materializes``) only when it
+    passes a mask, and with none calls SDPA with ``enable_gqa=True``
+    (transformers/integrations/sdpa_attention.py ``use_gqa_in_sdpa``). An engine that runs
+    the user's modules eagerly builds none of them (``RuntimeModel.causal_mask_skipped``),
+    so none is priced there."""
     hit = _BUILDERS.get(id(graph))
     if hit is not None and hit[0] is graph:
         return hit[1]
-    out = set(causal_masks(graph))
+    masks = causal_masks(graph)
+    out = set(masks)
+    for node in graph.nodes:
+        if node.kind != OpKind.ATTENTION or len(node.inputs) < 4 \
+                or alias_root(node.inputs[3], graph) not in masks:
+            continue
+        for name in node.inputs[1:3]:  # key, value: through views to the repeat's copy
+            for _ in range(16):
+                if name not in graph or graph.node(name).kind != OpKind.VIEW:
+                    break
+                if materializes(graph, name):
+                    out.add(name)
+                    break
+                name = graph.node(name).inputs[0] if graph.node(name).inputs else ""
     if out:
         users = graph.users
         for node in reversed(graph.nodes):  # readers before producers
