@@ -229,8 +229,12 @@ def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: s
     (``eager.fsdp_copy_out_bytes``) before the forward, and again before the backward where
     ZeRO-3 resharded the weights after the forward; the gradients' copy-in to the
     reduction (``eager.fsdp_reduce_copy_in_bytes``) in the backward, every microbatch
-    where the gradients are reduce-scattered every microbatch, else once per step."""
-    if not runtime.eager_kernels or stage.zero < 1 or not _fsdp_active(stage, runtime):
+    where the gradients are reduce-scattered every microbatch, else once per step, from the
+    accumulated gradient FSDP2 keeps in the reduce dtype over the microbatches
+    (``to_accumulated_grad_if_needed``). ZeRO-0 too: the module engine's ``replicate`` is
+    FSDP2 with a shard group of one, which copies its weights out and its gradients in
+    the same way (its all-reduce replaces the reduce-scatter)."""
+    if not runtime.eager_kernels or not _fsdp_active(stage, runtime):
         return 0.0, 0.0
     shape, dpa = stage.mesh_shape, dp_axis(stage)
     units: dict[int, float] = {}
@@ -242,10 +246,11 @@ def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: s
         units[layer] = units.get(layer, 0.0) + info.numel / split_factor(pl, shape, skip_axis=dpa)
     one = sum(kernels_time_s([Kernel(0.0, fsdp_copy_out_bytes(n, dtype=dtype, passes=1))],
                              hw, 1.0) for n in units.values()) * contention
-    copy_in = sum(kernels_time_s([Kernel(0.0, fsdp_reduce_copy_in_bytes(
-        n, dtype=dtype, reduce_bytes=runtime.grad_bytes))], hw, 1.0)
-        for n in units.values()) * contention
     per_mb = runtime.reduce_scatter_per_microbatch and stage.zero >= 2
+    accumulated = not per_mb and microbatches > 1  # the copy-in reads the fp32 accumulator
+    copy_in = sum(kernels_time_s([Kernel(0.0, fsdp_reduce_copy_in_bytes(
+        n, dtype="fp32" if accumulated else dtype, reduce_bytes=runtime.grad_bytes))], hw, 1.0)
+        for n in units.values()) * contention
     copy_in /= 1 if per_mb else max(1, microbatches)
     return one, (one if stage.zero >= 3 else 0.0) + copy_in
 

@@ -109,18 +109,35 @@ def layouts(graph: OpGraph, inputs: dict) -> dict[str, str]:
 
 def materializes(graph: OpGraph, name: str) -> bool:
     """Whether the view ``name`` copies: a reshape of an ``expand`` that added elements
-    (a stride-0 tensor has no layout the new shape can view, so ``reshape`` calls
-    ``clone``): grouped-query attention's ``repeat_kv``, ``x[:, :, :, None].expand(...)
-    .reshape(...)``, writes every repeated key and value."""
+    whose new shape no strides of the expanded tensor can view (``reshape`` then calls
+    ``clone``), decided by PyTorch itself on meta tensors: grouped-query attention's
+    ``repeat_kv``, ``x[:, :, :, None].expand(...).reshape(...)``, writes every repeated key
+    and value; with one key head (multi-query) the same reshape is a view."""
     if name not in graph:
         return False
     node = graph.node(name)
     if not node.target.startswith(_RESHAPES) or node.target.startswith("aten.view") \
-            or not node.inputs or node.inputs[0] not in graph:
+            or not node.inputs or node.inputs[0] not in graph or node.out is None:
         return False
     src = graph.node(node.inputs[0])
-    return src.target.startswith("aten.expand") and bool(src.inputs) and \
-        value_numel(graph, src.inputs[0]) < value_numel(graph, src.name)
+    if not (src.target.startswith("aten.expand") and src.inputs and src.out is not None
+            and value_numel(graph, src.inputs[0]) < value_numel(graph, src.name)):
+        return False
+    key = (value_shape(graph, src.inputs[0]), tuple(src.out.shape), tuple(node.out.shape))
+    hit = _COPIES.get(key)
+    if hit is None:
+        import torch
+
+        try:  # the expand's input contiguous, as a fresh unsqueeze or projection is
+            torch.empty(key[0], device="meta").expand(key[1]).view(key[2])
+            hit = False
+        except RuntimeError:
+            hit = True
+        _COPIES[key] = hit
+    return hit
+
+
+_COPIES: dict = {}
 
 
 def value_shape(graph: OpGraph, name: str) -> tuple[int, ...]:

@@ -299,9 +299,36 @@ def causal_masks(graph: OpGraph) -> set[str]:
         root = alias_root(node.inputs[3], graph)
         out_meta = graph.node(root).out if root in graph else None
         if out_meta is not None and root not in graph.data_nodes and out_meta.dtype == "bool" \
-                and len(out_meta.shape) >= 2 and out_meta.shape[-1] == out_meta.shape[-2]:
+                and len(out_meta.shape) >= 2 and out_meta.shape[-1] == out_meta.shape[-2] \
+                and not _built_window(graph, root, out_meta.shape[-1]):
             out.add(root)
     return out
+
+
+def _built_window(graph: OpGraph, root: str, kv_len: int) -> bool:
+    """Whether the mask ``root`` is a sliding-window band that eager transformers builds:
+    its chain compares positions against ``index - window`` (``gt``), and the keys are at
+    least ``window`` long (``masking_utils._ignore_causal_mask_sdpa`` keeps the mask then;
+    shorter, the band is the causal pattern and no mask is built). A band whose window the
+    trace does not show is taken as built."""
+    seen, stack = set(), [root]
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in graph or name in graph.data_nodes:
+            continue
+        seen.add(name)
+        node = graph.node(name)
+        if node.target.startswith(("aten.gt.", "aten.lt.", "aten.ge.")):
+            window = None
+            for i in node.inputs:
+                if i in graph and graph.node(i).target.startswith("aten.sub."):
+                    consts = [a for a in graph.node(i).parsed_args()[0]
+                              if isinstance(a, int) and not isinstance(a, bool)]
+                    window = consts[0] if consts else None
+            if window is None or kv_len >= window:
+                return True
+        stack.extend(node.inputs)
+    return False
 
 
 _BUILDERS: dict = {}
@@ -326,6 +353,9 @@ def mask_builders(graph: OpGraph) -> frozenset[str]:
         if node.kind != OpKind.ATTENTION or len(node.inputs) < 4 \
                 or alias_root(node.inputs[3], graph) not in masks:
             continue
+        key = graph.node(node.inputs[1]).out if node.inputs[1] in graph else None
+        if key is None or not key.shape or key.shape[-1] > 256:
+            continue  # enable_gqa needs head dims of at most 256 (use_gqa_in_sdpa)
         for name in node.inputs[1:3]:  # key, value: through views to the repeat's copy
             for _ in range(16):
                 if name not in graph or graph.node(name).kind != OpKind.VIEW:

@@ -437,9 +437,15 @@ def test_fsdp_copy_out_on_the_compute_stream(tiny):
     z2 = _plan(tiny, devices=2, dp=2, zero=2, engine="modules").stages[0]
     assert _fsdp_copy_out_s(z2, tiny, hw, "bf16", runtime, 1.0) == (pytest.approx(want),
                                                                      pytest.approx(copy_in))
-    once = replace(runtime, reduce_scatter_per_microbatch=False)  # reduced once per step
+    once = replace(runtime, reduce_scatter_per_microbatch=False)  # reduced once per step,
+    # from the fp32 gradient FSDP2 accumulated over the microbatches (read 4, write 4)
+    accumulated = sum(roofline_s(hw, 0, n * (4 + 4), "bf16") + fixed for n in units.values())
     assert _fsdp_copy_out_s(z2, tiny, hw, "bf16", once, 1.0, microbatches=4)[1] == \
-        pytest.approx(copy_in / 4)
+        pytest.approx(accumulated / 4)
+    # ZeRO-0 is FSDP2's replicate (a shard group of one): the same copies, reduced per step
+    z0 = _plan(tiny, devices=2, dp=2, zero=0, engine="modules").stages[0]
+    assert _fsdp_copy_out_s(z0, tiny, hw, "bf16", runtime, 1.0) == (pytest.approx(want),
+                                                                     pytest.approx(copy_in))
     one = _plan(tiny, dp=1, engine="modules").stages[0]  # no FSDP on one GPU: autocast
     assert _fsdp_copy_out_s(one, tiny, hw, "bf16", runtime, 1.0) == (0.0, 0.0)
 

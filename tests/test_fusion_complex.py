@@ -243,3 +243,21 @@ def test_the_planner_keeps_the_rotary_embedding_sharded():
     rotary = [n.name for n in graph.nodes if n.layer == 0 and n.out is not None
               and n.out.dtype == "complex64" and n.target.startswith("aten.mul")]
     assert rotary and all(sol.ops[n].output != ("R",) for n in rotary)
+
+
+@pytest.mark.parametrize("kv_heads,copies", [(1, 0), (2, 4)])
+def test_a_single_key_head_is_repeated_by_a_view(kv_heads, copies):
+    """With one key/value head (multi-query attention) the repeat's reshape merges the
+    expanded dimension with a dimension of one: PyTorch views it, no clone (the second
+    review of DECISIONS 107); with two it copies. ``materializes`` asks PyTorch."""
+    from meshplan.costmodel.kernel_paths import materializes
+
+    model = torchtitan_llama.build(dim=DIM, layers=2, heads=HEADS, kv_heads=kv_heads,
+                                   hidden=128, vocab=256, max_seq=S)
+    ids = torch.zeros((B, S), dtype=torch.long, device="meta")
+    graph = trace(model, (ids,), example_targets=(ids,), loss_fn=torchtitan_llama.loss)
+    assert sum(materializes(graph, n.name) for n in graph.nodes) == copies
+    x = torch.randn(B, S, kv_heads, DIM // HEADS)
+    repeated = torchtitan_llama.repeat_heads(x, HEADS // kv_heads)
+    assert (repeated.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) == \
+        (copies == 0)

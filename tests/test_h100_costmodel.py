@@ -210,3 +210,22 @@ def test_an_attention_curve_in_kernel_flops_is_refused(key):
     from meshplan.costmodel.hardware import preset_names
     for name in preset_names():
         load_preset(name)
+
+
+@pytest.mark.parametrize("window,built", [(16, True), (64, False)])
+def test_a_sliding_window_mask_is_built_when_the_keys_reach_the_window(window, built):
+    """transformers keeps a sliding-window mask when the keys are at least the window long
+    (``masking_utils._ignore_causal_mask_sdpa``), and the eager engines then build it and
+    repeat the keys and values: it is no skipped causal mask (the second review of
+    DECISIONS 106: Mistral's and Gemma 3's windows were skipped). Shorter, the band is the
+    causal pattern and nothing is built."""
+    from meshplan.costmodel.memory import causal_masks, mask_builders
+    from meshplan.tracing import trace
+
+    spec = ("transformers:mistral?hidden_size=64&intermediate_size=128&num_hidden_layers=2&"
+            "num_attention_heads=4&num_key_value_heads=2&vocab_size=256&"
+            f"max_position_embeddings=64&sliding_window={window}")
+    model = parse_model_spec(spec).build(device="meta")
+    graph = trace(model, (torch.zeros(2, 32, dtype=torch.long, device="meta"),))
+    assert (not causal_masks(graph)) == built
+    assert (not mask_builders(graph)) == built
