@@ -68,7 +68,7 @@ from meshplan.graph import OpGraph
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 from meshplan.schedules import Schedule
 from meshplan.support import lists_rank_groups
-from meshplan.vocabulary import Recompute
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 # the cost model's public names, defined here or in the modules it was split into
 # (runtime_profiles, stage_layout, params, param_traffic, operators, comm), so that
@@ -249,7 +249,8 @@ def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: s
     per_mb = runtime.reduce_scatter_per_microbatch and stage.zero >= 2
     accumulated = not per_mb and microbatches > 1  # the copy-in reads the fp32 accumulator
     copy_in = sum(kernels_time_s([Kernel(0.0, fsdp_reduce_copy_in_bytes(
-        n, dtype="fp32" if accumulated else dtype, reduce_bytes=runtime.grad_bytes))], hw, 1.0)
+        n, dtype=ComputeDtype.FP32 if accumulated else dtype,
+        reduce_bytes=runtime.grad_bytes))], hw, 1.0)
         for n in units.values()) * contention
     copy_in /= 1 if per_mb else max(1, microbatches)
     return one, (one if stage.zero >= 3 else 0.0) + copy_in
