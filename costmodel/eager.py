@@ -58,7 +58,7 @@ from meshplan.costmodel.compute import DTYPE_BYTES, OpTime
 from meshplan.costmodel.fusion import runs_eager
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, SLICE_BACKWARD, SLICES,
-                                             materializes,
+                                             data_inputs, is_complex, materializes,
                                              STRIDED, UPCAST, elementwise_path, is_float,
                                              layouts, stream_s, sum_path, value_dtype,
                                              value_numel)
@@ -134,9 +134,7 @@ def effective_inputs(graph: OpGraph) -> dict[str, tuple[str, ...]]:
                     break
                 i = src.inputs[0]
             resolved.append(i)
-        if node.target.startswith("aten.type_as"):  # x.type_as(y) reads y's dtype only
-            resolved = resolved[:1]
-        out[node.name] = tuple(resolved)
+        out[node.name] = tuple(resolved[:len(data_inputs(node))])
     return out
 
 
@@ -319,7 +317,7 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
 
 
 def _differentiable(dtype: str) -> bool:
-    return is_float(dtype) or dtype.startswith("complex")
+    return is_float(dtype) or is_complex(dtype)
 
 
 def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], size: dict,
@@ -396,7 +394,7 @@ def _operator_kernels(graph: OpGraph, node: OpNode, inputs: tuple[str, ...], siz
             if i not in grad_ins:
                 continue
             other = floats[1 - k]
-            if value_dtype(graph, other).startswith("complex"):
+            if is_complex(value_dtype(graph, other)):
                 # grad * other.conj(): mul reads no conjugate view, so autograd clones it
                 bwd.append(Kernel(nbytes(other), nbytes(other), CONTIGUOUS))
             prod = elementwise_path(graph, size, lay, (node.name, other), node.name)

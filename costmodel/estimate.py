@@ -291,8 +291,8 @@ def operator_pricer(plan: Plan, graph: OpGraph, stage_index: int) -> OperatorPri
         contention=contention, coll=CollectivePrices(stage, hw, backend=runtime.backend),
         kernels=eager_kernel_table(graph, t.dtype, precision, m, runtime.compiled)
         if precision else None,
-        fused=fused_by_member(graph, list(stage.ops), mask_builders(graph)
-                              if runtime.causal_mask_skipped else frozenset())
+        fused=fused_by_member(graph, [n for n in stage.ops if n not in mask_builders(graph)]
+                              if runtime.causal_mask_skipped else list(stage.ops))
         if runtime.compiled else {},
         fp8=fp8_model.fp8_pricing(t.dtype, runtime),
         masks=causal_masks(graph) if causal else set(),

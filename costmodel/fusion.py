@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from meshplan.costmodel.compute import DTYPE_BYTES, OpTime, roofline_s
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.kernel_paths import materializes, value_dtype
+from meshplan.costmodel.kernel_paths import data_inputs, is_complex, materializes, value_dtype
 from meshplan.costmodel.memory import alias_root
 from meshplan.graph import OpGraph, OpKind
 
@@ -80,11 +80,11 @@ def _tensor_bytes(graph: OpGraph, name: str) -> int:
     return sum(m.bytes for n, m in graph.inputs if n == name)
 
 
-def fusion_groups(graph: OpGraph, names, plain=frozenset()) -> tuple[FusedGroup, ...]:
+def fusion_groups(graph: OpGraph, names) -> tuple[FusedGroup, ...]:
     """The kernels torch.compile makes of the fusible operators among ``names`` (a stage's
-    operators, in graph order): groups with at least one fusible operator; operators outside
-    every group run as in eager. See the module docstring for the rule. ``plain``: copying
-    views the engine does not run (they stay views)."""
+    operators, in graph order; an operator the engine does not run is left out of them):
+    groups with at least one fusible operator; operators outside every group run as in
+    eager. See the module docstring for the rule."""
     names = [n for n in names if n in graph]
     depth: dict[str, int] = {}
     for name in names:
@@ -110,8 +110,8 @@ def fusion_groups(graph: OpGraph, names, plain=frozenset()) -> tuple[FusedGroup,
         groups.setdefault(find(name), []).append(name)
     out = []
     for members in groups.values():
-        if any(_works(graph, n, plain) for n in members):
-            out.append(_group(graph, members, plain))
+        if any(_works(graph, n) for n in members):
+            out.append(_group(graph, members))
     return tuple(sorted(out, key=lambda g: graph.position(g.members[0])))
 
 
@@ -120,11 +120,10 @@ def _fuses(graph: OpGraph, name: str) -> bool:
         and not _complex(graph, name)
 
 
-def _works(graph: OpGraph, name: str, plain=frozenset()) -> bool:
+def _works(graph: OpGraph, name: str) -> bool:
     """A member the kernel computes and may write: a fusible operator, or a view that
-    copies (``kernel_paths.materializes``: repeat_kv's reshape of an expand) unless the
-    engine never runs that copy (``plain``: ``memory.mask_builders``' repeats)."""
-    return graph.node(name).kind in FUSIBLE or (materializes(graph, name) and name not in plain)
+    copies (``kernel_paths.materializes``: repeat_kv's reshape of an expand)."""
+    return graph.node(name).kind in FUSIBLE or materializes(graph, name)
 
 
 def _complex(graph: OpGraph, name: str) -> bool:
@@ -136,31 +135,29 @@ def _complex(graph: OpGraph, name: str) -> bool:
     real adds (torch/_inductor/decomposition.py), which no priced model has, and which this
     prices as an eager kernel, a little high."""
     node = graph.node(name)
-    return any(m.dtype.startswith("complex") for m in node.outputs) or any(
-        value_dtype(graph, i).startswith("complex") for i in node.inputs)
+    return any(is_complex(m.dtype) for m in node.outputs) or any(
+        is_complex(value_dtype(graph, i)) for i in node.inputs)
 
 
-def _group(graph: OpGraph, members: list[str], plain=frozenset()) -> FusedGroup:
+def _group(graph: OpGraph, members: list[str]) -> FusedGroup:
     inside = set(members)
     reads: dict[str, str] = {}
     for name in members:
-        node = graph.node(name)
-        # x.type_as(y) reads y's dtype, not its data
-        for i in node.inputs[:1] if node.target.startswith("aten.type_as") else node.inputs:
+        for i in data_inputs(graph.node(name)):
             if i not in inside and i not in reads:
                 reads[i] = name
     written: set[str] = set()
     for name in members:
         users = graph.users.get(name, ())
         if name == graph.output or not users or any(u not in inside for u in users):
-            root = _producer(graph, name, inside, plain)
+            root = _producer(graph, name, inside)
             if root is not None:
                 written.add(root)
     # a view member moves nothing: an external input read only through views is read by
     # the member behind them, and a value written is its fusible producer's output
-    loaded = [t for t, reader in reads.items() if _reads_data(graph, reader, inside, plain)]
+    loaded = [t for t, reader in reads.items() if _reads_data(graph, reader, inside)]
     writes = tuple(n for n in members if n in written)
-    lead = next(n for n in members if _works(graph, n, plain))
+    lead = next(n for n in members if _works(graph, n))
     return FusedGroup(members=tuple(members), lead=lead, reads=tuple(reads.items()), writes=writes,
                       read_bytes=sum(_tensor_bytes(graph, t) for t in loaded),
                       written_bytes=sum(_tensor_bytes(graph, n) for n in writes),
@@ -172,9 +169,9 @@ def _from_complex(graph: OpGraph, name: str) -> bool:
     """Whether ``name`` is a complex operator's result, or a view of one (``view_as_real``)."""
     for _ in range(64):
         if name not in graph:
-            return value_dtype(graph, name).startswith("complex")
+            return is_complex(value_dtype(graph, name))
         node = graph.node(name)
-        if any(m.dtype.startswith("complex") for m in node.outputs):
+        if any(is_complex(m.dtype) for m in node.outputs):
             return True
         if node.kind not in TRANSPARENT or not node.inputs:
             return False
@@ -206,12 +203,12 @@ def runs_eager(graph: OpGraph, name: str) -> bool:
     return False
 
 
-def _producer(graph: OpGraph, name: str, inside: set[str], plain=frozenset()) -> str | None:
+def _producer(graph: OpGraph, name: str, inside: set[str]) -> str | None:
     """The fusible member whose output ``name`` is (through views), None when ``name`` is a
     view of a tensor from outside the group (nothing to write)."""
     for _ in range(64):
         node = graph.node(name)
-        if node.kind not in TRANSPARENT or (materializes(graph, name) and name not in plain):
+        if node.kind not in TRANSPARENT or materializes(graph, name):
             return name
         src = next((i for i in node.inputs if i in inside), None)
         if src is None:
@@ -220,11 +217,11 @@ def _producer(graph: OpGraph, name: str, inside: set[str], plain=frozenset()) ->
     return None
 
 
-def _reads_data(graph: OpGraph, reader: str, inside: set[str], plain=frozenset()) -> bool:
+def _reads_data(graph: OpGraph, reader: str, inside: set[str]) -> bool:
     """Whether the external input ``reader`` takes is loaded by the kernel: a fusible reader
     loads it; a view reader loads it when some fusible member reads the view (directly or
     through further views)."""
-    if _works(graph, reader, plain):
+    if _works(graph, reader):
         return True
     frontier, seen = [reader], set()
     while frontier:
@@ -232,7 +229,7 @@ def _reads_data(graph: OpGraph, reader: str, inside: set[str], plain=frozenset()
         for u in graph.users.get(n, ()):
             if u in inside and u not in seen:
                 seen.add(u)
-                if _works(graph, u, plain):
+                if _works(graph, u):
                     return True
                 frontier.append(u)
     return False
@@ -242,11 +239,11 @@ def _cast(graph: OpGraph, name: str) -> bool:
     return graph.node(name).target.startswith(("aten.to.", "aten._to_copy."))
 
 
-def fused_by_member(graph: OpGraph, names, plain=frozenset()) -> dict[str, FusedGroup]:
+def fused_by_member(graph: OpGraph, names) -> dict[str, FusedGroup]:
     """Each fusible operator of ``names`` that compiles into a group -> its group (views
-    are left out: they cost nothing either way). ``plain`` as ``fusion_groups``."""
-    return {n: g for g in fusion_groups(graph, names, plain) for n in g.members
-            if _works(graph, n, plain)}
+    are left out: they cost nothing either way)."""
+    return {n: g for g in fusion_groups(graph, names) for n in g.members
+            if _works(graph, n)}
 
 
 def fused_time(group: FusedGroup, hw: HardwareProfile, dtype: str, shard: float, *,

@@ -47,6 +47,15 @@ def is_float(dtype: str) -> bool:
     return dtype.startswith(FLOAT)
 
 
+def is_complex(dtype: str) -> bool:
+    return dtype.startswith("complex")
+
+
+def data_inputs(node) -> tuple[str, ...]:
+    """The inputs whose data ``node`` reads: ``x.type_as(y)`` reads ``y``'s dtype only."""
+    return node.inputs[:1] if node.target.startswith("aten.type_as") else node.inputs
+
+
 def value_numel(graph: OpGraph, name: str) -> int:
     if name in graph:
         out = graph.node(name).out

@@ -209,11 +209,11 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
     cp_ax = stage.axis_names.index("cp") if "cp" in stage.axis_names else None
     feeds_split = _feeds_split(stage, graph, cp_ax) if cp_ax is not None else set()
     consumer_out: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {}
-    unbuilt = mask_builders(graph) if skip_masks else frozenset()
-    fused = fused_by_member(graph, names, unbuilt) if compiled else {}  # torch.compile's
+    if skip_masks:  # the engine builds no causal mask (nor the key / value repeats it needs)
+        unbuilt = mask_builders(graph)
+        names = [n for n in names if n not in unbuilt]
+    fused = fused_by_member(graph, names) if compiled else {}  # torch.compile's kernels
     for name in names:
-        if name in unbuilt:  # the engine builds no causal mask
-            continue
         node = graph.node(name)
         op = stage.ops[name]
         group = fused.get(name)
