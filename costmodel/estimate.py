@@ -166,7 +166,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
 
     prof = stage_activation_profile(stage, graph, hw, dtype=dtype, microbatches=m,
                                     seq_len=seq_len, attention=runtime.attention, cache=cache,
-                                    fused=runtime.fused_activations)
+                                    fused=runtime.fused_activations,
+                                    precision=_memory_precision(stage, runtime),
+                                    compiled=runtime.compiled)
     kept, working = prof.stage_bytes(stage.recompute,
                                      keep_matmuls_only=runtime.selective_keeps_matmuls,
                                      alternate=runtime.selective_alternate_matmuls,
@@ -217,6 +219,15 @@ def _eager_precision(stage: Stage, runtime: RuntimeModel) -> str:
     """The mixed precision the stage's eager kernels run under, "" when they are priced
     one kernel per operator (``RuntimeModel.eager_kernels`` off)."""
     if not runtime.eager_kernels:
+        return ""
+    return "fsdp" if _fsdp_active(stage, runtime) else "autocast"
+
+
+def _memory_precision(stage: Stage, runtime: RuntimeModel) -> str:
+    """The mixed precision whose dtypes the stage's activations are kept in, "" where the
+    engine keeps every float activation in the plan's dtype
+    (``RuntimeModel.eager_activations``)."""
+    if not runtime.eager_activations:
         return ""
     return "fsdp" if _fsdp_active(stage, runtime) else "autocast"
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from meshplan.costmodel.kernel_paths import materializes
+from meshplan.costmodel.kernel_paths import is_float, materializes, value_dtype
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.schedules import Schedule
 from meshplan.vocabulary import ComputeDtype, Recompute
@@ -59,6 +59,8 @@ _LINEAR_ELEMENTWISE = re.compile(r"aten\.(add|sub|neg|clone|fill|copy|zeros_like
                                  r"eq|ne|lt|le|gt|ge|__and__|__or__|logical_\w+|where|masked_fill|"
                                  r"type_as)\.")  # a cast's backward casts the gradient back
 _MUL = re.compile(r"aten\.mul\.")
+# data movement whose backward sums or slices the gradient by shape alone (keeps no value)
+_SHAPE_ONLY = re.compile(r"aten\.(repeat_interleave|repeat|cat|stack)\.")
 # views whose output aliases their input's storage (a saved view costs nothing extra)
 _ALIASING = re.compile(r"aten\.(view|_unsafe_view|reshape|transpose|t|permute|split|"
                        r"split_with_sizes|chunk|slice|select|expand|unsqueeze|squeeze|flatten|"
@@ -159,7 +161,8 @@ def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
         return acts[:3] + (node.name,)  # q, k, v and the output (flash keeps logsumexp too)
     if kind == OpKind.REDUCTION and re.search(r"aten\.(sum|mean)\.", node.target):
         return ()
-    if kind == OpKind.ELEMENTWISE and _LINEAR_ELEMENTWISE.search(node.target):
+    if kind == OpKind.ELEMENTWISE and _LINEAR_ELEMENTWISE.search(node.target) \
+            or _SHAPE_ONLY.match(node.target):
         return ()
     if kind == OpKind.ELEMENTWISE and "dropout" in node.target:
         return (node.name,)  # the mask, counted at the output's size
@@ -175,12 +178,16 @@ def _needs_grad(name: str, graph: OpGraph) -> bool:
     return name in graph.grad_nodes
 
 
-def alias_root(name: str, graph: OpGraph) -> str:
-    """The tensor whose storage ``name`` shares (through aliasing views)."""
+def alias_root(name: str, graph: OpGraph, *, copies: bool = False) -> str:
+    """The tensor whose storage ``name`` shares (through aliasing views). ``copies``: a
+    reshape that cannot view its input and copies it (``kernel_paths.materializes``:
+    ``repeat_kv``'s keys and values) is a tensor of its own, not an alias."""
     seen = 0
     while name in graph and seen < 64:
         node = graph.node(name)
         if not _ALIASING.search(node.target) or not node.inputs:
+            break
+        if copies and materializes(graph, name):
             break
         name = node.inputs[0]
         seen += 1
@@ -381,7 +388,8 @@ def mask_builders(graph: OpGraph) -> frozenset[str]:
 
 def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq_len: int,
                        micro_fraction: float, attention_extra_per_node: float = 0.0,
-                       recomputed: dict | None = None) -> ActivationProfile:
+                       recomputed: dict | None = None, sizes: dict | None = None,
+                       autocast_bytes: int = 0) -> ActivationProfile:
     """Saved-for-backward bytes per layer for the operators ``nodes`` (names).
 
     ``split_of(name)`` gives how many devices split that tensor; ``micro_fraction`` scales
@@ -389,8 +397,38 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
     attention kernel keeps beyond its inputs (e.g. the probabilities of math attention);
     ``recomputed`` maps a tensor that a fused kernel rebuilds in its backward to the tensors
     kept in its place (``fusion.recomputed_inside``: the stack fuses its elementwise chains).
+
+    Engines that run the model with eager autograd (``RuntimeModel.eager_activations``)
+    keep what eager PyTorch keeps, at the dtypes it holds them in:
+    - ``sizes``: bytes per element of each value (``eager.element_bytes``: autocast's fp32
+      residual stream, the fp32 chain inside an RMSNorm, ``x.float()``), not the compute
+      dtype's for every float (a value it leaves out, in ``dtype_bytes``; an operator it
+      leaves out makes no autocast copy: the compiled blocks);
+    - ``autocast_bytes`` (the compute dtype's bytes under ``torch.autocast``, else 0): a
+      matmul or attention keeps its own lower-precision copy of each input held wider
+      (autocast casts an activation at every use);
+    - (autocast's cast copies of the weights, one per forward, are the bf16 weights of
+      the model-state table: fp32 weights are the master copy there);
+    - a reshape that copies (``kernel_paths.materializes``: ``repeat_kv``) is a tensor of
+      its own, except the key / value repeats of a mask-reading attention
+      (``mask_builders``), which count as masks: an engine that builds no mask calls SDPA
+      with ``enable_gqa`` and keeps the unrepeated tensor;
+    - the loss reads logits the engine upcast to fp32 (runtime/modules.py ``_loss``,
+      runtime/graph/parallelize.py): its kept log-probabilities and its gradients are fp32.
+    Measured on this CPU with saved-tensor hooks and the step memory probe
+    (tests/test_costmodel_engine.py).
     """
     inputs = dict(graph.inputs)
+    eager = sizes is not None
+    builders = mask_builders(graph) if eager else frozenset()
+
+    def nbytes(name: str, per: int | None = None) -> float:
+        if per is None:
+            per = sizes.get(name, dtype_bytes) if eager else dtype_bytes
+        return tensor_bytes(name, graph, per, inputs)
+
+    def root_of(name: str) -> str:
+        return alias_root(name, graph, copies=eager)
     kept: dict[int, float] = {}
     selective: dict[int, float] = {}
     boundary: dict[int, float] = {}
@@ -407,20 +445,50 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
         layer = node.layer
         if node.kind == OpKind.LOSS:
             src = alias_root(node.inputs[0], graph) if node.inputs else name
-            loss_working = max(loss_working, loss_grad_bytes(node, graph, dtype_bytes, inputs)
-                               * micro_fraction / max(1, split_of(src)))
+            loss_working = max(loss_working, loss_grad_bytes(
+                node, graph, 4 if eager else dtype_bytes, inputs)
+                * micro_fraction / max(1, split_of(src)))
         for t in saved_inputs(node, graph):
-            for root in _kept_for(alias_root(t, graph), recomputed):
-                if root in seen:
-                    continue
-                seen.add(root)
-                b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction \
-                    / max(1, split_of(root))
-                kept[layer] = kept.get(layer, 0.0) + b
-                if root in masks:
-                    mask_kept[layer] = mask_kept.get(layer, 0.0) + b
-                if not is_seq_squared(root, graph, seq_len):
-                    selective[layer] = selective.get(layer, 0.0) + b
+            if not eager:
+                for root in _kept_for(alias_root(t, graph), recomputed):
+                    if root in seen:
+                        continue
+                    seen.add(root)
+                    b = nbytes(root) * micro_fraction / max(1, split_of(root))
+                    kept[layer] = kept.get(layer, 0.0) + b
+                    if root in masks:
+                        mask_kept[layer] = mask_kept.get(layer, 0.0) + b
+                    if not is_seq_squared(root, graph, seq_len):
+                        selective[layer] = selective.get(layer, 0.0) + b
+                continue
+            root = root_of(t)
+            if node.kind == OpKind.LOSS:
+                key, of, per = ("loss", name), root, 4  # fp32 log-probabilities
+            elif autocast_bytes and node.kind in (OpKind.MATMUL, OpKind.ATTENTION) \
+                    and name in sizes and is_float(value_dtype(graph, root)) \
+                    and sizes.get(root, dtype_bytes) > autocast_bytes:
+                key, of, per = ("cast", name, t), t, autocast_bytes  # autocast's copy
+            else:
+                key, of, per = root, root, None
+            if key in seen:
+                continue
+            seen.add(key)
+            b = nbytes(of, per) * micro_fraction / max(1, split_of(root))
+            extra = 0.0
+            if root in builders and root not in masks:
+                # a key / value repeat only an engine that builds the mask makes: the
+                # unrepeated tensor (or its cast) is kept, the excess counts as mask
+                base = alias_root(root, graph)
+                base_key = key[:2] + (base,) if key[0] == "cast" else base
+                one = 0.0 if base_key in seen else \
+                    nbytes(base, per) * micro_fraction / max(1, split_of(base))
+                seen.add(base_key)
+                b, extra = one, max(0.0, b - one)
+            kept[layer] = kept.get(layer, 0.0) + b + extra
+            if root in masks or extra:
+                mask_kept[layer] = mask_kept.get(layer, 0.0) + (b if root in masks else extra)
+            if not is_seq_squared(root, graph, seq_len):
+                selective[layer] = selective.get(layer, 0.0) + b + extra
         if layer >= 0 and _is_param_matmul(name, graph):
             # selective checkpointing stores every such output in the forward, whether
             # the backward reads it or not (the recompute reuses it)
@@ -440,7 +508,7 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             kept[layer] = kept.get(layer, 0.0) + attention_extra_per_node
         if layer >= 0:
             for t in node.inputs:
-                root = alias_root(t, graph)
+                root = root_of(t)
                 if root not in graph or graph.node(root).layer == layer \
                         or graph.node(root).kind == OpKind.CREATION:
                     continue
@@ -452,8 +520,7 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                 if ("b", at, root) in seen:
                     continue
                 seen.add(("b", at, root))
-                b = tensor_bytes(root, graph, dtype_bytes, inputs) * micro_fraction \
-                    / max(1, split_of(root))
+                b = nbytes(root) * micro_fraction / max(1, split_of(root))
                 boundary[at] = boundary.get(at, 0.0) + b
                 if root in masks:
                     mask_boundary[at] = mask_boundary.get(at, 0.0) + b

@@ -197,6 +197,12 @@ class RuntimeModel:
       materializes (``fusion.recomputed_inside``): Transformer Engine's fused RMSNorm /
       LayerNorm, Megatron-Core's fused SwiGLU and RoPE. False: eager autograd keeps every
       intermediate its backward reads.
+    eager_activations: the engine runs the model with eager autograd under its mixed
+      precision (``mixed_precision``, or autocast where FSDP2 does not hold the stage), so
+      its activations are kept at the dtypes eager PyTorch holds them in: autocast's fp32
+      residual stream and its per-use casts, the fp32 chain inside a norm, the fp32 loss
+      (``memory.activation_profile``). False: every float activation in the plan's dtype
+      (a stack whose own model code keeps them so: Megatron-LM).
     engine, backend: the runtime these factors describe (``default_runtime``).
     """
 
@@ -230,6 +236,7 @@ class RuntimeModel:
     master_bytes: float = MASTER_BYTES
     fp32_embedding_grads: bool = False
     fused_activations: bool = False
+    eager_activations: bool = False
     engine: str = Engine.GRAPH
     backend: str = "nccl"
 
@@ -310,7 +317,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
         # contiguous buffer all-reduced after the pipeline flush, nothing overlapped: the
         # graph engine's terms with materialized attention (DECISIONS 55)
         return replace(default_runtime(hw, engine=Engine.GRAPH, backend=backend),
-                       attention="materialized", eager_kernels=False, engine="megatron-2021")
+                       attention="materialized", eager_kernels=False,
+                       eager_activations=False, engine="megatron-2021")
     if engine == "torchtitan":
         # float8 (torchao): tensorwise scaling with the weights all-gathered in fp8
         # (``enable_fsdp_float8_all_gather``, as torchtitan's float8 runs are published)
@@ -326,8 +334,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
                                selective_keeps_matmuls=True, causal_mask_skipped=True,
                                causal_attention=True, fsdp_keeps_shards=True, zero_over_cp=True,
                                cp_composable=True, overlap_efficiency=overlap,
-                               eager_kernels=eager, mixed_precision="fsdp", engine=engine,
-                               backend=backend)
+                               eager_kernels=eager, mixed_precision="fsdp",
+                               eager_activations=True, engine=engine, backend=backend)
         if pipeline:  # a pipelined stage keeps full gradients and reduces them once per step
             return replace(modules, full_grad_accumulation=True, sync_overlaps_backward=False,
                            reduce_scatter_per_microbatch=False)
@@ -336,7 +344,8 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
                         reduce_scatter_as_all_reduce=gloo, flat_grad_sync=True,
                         full_grad_accumulation=True, causal_attention=True,
                         overlap_efficiency=overlap, eager_kernels=eager,
-                        mixed_precision="autocast", engine=engine, backend=backend)
+                        mixed_precision="autocast", eager_activations=True, engine=engine,
+                        backend=backend)
 
 
 def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeModel:

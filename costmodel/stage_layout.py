@@ -15,6 +15,7 @@ from functools import lru_cache
 
 from meshplan.costmodel.comm import Collective
 from meshplan.costmodel.compute import DTYPE_BYTES, attention_saved_bytes
+from meshplan.costmodel.eager import element_bytes
 from meshplan.costmodel.fusion import recomputed_inside
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import ActivationProfile, activation_profile, alias_root
@@ -70,14 +71,21 @@ def dp_axis(stage: Stage) -> int | None:
 def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                              microbatches: int, seq_len: int, attention: str = "flash",
                              cache: dict | None = None,
-                             fused: bool = False) -> ActivationProfile:
+                             fused: bool = False, precision: str = "",
+                             compiled: bool = False) -> ActivationProfile:
     """Activation bytes per layer of one microbatch on one device of ``stage``. It does not
     depend on recompute, ZeRO or the schedule, so ``cache`` keeps it for every plan that
     shares ``stage.ops``. ``fused``: the stack's fused kernels keep only what they
-    materialize (``RuntimeModel.fused_activations``)."""
+    materialize (``RuntimeModel.fused_activations``). ``precision``: the mixed precision of
+    an engine that runs the model with eager autograd ("autocast" or "fsdp",
+    ``RuntimeModel.eager_activations``), whose kept tensors are priced at the dtypes eager
+    PyTorch holds them in (``memory.activation_profile``); "": every float in ``dtype``.
+    ``compiled``: the blocks run under torch.compile, whose partitioner keeps its own
+    choice of tensors (the fp32 chains it fuses are recomputed, not kept): their values are
+    priced in ``dtype`` and only the operators outside the blocks at eager dtypes."""
     m = max(1, microbatches)
     key = ("activations", id(stage.ops), id(stage.inputs), stage.mesh_shape, m, dtype,
-           hw.device.name, seq_len, attention, fused)
+           hw.device.name, seq_len, attention, fused, precision, compiled)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] is stage.ops and hit[1] is stage.inputs:
         return hit[2]
@@ -94,10 +102,18 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     # s x s tensors an attention core keeps (materialized, or CPU math with dropout), each
     extra = max((attention_saved_bytes(graph.node(n), hw, attention, dtype, split_of(n) * m)
                  for n in names), default=0.0)
+    sizes, cast = None, 0
+    if precision:
+        sizes = element_bytes(graph, dtype=dtype, precision=precision)
+        if compiled:
+            sizes = {n: b for n, b in sizes.items() if n not in graph or graph.node(n).layer < 0}
+        if precision == "autocast" and dbytes < 4:
+            cast = dbytes
     prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
                               seq_len=seq_len, micro_fraction=1.0 / m,
                               attention_extra_per_node=extra,
-                              recomputed=recomputed_inside(graph, names) if fused else None)
+                              recomputed=recomputed_inside(graph, names) if fused else None,
+                              sizes=sizes, autocast_bytes=cast)
     if cache is not None:
         cache[key] = (stage.ops, stage.inputs, prof)
     return prof

@@ -16,6 +16,8 @@ import itertools
 
 from meshplan.costmodel.memory import alias_root, is_seq_squared, saved_inputs
 from meshplan.costmodel.compute import DTYPE_BYTES
+from meshplan.costmodel.eager import element_bytes
+from meshplan.costmodel.kernel_paths import is_float, value_dtype
 from meshplan.graph import OpKind
 from meshplan.placements import P, R
 from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
@@ -36,8 +38,7 @@ class GroupBuilder:
         self.graph_inputs = dict(graph.inputs)
         self.scale = DTYPE_BYTES[options.dtype] / 4  # traced in fp32
         self.constant = self._constants()
-        self.kept_roots = {alias_root(t, graph) for n in names
-                           for t in saved_inputs(graph.node(n), graph)}
+        self._kept(graph, names, DTYPE_BYTES[options.dtype])
         seq = graph.inputs[0][1].shape[-1] if graph.inputs and graph.inputs[0][1].shape else 0
         self.seq_squared = {n for n in names if is_seq_squared(n, graph, seq)}
         # pass-1 state
@@ -48,6 +49,28 @@ class GroupBuilder:
         self.rules: dict[str, str] = {}
         self.fallbacks: list[str] = []
         self.sources: list[str] = []
+
+    def _kept(self, graph, names, dbytes: int) -> None:
+        """What the graph engine keeps for the backward, as ``memory.activation_profile``
+        prices it for an engine running eager autograd under autocast (the graph engine):
+        ``kept_roots`` the tensors kept at their eager dtypes (``sizes``), ``casts`` the
+        inputs each matmul / attention keeps an autocast copy of (``cast_bytes`` each
+        element), ``loss_roots`` the logits whose fp32 log-probabilities the loss keeps."""
+        self.sizes = element_bytes(graph, dtype=self.o.dtype, precision="autocast")
+        self.cast_bytes = dbytes if dbytes < 4 else 0
+        self.kept_roots, self.casts, self.loss_roots = set(), {}, set()
+        for n in names:
+            node = graph.node(n)
+            for t in saved_inputs(node, graph):
+                root = alias_root(t, graph, copies=True)
+                if self.cast_bytes and node.kind in (OpKind.MATMUL, OpKind.ATTENTION) \
+                        and is_float(value_dtype(graph, root)) \
+                        and self.sizes.get(root, dbytes) > self.cast_bytes:
+                    self.casts.setdefault(n, []).append(t)
+                    continue
+                if node.kind == OpKind.LOSS:
+                    self.loss_roots.add(root)
+                self.kept_roots.add(root)
 
     # -- constants -----------------------------------------------------------------------------
     def _constants(self):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from meshplan.costmodel.comm import Collective, CollectivePrices, bandwidth_s as _bandwidth_s
 from meshplan.costmodel.compute import contention_factor
-from meshplan.costmodel.memory import GIB, causal_masks
+from meshplan.costmodel.memory import GIB, causal_masks, tensor_bytes
 from meshplan.costmodel.operators import (causal_attention, eager_kernel_table, input_collectives,
                                           operator_time, selective_recomputes)
 from meshplan.costmodel.param_traffic import (optimizer_step_s, per_use_sync_s,
@@ -35,7 +35,7 @@ from meshplan.costmodel.stage_layout import value_bytes
 from meshplan.errors import PlanningError
 from meshplan.plan import MemoryBreakdown, OpPlacement, Stage
 from meshplan.planner import ilp
-from meshplan.planner.groups import _FLOAT, GroupBuilder
+from meshplan.planner.groups import GroupBuilder
 from meshplan.planner.intra import NS, GroupChoice, Group, StageProblem, warn_fallbacks
 from meshplan.planner.reshard import INF, REPLICATE_TO_PARTIAL, refused, shard_factor
 from meshplan.placements import P, R, placement_str
@@ -218,10 +218,16 @@ class Pricer(GroupBuilder):
                 comm += self._comm(prod, node, self.placed[prod][a][1], ins[0], out)
             seq2 = m in self.seq_squared
             if m in self.kept_roots and not (o.recompute == Recompute.SELECTIVE and seq2):
-                b = sum(self._bytes(t_) for t_ in node.outputs) * bf / shard_factor(out, mesh)
+                per = 4 if m in self.loss_roots else self.sizes.get(m, 4 * self.scale)
+                b = tensor_bytes(m, self.g, per, self.graph_inputs) * bf \
+                    / shard_factor(out, mesh)
                 kept += b
                 if self._is_layer_output(m):
                     boundary += b
+            for t_ in self.casts.get(m, ()):  # autocast's copy of an input held wider
+                k = node.inputs.index(t_)
+                kept += tensor_bytes(t_, self.g, self.cast_bytes, self.graph_inputs) * bf \
+                    / (shard_factor(ins[k], mesh) if k < len(ins) else 1)
         live = o.inflight_microbatches
         if o.recompute == Recompute.FULL and in_layer:
             # Megatron's full checkpointing: each layer keeps its output for the next layer;
@@ -344,9 +350,6 @@ class Pricer(GroupBuilder):
         conflicts += [(at[v], at[d]) for v in variants for d in axes
                       if v[1] > 0 and v[2] != d[1]]
         return flags, tuple(conflicts)
-
-    def _bytes(self, meta) -> float:
-        return meta.bytes * (self.scale if meta.dtype in _FLOAT else 1.0)
 
     # -- edges ---------------------------------------------------------------------------------
     def _edges(self, index, owner, param_rep, groups):
