@@ -15,7 +15,9 @@ since moved to ``nn.RMSNorm`` and SDPA's ``enable_gqa`` in place of ``repeat_kv`
 - **keys and values repeated for grouped-query attention** by ``expand`` + ``reshape``
   before ``F.scaled_dot_product_attention(..., is_causal=True)``;
 - **RMSNorm** on an fp32 copy of its input, cast back with ``type_as`` and scaled by the
-  weight in the activations' dtype; SwiGLU ``w2(silu(w1(x)) * w3(x))``;
+  weight in the activations' dtype (``norm_type = "rmsnorm"``), or torchtitan's Triton
+  ``fused_rmsnorm`` (``norm="fused_rmsnorm"``: the 2024 A100 runs' configs); SwiGLU
+  ``w2(silu(w1(x)) * w3(x))``;
 - **the loss**: cross entropy of the fp32 logits, flattened, against labels passed beside
   the tokens (no slicing of the logits): ``torchtitan/components/loss.py``.
 
@@ -32,12 +34,18 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """torchtitan's ``rmsnorm`` (the fp32 chain above), or with ``fused=True`` its
+    ``fused_rmsnorm``: one Triton kernel each way that keeps only its input and the rows'
+    inverse RMS, here ``F.rms_norm`` (one ``aten.rms_norm`` operator in the trace)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, fused: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if self.fused:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
@@ -94,12 +102,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim, heads, kv_heads, hidden, eps):
+    def __init__(self, dim, heads, kv_heads, hidden, eps, fused_norm=False):
         super().__init__()
         self.attention = Attention(dim, heads, kv_heads)
         self.feed_forward = FeedForward(dim, hidden)
-        self.attention_norm = RMSNorm(dim, eps)
-        self.ffn_norm = RMSNorm(dim, eps)
+        self.attention_norm = RMSNorm(dim, eps, fused_norm)
+        self.ffn_norm = RMSNorm(dim, eps, fused_norm)
 
     def forward(self, x, freqs_cis):
         h = x + self.attention(self.attention_norm(x), freqs_cis)
@@ -115,12 +123,13 @@ def freqs_table(head_dim: int, seq: int, theta: float) -> torch.Tensor:
 
 class Transformer(nn.Module):
     def __init__(self, dim=4096, layers=32, heads=32, kv_heads=8, hidden=14336,
-                 vocab=128256, max_seq=8192, theta=500000.0, eps=1e-5):
+                 vocab=128256, max_seq=8192, theta=500000.0, eps=1e-5, fused_norm=False):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(dim, heads, kv_heads, hidden, eps)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(dim, heads, kv_heads, hidden, eps,
+                                                              fused_norm)
                                      for i in range(layers)})
-        self.norm = RMSNorm(dim, eps)
+        self.norm = RMSNorm(dim, eps, fused_norm)
         self.output = nn.Linear(dim, vocab, bias=False)
         table = freqs_table(dim // heads, max_seq, theta)
         self.register_buffer("freqs_cis", table.to(self.output.weight.device), persistent=True)
@@ -138,9 +147,18 @@ def loss(pred, labels):
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def build(*, dim, layers, heads, kv_heads, hidden, vocab, max_seq, device="meta"):
+NORMS = ("rmsnorm", "fused_rmsnorm")  # torchtitan's ``[model] norm_type`` values priced here
+
+
+def build(*, dim, layers, heads, kv_heads, hidden, vocab, max_seq, device="meta",
+          norm="rmsnorm"):
+    """``norm``: the run's ``norm_type`` (its train config): "rmsnorm" or "fused_rmsnorm"."""
+    if norm not in NORMS:
+        raise ValueError(f"norm={norm!r} is not one of {', '.join(NORMS)} (torchtitan's "
+                         "norm_type of the run)")
     with torch.device(device):
-        return Transformer(dim, layers, heads, kv_heads, hidden, vocab, max_seq)
+        return Transformer(dim, layers, heads, kv_heads, hidden, vocab, max_seq,
+                           fused_norm=norm == "fused_rmsnorm")
 
 
 # torchtitan's flavors (meshplan/stacks/torchtitan_flavors.py reads the same numbers)

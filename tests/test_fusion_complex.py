@@ -261,3 +261,36 @@ def test_a_single_key_head_is_repeated_by_a_view(kv_heads, copies):
     repeated = torchtitan_llama.repeat_heads(x, HEADS // kv_heads)
     assert (repeated.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()) == \
         (copies == 0)
+
+
+def test_fused_rmsnorm_keeps_only_its_input():
+    """torchtitan's ``fused_rmsnorm`` (its 2024 A100 runs' ``norm_type``) is one operator
+    (``aten.rms_norm``, as ``F.rms_norm`` runs on CUDA: one kernel each way) that keeps its
+    bf16 input, where the unfused RMSNorm keeps its fp32 copy (DECISIONS 108): the blocks'
+    kept bytes drop by the fp32 chain, and a norm type torchtitan has not is refused."""
+    from meshplan.costmodel.stage_layout import stage_activation_profile
+    from meshplan.costmodel.hardware import HardwareProfile
+
+    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
+    kept = {}
+    for norm in ("rmsnorm", "fused_rmsnorm"):
+        model = torchtitan_llama.build(dim=DIM, layers=2, heads=HEADS, kv_heads=KV, hidden=128,
+                                       vocab=256, max_seq=S, norm=norm)
+        graph = trace(model, (ids,), example_targets=(ids,), loss_fn=torchtitan_llama.loss)
+        norms = [n for n in graph.nodes if n.target.startswith("aten.rms_norm")]
+        assert len(norms) == (5 if norm == "fused_rmsnorm" else 0)  # 2 per block + final
+        mesh = meshplan.Mesh.from_dict({"shape": [1], "hardware": "dgx-a100-80gb"})
+        plan = meshplan.manual_plan(model, mesh, graph=graph, dp=1, dtype="bf16",
+                                    engine="torchtitan")
+        prof = stage_activation_profile(plan.stages[0], graph,
+                                        HardwareProfile.from_dict(plan.mesh.hardware),
+                                        dtype="bf16", microbatches=1, seq_len=S,
+                                        precision="fsdp")
+        kept[norm] = prof.kept[0]
+    # per norm, the unfused chain keeps x.float() (4 bytes an element), the cast back that
+    # the weight scales (2) and per-row fp32 values (the rsqrt); the fused norm keeps x (2)
+    extra = kept["rmsnorm"] - kept["fused_rmsnorm"]
+    assert 2 * 4 * B * S * DIM < extra < 2 * (4 * B * S * DIM + 4 * 4 * B * S)
+    with pytest.raises(ValueError, match="norm_type"):
+        torchtitan_llama.build(dim=DIM, layers=1, heads=HEADS, kv_heads=KV, hidden=128,
+                               vocab=256, max_seq=S, norm="layernorm")
