@@ -57,8 +57,8 @@ from dataclasses import dataclass
 from meshplan.costmodel.compute import DTYPE_BYTES, OpTime
 from meshplan.costmodel.fusion import runs_eager
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, SLICE_BACKWARD, SLICES,
-                                             data_inputs, is_complex, materializes,
+from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, MIXED_DTYPE,
+                                             SLICE_BACKWARD, SLICES, data_inputs, is_complex, materializes,
                                              STRIDED, UPCAST, elementwise_path, is_float,
                                              layouts, stream_s, sum_path, value_dtype,
                                              value_numel)
@@ -94,7 +94,8 @@ class EagerOp:
     (split like the operator's work); ``weight_forward``/``weight_backward`` move the
     parameter it reads (autocast's weight cast and its backward), split like the weight,
     once per microbatch; ``accumulate`` adds a weight's gradient into ``.grad``
-    (microbatches after the first)."""
+    (microbatches after the first), ``accumulate_first`` makes the accumulator (the first
+    microbatch), both averaged over the step's microbatches."""
 
     forward: tuple[Kernel, ...] = ()
     backward: tuple[Kernel, ...] = ()
@@ -102,6 +103,7 @@ class EagerOp:
     weight_backward: tuple[Kernel, ...] = ()
     accumulate: tuple[Kernel, ...] = ()
     weight: str = ""  # the parameter the weight kernels move
+    accumulate_first: tuple[Kernel, ...] = ()
 
     @property
     def kernels(self) -> int:
@@ -282,7 +284,7 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
         fwd, bwd = ([], []) if in_compiled else \
             _operator_kernels(graph, node, inputs[name], size, lay, nbytes, needs_grad,
                               name in grads)
-        wf, wb, acc, weight = [], [], [], ""
+        wf, wb, acc, first, weight = [], [], [], [], ""
         if node.kind in (OpKind.MATMUL, OpKind.ATTENTION) and precision == "autocast" \
                 and compute < 4:
             for i in dict.fromkeys(inputs[name]):
@@ -299,11 +301,18 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
                         bwd += [cast_b] if needs_grad(i) else []
         if microbatches > 1 and node.kind in (OpKind.MATMUL, OpKind.EMBEDDING):
             for i in node.inputs:
-                if i in trainable:  # AccumulateGrad adds into .grad after the first
-                    g = graph.param_map[i].numel * size[i]
-                    acc.append(Kernel(2 * g * (microbatches - 1) / microbatches,
-                                      g * (microbatches - 1) / microbatches))
-                    weight = weight or i
+                if i not in trainable:
+                    continue
+                n, s, later = graph.param_map[i].numel, size[i], (microbatches - 1) / microbatches
+                if precision == "fsdp" and s < 4:
+                    # FSDP2 accumulates an unsharded gradient it does not reduce in its
+                    # reduce dtype (fp32: ``to_accumulated_grad_if_needed``): the first
+                    # microbatch casts it up, each later one adds its bf16 gradient into it
+                    first.append(Kernel(n * s / microbatches, n * 4 / microbatches, UPCAST))
+                    acc.append(Kernel(n * (4 + s) * later, n * 4 * later, MIXED_DTYPE))
+                else:  # AccumulateGrad adds into .grad after the first
+                    acc.append(Kernel(2 * n * s * later, n * s * later))
+                weight = weight or i
         # autograd sums the gradients of a value read by several operators: one add for
         # every reader after the first
         if name in grads and not in_compiled:
@@ -312,7 +321,7 @@ def eager_kernels(graph: OpGraph, names, *, dtype: str, precision: str,
                     bwd.append(Kernel(2 * nbytes(i), nbytes(i)))
         if fwd or bwd or wf or wb or acc:
             out[name] = EagerOp(tuple(fwd), tuple(bwd), tuple(wf), tuple(wb), tuple(acc),
-                                weight)
+                                weight, tuple(first))
     return out
 
 
@@ -466,7 +475,8 @@ def eager_time(op: EagerOp, hw: HardwareProfile, shard: float, weight_shard: flo
                                                                      weight_shard)
     backward = kernels_time_s(op.backward, hw, shard) \
         + kernels_time_s(op.weight_backward, hw, weight_shard) \
-        + sum(kernel_stream_s(k, hw, weight_shard) for k in op.accumulate) \
+        + sum(kernel_stream_s(k, hw, weight_shard)
+              for k in op.accumulate + op.accumulate_first) \
         + len(op.accumulate) * (hw.device.kernel_latency_s + hw.device.framework_overhead_s)
     return OpTime(forward * contention, backward * contention)
 

@@ -140,6 +140,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                 causal=runtime.causal_attention,
                                 cp_composable=runtime.cp_composable, compiled=runtime.compiled,
                                 fp8=fp8, eager=_eager_precision(stage, runtime),
+                                accumulating=_accumulating_microbatches(stage, runtime, m),
                                 skip_masks=runtime.causal_mask_skipped)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
     copy_fwd, copy_bwd = _fsdp_copy_out_s(stage, graph, hw, dtype, runtime, contention, m)
@@ -223,6 +224,18 @@ def _eager_precision(stage: Stage, runtime: RuntimeModel) -> str:
     return "fsdp" if _fsdp_active(stage, runtime) else "autocast"
 
 
+def _accumulating_microbatches(stage: Stage, runtime: RuntimeModel, m: int) -> int:
+    """The microbatches whose gradients eager autograd adds into ``.grad`` (the eager
+    kernels' ``accumulate``): none where FSDP2 reduce-scatters every microbatch's unsharded
+    gradients and frees them (ZeRO-2/3 on the module engine and torchtitan: FSDP2's
+    ``post_backward``; the sharded gradients it then adds up on its reduce stream, not the
+    compute stream), else all ``m``."""
+    if _fsdp_active(stage, runtime) and runtime.reduce_scatter_per_microbatch \
+            and stage.zero >= 2:
+        return 1
+    return m
+
+
 def _memory_precision(stage: Stage, runtime: RuntimeModel) -> str:
     """The mixed precision whose dtypes the stage's activations are kept in, "" where the
     engine keeps every float activation in the plan's dtype
@@ -300,7 +313,9 @@ def operator_pricer(plan: Plan, graph: OpGraph, stage_index: int) -> OperatorPri
     return OperatorPricer(
         stage=stage, graph=graph, hw=hw, runtime=runtime, dtype=t.dtype, m=m,
         contention=contention, coll=CollectivePrices(stage, hw, backend=runtime.backend),
-        kernels=eager_kernel_table(graph, t.dtype, precision, m, runtime.compiled)
+        kernels=eager_kernel_table(graph, t.dtype, precision,
+                                   _accumulating_microbatches(stage, runtime, m),
+                                   runtime.compiled)
         if precision else None,
         fused=fused_by_member(graph, [n for n in stage.ops if n not in mask_builders(graph)]
                               if runtime.causal_mask_skipped else list(stage.ops))

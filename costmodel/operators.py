@@ -64,19 +64,23 @@ def _cached_operator_pass(cache: dict | None, stage: Stage, graph: OpGraph, hw: 
                           backend: str = "nccl", attention: str = "flash", *,
                           causal: bool = False, cp_composable: bool = False,
                           compiled: bool = False, fp8=None, eager: str = "",
-                          skip_masks: bool = False) -> _OperatorPass:
+                          skip_masks: bool = False, accumulating: int = 0) -> _OperatorPass:
     """The operator walk, reused across plans that share ``stage.ops`` (a sweep prices
     thousands of configurations over a few dozen placement sets). ``causal``: attention
     that reads a causal mask runs with ``is_causal=True`` (``RuntimeModel.causal_attention``);
     ``skip_masks``: the engine builds no causal mask (``RuntimeModel.causal_mask_skipped``),
-    so the operators that only build one cost nothing (``memory.mask_builders``)."""
+    so the operators that only build one cost nothing (``memory.mask_builders``);
+    ``accumulating``: the microbatches whose gradients eager autograd adds into ``.grad``
+    (0: all ``m``; 1: none, where FSDP2 reduce-scatters each microbatch's gradients)."""
+    accumulating = accumulating or m
     key = (id(stage.ops), id(stage.inputs), stage.mesh_shape, stage.devices[:1], m, dtype,
            contention, id(hw), backend, attention, causal, cp_composable, compiled, fp8, eager,
-           skip_masks)
+           skip_masks, accumulating)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit.ops is stage.ops and hit.inputs is stage.inputs:
         return hit
-    kernels = _cached_eager_kernels(cache, graph, dtype, eager, m, compiled) if eager else None
+    kernels = _cached_eager_kernels(cache, graph, dtype, eager, accumulating, compiled) \
+        if eager else None
     times = None
     if cache is not None:
         # operator times of this configuration, shared by every stage that holds the
@@ -155,13 +159,15 @@ def _cached_eager_kernels(cache: dict | None, graph: OpGraph, dtype: str, precis
         hit = store.get(key) if store is not None else None
         if hit is not None and hit[0] is graph:
             return hit[1]
-    if m > 2:  # only ``.grad`` accumulation depends on m, as (m - 1) / m: scale m = 2's walk
-        scale = 2 * (m - 1) / m
+    if m > 2:  # only ``.grad`` accumulation depends on m, as (m - 1) / m and the
+        # accumulator's making as 1 / m: scale m = 2's walk
+        def scaled(kernels, scale):
+            return tuple(replace(k, read_bytes=k.read_bytes * scale,
+                                 written_bytes=k.written_bytes * scale) for k in kernels)
         two = _cached_eager_kernels(cache, graph, dtype, precision, 2, compiled)
-        kernels = {name: replace(op, accumulate=tuple(
-            replace(k, read_bytes=k.read_bytes * scale, written_bytes=k.written_bytes * scale)
-            for k in op.accumulate))
-            if op.accumulate else op for name, op in two.items()}
+        kernels = {name: replace(op, accumulate=scaled(op.accumulate, 2 * (m - 1) / m),
+                                 accumulate_first=scaled(op.accumulate_first, 2 / m))
+                   if op.accumulate else op for name, op in two.items()}
     else:
         kernels = eager_kernels(graph, [n.name for n in graph.nodes], dtype=dtype,
                                 precision=precision, microbatches=m, compiled=compiled)

@@ -488,15 +488,64 @@ def test_cached_walk_scales_accumulation_with_the_microbatch_count(tiny):
     graph = tiny
     names = [n.name for n in graph.nodes]
     cache: dict = {}
-    for m in (1, 2, 3, 7):
-        walked = eager_kernels(graph, names, dtype="bf16", precision="autocast", microbatches=m)
-        cached = _cached_eager_kernels(cache, graph, "bf16", "autocast", m, False)
-        assert set(walked) <= set(cached)
-        for name, op in walked.items():
-            got = cached[name]
-            assert got.forward == op.forward and got.backward == op.backward, name
-            assert [pytest.approx((k.read_bytes, k.written_bytes)) for k in op.accumulate] == \
-                [(k.read_bytes, k.written_bytes) for k in got.accumulate], name
+    for precision in ("autocast", "fsdp"):
+        for m in (1, 2, 3, 7):
+            walked = eager_kernels(graph, names, dtype="bf16", precision=precision,
+                                   microbatches=m)
+            cached = _cached_eager_kernels(cache, graph, "bf16", precision, m, False)
+            assert set(walked) <= set(cached)
+            for name, op in walked.items():
+                got = cached[name]
+                assert got.forward == op.forward and got.backward == op.backward, name
+                for field in ("accumulate", "accumulate_first"):
+                    assert [pytest.approx((k.read_bytes, k.written_bytes))
+                            for k in getattr(op, field)] == \
+                        [(k.read_bytes, k.written_bytes) for k in getattr(got, field)], name
     cut = dataclasses.replace(graph, nodes=graph.nodes[: len(graph.nodes) // 2], whole=graph)
     assert _cached_eager_kernels(cache, cut, "bf16", "autocast", 3, False) is \
         _cached_eager_kernels(cache, graph, "bf16", "autocast", 3, False)
+
+
+def test_gradient_accumulation_as_fsdp2_runs_it(tiny, monkeypatch):
+    """Over m microbatches autograd adds each weight's gradient into ``.grad``: under
+    autocast an fp32 add (read 8, write 4 bytes per element) on every microbatch after the
+    first. FSDP2 (bf16 parameters) keeps an unsharded gradient it does not reduce in fp32
+    (``to_accumulated_grad_if_needed``): the first microbatch casts it up (read 2, write 4),
+    each later one adds its bf16 gradient in (read 4 + 2, write 4); before, priced as a bf16
+    add (read 4, write 2). Where FSDP2 reduce-scatters every microbatch (ZeRO-2/3 on the
+    module engine) it frees the unsharded gradient and adds nothing on the compute stream:
+    the plan's backward no longer pays for it (it did, at the bf16 add)."""
+    import meshplan.costmodel.estimate as est
+    from meshplan.costmodel.eager import kernel_stream_s
+
+    m = 4
+    names = [n.name for n in tiny.nodes]
+    weight = next(p for p in tiny.params if p.name == "layers.0.up.weight")
+    n = weight.numel
+
+    def per_weight(precision):
+        ops = eager_kernels(tiny, names, dtype="bf16", precision=precision, microbatches=m)
+        (op,) = [op for op in ops.values() if op.weight == weight.name and op.accumulate]
+        return [(k.read_bytes, k.written_bytes) for k in op.accumulate + op.accumulate_first]
+
+    later = (m - 1) / m
+    assert per_weight("autocast") == [pytest.approx((8 * n * later, 4 * n * later))]
+    assert per_weight("fsdp") == [pytest.approx((6 * n * later, 4 * n * later)),
+                                  pytest.approx((2 * n / m, 4 * n / m))]
+    hw = load_preset("dgx-h100")
+    runtime = default_runtime(hw, engine="modules")
+    with torch.device("meta"):
+        model = TinyLM()
+    big = trace(model, (torch.zeros(2 * m, S, dtype=torch.long, device="meta"),))
+    plan = _plan(big, devices=2, dp=2, zero=3, microbatch_size=1, engine="modules")
+    assert plan.training.microbatches == m
+    per_step = estimate_plan(plan, big, runtime=runtime).breakdown["backward"]
+    monkeypatch.setattr(est, "_accumulating_microbatches", lambda stage, rt, mb: mb)
+    accumulating = estimate_plan(plan, big, runtime=runtime).breakdown["backward"]
+    fixed = hw.device.kernel_latency_s + hw.device.framework_overhead_s
+    walk = eager_kernels(big, [x.name for x in big.nodes], dtype="bf16", precision="fsdp",
+                         microbatches=m)
+    want = m * sum(sum(kernel_stream_s(k, hw, 1.0) for k in op.accumulate + op.accumulate_first)
+                   + len(op.accumulate) * fixed for op in walk.values())
+    assert want > 0
+    assert accumulating - per_step == pytest.approx(want, rel=1e-6)
