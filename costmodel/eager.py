@@ -115,6 +115,14 @@ def _is_cast(node: OpNode) -> bool:
     return node.target.startswith(_CASTS)
 
 
+def _moves_device_only(graph: OpGraph, node: OpNode, src: str) -> bool:
+    """``x.to(device)``: export writes the traced dtype into the call (GPT-2's
+    ``position_embeds.to(inputs_embeds.device)``), the same as its input's, which a run in
+    another dtype keeps too."""
+    return "device" in node.parsed_args()[1] and node.out is not None \
+        and node.out.dtype == value_dtype(graph, src)
+
+
 def effective_inputs(graph: OpGraph) -> dict[str, tuple[str, ...]]:
     """Each operator's inputs as eager PyTorch passes them. In an fp32 trace ``x.float()``
     returns ``x`` itself, so the export records the cast's node wherever the code reads
@@ -195,7 +203,9 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
             b = o = _meta_itemsize(out.dtype)
         elif _is_cast(node):
             src = size[floats[0]]
-            if out.dtype in ("bfloat16", "float16"):
+            if _moves_device_only(graph, node, floats[0]):
+                b, o = src, origin[floats[0]]  # x.to(device): the dtype it already has
+            elif out.dtype in ("bfloat16", "float16"):
                 b = o = 2
             elif src < _meta_itemsize(out.dtype):
                 b, o = _meta_itemsize(out.dtype), src  # x.float(): an upcast

@@ -39,13 +39,13 @@ from dataclasses import dataclass, replace
 
 from meshplan.costmodel import fp8 as fp8_model
 from meshplan.costmodel.comm import Collective, CollectivePrices, bandwidth_s, collective_time_s
-from meshplan.costmodel.compute import DTYPE_NAMES, contention_factor
+from meshplan.costmodel.compute import DTYPE_BYTES, DTYPE_NAMES, contention_factor
 from meshplan.costmodel.eager import (Kernel, fsdp_copy_out_bytes, fsdp_reduce_copy_in_bytes,
                                       kernels_time_s)
 from meshplan.costmodel.fusion import fused_by_member
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import (GIB, activation_memory, alternate_matmuls, causal_masks,
-                                       mask_builders)
+                                       inflight_microbatches, mask_builders)
 from meshplan.costmodel.operators import (OperatorPricer, _cached_eager_kernels,
                                           _cached_operator_pass, _operator_pass, _recompute_s,
                                           _tp_overlap_hidden_s, causal_attention,
@@ -179,6 +179,13 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                                   1.0 / m, fp8)
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
+    if _memory_precision(stage, runtime) == "autocast" and DTYPE_BYTES[dtype] < 4 \
+            and stage.zero < 3:
+        # each in-flight microbatch's forward ran in its own autocast region, whose cast
+        # copies of the weights its backward keeps: one is the model state's low-precision
+        # weights column, the others are not (DECISIONS 108)
+        inflight = inflight_microbatches(schedule, stage.index, num_stages, m, virtual_stages)
+        acts += (inflight - 1) * params.weights_bytes
     buffers = _buffer_bytes(params, stage.zero, runtime, dtype=dtype, activation_bytes=acts)
     buffers += fp8_model.weight_copy_bytes(stage, graph, fp8, lambda n: _param_layer(n, graph))
     memory = MemoryBreakdown(params_gib=params.weights_bytes / GIB,

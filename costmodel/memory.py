@@ -165,8 +165,17 @@ def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
             or _SHAPE_ONLY.match(node.target):
         return ()
     if kind == OpKind.ELEMENTWISE and "dropout" in node.target:
+        if _dropout_p(node) == 0:
+            return ()  # eager returns its input and keeps nothing
         return (node.name,)  # the mask, counted at the output's size
     return acts
+
+
+def _dropout_p(node: OpNode) -> float | None:
+    """A dropout's probability where the trace gives it as a number, else None."""
+    args, kwargs = node.parsed_args()
+    p = kwargs.get("p", args[1] if len(args) > 1 else None)
+    return float(p) if isinstance(p, (int, float)) else None
 
 
 def _needs_grad(name: str, graph: OpGraph) -> bool:
@@ -389,7 +398,7 @@ def mask_builders(graph: OpGraph) -> frozenset[str]:
 def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq_len: int,
                        micro_fraction: float, attention_extra_per_node: float = 0.0,
                        recomputed: dict | None = None, sizes: dict | None = None,
-                       autocast_bytes: int = 0) -> ActivationProfile:
+                       autocast_bytes: int = 0, read_split=None) -> ActivationProfile:
     """Saved-for-backward bytes per layer for the operators ``nodes`` (names).
 
     ``split_of(name)`` gives how many devices split that tensor; ``micro_fraction`` scales
@@ -406,7 +415,9 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
       leaves out makes no autocast copy: the compiled blocks);
     - ``autocast_bytes`` (the compute dtype's bytes under ``torch.autocast``, else 0): a
       matmul or attention keeps its own lower-precision copy of each input held wider
-      (autocast casts an activation at every use);
+      (autocast casts an activation at every use), split as the operator reads it
+      (``read_split(name, k)``: a sequence-parallel input gathered for the matmul is cast
+      whole);
     - (autocast's cast copies of the weights, one per forward, are the bf16 weights of
       the model-state table: fp32 weights are the master copy there);
     - a reshape that copies (``kernel_paths.materializes``: ``repeat_kv``) is a tensor of
@@ -462,8 +473,10 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                         selective[layer] = selective.get(layer, 0.0) + b
                 continue
             root = root_of(t)
-            if node.kind == OpKind.LOSS:
+            if node.kind == OpKind.LOSS and t == node.inputs[0]:
                 key, of, per = ("loss", name), root, 4  # fp32 log-probabilities
+            elif node.kind == OpKind.ELEMENTWISE and "dropout" in node.target:
+                key, of, per = root, root, 1  # the mask eager keeps is bool
             elif autocast_bytes and node.kind in (OpKind.MATMUL, OpKind.ATTENTION) \
                     and name in sizes and is_float(value_dtype(graph, root)) \
                     and sizes.get(root, dtype_bytes) > autocast_bytes:
@@ -473,7 +486,10 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             if key in seen:
                 continue
             seen.add(key)
-            b = nbytes(of, per) * micro_fraction / max(1, split_of(root))
+            split = split_of(root)
+            if key[0] == "cast" and read_split is not None:
+                split = read_split(name, node.inputs.index(t))
+            b = nbytes(of, per) * micro_fraction / max(1, split)
             extra = 0.0
             if root in builders and root not in masks:
                 # a key / value repeat only an engine that builds the mask makes: the

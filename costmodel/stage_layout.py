@@ -82,7 +82,8 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     PyTorch holds them in (``memory.activation_profile``); "": every float in ``dtype``.
     ``compiled``: the blocks run under torch.compile, whose partitioner keeps its own
     choice of tensors (the fp32 chains it fuses are recomputed, not kept): their values are
-    priced in ``dtype`` and only the operators outside the blocks at eager dtypes."""
+    priced in ``dtype``, the operators outside the blocks and the values blocks pass each
+    other (the residual stream) at eager dtypes."""
     m = max(1, microbatches)
     key = ("activations", id(stage.ops), id(stage.inputs), stage.mesh_shape, m, dtype,
            hw.device.name, seq_len, attention, fused, precision, compiled)
@@ -105,15 +106,25 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     sizes, cast = None, 0
     if precision:
         sizes = element_bytes(graph, dtype=dtype, precision=precision)
-        if compiled:
-            sizes = {n: b for n, b in sizes.items() if n not in graph or graph.node(n).layer < 0}
+        if compiled:  # inside a block the partitioner decides; between blocks eager holds
+            users = graph.users
+            sizes = {n: b for n, b in sizes.items() if n not in graph
+                     or graph.node(n).layer < 0
+                     or any(u in graph and graph.node(u).layer != graph.node(n).layer
+                            for u in users.get(n, ()))}
         if precision == "autocast" and dbytes < 4:
             cast = dbytes
+    def read_split(name: str, k: int) -> int:  # how ``name`` reads its input k
+        op = stage.ops.get(name)
+        if op is not None and k < len(op.inputs) and op.inputs[k]:
+            return split_factor(op.inputs[k], shape)
+        return split_of(graph.node(name).inputs[k])
+
     prof = activation_profile(graph, names, split_of=split_of, dtype_bytes=dbytes,
                               seq_len=seq_len, micro_fraction=1.0 / m,
                               attention_extra_per_node=extra,
                               recomputed=recomputed_inside(graph, names) if fused else None,
-                              sizes=sizes, autocast_bytes=cast)
+                              sizes=sizes, autocast_bytes=cast, read_split=read_split)
     if cache is not None:
         cache[key] = (stage.ops, stage.inputs, prof)
     return prof

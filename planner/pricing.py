@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from meshplan.costmodel.comm import Collective, CollectivePrices, bandwidth_s as _bandwidth_s
 from meshplan.costmodel.compute import contention_factor
-from meshplan.costmodel.memory import GIB, causal_masks, tensor_bytes
+from meshplan.costmodel.memory import GIB, causal_masks, loss_grad_bytes, tensor_bytes
 from meshplan.costmodel.operators import (causal_attention, eager_kernel_table, input_collectives,
                                           operator_time, selective_recomputes)
 from meshplan.costmodel.param_traffic import (optimizer_step_s, per_use_sync_s,
@@ -33,6 +33,7 @@ from meshplan.costmodel.params import param_layer, parameter_part
 from meshplan.costmodel.runtime_profiles import default_runtime
 from meshplan.costmodel.stage_layout import value_bytes
 from meshplan.errors import PlanningError
+from meshplan.graph import OpKind
 from meshplan.plan import MemoryBreakdown, OpPlacement, Stage
 from meshplan.planner import ilp
 from meshplan.planner.groups import GroupBuilder
@@ -235,6 +236,14 @@ class Pricer(GroupBuilder):
             act = boundary * count * live + kept
         else:
             act = kept * count * live
+        # the backward's first working set beside everything kept: the loss's gradients of
+        # the fp32 logits (memory.loss_grad_bytes, as the estimate adds it)
+        for m in self.members[r]:
+            node = self.g.node(m)
+            if node.kind == OpKind.LOSS and node.inputs:
+                ins = self.placed[m][a][0]
+                act += loss_grad_bytes(node, self.g, 4, self.graph_inputs) * bf \
+                    / (shard_factor(ins[0], mesh) if ins else 1)
         return compute * count, comm * count, act
 
     def _is_layer_output(self, name):
@@ -246,7 +255,7 @@ class Pricer(GroupBuilder):
         ZeRO ``zero`` over ``dpa``: memory, gradient sync, ZeRO gathers, the optimizer step;
         and the fixed charges (a flat buffer's latency, a block's ZeRO-3 gathers) they need."""
         compute, fixups, act = base  # per microbatch, already x count
-        o, rt, coll = self.o, self.runtime, self.coll
+        o, rt = self.o, self.runtime
         pbytes = gbytes = obytes = 0.0
         micro_comm = step_comm = optim_s = 0.0
         charges: dict = {}

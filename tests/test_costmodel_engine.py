@@ -258,7 +258,12 @@ def _torchtitan_llama(device):
         device=device)
 
 
-@pytest.mark.parametrize("case", ["hf-mha-fsdp", "hf-gqa-autocast", "torchtitan-gqa-fsdp"])
+ACT_GPT2 = ("transformers:gpt2?n_layer=4&n_embd=512&n_head=8&vocab_size=1024&n_positions=256&"
+            "resid_pdrop=0&embd_pdrop=0&attn_pdrop=0")
+
+
+@pytest.mark.parametrize("case", ["hf-mha-fsdp", "hf-gqa-autocast", "torchtitan-gqa-fsdp",
+                                  "gpt2-fsdp"])
 def test_activation_bytes_match_what_eager_autograd_saves(case):
     """The module engine's kept activations are what eager autograd saves, tensor by tensor
     at the dtypes eager PyTorch holds them in (DECISIONS 108), on this CPU with saved-tensor
@@ -273,7 +278,11 @@ def test_activation_bytes_match_what_eager_autograd_saves(case):
       input (autocast casts at every use);
     - torchtitan's Llama (benchmarks/torchtitan_llama.py) with grouped-query attention:
       ``repeat_kv`` writes the repeated keys and values, which SDPA keeps (before, they were
-      priced as views of the unrepeated ones)."""
+      priced as views of the unrepeated ones);
+    - GPT-2 in bf16 (LayerNorm, GELU, tied head, dropout 0): ``position_embeds.to(device)``
+      moves the table and keeps its dtype (a review found it priced as an fp32 upcast that
+      carried fp32 through the residual stream, +22%), and a dropout of probability 0 keeps
+      no mask."""
     import torch
 
     from meshplan.costmodel.stage_layout import stage_activation_profile
@@ -292,7 +301,8 @@ def test_activation_bytes_match_what_eager_autograd_saves(case):
         def forward(ids):
             return tt.loss(model(ids).float(), ids)
     else:
-        spec = parse_model_spec(ACT_LLAMA.format(kv=2 if "gqa" in case else 8))
+        spec = parse_model_spec(ACT_GPT2 if case.startswith("gpt2") else
+                                ACT_LLAMA.format(kv=2 if "gqa" in case else 8))
         model = spec.build("cpu")
         if "autocast" not in case:
             model = model.to(torch.bfloat16)
@@ -437,3 +447,51 @@ def test_module_engine_step_peak_follows_the_measurement(step_peaks, run):
         assert 0.95 < r["predicted"] / r["measured"] < 1.05, r
     else:
         assert r["measured"] * 0.98 < r["predicted"] < r["measured"] + r["grads"] * 1.1, r
+
+
+def test_each_microbatch_in_flight_keeps_its_own_autocast_weight_copies(monkeypatch):
+    """A pipelined stage under autocast (fp32 weights, bf16 compute) runs each microbatch's
+    forward in its own autocast region, and autocast's cache of a weight's cast lives only
+    for its region: three forwards in flight keep three bf16 copies of the weight for their
+    backwards (measured here with saved-tensor hooks). The model state's bf16 weights
+    column is one of them; the estimate adds the others, (in flight - 1) x the stage's bf16
+    weights (DECISIONS 108; before, one copy whatever the schedule)."""
+    import torch
+
+    import meshplan.costmodel.estimate as est
+    from meshplan.costmodel.memory import inflight_microbatches
+
+    layer = torch.nn.Linear(256, 256, bias=False)
+    copies = set()
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and t.shape == layer.weight.shape:
+            copies.add(t.untyped_storage().data_ptr())
+        return t
+    outs = []
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(layer(torch.randn(4, 256, requires_grad=True)))
+    assert len(copies) == 3
+
+    spec = parse_model_spec("transformers:llama?hidden_size=128&intermediate_size=256&"
+                            "num_hidden_layers=4&num_attention_heads=4&num_key_value_heads=4&"
+                            "vocab_size=256&max_position_embeddings=64")
+    meta = spec.build("meta")
+    graph = trace(meta, example_inputs(meta, 8, 64))
+    mesh = meshplan.Mesh.from_dict({"shape": [2], "hardware": "dgx-a100-80gb"})
+    plan = meshplan.manual_plan(meta, mesh, graph=graph, pp=2, microbatch_size=2,
+                                dtype="bf16", engine="graph")
+    t = plan.training
+    assert t.microbatches == 4
+    kw = dict(dtype="bf16", optimizer=t.optimizer, microbatches=4, num_stages=2,
+              schedule=t.schedule, seq_len=t.seq_len)
+    stage = plan.stages[0]
+    with_copies = stage_cost(stage, graph, _hw(plan), **kw)
+    monkeypatch.setattr(est, "inflight_microbatches", lambda *a, **k: 1)
+    one_copy = stage_cost(stage, graph, _hw(plan), **kw)
+    inflight = inflight_microbatches(t.schedule, 0, 2, 4)
+    assert inflight > 1
+    extra = (with_copies.memory.activations_gib - one_copy.memory.activations_gib) * GIB
+    assert extra == pytest.approx((inflight - 1) * with_copies.memory.params_gib * GIB)
