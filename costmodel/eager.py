@@ -222,6 +222,25 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
     return size
 
 
+_SIZES: dict = {}
+
+
+def cached_element_bytes(graph: OpGraph, *, dtype: str, precision: str) -> dict[str, int]:
+    """``element_bytes`` of the whole graph a cut one comes from (``OpGraph.whole``: its
+    values made before the cut have the dtypes the whole graph gives them), one walk per
+    graph, dtype and precision (the pipeline search prices thousands of ranges)."""
+    graph = graph.whole or graph
+    key = (id(graph), dtype, precision)
+    hit = _SIZES.get(key)
+    if hit is not None and hit[0] is graph:
+        return hit[1]
+    if len(_SIZES) >= 32:
+        _SIZES.clear()
+    sizes = element_bytes(graph, dtype=dtype, precision=precision)
+    _SIZES[key] = (graph, sizes)
+    return sizes
+
+
 def _meta_itemsize(dtype: str) -> int:
     for key, n in (("complex128", 16), ("complex64", 8), ("complex32", 4),
                    ("float64", 8), ("int64", 8), ("float32", 4), ("int32", 4),

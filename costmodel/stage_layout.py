@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from meshplan.costmodel.comm import Collective
 from meshplan.costmodel.compute import DTYPE_BYTES, attention_saved_bytes
-from meshplan.costmodel.eager import element_bytes
+from meshplan.costmodel.eager import cached_element_bytes
 from meshplan.costmodel.fusion import recomputed_inside
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import ActivationProfile, activation_profile, alias_root
@@ -105,7 +105,7 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
                  for n in names), default=0.0)
     sizes, cast = None, 0
     if precision:
-        sizes = element_bytes(graph, dtype=dtype, precision=precision)
+        sizes = cached_element_bytes(graph, dtype=dtype, precision=precision)
         if compiled:  # inside a block the partitioner decides; between blocks eager holds
             users = graph.users
             sizes = {n: b for n, b in sizes.items() if n not in graph
