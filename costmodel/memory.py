@@ -476,7 +476,7 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
             if node.kind == OpKind.LOSS and t == node.inputs[0]:
                 key, of, per = ("loss", name), root, 4  # fp32 log-probabilities
             elif node.kind == OpKind.ELEMENTWISE and "dropout" in node.target:
-                key, of, per = root, root, 1  # the mask eager keeps is bool
+                key, of, per = ("mask", name), root, 1  # the mask eager keeps is bool
             elif autocast_bytes and node.kind in (OpKind.MATMUL, OpKind.ATTENTION) \
                     and name in sizes and is_float(value_dtype(graph, root)) \
                     and sizes.get(root, dtype_bytes) > autocast_bytes:

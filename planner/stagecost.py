@@ -256,9 +256,11 @@ class MegatronStageCost:
             self._probes[(key, False)] = (alone.microbatch_s, 0.0, 0.0, 0.0, 0.0, 0.0)
             return self._probes[(key, False)]
         # kept and working activations and the receive do not depend on the ZeRO stage
-        # (the activation profile and the send/recv read the operators only): one
-        # two-stage probe serves every ZeRO choice
-        acts_key = (key[0], key[1], replace(option, zero=0), mbs, self.engine)
+        # (the activation profile and the send/recv read the operators only), except that
+        # below ZeRO-3 an autocast stage keeps a weight copy per microbatch in flight
+        # (estimate.stage_cost): one two-stage probe serves ZeRO 0-2, one ZeRO-3
+        acts_key = (key[0], key[1], replace(option, zero=3 if option.zero >= 3 else 0), mbs,
+                    self.engine)
         split = self._acts.get(acts_key)
         if split is None:
             two = stage_cost(st, graph, self.hw, num_stages=2, schedule=Schedule.GPIPE, **kw)

@@ -495,3 +495,62 @@ def test_each_microbatch_in_flight_keeps_its_own_autocast_weight_copies(monkeypa
     assert inflight > 1
     extra = (with_copies.memory.activations_gib - one_copy.memory.activations_gib) * GIB
     assert extra == pytest.approx((inflight - 1) * with_copies.memory.params_gib * GIB)
+
+
+def test_a_dropout_keeps_its_bool_mask_beside_what_its_reader_keeps():
+    """Eager dropout (p > 0) keeps a bool mask, one byte an element; the matmul after it
+    keeps the dropped-out bf16 output as well (a review found the mask counted in the
+    output's place: 8192 bytes short here); at p = 0 eager keeps no mask."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from meshplan.costmodel.eager import element_bytes
+    from meshplan.costmodel.memory import activation_profile
+
+    d, rows = 64, 4 * 16
+
+    class Net(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.p = p
+            self.emb, self.h = nn.Embedding(40, d), nn.Linear(d, 40, bias=False)
+            self.a, self.b = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+
+        def forward(self, ids):
+            return self.h(self.b(F.dropout(self.a(self.emb(ids)), self.p, True)))
+    kept = {}
+    for p in (0.1, 0.0):
+        with torch.device("meta"):
+            net = Net(p)
+        graph = trace(net, (torch.zeros(4, 16, dtype=torch.long, device="meta"),))
+        prof = activation_profile(graph, [n.name for n in graph.nodes], split_of=lambda n: 1,
+                                  dtype_bytes=2, seq_len=16, micro_fraction=1.0,
+                                  sizes=element_bytes(graph, dtype="bf16", precision="fsdp"))
+        kept[p] = sum(prof.kept.values())
+    assert kept[0.1] - kept[0.0] == rows * d  # the mask, one byte an element
+
+
+def test_the_pipeline_search_keeps_activations_apart_for_zero3():
+    """The pipeline search probes a range's kept and working activations once for every ZeRO
+    level below 3 and once for ZeRO-3 (an autocast stage below ZeRO-3 keeps a weight copy per
+    microbatch in flight, DECISIONS 108): the order of the probes does not change them (a
+    review found the first level probed fixing them for all)."""
+    from meshplan.planner.clusters import layer_units
+    from meshplan.planner.inter import StageOption
+    from meshplan.planner.stagecost import MegatronStageCost
+
+    spec = ("transformers:llama?hidden_size=256&intermediate_size=1024&num_hidden_layers=4"
+            "&num_attention_heads=4&num_key_value_heads=2&vocab_size=1024&"
+            "max_position_embeddings=256")
+    model = parse_model_spec(spec).build("meta")
+    graph = trace(model, example_inputs(model, 16, 256), model_name=spec)
+    mesh = meshplan.Mesh.preset("dgx-a100-80gb")
+    options = [StageOption(mesh_shape=(2, 1), recompute="none", zero=z) for z in (0, 3)]
+    probes = []
+    for order in (options, options[::-1]):
+        cost = MegatronStageCost(graph, layer_units(graph), mesh.hardware, num_devices=8,
+                                 dtype="bf16", optimizer="adam", engine="graph")
+        probes.append({o.zero: cost.probe(1, 3, o, 1)[3:5] for o in order})
+    assert probes[0] == probes[1]
+    assert probes[0][0] != probes[0][3]  # ZeRO 0 keeps the weight copies, ZeRO-3 not
