@@ -164,11 +164,27 @@ def saved_inputs(node: OpNode, graph: OpGraph) -> tuple[str, ...]:
     if kind == OpKind.ELEMENTWISE and _LINEAR_ELEMENTWISE.search(node.target) \
             or _SHAPE_ONLY.match(node.target):
         return ()
-    if kind == OpKind.ELEMENTWISE and "dropout" in node.target:
+    if is_dropout(node):
         if _dropout_p(node) == 0:
             return ()  # eager returns its input and keeps nothing
         return (node.name,)  # the mask, counted at the output's size
     return acts
+
+
+def is_dropout(node: OpNode) -> bool:
+    """A dropout: eager keeps its mask (``saved_inputs``), bool, one byte an element."""
+    return node.kind == OpKind.ELEMENTWISE and "dropout" in node.target
+
+
+def keeps_autocast_copy(node: OpNode, root: str, graph: OpGraph, sizes: dict,
+                        autocast_bytes: int, dtype_bytes: int) -> bool:
+    """Whether ``node`` keeps its own autocast copy of an input whose storage is ``root``:
+    a matmul or attention (autocast's lower-precision ops) reading a float held wider than
+    the compute dtype (``activation_profile``; an operator ``sizes`` leaves out, inside a
+    compiled block, makes none)."""
+    return bool(autocast_bytes) and node.kind in (OpKind.MATMUL, OpKind.ATTENTION) \
+        and node.name in sizes and is_float(value_dtype(graph, root)) \
+        and sizes.get(root, dtype_bytes) > autocast_bytes
 
 
 def _dropout_p(node: OpNode) -> float | None:
@@ -472,22 +488,20 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                     if not is_seq_squared(root, graph, seq_len):
                         selective[layer] = selective.get(layer, 0.0) + b
                 continue
-            root = root_of(t)
+            root, cast = root_of(t), False
             if node.kind == OpKind.LOSS and t == node.inputs[0]:
                 key, of, per = ("loss", name), root, 4  # fp32 log-probabilities
-            elif node.kind == OpKind.ELEMENTWISE and "dropout" in node.target:
+            elif is_dropout(node):
                 key, of, per = ("mask", name), root, 1  # the mask eager keeps is bool
-            elif autocast_bytes and node.kind in (OpKind.MATMUL, OpKind.ATTENTION) \
-                    and name in sizes and is_float(value_dtype(graph, root)) \
-                    and sizes.get(root, dtype_bytes) > autocast_bytes:
-                key, of, per = ("cast", name, t), t, autocast_bytes  # autocast's copy
+            elif keeps_autocast_copy(node, root, graph, sizes, autocast_bytes, dtype_bytes):
+                key, of, per, cast = ("cast", name, t), t, autocast_bytes, True  # its copy
             else:
                 key, of, per = root, root, None
             if key in seen:
                 continue
             seen.add(key)
             split = split_of(root)
-            if key[0] == "cast" and read_split is not None:
+            if cast and read_split is not None:
                 split = read_split(name, node.inputs.index(t))
             b = nbytes(of, per) * micro_fraction / max(1, split)
             extra = 0.0
@@ -495,7 +509,7 @@ def activation_profile(graph: OpGraph, nodes, *, split_of, dtype_bytes: int, seq
                 # a key / value repeat only an engine that builds the mask makes: the
                 # unrepeated tensor (or its cast) is kept, the excess counts as mask
                 base = alias_root(root, graph)
-                base_key = key[:2] + (base,) if key[0] == "cast" else base
+                base_key = ("cast", name, base) if cast else base
                 one = 0.0 if base_key in seen else \
                     nbytes(base, per) * micro_fraction / max(1, split_of(base))
                 seen.add(base_key)

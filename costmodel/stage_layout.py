@@ -114,6 +114,7 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
                             for u in users.get(n, ()))}
         if precision == "autocast" and dbytes < 4:
             cast = dbytes
+
     def read_split(name: str, k: int) -> int:  # how ``name`` reads its input k
         op = stage.ops.get(name)
         if op is not None and k < len(op.inputs) and op.inputs[k]:

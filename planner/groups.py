@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import itertools
 
-from meshplan.costmodel.memory import alias_root, is_seq_squared, saved_inputs
+from meshplan.costmodel.memory import (alias_root, is_dropout, is_seq_squared,
+                                       keeps_autocast_copy, saved_inputs)
 from meshplan.costmodel.compute import DTYPE_BYTES
-from meshplan.costmodel.eager import element_bytes
-from meshplan.costmodel.kernel_paths import is_float, value_dtype
+from meshplan.costmodel.eager import cached_element_bytes
 from meshplan.graph import OpKind
 from meshplan.placements import P, R
 from meshplan.planner.strategies import (Strategy, enumerate_strategies, follow,
@@ -55,17 +55,20 @@ class GroupBuilder:
         prices it for an engine running eager autograd under autocast (the graph engine):
         ``kept_roots`` the tensors kept at their eager dtypes (``sizes``), ``casts`` the
         inputs each matmul / attention keeps an autocast copy of (``cast_bytes`` each
-        element), ``loss_roots`` the logits whose fp32 log-probabilities the loss keeps."""
-        self.sizes = element_bytes(graph, dtype=self.o.dtype, precision="autocast")
+        element), ``loss_roots`` the logits whose fp32 log-probabilities the loss keeps,
+        ``dropout_masks`` the dropouts that keep a bool mask."""
+        self.sizes = cached_element_bytes(graph, dtype=self.o.dtype, precision="autocast")
         self.cast_bytes = dbytes if dbytes < 4 else 0
         self.kept_roots, self.casts, self.loss_roots = set(), {}, set()
+        self.dropout_masks = set()  # dropouts whose bool mask is kept (one byte an element)
         for n in names:
             node = graph.node(n)
             for t in saved_inputs(node, graph):
                 root = alias_root(t, graph, copies=True)
-                if self.cast_bytes and node.kind in (OpKind.MATMUL, OpKind.ATTENTION) \
-                        and is_float(value_dtype(graph, root)) \
-                        and self.sizes.get(root, dbytes) > self.cast_bytes:
+                if is_dropout(node):
+                    self.dropout_masks.add(n)
+                    continue
+                if keeps_autocast_copy(node, root, graph, self.sizes, self.cast_bytes, dbytes):
                     self.casts.setdefault(n, []).append(t)
                     continue
                 if node.kind == OpKind.LOSS:

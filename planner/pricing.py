@@ -225,6 +225,9 @@ class Pricer(GroupBuilder):
                 kept += b
                 if self._is_layer_output(m):
                     boundary += b
+            if m in self.dropout_masks and not (o.recompute == Recompute.SELECTIVE and seq2):
+                kept += tensor_bytes(m, self.g, 1, self.graph_inputs) * bf \
+                    / shard_factor(out, mesh)  # a dropout's bool mask
             for t_ in self.casts.get(m, ()):  # autocast's copy of an input held wider
                 k = node.inputs.index(t_)
                 kept += tensor_bytes(t_, self.g, self.cast_bytes, self.graph_inputs) * bf \
