@@ -81,3 +81,52 @@ def test_a_step_leaves_its_own_gradients(sac):
     once = [p.grad.clone() for p in net.parameters()]
     sac.run_step(net, x)
     assert all(torch.equal(a, p.grad) for a, p in zip(once, net.parameters()))
+
+
+def test_the_autocast_regime_keeps_fp32_weights_and_recomputes_exactly(sac):
+    """torchtitan on one GPU (no FSDP2) trains fp32 weights under torch.autocast: the
+    section's second regime, with torchtitan's rule changing no gradient there either."""
+    grads = {}
+    for ac in ("selective", "none"):
+        net = sac.build(ac, False, "cpu", "autocast", **TINY)
+        assert all(p.dtype == torch.float32 for p in net.parameters())
+        x = torch.randn(2, 32, TINY["dim"], generator=torch.Generator().manual_seed(1))
+        sac.run_step(net, x, "autocast")
+        grads[ac] = [p.grad.clone() for p in net.parameters()]
+        assert all(g.dtype == torch.float32 for g in grads[ac])
+    for a, b in zip(grads["selective"], grads["none"]):
+        assert torch.equal(a, b)
+
+
+def test_the_regimes_are_priced_as_they_hold_their_weights(sac, monkeypatch):
+    """bf16 parameters (FSDP2's compute) launch no autocast casts; fp32 weights under autocast
+    cast each weight and matmul input, which compile fuses only for the activations."""
+    monkeypatch.setattr(sac, "SEQ", 256)
+    bf16, amp = sac.predict("dgx-h100", "bf16", **TINY), sac.predict("dgx-h100", "autocast", **TINY)
+    assert amp["none_eager"] > bf16["none_eager"]
+    assert amp["none_eager"] - amp["none_compiled"] > bf16["none_eager"] - bf16["none_compiled"]
+
+
+def test_the_clock_log_is_read_inside_each_window():
+    """gpu_compare reads nvidia-smi's log (run_on_device.sh) over a mode's timed window."""
+    import datetime
+    import tempfile
+    gpu = os.path.join(ROOT, "benchmarks", "gpu")
+    sys.path.insert(0, gpu)
+    try:
+        import gpu_compare
+    finally:
+        sys.path.remove(gpu)
+    t0 = datetime.datetime(2026, 11, 27, 1, 46, 0, tzinfo=datetime.timezone.utc)
+    rows = [(t0 + datetime.timedelta(seconds=0.1 * i), 1500 + (200 if i >= 10 else 0), 690)
+            for i in range(20)]
+    with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as f:
+        for t, mhz, w in rows:
+            f.write(f"{t.strftime('%Y/%m/%d %H:%M:%S.%f')[:-3]}, {mhz} MHz, {w}.00 W\n")
+        f.write("[N/A], [N/A], [N/A]\n")  # a sample nvidia-smi could not read
+    samples = gpu_compare._clock_samples(f.name)
+    os.unlink(f.name)
+    assert len(samples) == 20
+    start = t0.timestamp()
+    assert gpu_compare._clock_in(samples, [start + 1.05, start + 1.95]) == ("1700", "690")
+    assert gpu_compare._clock_in(samples, [start - 9, start - 8]) == ("", "")

@@ -153,8 +153,13 @@ def compare(*dirs: str) -> None:
         lines.append(f"| {label} | {med * 1e3:.1f} [{lo * 1e3:.1f}, {hi * 1e3:.1f}] | "
                      f"{', '.join(f'{e * 1e3:.1f}' for e in each)} | {pred[0]} | "
                      f"{peak_gib:.1f} | {pred[1]} |")
+    sac_clock: dict = {}
     if "sac_compile" in sections:
-        lines += _sac_compile_lines(sections["sac_compile"]["result"], preset)
+        logs = [os.path.join(d, "smi_clock.csv") for d in dirs
+                if "sac_compile" in json.load(open(os.path.join(d, "gpu_check_raw.json")))
+                ["sections"]]
+        lines += _sac_compile_lines(sections["sac_compile"]["result"], preset,
+                                    logs[-1] if logs else None, sac_clock)
     os.makedirs(RESULTS, exist_ok=True)
     # the H200's record keeps its first name; other GPUs get their own files
     name = "gpu_check" if preset == "dgx-h200" else f"gpu_check_{short}"
@@ -162,32 +167,85 @@ def compare(*dirs: str) -> None:
         f.write("\n".join(lines) + "\n")
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
         json.dump({"device": device, "torch": raws[-1]["torch"], "preset": preset,
-                   "steps": rows, "sections": sections}, f, indent=1)
+                   "steps": rows, "sac_clock": sac_clock, "sections": sections}, f,
+                  indent=1)
     print("\n".join(lines))
 
 
-def _sac_compile_lines(res: dict, preset: str) -> list[str]:
+def _sac_compile_lines(res: dict, preset: str, clock_log: str | None = None,
+                       clock_out: dict | None = None) -> list[str]:
     """Four Llama 3.1 8B blocks, torchtitan's op-level selective AC or none, eager or
-    compiled: measured forward + backward against the torchtitan profile's price."""
+    compiled, in each regime measured: measured forward + backward against the torchtitan
+    profile's price; the SM clock and power the log beside the run read in each mode."""
     import sac_compile
-    pred = sac_compile.predict(preset)
+    regimes = res.get("regimes") or {"bf16": res["modes"]}
+    clocks = _clock_samples(clock_log) if clock_log else []
     lines = ["", "## torch.compile under torchtitan's selective AC (benchmarks/gpu/sac_compile.py)",
-             "", f"{res['blocks']} Llama 3.1 8B blocks on bf16 hidden states of {res['batch']} x "
-             f"{res['seq']} tokens, bf16 parameters, SDPA's flash backend; forward + backward, "
-             "median of 5 after 2 warm-ups [min, max]. Predicted: `manual_plan(..., "
-             "engine=\"torchtitan\")` forward + backward + recompute on the preset's fa2 curve.",
-             "", "| AC | mode | measured ms [min, max] | predicted ms | predicted / measured | "
-             "peak GiB |", "|---|---|---:|---:|---:|---:|"]
-    for key, r in res["modes"].items():
-        ac, mode = key.split("_")
-        lines.append(f"| {ac} | {mode} | {r['median_s'] * 1e3:.1f} [{r['min_s'] * 1e3:.1f}, "
-                     f"{r['max_s'] * 1e3:.1f}] | {pred[key] * 1e3:.1f} | "
-                     f"{pred[key] / r['median_s']:.3f} | {r['peak_gib']:.1f} |")
-    for ac in ("selective", "none"):
-        m = res["modes"]
-        if f"{ac}_eager" in m and f"{ac}_compiled" in m:
-            saved = m[f"{ac}_eager"]["median_s"] - m[f"{ac}_compiled"]["median_s"]
-            psaved = pred[f"{ac}_eager"] - pred[f"{ac}_compiled"]
-            lines.append(f"\nCompile saves {saved * 1e3:.1f} ms measured, {psaved * 1e3:.1f} ms "
-                         f"predicted ({ac} AC).")
+             "", f"{res['blocks']} Llama 3.1 8B blocks on hidden states of {res['batch']} x "
+             f"{res['seq']} tokens, SDPA's flash backend; forward + backward, median of the "
+             "timed steps after 2 warm-ups [min, max]. Regime bf16: bf16 parameters and states "
+             "(FSDP2's mixed-precision compute), predicted by a 2-GPU ZeRO-3 plan (FSDP2 holds "
+             "the blocks; its copy kernels, about 2%, counted, its collectives not); autocast: "
+             "fp32 parameters under torch.autocast, predicted by the one-GPU plan. Predicted: "
+             "`manual_plan(..., engine=\"torchtitan\")` forward + backward + recompute on the "
+             "preset's fa2 curve.", "",
+             "| regime | AC | mode | measured ms [min, max] | predicted ms | predicted / measured "
+             "| peak GiB | SM MHz | W |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    savings = []
+    for regime, modes in regimes.items():
+        pred = sac_compile.predict(preset, regime)
+        for key, r in modes.items():
+            ac, mode = key.split("_")
+            mhz, watts = _clock_in(clocks, r.get("window"))
+            if clock_out is not None and mhz:
+                clock_out[f"{regime} {ac} {mode}"] = int(mhz)
+            lines.append(f"| {regime} | {ac} | {mode} | {r['median_s'] * 1e3:.1f} "
+                         f"[{r['min_s'] * 1e3:.1f}, {r['max_s'] * 1e3:.1f}] | "
+                         f"{pred[key] * 1e3:.1f} | {pred[key] / r['median_s']:.3f} | "
+                         f"{r['peak_gib']:.1f} | {mhz} | {watts} |")
+        for ac in ("selective", "none"):
+            if f"{ac}_eager" in modes and f"{ac}_compiled" in modes:
+                saved = modes[f"{ac}_eager"]["median_s"] - modes[f"{ac}_compiled"]["median_s"]
+                psaved = pred[f"{ac}_eager"] - pred[f"{ac}_compiled"]
+                savings.append(f"- {regime}, {ac} AC: compile saves {saved * 1e3:.1f} ms "
+                               f"measured, {psaved * 1e3:.1f} ms predicted "
+                               f"({psaved / saved:.2f}x).")
+    lines += [""] + savings
+    if "gemm_loop" in res:
+        g = res["gemm_loop"]
+        mhz, watts = _clock_in(clocks, g["window"])
+        if clock_out is not None and mhz:
+            clock_out["back-to-back GEMMs"] = int(mhz)
+        lines.append(f"\nBack-to-back {res['batch'] * res['seq']} x {res['dims']['dim']} x "
+                     f"{res['dims']['hidden']} bf16 GEMMs on random data: {g['tflops']:.0f} "
+                     f"TFLOP/s, SM {mhz} MHz, {watts} W.")
     return lines
+
+
+def _clock_samples(path: str) -> list[tuple[float, float, float]]:
+    """(epoch s, SM MHz, W) rows of the nvidia-smi log run_on_device.sh keeps beside the
+    measurement (``--query-gpu=timestamp,clocks.sm,power.draw``)."""
+    import datetime
+    rows = []
+    if not os.path.exists(path):
+        return rows
+    for line in open(path):
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
+            t = t.replace(tzinfo=datetime.timezone.utc).timestamp()
+            rows.append((t, float(parts[1].split()[0]), float(parts[2].split()[0])))
+        except (ValueError, IndexError):
+            continue
+    return rows
+
+
+def _clock_in(rows, window) -> tuple[str, str]:
+    """Median SM clock and power of the samples inside ``window``, "" without any."""
+    if not rows or not window:
+        return "", ""
+    inside = [r for r in rows if window[0] <= r[0] <= window[1]]
+    if not inside:
+        return "", ""
+    return (f"{statistics.median(r[1] for r in inside):.0f}",
+            f"{statistics.median(r[2] for r in inside):.0f}")

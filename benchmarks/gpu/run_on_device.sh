@@ -9,4 +9,11 @@ for p in planner costmodel runtime; do cp -r "$p" "$PKG/meshplan/$p"; done
 export PYTHONPATH="$PKG" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv | tee "$OUT/nvidia_smi.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+# the SM clock and power every 100 ms beside the measurement (sac_compile reads its modes'
+# windows against it: benchmarks/gpu/gpu_compare.py); stopped however the script ends
+echo "local $(date '+%Y/%m/%d %H:%M:%S') utc $(date -u '+%Y/%m/%d %H:%M:%S')" >> "$OUT/nvidia_smi.txt"
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw --format=csv,noheader -lms 100 \
+    > "$OUT/smi_clock.csv" 2>/dev/null &
+SMI=$!
+trap 'kill $SMI 2>/dev/null' EXIT INT TERM
 python3 benchmarks/gpu_check.py measure --out "$OUT" --budget-s "${1:-400}" --sections "${2:-}" 2>&1 | tee "$OUT/gpu_check_log.txt"
