@@ -18,6 +18,8 @@ the kernels one by one, a pure function of the OpGraph:
   (``.to(input_dtype)``), or, for a value that depends on no input or weight (a rotary
   position table), to the activations' dtype (``cos.to(x.dtype)``). Elementwise results take the widest float input (PyTorch's type
   promotion), reductions and views their input's, matmuls and attention the compute dtype.
+  A float graph input keeps the dtype it was traced with, except under FSDP2, which casts
+  the root module's float inputs to its ``param_dtype`` (``cast_forward_inputs``).
 - **forward kernels**: one per non-view operator over the bytes it reads and writes at
   those dtypes; a cast that changes the dtype and a ``cat`` copy (views in the trace, free
   in ``op_time``); under autocast, a cast kernel for each fp32 input of a matmul or
@@ -181,7 +183,12 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
         size[p.name] = origin[p.name] = weights if is_float(p.dtype) else \
             max(1, _meta_itemsize(p.dtype))
     for name, meta in graph.inputs:
-        size[name] = origin[name] = 4 if is_float(meta.dtype) else _meta_itemsize(meta.dtype)
+        # a float input: FSDP2 casts the root module's floating-point inputs to its
+        # param_dtype (MixedPrecisionPolicy.cast_forward_inputs, on by default); otherwise it
+        # stays as the user passes it, the dtype it was traced with (fp32 data, or bf16
+        # hidden states)
+        size[name] = origin[name] = compute if precision == "fsdp" and is_float(meta.dtype) \
+            else _meta_itemsize(meta.dtype)
     for name in _outside(graph):  # a block activation before a cut: the embedding's dtype
         size[name] = origin[name] = weights
     for node in graph.nodes:

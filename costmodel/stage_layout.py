@@ -18,7 +18,10 @@ from meshplan.costmodel.compute import DTYPE_BYTES, attention_saved_bytes
 from meshplan.costmodel.eager import cached_element_bytes
 from meshplan.costmodel.fusion import recomputed_inside
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.memory import ActivationProfile, activation_profile, alias_root
+from meshplan.costmodel.kernel_paths import is_float, value_dtype
+from meshplan.costmodel.memory import (ActivationProfile, activation_profile, alias_root,
+                                       alternate_matmuls, tensor_bytes)
+from meshplan.costmodel.partition import compiled_saved
 from meshplan.graph import OpGraph, OpKind
 from meshplan.placements import PARTIAL, REPLICATE, shard
 from meshplan.plan import Stage
@@ -106,12 +109,6 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     sizes, cast = None, 0
     if precision:
         sizes = cached_element_bytes(graph, dtype=dtype, precision=precision)
-        if compiled:  # inside a block the partitioner decides; between blocks eager holds
-            users = graph.users
-            sizes = {n: b for n, b in sizes.items() if n not in graph
-                     or graph.node(n).layer < 0
-                     or any(u in graph and graph.node(u).layer != graph.node(n).layer
-                            for u in users.get(n, ()))}
         if precision == "autocast" and dbytes < 4:
             cast = dbytes
 
@@ -126,9 +123,55 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
                               attention_extra_per_node=extra,
                               recomputed=recomputed_inside(graph, names) if fused else None,
                               sizes=sizes, autocast_bytes=cast, read_split=read_split)
+    if compiled:
+        prof = _compiled_blocks(prof, graph, names, sizes, dbytes, cast, m, split_of)
     if cache is not None:
         cache[key] = (stage.ops, stage.inputs, prof)
     return prof
+
+
+def _compiled_blocks(prof: ActivationProfile, graph: OpGraph, names: list[str], sizes,
+                     dbytes: int, cast: int, m: int, split_of) -> ActivationProfile:
+    """``prof`` with each block's kept bytes as torch.compile's partitioner keeps them
+    (costmodel/partition.py), each value at the dtype eager PyTorch gives it (``sizes``) and
+    a matmul's autocast copy at ``cast`` bytes: under no recompute the min cut (the block's
+    input included), under selective checkpointing the policy's saved outputs the backward
+    reads (the block's input is counted in ``boundary``): every parameter matmul (the module
+    engine's policy, ``kept_matmuls``) or torchtitan's alternate matmuls and attention
+    (``kept_alternate``)."""
+    inputs = dict(graph.inputs)
+
+    def nbytes(value: str, per: int | None = None) -> float:
+        if per is None:
+            per = sizes.get(value, dbytes) if sizes is not None else dbytes
+        return tensor_bytes(value, graph, per, inputs) / m / max(1, split_of(value))
+
+    def cast_bytes(value: str) -> float | None:
+        if not cast or sizes is None or sizes.get(value, dbytes) <= cast \
+                or not is_float(value_dtype(graph, value)):
+            return None
+        return nbytes(value, cast)
+
+    by_layer: dict[int, list[str]] = {}
+    for n in names:
+        layer = graph.node(n).layer
+        if layer >= 0:
+            by_layer.setdefault(layer, []).append(n)
+    recomputed = alternate_matmuls(graph)
+    kept, matmuls, alternate = dict(prof.kept), dict(prof.kept_matmuls), \
+        dict(prof.kept_alternate)
+    for layer, ops in by_layer.items():
+        kept[layer] = sum(compiled_saved(graph, ops, nbytes, cast_bytes=cast_bytes).values())
+        param_mm = {n for n in ops if graph.node(n).kind == OpKind.MATMUL
+                    and any(i in graph.param_map for i in graph.node(n).inputs)}
+        own = set(ops)
+        for table, tagged in ((matmuls, param_mm),
+                              (alternate, {n for n in param_mm if n not in recomputed}
+                               | {n for n in ops if graph.node(n).kind == OpKind.ATTENTION})):
+            saved = compiled_saved(graph, ops, nbytes, must_save=tagged, cast_bytes=cast_bytes)
+            table[layer] = sum(b for v, b in saved.items()
+                               if v in own or v.startswith("cast:"))
+    return replace(prof, kept=kept, kept_matmuls=matmuls, kept_alternate=alternate)
 
 
 def _placements(stage: Stage) -> dict:

@@ -10,21 +10,15 @@ import sys
 import pytest
 import torch
 
-from tests.harness.benchmarks import ROOT, benchmark_module
+from tests.harness.benchmarks import ROOT, gpu_benchmark_module
 
 TINY = {"blocks": 2, "dim": 64, "heads": 4, "kv_heads": 2, "hidden": 128}
 
 
 @pytest.fixture(scope="module")
 def sac():
-    gpu = os.path.join(ROOT, "benchmarks", "gpu")
-    sys.path.insert(0, gpu)  # sac_compile imports model.py beside it
-    try:
-        with benchmark_module("gpu/sac_compile") as module:
-            yield module
-    finally:
-        sys.path.remove(gpu)
-        sys.modules.pop("model", None)
+    with gpu_benchmark_module("sac_compile") as module:
+        yield module
 
 
 def test_torchtitans_rule_recomputes_without_changing_the_gradients(sac):

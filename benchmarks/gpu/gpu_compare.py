@@ -153,6 +153,16 @@ def compare(*dirs: str) -> None:
         lines.append(f"| {label} | {med * 1e3:.1f} [{lo * 1e3:.1f}, {hi * 1e3:.1f}] | "
                      f"{', '.join(f'{e * 1e3:.1f}' for e in each)} | {pred[0]} | "
                      f"{peak_gib:.1f} | {pred[1]} |")
+    phases_path = os.path.join(RESULTS, f"memory_phases_{short}.json")
+    if os.path.exists(phases_path):
+        lines += ["", "The sections run in one process, in the order of the table. The 1 x 4 "
+                  "meshplan sections come after a compiled meshplan section: their peaks read "
+                  "3.3 GiB (the model's fp32 weights) above the same step in a fresh process "
+                  "(memory_phases, below: 46.7 and 35.9 GiB); the plain sections, first, "
+                  "agree with it (the plain rows here also keep the bf16 logits, 1 GiB, "
+                  "through the backward). What holds the earlier section's weights (a compiled "
+                  "block's cache entry is the likely one) is not measured yet."]
+        lines += _memory_phase_lines(json.load(open(phases_path)), plan4, preset)
     sac_clock: dict = {}
     if "sac_compile" in sections:
         logs = [os.path.join(d, "smi_clock.csv") for d in dirs
@@ -219,6 +229,46 @@ def _sac_compile_lines(res: dict, preset: str, clock_log: str | None = None,
         lines.append(f"\nBack-to-back {res['batch'] * res['seq']} x {res['dims']['dim']} x "
                      f"{res['dims']['hidden']} bf16 GEMMs on random data: {g['tflops']:.0f} "
                      f"TFLOP/s, SM {mhz} MHz, {watts} W.")
+    return lines
+
+
+def _memory_phase_lines(res: dict, plan: Plan, preset: str) -> list[str]:
+    """The one-GPU step's memory by phase in steady state (steps 2-4, after AdamW made its
+    state; benchmarks/gpu/memory_phases.py), against the predicted peak of the same plan."""
+    import torch
+
+    import meshplan
+    import model as M
+    with torch.device("meta"):
+        net = M.gpu_llama()
+    graph = meshplan.trace(net, (torch.zeros(4, 4096, dtype=torch.long, device="meta"),))
+    lines = ["", "## Where the one-GPU step's memory peaks (benchmarks/gpu/memory_phases.py)", "",
+             "The same 1 x 4 step, GiB allocated (torch.cuda.max_memory_allocated and "
+             "memory_allocated, reset at each phase), the last of 4 steps (steady state: AdamW "
+             "has made its state; the first step, without it, peaks 6.6 GiB lower), each "
+             "engine in a fresh process; the plain step drops its logits before the "
+             "backward. "
+             f"Predicted: `meshplan.estimate(plan_{preset.split('-')[1]}_mb4.json, "
+             "compiled=...)`, its parts: weights and their autocast copies, optimizer state, "
+             "gradients, activations.", "",
+             "| run | forward peak | at backward start | backward peak | optimizer peak | "
+             "predicted peak (activations, gradients) | predicted / measured peak |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for key, rows in res["runs"].items():
+        if not isinstance(rows, list) or not rows:
+            continue
+        r = rows[-1]
+        measured = max(r["forward_peak_gib"], r["backward_peak_gib"], r["optimizer_peak_gib"])
+        pred = ratio = ""
+        if key.startswith("meshplan"):
+            est = meshplan.estimate(plan, graph, compiled=key.endswith("compiled"),
+                                    hardware=load_preset(preset))
+            pred = (f"{est.peak_memory_gib:.1f} ({est.memory.activations_gib:.1f}, "
+                    f"{est.memory.grads_gib:.1f})")
+            ratio = f"{est.peak_memory_gib / measured:.3f}"
+        lines.append(f"| {key.replace('_', ' ')} | {r['forward_peak_gib']:.1f} | "
+                     f"{r['at_backward_gib']:.1f} | {r['backward_peak_gib']:.1f} | "
+                     f"{r['optimizer_peak_gib']:.1f} | {pred} | {ratio} |")
     return lines
 
 

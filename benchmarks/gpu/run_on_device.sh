@@ -6,7 +6,13 @@ set -uo pipefail
 PKG=/tmp/mp_pkg; rm -rf "$PKG"; mkdir -p "$PKG"
 cp -r meshplan "$PKG/meshplan"
 for p in planner costmodel runtime; do cp -r "$p" "$PKG/meshplan/$p"; done
-export PYTHONPATH="$PKG" PYTHONUNBUFFERED=1
+# jsonschema (plan validation) from the wheels benchmarks/gpu/device_wheels.sh fetched here
+DEPS=/tmp/mp_deps
+if [ -d devwheels ]; then
+    python3 -m pip install -q --no-index --find-links devwheels --target "$DEPS" jsonschema \
+        2>&1 | grep -v "^WARNING: Running pip as the 'root' user" || true
+fi
+export PYTHONPATH="$PKG:$DEPS" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv | tee "$OUT/nvidia_smi.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 # the SM clock and power every 100 ms beside the measurement (sac_compile reads its modes'

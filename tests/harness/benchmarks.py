@@ -23,3 +23,17 @@ def benchmark_module(name: str):
         yield module
     finally:
         sys.modules.pop(spec.name, None)
+
+
+@contextmanager
+def gpu_benchmark_module(name: str):
+    """``benchmarks/gpu/<name>.py`` with benchmarks/gpu on the path while in use (its scripts
+    import ``model`` from beside them); ``model`` is forgotten again afterwards."""
+    gpu = os.path.join(ROOT, "benchmarks", "gpu")
+    sys.path.insert(0, gpu)
+    try:
+        with benchmark_module(f"gpu/{name}") as module:
+            yield module
+    finally:
+        sys.path.remove(gpu)
+        sys.modules.pop("model", None)
