@@ -18,7 +18,6 @@ from meshplan.costmodel.compute import DTYPE_BYTES, attention_saved_bytes
 from meshplan.costmodel.eager import cached_element_bytes
 from meshplan.costmodel.fusion import recomputed_inside
 from meshplan.costmodel.hardware import HardwareProfile
-from meshplan.costmodel.kernel_paths import is_float, value_dtype
 from meshplan.costmodel.memory import (ActivationProfile, activation_profile, alias_root,
                                        alternate_matmuls, tensor_bytes)
 from meshplan.costmodel.partition import compiled_saved
@@ -84,9 +83,8 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     ``RuntimeModel.eager_activations``), whose kept tensors are priced at the dtypes eager
     PyTorch holds them in (``memory.activation_profile``); "": every float in ``dtype``.
     ``compiled``: the blocks run under torch.compile, whose partitioner keeps its own
-    choice of tensors (the fp32 chains it fuses are recomputed, not kept): their values are
-    priced in ``dtype``, the operators outside the blocks and the values blocks pass each
-    other (the residual stream) at eager dtypes."""
+    choice of tensors (``_compiled_blocks``, costmodel/partition.py); the operators outside
+    the blocks keep what eager autograd keeps."""
     m = max(1, microbatches)
     key = ("activations", id(stage.ops), id(stage.inputs), stage.mesh_shape, m, dtype,
            hw.device.name, seq_len, attention, fused, precision, compiled)
@@ -124,33 +122,38 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
                               recomputed=recomputed_inside(graph, names) if fused else None,
                               sizes=sizes, autocast_bytes=cast, read_split=read_split)
     if compiled:
-        prof = _compiled_blocks(prof, graph, names, sizes, dbytes, cast, m, split_of)
+        prof = _compiled_blocks(prof, graph, names, sizes, dbytes, cast, m, split_of, extra)
     if cache is not None:
         cache[key] = (stage.ops, stage.inputs, prof)
     return prof
 
 
 def _compiled_blocks(prof: ActivationProfile, graph: OpGraph, names: list[str], sizes,
-                     dbytes: int, cast: int, m: int, split_of) -> ActivationProfile:
+                     dbytes: int, cast: int, m: int, split_of,
+                     attention_extra: float = 0.0) -> ActivationProfile:
     """``prof`` with each block's kept bytes as torch.compile's partitioner keeps them
-    (costmodel/partition.py), each value at the dtype eager PyTorch gives it (``sizes``) and
-    a matmul's autocast copy at ``cast`` bytes: under no recompute the min cut (the block's
-    input included), under selective checkpointing the policy's saved outputs the backward
-    reads (the block's input is counted in ``boundary``): every parameter matmul (the module
-    engine's policy, ``kept_matmuls``) or torchtitan's alternate matmuls and attention
-    (``kept_alternate``)."""
+    (costmodel/partition.py), each value at the dtype eager PyTorch gives it (``sizes``), a
+    matmul's autocast copy at ``cast`` bytes, an attention's output with its fp32
+    logsumexp and the s x s tensors of an attention that materializes them
+    (``attention_extra``): under no recompute the min cut (the block's input included),
+    under selective checkpointing the policy's saved outputs the backward reads (the block's
+    input is counted in ``boundary``): every parameter matmul (the module engine's policy,
+    ``kept_matmuls``) or torchtitan's alternate matmuls and attention (``kept_alternate``);
+    Korthikanti's selective recompute (``kept_selective``) keeps no more than the cut."""
     inputs = dict(graph.inputs)
 
     def nbytes(value: str, per: int | None = None) -> float:
         if per is None:
             per = sizes.get(value, dbytes) if sizes is not None else dbytes
-        return tensor_bytes(value, graph, per, inputs) / m / max(1, split_of(value))
+        b = tensor_bytes(value, graph, per, inputs)
+        node = graph.node(value) if value in graph else None
+        if node is not None and node.kind == OpKind.ATTENTION and node.out is not None \
+                and node.out.shape:  # SDPA's logsumexp, fp32, one per query row
+            b += node.out.numel / node.out.shape[-1] * 4
+        return b / m / max(1, split_of(value))
 
-    def cast_bytes(value: str) -> float | None:
-        if not cast or sizes is None or sizes.get(value, dbytes) <= cast \
-                or not is_float(value_dtype(graph, value)):
-            return None
-        return nbytes(value, cast)
+    def own(value: str, ops: set) -> bool:  # made in the block, not its input
+        return value in ops or value.startswith(("cast:", "mask:"))
 
     by_layer: dict[int, list[str]] = {}
     for n in names:
@@ -158,20 +161,26 @@ def _compiled_blocks(prof: ActivationProfile, graph: OpGraph, names: list[str], 
         if layer >= 0:
             by_layer.setdefault(layer, []).append(n)
     recomputed = alternate_matmuls(graph)
-    kept, matmuls, alternate = dict(prof.kept), dict(prof.kept_matmuls), \
-        dict(prof.kept_alternate)
+    kept, selective, matmuls, alternate = dict(prof.kept), dict(prof.kept_selective), \
+        dict(prof.kept_matmuls), dict(prof.kept_alternate)
     for layer, ops in by_layer.items():
-        kept[layer] = sum(compiled_saved(graph, ops, nbytes, cast_bytes=cast_bytes).values())
+        block = set(ops)
+        attention = {n for n in ops if graph.node(n).kind == OpKind.ATTENTION}
+        materialized = attention_extra * len(attention)
+        kept[layer] = sum(compiled_saved(graph, ops, nbytes, cast=cast,
+                                         sizes=sizes).values()) + materialized
+        selective[layer] = min(selective.get(layer, kept[layer]), kept[layer])
         param_mm = {n for n in ops if graph.node(n).kind == OpKind.MATMUL
                     and any(i in graph.param_map for i in graph.node(n).inputs)}
-        own = set(ops)
         for table, tagged in ((matmuls, param_mm),
                               (alternate, {n for n in param_mm if n not in recomputed}
-                               | {n for n in ops if graph.node(n).kind == OpKind.ATTENTION})):
-            saved = compiled_saved(graph, ops, nbytes, must_save=tagged, cast_bytes=cast_bytes)
-            table[layer] = sum(b for v, b in saved.items()
-                               if v in own or v.startswith("cast:"))
-    return replace(prof, kept=kept, kept_matmuls=matmuls, kept_alternate=alternate)
+                               | attention)):
+            saved = compiled_saved(graph, ops, nbytes, must_save=tagged, cast=cast,
+                                   sizes=sizes)
+            table[layer] = sum(b for v, b in saved.items() if own(v, block)) + (
+                materialized if table is alternate else 0.0)
+    return replace(prof, kept=kept, kept_selective=selective, kept_matmuls=matmuls,
+                   kept_alternate=alternate)
 
 
 def _placements(stage: Stage) -> dict:

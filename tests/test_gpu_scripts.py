@@ -53,6 +53,7 @@ def test_the_compiled_blocks_are_not_traced_with_dynamic_shapes(sac, ac, monkeyp
                           for s in (t.shape if isinstance(t, torch.Tensor) else (t,))))
         return gm.forward
 
+    torch._dynamo.reset()  # what other tests of this process compiled is not the premise
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda m: compile_(m, backend=recorder))
     import model  # benchmarks/gpu/model.py, on the path beside sac_compile
