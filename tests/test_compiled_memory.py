@@ -73,6 +73,27 @@ def _saved_by_block(sac, ac: str, compiled: bool, regime: str) -> list[int]:
     return per_block
 
 
+def _saved_by_layer(net, block, loss) -> int:
+    """Bytes ``block`` saves for its backward in one forward of ``loss()`` (weights excluded),
+    after two steps that compile."""
+    for _ in range(2):
+        loss().backward()
+    keys = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in keys:
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+    marks: list[set] = []
+    block.register_forward_pre_hook(lambda *_: marks.append(set(saved)))
+    block.register_forward_hook(lambda *_: marks.append(set(saved)))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss()
+    return sum(saved[k] for k in marks[-1] - marks[-2])
+
+
 def _profile(sac, regime: str, compiled: bool):
     dp = 2 if regime == "bf16" else 1  # FSDP2 holds bf16 weights where dp > 1
     with torch.device("meta"):
@@ -207,22 +228,7 @@ def test_a_compiled_gpt2_block_keeps_what_the_partitioner_saves(attention, p):
     def loss():
         logits = net(input_ids=ids).logits
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
-    for _ in range(2):  # compiles
-        loss().backward()
-    keys = {q.untyped_storage().data_ptr() for q in net.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in keys:
-            saved.setdefault(storage.data_ptr(), storage.nbytes())
-        return t
-    marks: list[set] = []
-    net.transformer.h[1].register_forward_pre_hook(lambda *_: marks.append(set(saved)))
-    net.transformer.h[1].register_forward_hook(lambda *_: marks.append(set(saved)))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss()
-    measured = sum(saved[k] for k in marks[-1] - marks[-2])
+    measured = _saved_by_layer(net, net.transformer.h[1], loss)
     with torch.device("meta"):
         meta = GPT2LMHeadModel(cfg).train()
     ids_meta = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -273,22 +279,7 @@ def test_an_operator_the_partitioner_may_not_recompute_is_kept():
     for block in net.layers:
         block.compile()
     x = torch.randn(batch, seq, dim)
-    for _ in range(2):
-        loss_fn(net(x)).backward()
-    keys = {p.untyped_storage().data_ptr() for p in net.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in keys:
-            saved.setdefault(storage.data_ptr(), storage.nbytes())
-        return t
-    marks: list[set] = []
-    net.layers[1].register_forward_pre_hook(lambda *_: marks.append(set(saved)))
-    net.layers[1].register_forward_hook(lambda *_: marks.append(set(saved)))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss_fn(net(x))
-    measured = sum(saved[k] for k in marks[-1] - marks[-2])
+    measured = _saved_by_layer(net, net.layers[1], lambda: loss_fn(net(x)))
     with torch.device("meta"):
         meta = _CatNet(dim)
     graph = meshplan.trace(meta, (torch.zeros(batch, seq, dim, device="meta"),),
