@@ -157,11 +157,12 @@ def compare(*dirs: str) -> None:
     if os.path.exists(phases_path):
         lines += ["", "The sections run in one process, in the order of the table. The 1 x 4 "
                   "meshplan sections come after a compiled meshplan section: their peaks read "
-                  "3.3 GiB (the model's fp32 weights) above the same step in a fresh process "
-                  "(memory_phases, below: 46.7 and 35.9 GiB); the plain sections, first, "
-                  "agree with it (the plain rows here also keep the bf16 logits, 1 GiB, "
-                  "through the backward). What holds the earlier section's weights (a compiled "
-                  "block's cache entry is the likely one) is not measured yet."]
+                  "3.3 GiB (the size of the model's fp32 weights) above the same step in a fresh "
+                  "process (memory_phases, below: 46.7 and 35.9 GiB); the plain sections, "
+                  "first, agree with it (the plain rows here also keep the bf16 logits, 1 GiB, "
+                  "through the backward). What those 3.3 GiB are is open: on CPU the same "
+                  "sequence of runs frees every weight of the earlier ones (weak references "
+                  "to them die after `del`, compiled or not)."]
         lines += _memory_phase_lines(json.load(open(phases_path)), plan4, preset)
     sac_clock: dict = {}
     if "sac_compile" in sections:
