@@ -263,11 +263,18 @@ class RuntimeModel:
 
 def plan_runtime(plan: Plan, hw: HardwareProfile) -> RuntimeModel:
     """The runtime factors of the engine ``plan`` names, compiled when the plan says so."""
-    runtime = default_runtime(hw, engine=plan.engine, pipeline=plan.num_stages > 1)
-    if plan.training.compiled:
-        casts = "fused" if runtime.fp8_casts == "eager" else runtime.fp8_casts
-        runtime = replace(runtime, compiled=True, fp8_casts=casts)
-    return runtime
+    return with_compile(default_runtime(hw, engine=plan.engine, pipeline=plan.num_stages > 1),
+                        plan.training.compiled)
+
+
+def with_compile(runtime: RuntimeModel, compiled: bool) -> RuntimeModel:
+    """``runtime`` with its repeated blocks under ``torch.compile`` where ``compiled``:
+    torchao's fp8 amax / scale / cast fuse into one kernel per input. The one place the
+    estimate, ``meshplan.estimate(compiled=True)`` and the stack layout search make it."""
+    if not compiled:
+        return runtime
+    casts = "fused" if runtime.fp8_casts == "eager" else runtime.fp8_casts
+    return replace(runtime, compiled=True, fp8_casts=casts)
 
 
 def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,

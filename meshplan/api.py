@@ -373,16 +373,13 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
     runtime = None
     compiled = compiled or plan.training.compiled
     if engine is not None or compiled:
-        from dataclasses import replace
-
         from meshplan.costmodel.estimate import PROFILES, default_runtime
         from meshplan.costmodel.hardware import HardwareProfile
+        from meshplan.costmodel.runtime_profiles import with_compile
 
         if engine is not None and engine not in PROFILES:
             raise PlanningError(f"engine={engine!r} is not one of {', '.join(PROFILES)}")
         hw = hardware or HardwareProfile.from_dict(plan.mesh.hardware)
-        runtime = default_runtime(hw, engine=engine or plan.engine, pipeline=plan.num_stages > 1)
-        # under torch.compile torchao's fp8 amax / scale / cast fuse into one kernel per input
-        casts = "fused" if compiled and runtime.fp8_casts == "eager" else runtime.fp8_casts
-        runtime = replace(runtime, compiled=compiled, fp8_casts=casts)
+        runtime = with_compile(default_runtime(hw, engine=engine or plan.engine,
+                                               pipeline=plan.num_stages > 1), compiled)
     return estimate_plan(plan, graph, hw=hardware, runtime=runtime)

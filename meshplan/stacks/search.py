@@ -160,6 +160,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     found so far; the plan's solver status then says how many layouts were left unpriced
     (the plan is the best found, not proven the best)."""
     from meshplan.costmodel.estimate import default_runtime, estimate_plan
+    from meshplan.costmodel.runtime_profiles import with_compile
     from meshplan.planner.manual import build_manual_plan
     from meshplan.planner.simplest import error_margin
     from meshplan.sweep import variant  # a group's base plan with a layout's fields
@@ -190,8 +191,9 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
                (lay.virtual_stages if uneven else 0))
         groups.setdefault(key, []).append(lay)
     priced: list[Priced] = []
-    runtimes = {pp: replace(default_runtime(hw, engine=target, pipeline=pp > 1),
-                            compiled=compiled) for pp in {k[3] for k in groups}}
+    # priced as meshplan.estimate prices the plan it returns (fp8 casts fused when compiled)
+    runtimes = {pp: with_compile(default_runtime(hw, engine=target, pipeline=pp > 1), compiled)
+                for pp in {k[3] for k in groups}}
     best: float | None = None  # the fastest fitting step so far
     bounded = 0
     margin = error_margin(hw)
