@@ -72,8 +72,8 @@ def compiled_saved(graph: OpGraph, names: Iterable[str], nbytes: Callable[..., f
     """The values one compiled block keeps for its backward (storages: view roots; autocast
     copies ``"cast:<value>"``, dropout masks ``"mask:<dropout>"``) and their bytes.
 
-    ``names``: the block's operators; ``nbytes(value, per=None)``: the bytes of a value (at
-    ``per`` bytes an element if given; a block input at the dtype the previous block hands
+    ``names``: the block's operators; ``nbytes(value, per=None, read=False)``: the bytes of a
+    value (at ``per`` bytes an element if given, split as a matmul reads it if ``read``; a block input at the dtype the previous block hands
     over, a block value at the dtype eager PyTorch gives it, split and per microbatch as the
     profile counts them); ``must_save``: the operators a selective checkpointing policy tags
     ``MUST_SAVE`` (None: no checkpointing, the partitioner's own choice); ``cast``: under
@@ -97,8 +97,8 @@ def compiled_saved(graph: OpGraph, names: Iterable[str], nbytes: Callable[..., f
     for v in st.order:
         if v.startswith("mask:"):
             costs[v] = float(nbytes(v[len("mask:"):], 1))
-        elif v.startswith("cast:"):
-            costs[v] = float(nbytes(v[len("cast:"):], cast))
+        elif v.startswith("cast:"):  # split as the matmul reads it (``read_split``)
+            costs[v] = float(nbytes(v[len("cast:"):], cast, True))
         else:
             costs[v] = 0.0 if v in st.free else float(nbytes(v))
     top = max(costs.values(), default=0.0) or 1.0

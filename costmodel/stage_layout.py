@@ -122,7 +122,19 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
                               recomputed=recomputed_inside(graph, names) if fused else None,
                               sizes=sizes, autocast_bytes=cast, read_split=read_split)
     if compiled:
-        prof = _compiled_blocks(prof, graph, names, sizes, dbytes, cast, m, split_of, extra)
+        # autocast's copy of a matmul input is made as the matmul reads it (a sequence-
+        # parallel input gathered first is cast whole): the least split of its readers
+        read_as_copy: dict[str, int] = {}
+        for n in names:
+            node = graph.node(n)
+            if node.kind in (OpKind.MATMUL, OpKind.ATTENTION):
+                for k, i in enumerate(node.inputs):
+                    if i not in graph.param_map:
+                        for v in (i, alias_root(i, graph, copies=True)):
+                            read_as_copy[v] = min(read_as_copy.get(v, 1 << 30),
+                                                  read_split(n, k))
+        prof = _compiled_blocks(prof, graph, names, sizes, dbytes, cast, m, split_of, extra,
+                                read_as_copy)
     if cache is not None:
         cache[key] = (stage.ops, stage.inputs, prof)
     return prof
@@ -130,7 +142,8 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
 
 def _compiled_blocks(prof: ActivationProfile, graph: OpGraph, names: list[str], sizes,
                      dbytes: int, cast: int, m: int, split_of,
-                     attention_extra: float = 0.0) -> ActivationProfile:
+                     attention_extra: float = 0.0,
+                     read_as_copy: dict | None = None) -> ActivationProfile:
     """``prof`` with each block's kept bytes as torch.compile's partitioner keeps them
     (costmodel/partition.py), each value at the dtype eager PyTorch gives it (``sizes``), a
     matmul's autocast copy at ``cast`` bytes, an attention's output with its fp32
@@ -142,9 +155,11 @@ def _compiled_blocks(prof: ActivationProfile, graph: OpGraph, names: list[str], 
     Korthikanti's selective recompute (``kept_selective``) keeps no more than the cut."""
     inputs = dict(graph.inputs)
 
-    def nbytes(value: str, per: int | None = None) -> float:
+    def nbytes(value: str, per: int | None = None, read: bool = False) -> float:
         if per is None:
             per = sizes.get(value, dbytes) if sizes is not None else dbytes
+        if read and read_as_copy and value in read_as_copy:  # autocast's copy, as read
+            return tensor_bytes(value, graph, per, inputs) / m / max(1, read_as_copy[value])
         b = tensor_bytes(value, graph, per, inputs)
         node = graph.node(value) if value in graph else None
         if node is not None and node.kind == OpKind.ATTENTION and node.out is not None \

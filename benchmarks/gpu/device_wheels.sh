@@ -8,8 +8,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${1:-3.12}"
-VERSION=$(python -c "import importlib.metadata as m; print(m.version('jsonschema'))")
+PYTHON="${PYTHON:-.venv/bin/python}"  # the environment the README's test command makes
+VERSION=$("$PYTHON" -c "import importlib.metadata as m; print(m.version('jsonschema'))")
 mkdir -p devwheels
-python -m pip download "jsonschema==$VERSION" --python-version "$PY" --only-binary=:all: \
+"$PYTHON" -m pip download "jsonschema==$VERSION" --python-version "$PY" --only-binary=:all: \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d devwheels -q
 ls devwheels

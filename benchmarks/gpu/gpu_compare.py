@@ -155,20 +155,29 @@ def compare(*dirs: str) -> None:
                      f"{peak_gib:.1f} | {pred[1]} |")
     phases_path = os.path.join(RESULTS, f"memory_phases_{short}.json")
     if os.path.exists(phases_path):
-        lines += ["", "The sections run in one process, in the order of the table. The 1 x 4 "
-                  "meshplan sections come after a compiled meshplan section: their peaks read "
-                  "3.3 GiB (the size of the model's fp32 weights) above the same step in a fresh "
-                  "process (memory_phases, below: 46.7 and 35.9 GiB); the plain sections, "
-                  "first, agree with it (the plain rows here also keep the bf16 logits, 1 GiB, "
-                  "through the backward). What those 3.3 GiB are is open: on CPU the same "
-                  "sequence of runs frees every weight of the earlier ones (weak references "
-                  "to them die after `del`, compiled or not)."]
+        phases = json.load(open(phases_path))["runs"]
+        fresh = {k: max(max(r["forward_peak_gib"], r["backward_peak_gib"])
+                        for r in rows[-1:]) for k, rows in phases.items()
+                 if isinstance(rows, list) and rows}
+        shared = {k: rows[k]["peak_gib"] for k in ("meshplan_eager_mb4", "meshplan_compiled_mb4")
+                  if k in rows}
+        if "meshplan_eager" in fresh and len(shared) == 2:
+            lines += ["", "The sections run in one process in gpu_check.py's order: plain "
+                      "eager, meshplan 4 x 1 eager, plain compiled, meshplan 4 x 1 compiled, "
+                      "then the two 1 x 4 runs. Those two peak at "
+                      f"{shared['meshplan_eager_mb4']:.1f} / "
+                      f"{shared['meshplan_compiled_mb4']:.1f} GiB, against "
+                      f"{fresh['meshplan_eager']:.1f} / {fresh['meshplan_compiled']:.1f} GiB "
+                      "for the same step in a process that runs only meshplan's step "
+                      "(memory_phases, below), for a reason not found yet: on CPU the same "
+                      "sequence of runs frees every weight of the earlier ones (weak references "
+                      "to them die after `del`, compiled or not)."]
         lines += _memory_phase_lines(json.load(open(phases_path)), plan4, preset)
     sac_clock: dict = {}
     if "sac_compile" in sections:
         logs = [os.path.join(d, "smi_clock.csv") for d in dirs
-                if "sac_compile" in json.load(open(os.path.join(d, "gpu_check_raw.json")))
-                ["sections"]]
+                if "result" in json.load(open(os.path.join(d, "gpu_check_raw.json")))
+                ["sections"].get("sac_compile", {})]
         lines += _sac_compile_lines(sections["sac_compile"]["result"], preset,
                                     logs[-1] if logs else None, sac_clock)
     os.makedirs(RESULTS, exist_ok=True)
@@ -280,11 +289,22 @@ def _clock_samples(path: str) -> list[tuple[float, float, float]]:
     rows = []
     if not os.path.exists(path):
         return rows
+    # nvidia-smi writes the machine's local time: the "local ... utc ..." line that
+    # run_on_device.sh writes beside it gives the offset
+    offset = 0.0
+    smi = os.path.join(os.path.dirname(path), "nvidia_smi.txt")
+    fmt = "%Y/%m/%d %H:%M:%S"
+    for line in open(smi) if os.path.exists(smi) else ():
+        words = line.split()
+        if len(words) == 6 and words[0] == "local" and words[3] == "utc":
+            local = datetime.datetime.strptime(" ".join(words[1:3]), fmt)
+            offset = (datetime.datetime.strptime(" ".join(words[4:6]), fmt) - local) \
+                .total_seconds()
     for line in open(path):
         parts = [p.strip() for p in line.split(",")]
         try:
             t = datetime.datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f")
-            t = t.replace(tzinfo=datetime.timezone.utc).timestamp()
+            t = t.replace(tzinfo=datetime.timezone.utc).timestamp() + offset
             rows.append((t, float(parts[1].split()[0]), float(parts[2].split()[0])))
         except (ValueError, IndexError):
             continue

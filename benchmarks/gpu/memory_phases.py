@@ -5,8 +5,9 @@ plain PyTorch and through ``meshplan.parallelize`` (plan_h100_mb4.json), each
 forward's peak, what is allocated when the backward starts (the kept activations and the
 loss), the backward's peak, and the optimizer's. Runs on the GPU machine from the repository
 root with meshplan importable (as run_on_device.sh lays it out):
-``python3 benchmarks/gpu/memory_phases.py $OUT [RUN ...]`` (runs: plain_eager, plain_compiled,
-meshplan_eager, meshplan_compiled; default all); writes ``$OUT/memory_phases.json`` (kept as
+``PYTHONPATH=/tmp/mp_pkg:/tmp/mp_deps python3 benchmarks/gpu/memory_phases.py $OUT [RUN ...]``
+after run_on_device.sh in the same call (runs: plain_eager, plain_compiled, meshplan_eager,
+meshplan_compiled; default all; each engine in a process of its own); writes ``$OUT/memory_phases.json`` (kept as
 benchmarks/results/memory_phases_h100.json)."""
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ def parallelized(compile_: bool, steps: int = 4) -> list[dict]:
         os.environ.setdefault("MASTER_PORT", "29534")
         dist.init_process_group("nccl", rank=0, world_size=1)
         torch.cuda.set_device(0)
-    plan = meshplan.Plan.from_json(os.path.join(HERE, "plan_h100_mb4.json"))
+    name = torch.cuda.get_device_name(0)  # the plan made for this GPU (gpu_check.py make-plan)
+    plan = meshplan.Plan.from_json(os.path.join(
+        HERE, "plan_h200_mb4.json" if "H200" in name else "plan_h100_mb4.json"))
     torch.manual_seed(0)
     with torch.device("meta"):
         net = M.gpu_llama()
@@ -114,22 +117,46 @@ def parallelized(compile_: bool, steps: int = 4) -> list[dict]:
     return ph.rows
 
 
-def main(out: str, only: tuple[str, ...] = ()) -> None:
-    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "runs": {}}
+def _one(out: str, keys: tuple[str, ...]) -> None:
+    """The runs ``keys`` in this process, into ``$OUT/memory_phases_<first key>.json``."""
+    res = {}
     for name, fn in (("plain", plain), ("meshplan", parallelized)):
         for compile_ in (False, True):
             key = f"{name}_{'compiled' if compile_ else 'eager'}"
-            if only and key not in only:
+            if key not in keys:
                 continue
             try:
-                res["runs"][key] = fn(compile_)
+                res[key] = fn(compile_)
             except Exception as exc:  # one failure must not lose the other rows
-                res["runs"][key] = {"error": repr(exc)[:400]}
-            print(key, res["runs"][key][-1] if isinstance(res["runs"][key], list)
-                  else res["runs"][key], flush=True)
-            with open(os.path.join(out, "memory_phases.json"), "w") as f:
-                json.dump(res, f, indent=1)
+                res[key] = {"error": repr(exc)[:400]}
+            last = res[key][-1] if isinstance(res[key], list) and res[key] else res[key]
+            print(key, last, flush=True)
+    with open(os.path.join(out, f"memory_phases_{keys[0]}.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def main(out: str, only: tuple[str, ...] = ()) -> None:
+    """Each engine's eager and compiled runs in a process of their own (a run after another
+    engine's compiled one reads more: benchmarks/results/gpu_check_h100.md), merged into
+    ``$OUT/memory_phases.json``."""
+    import subprocess
+    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "runs": {}}
+    for group in (("plain_eager", "plain_compiled"), ("meshplan_eager", "meshplan_compiled")):
+        keys = tuple(k for k in group if not only or k in only)
+        if not keys:
+            continue
+        subprocess.run([sys.executable, os.path.abspath(__file__), out, "--one", *keys],
+                       check=False)
+        part = os.path.join(out, f"memory_phases_{keys[0]}.json")
+        if os.path.exists(part):
+            res["runs"].update(json.load(open(part)))
+            os.remove(part)
+        with open(os.path.join(out, "memory_phases.json"), "w") as f:
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], tuple(sys.argv[2:]))
+    if len(sys.argv) > 2 and sys.argv[2] == "--one":
+        _one(sys.argv[1], tuple(sys.argv[3:]))
+    else:
+        main(sys.argv[1], tuple(sys.argv[2:]))

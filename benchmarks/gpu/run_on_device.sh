@@ -8,9 +8,14 @@ cp -r meshplan "$PKG/meshplan"
 for p in planner costmodel runtime; do cp -r "$p" "$PKG/meshplan/$p"; done
 # jsonschema (plan validation) from the wheels benchmarks/gpu/device_wheels.sh fetched here
 DEPS=/tmp/mp_deps
-if [ -d devwheels ]; then
-    python3 -m pip install -q --no-index --find-links devwheels --target "$DEPS" jsonschema \
-        2>&1 | grep -v "^WARNING: Running pip as the 'root' user" || true
+if [ -d devwheels ] && ! python3 -c "import jsonschema" 2>/dev/null; then
+    # only what the device lacks (its own typing_extensions stays first on the path)
+    python3 -m pip install -q --no-index --no-deps --target "$DEPS" devwheels/jsonschema-*.whl \
+        devwheels/jsonschema_specifications-*.whl devwheels/referencing-*.whl \
+        devwheels/rpds_py-*.whl devwheels/attrs-*.whl \
+        2>&1 | grep -v "^WARNING: Running pip as the 'root' user"
+    PYTHONPATH="$DEPS" python3 -c "import jsonschema" || {
+        echo "jsonschema did not install from devwheels/ (benchmarks/gpu/device_wheels.sh)"; exit 2; }
 fi
 export PYTHONPATH="$PKG:$DEPS" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv | tee "$OUT/nvidia_smi.txt"

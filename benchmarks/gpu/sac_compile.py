@@ -1,6 +1,6 @@
 """torch.compile under torchtitan's op-level selective activation checkpointing, measured on
-one GPU against the cost model (issue 26: torchtitan's compiled H100 rows are predicted 15%
-fast while its eager rows are 6% fast, and the estimate saves about 0.6 s of compile per
+one GPU against the cost model (issue 26: torchtitan's compiled H100 rows are predicted 12%
+fast while its eager rows are 9% fast, and the estimate saves about 0.44 s of compile per
 8-GPU step where torchtitan's tables show 0.39 s; the one-GPU check of
 benchmarks/gpu_check.py compiles blocks without selective AC, so it cannot tell whether the
 fusion model or the SAC-with-compile composition is off).

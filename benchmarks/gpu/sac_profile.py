@@ -18,9 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import sac_compile  # noqa: E402
 
-CLASSES = (("attention", ("flash", "fmha", "cudnn", "attention")),
+CLASSES = (("triton", ("triton",)),  # first: inductor names fused kernels after their ops
+           ("attention", ("flash", "fmha", "cudnn", "attention")),
            ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "sm90")),
-           ("triton", ("triton",)),
            ("reduction", ("reduce", "norm")))
 
 
