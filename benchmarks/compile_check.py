@@ -168,22 +168,12 @@ def _sac_section() -> list[str]:
     clock each step ran at under the 700 W cap (benchmarks/results/gpu_check_h100.json)."""
     from dataclasses import replace
 
-    import meshplan
     import sac_compile
     from meshplan.explain import as_planned
     from meshplan.graph import OpKind
 
     prof = json.load(open(os.path.join(RESULTS, "sac_profile_h100.json")))["modes"]
-    with torch.device("meta"):
-        net = sac_compile.Blocks()
-    dim = sac_compile.DIMS["dim"]
-    graph = meshplan.trace(net, (torch.zeros(2 * sac_compile.BATCH, sac_compile.SEQ, dim,
-                                             device="meta"),), loss_fn=sac_compile.loss_fn)
-    mesh = meshplan.Mesh.from_dict({"shape": [2], "hardware": "dgx-h100", "name": "h100:2"})
-    hw = mesh.hardware
-    mesh = replace(mesh, hardware=replace(hw, device=hw.device.with_attention_kernel("fa2")))
-    base = meshplan.manual_plan(net, mesh, graph=graph, dp=2, zero=3, dtype="bf16",
-                                microbatch_size=sac_compile.BATCH, engine="torchtitan")
+    _, graph, base = sac_compile.traced_plan("dgx-h100", "bf16")
     pred = {}
     for compiled in (False, True):
         plan = replace(base, training=replace(base.training, compiled=compiled))

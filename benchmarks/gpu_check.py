@@ -190,8 +190,9 @@ def _batches(steps, vocab, seed=0):
     return [torch.randint(0, vocab, (BATCH, SEQ), generator=g) for _ in range(steps)]
 
 
-def plain_step(compile_: bool, steps=6):
-    """The reference: the same model, bf16 autocast with fp32 weights and AdamW, no meshplan."""
+def plain_model(compile_: bool):
+    """(model, optimizer) of the reference step: model.py's Llama on the GPU with fp32
+    weights, each block ``torch.compile``d where ``compile_``, fused AdamW."""
     import model as M
     torch.manual_seed(0)
     net = M.gpu_llama().cuda()
@@ -199,7 +200,12 @@ def plain_step(compile_: bool, steps=6):
     if compile_:
         for i, blk in enumerate(net.layers):
             net.layers[i] = torch.compile(blk)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    return net, torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+
+
+def plain_step(compile_: bool, steps=6):
+    """The reference: the same model, bf16 autocast with fp32 weights and AdamW, no meshplan."""
+    net, opt = plain_model(compile_)
     data = [b.cuda() for b in _batches(steps, 32000)]
     times, losses = [], []
     torch.cuda.reset_peak_memory_stats()

@@ -125,7 +125,7 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
         # autocast's copy of a matmul input is made as the matmul reads it (a sequence-
         # parallel input gathered first is cast whole): the least split of its readers
         read_as_copy: dict[str, int] = {}
-        for n in names:
+        for n in names if cast else ():
             node = graph.node(n)
             if node.kind in (OpKind.MATMUL, OpKind.ATTENTION):
                 for k, i in enumerate(node.inputs):

@@ -38,6 +38,13 @@ def sac():
         yield module
 
 
+def _weight_copy(t, net) -> bool:
+    """Autocast's bf16 copy of a weight (or its transpose): model state, not activation."""
+    return t.dtype == torch.bfloat16 and any(
+        t.shape == w.shape and torch.equal(t, w.to(torch.bfloat16))
+        for p in net.parameters() if p.dim() == 2 for w in (p.detach(), p.T))
+
+
 def _saved_by_block(sac, ac: str, compiled: bool, regime: str) -> list[int]:
     """Bytes each block saves for its backward (its own saved storages, first seen there)."""
     net = sac.build(ac, compiled, "cpu", regime, **DIMS)
@@ -55,10 +62,8 @@ def _saved_by_block(sac, ac: str, compiled: bool, regime: str) -> list[int]:
         key = storage.data_ptr()
         if key not in weights and key not in saved and key != x.untyped_storage().data_ptr():
             saved[key] = storage.nbytes()
-            if regime == "autocast" and t.dtype == torch.bfloat16 and any(
-                    t.shape == w.shape and torch.equal(t, w.to(torch.bfloat16))
-                    for p in net.parameters() if p.dim() == 2 for w in (p.detach(), p.T)):
-                casts.add(key)  # autocast's weight copy: model state, not activation
+            if regime == "autocast" and _weight_copy(t, net):
+                casts.add(key)
         return t
     per_block = []
     h = x
@@ -73,25 +78,43 @@ def _saved_by_block(sac, ac: str, compiled: bool, regime: str) -> list[int]:
     return per_block
 
 
-def _saved_by_layer(net, block, loss) -> int:
-    """Bytes ``block`` saves for its backward in one forward of ``loss()`` (weights excluded),
-    after two steps that compile."""
+def _saved_by_layer(net, block, loss, autocast: bool = False) -> int:
+    """Bytes ``block`` saves for its backward in one forward of ``loss()`` (weights excluded,
+    and their autocast copies where ``autocast``), after two steps that compile."""
     for _ in range(2):
         loss().backward()
     keys = {p.untyped_storage().data_ptr() for p in net.parameters()}
     saved: dict[int, int] = {}
+    casts: set[int] = set()
 
     def pack(t):
         storage = t.untyped_storage()
-        if storage.data_ptr() not in keys:
-            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        key = storage.data_ptr()
+        if key not in keys and key not in saved:
+            saved[key] = storage.nbytes()
+            if autocast and _weight_copy(t, net):
+                casts.add(key)
         return t
     marks: list[set] = []
     block.register_forward_pre_hook(lambda *_: marks.append(set(saved)))
     block.register_forward_hook(lambda *_: marks.append(set(saved)))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss()
-    return sum(saved[k] for k in marks[-1] - marks[-2])
+    return sum(saved[k] for k in marks[-1] - marks[-2] if k not in casts)
+
+
+def _module_profile(meta, example, *, dtype: str, seq: int, compiled: bool, loss_fn=None,
+                    attention: str = "flash"):
+    """The activation profile of ``meta`` (a meta-device model) on one dgx-h100 GPU in a
+    module-engine plan at the batch of ``example``, under autocast."""
+    graph = meshplan.trace(meta, (example,), loss_fn=loss_fn)
+    mesh = meshplan.Mesh.from_dict({"shape": [1], "hardware": "dgx-h100"})
+    plan = meshplan.manual_plan(meta, mesh, graph=graph, dp=1, dtype=dtype,
+                                microbatch_size=example.shape[0], engine="modules")
+    return stage_activation_profile(plan.stages[0], graph, load_preset("dgx-h100"),
+                                    dtype=dtype, microbatches=1, seq_len=seq,
+                                    precision="autocast", compiled=compiled,
+                                    attention=attention)
 
 
 def _profile(sac, regime: str, compiled: bool):
@@ -168,40 +191,11 @@ def test_the_one_gpu_models_blocks_keep_what_they_save(compiled):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = net(ids)
         return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
-    for _ in range(2):  # compiles
-        loss().backward()
-    weights = list(net.parameters())
-    keys = {p.untyped_storage().data_ptr() for p in weights}
-    saved: dict[int, int] = {}
-    casts: set[int] = set()
-
-    def pack(t):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in keys and key not in saved:
-            saved[key] = storage.nbytes()
-            if t.dtype == torch.bfloat16 and any(
-                    t.shape == w.shape and torch.equal(t, w.to(torch.bfloat16))
-                    for p in weights if p.dim() == 2 for w in (p.detach(), p.T)):
-                casts.add(key)
-        return t
-    before: list[set] = []
-    net.layers[1].register_forward_pre_hook(lambda *_: before.append(set(saved)))
-    after: list[set] = []
-    net.layers[1].register_forward_hook(lambda *_: after.append(set(saved)))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss()
-    measured = sum(saved[k] for k in after[-1] - before[-1] if k not in casts)
+    measured = _saved_by_layer(net, net.layers[1], loss, autocast=True)
     with torch.device("meta"):
         meta = M.Llama(**size)
-    ids_meta = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    graph = meshplan.trace(meta, (ids_meta,))
-    mesh = meshplan.Mesh.from_dict({"shape": [1], "hardware": "dgx-h100"})
-    plan = meshplan.manual_plan(meta, mesh, (ids_meta,), graph=graph, dp=1, dtype="bf16",
-                                microbatch_size=batch, engine="modules")
-    prof = stage_activation_profile(plan.stages[0], graph, load_preset("dgx-h100"),
-                                    dtype="bf16", microbatches=1, seq_len=seq,
-                                    precision="autocast", compiled=compiled)
+    prof = _module_profile(meta, torch.zeros(batch, seq, dtype=torch.long, device="meta"),
+                           dtype="bf16", seq=seq, compiled=compiled)
     assert prof.kept[1] == pytest.approx(measured, rel=0.01)
 
 
@@ -231,16 +225,9 @@ def test_a_compiled_gpt2_block_keeps_what_the_partitioner_saves(attention, p):
     measured = _saved_by_layer(net, net.transformer.h[1], loss)
     with torch.device("meta"):
         meta = GPT2LMHeadModel(cfg).train()
-    ids_meta = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    graph = meshplan.trace(meta, (ids_meta,))
-    mesh = meshplan.Mesh.from_dict({"shape": [1], "hardware": "dgx-h100"})
-    plan = meshplan.manual_plan(meta, mesh, (ids_meta,), graph=graph, dp=1, dtype="fp32",
-                                microbatch_size=batch, engine="modules")
-    prof = stage_activation_profile(plan.stages[0], graph, load_preset("dgx-h100"),
-                                    dtype="fp32", microbatches=1, seq_len=seq,
-                                    precision="autocast", compiled=True,
-                                    attention="materialized" if attention == "eager"
-                                    else "flash")
+    prof = _module_profile(meta, torch.zeros(batch, seq, dtype=torch.long, device="meta"),
+                           dtype="fp32", seq=seq, compiled=True,
+                           attention="materialized" if attention == "eager" else "flash")
     assert prof.kept[1] == pytest.approx(measured, rel=0.01)
 
 
@@ -282,12 +269,6 @@ def test_an_operator_the_partitioner_may_not_recompute_is_kept():
     measured = _saved_by_layer(net, net.layers[1], lambda: loss_fn(net(x)))
     with torch.device("meta"):
         meta = _CatNet(dim)
-    graph = meshplan.trace(meta, (torch.zeros(batch, seq, dim, device="meta"),),
-                           loss_fn=loss_fn)
-    mesh = meshplan.Mesh.from_dict({"shape": [1], "hardware": "dgx-h100"})
-    plan = meshplan.manual_plan(meta, mesh, graph=graph, dp=1, dtype="fp32",
-                                microbatch_size=batch, engine="modules")
-    prof = stage_activation_profile(plan.stages[0], graph, load_preset("dgx-h100"),
-                                    dtype="fp32", microbatches=1, seq_len=seq,
-                                    precision="autocast", compiled=True)
+    prof = _module_profile(meta, torch.zeros(batch, seq, dim, device="meta"), dtype="fp32",
+                           seq=seq, compiled=True, loss_fn=loss_fn)
     assert prof.kept[1] == pytest.approx(measured, rel=0.01)

@@ -172,7 +172,7 @@ def compare(*dirs: str) -> None:
                       "(memory_phases, below), for a reason not found yet: on CPU the same "
                       "sequence of runs frees every weight of the earlier ones (weak references "
                       "to them die after `del`, compiled or not)."]
-        lines += _memory_phase_lines(json.load(open(phases_path)), plan4, preset)
+        lines += _memory_phase_lines(json.load(open(phases_path)), plan4, preset, graph)
     sac_clock: dict = {}
     if "sac_compile" in sections:
         logs = [os.path.join(d, "smi_clock.csv") for d in dirs
@@ -242,16 +242,11 @@ def _sac_compile_lines(res: dict, preset: str, clock_log: str | None = None,
     return lines
 
 
-def _memory_phase_lines(res: dict, plan: Plan, preset: str) -> list[str]:
+def _memory_phase_lines(res: dict, plan: Plan, preset: str, graph) -> list[str]:
     """The one-GPU step's memory by phase in steady state (steps 2-4, after AdamW made its
-    state; benchmarks/gpu/memory_phases.py), against the predicted peak of the same plan."""
-    import torch
-
+    state; benchmarks/gpu/memory_phases.py), against the predicted peak of the same plan
+    (``graph``: model.py's, traced once by ``compare``)."""
     import meshplan
-    import model as M
-    with torch.device("meta"):
-        net = M.gpu_llama()
-    graph = meshplan.trace(net, (torch.zeros(4, 4096, dtype=torch.long, device="meta"),))
     lines = ["", "## Where the one-GPU step's memory peaks (benchmarks/gpu/memory_phases.py)", "",
              "The same 1 x 4 step, GiB allocated (torch.cuda.max_memory_allocated and "
              "memory_allocated, reset at each phase), the last of 4 steps (steady state: AdamW "

@@ -61,14 +61,7 @@ class Phases:
 
 def plain(compile_: bool, steps: int = 4) -> list[dict]:
     import gpu_check as G
-    import model as M
-    torch.manual_seed(0)
-    net = M.gpu_llama().cuda()
-    M.init_weights(net)
-    if compile_:
-        for i, blk in enumerate(net.layers):
-            net.layers[i] = torch.compile(blk)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, fused=True)
+    net, opt = G.plain_model(compile_)
     with Phases() as ph:
         for ids in [b.cuda() for b in G._batches(steps, 32000)]:
             torch.cuda.reset_peak_memory_stats()

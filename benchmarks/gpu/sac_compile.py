@@ -185,14 +185,11 @@ def measure(steps: int = 10, regimes: tuple[str, ...] = REGIMES, **dims) -> dict
     return res
 
 
-def predict(preset: str, regime: str = "bf16", **dims) -> dict:
-    """The same step priced by meshplan on ``preset`` with its fa2 attention curve, through the
-    public API: {mode: seconds of forward + backward + recompute}. "autocast": the one-GPU
-    plan (torchtitan without FSDP2 runs autocast on fp32 weights). "bf16": meshplan prices
-    bf16 parameters where FSDP2 holds the blocks, so a 2-GPU ZeRO-3 plan at the same local
-    batch, whose forward and backward also count FSDP2's copy-out / copy-in kernels (about
-    2% of this step) that the one-GPU run does not launch; its collectives are left out
-    (``breakdown["comm"]``)."""
+def traced_plan(preset: str, regime: str = "bf16", recompute: str = "none", **dims):
+    """(meta blocks, their graph, the plan) meshplan prices a ``regime`` step on, through the
+    public API, on ``preset`` with its fa2 attention curve: "autocast", the one-GPU plan
+    (torchtitan without FSDP2 runs autocast on fp32 weights); "bf16", a 2-GPU ZeRO-3 plan at
+    the same local batch (meshplan prices bf16 parameters where FSDP2 holds the blocks)."""
     from dataclasses import replace
 
     import meshplan
@@ -206,11 +203,24 @@ def predict(preset: str, regime: str = "bf16", **dims) -> dict:
                                     "name": f"{preset}:{dp}"})
     hw = mesh.hardware
     mesh = replace(mesh, hardware=replace(hw, device=hw.device.with_attention_kernel("fa2")))
+    plan = meshplan.manual_plan(net, mesh, graph=graph, dp=dp, zero=3 if dp > 1 else 0,
+                                dtype="bf16", recompute=recompute, microbatch_size=BATCH,
+                                engine="torchtitan")
+    return net, graph, plan
+
+
+def predict(preset: str, regime: str = "bf16", **dims) -> dict:
+    """The same step priced by meshplan (``traced_plan``): {mode: seconds of forward +
+    backward + recompute}. The "bf16" plan's forward and backward also count FSDP2's
+    copy-out / copy-in kernels (about 2% of this step) that the one-GPU run does not launch;
+    its collectives are left out (``breakdown["comm"]``)."""
+    from dataclasses import replace
+
+    import meshplan
+    _, _, base = traced_plan(preset, regime, **dims)
     out = {}
     for ac, compiled in MODES:
-        plan = meshplan.manual_plan(net, mesh, graph=graph, dp=dp, zero=3 if dp > 1 else 0,
-                                    dtype="bf16", recompute=ac, microbatch_size=BATCH,
-                                    engine="torchtitan")
+        plan = replace(base, stages=tuple(replace(s, recompute=ac) for s in base.stages))
         b = meshplan.estimate(plan, compiled=compiled).breakdown
         out[f"{ac}_{'compiled' if compiled else 'eager'}"] = \
             b["forward"] + b["backward"] + b["recompute"]
