@@ -8,7 +8,7 @@ The token file is a flat array of uint16 token ids (nanoGPT's ``train.bin``); wi
 ``--data`` a small random one is written into a temporary folder. Every rank draws the same
 row offsets for each global batch and reads only its data-parallel rows from the memmap.
 With ``--check`` rank 0 also trains the same steps in plain PyTorch on the whole global
-batch and asserts that the losses are equal.
+batch and asserts that the losses, gradient norms, eval outputs and final weights are equal.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import meshplan
-from common import (check_losses, init_distributed, log, mean_over_ranks, parse_args,
+from common import (check_run, init_distributed, log, mean_over_ranks, parse_args,
                     plan_on_rank0, rows)
 
 BATCH, SEQ, LR, CLIP = 8, 32, 3e-3, 1.0
@@ -56,26 +56,28 @@ def global_batch(data: np.memmap, step: int, seed: int):
         torch.from_numpy(np.stack([data[s + 1:s + 1 + SEQ] for s in starts[idx]]).astype(np.int64)))
 
 
-def train_plain(state, data, args):
+def train_plain(state, data, args, eval_rows):
     """The same steps in plain PyTorch, one process, whole global batch (--check)."""
     model = LlamaForCausalLM(CONFIG)
     model.load_state_dict(state, strict=False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         starts, read = global_batch(data, step, args.seed)
         x, y = read(slice(None))
         loss = loss_fn(model(x, use_cache=False).logits, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step(), sched.step(), opt.zero_grad()
         losses.append(loss.item())
     model.eval()
     with torch.no_grad():
         x, y = global_batch(data, args.steps, args.seed)[1](slice(None))
-        eval_loss = loss_fn(model(x, use_cache=False).logits, y).item()
-    return losses, eval_loss
+        logits = model(x, use_cache=False).logits
+        losses.append(loss_fn(logits, y).item())
+    return {"losses": losses, "grad_norms": norms, "eval": logits[eval_rows],
+            "state": model.state_dict()}
 
 
 def main():
@@ -89,41 +91,38 @@ def main():
                          example_targets=(ids,), loss_fn=loss_fn)
     run = meshplan.parallelize(model, plan, loss_fn=loss_fn)
 
-    state = None
+    state0 = None
     if dist.get_rank() == 0:  # a seeded CPU model; rank 0 alone holds its full weights
         torch.manual_seed(args.seed)
         cpu = LlamaForCausalLM(CONFIG)
-        state = {**cpu.state_dict(), **dict(cpu.named_buffers())}  # + rotary inv_freq
-    run.load_full_state_dict(state, broadcast_from_rank0=True)
+        state0 = {**cpu.state_dict(), **dict(cpu.named_buffers())}  # + rotary inv_freq
+    run.load_full_state_dict(state0, broadcast_from_rank0=True)
 
     opt = torch.optim.AdamW(run.parameters(), lr=LR, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))  # warm-up
     my_rows = rows(np.arange(BATCH), run)  # this data-parallel rank's rows of every batch
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         _, read = global_batch(data, step, args.seed)
         x, y = read(my_rows)
         loss = run.train_step((x,), targets=(y,))
-        norm = run.clip_grad_norm_(CLIP)
+        norm = run.clip_grad_norm_(CLIP)               # the global norm, before clipping
         opt.step(), sched.step(), opt.zero_grad()
-        losses.append(loss)
+        losses.append(loss), norms.append(float(norm))
         log(f"step {step}  loss {loss:.6f}  grad norm {norm:.4f}  lr {sched.get_last_lr()[0]:.2e}")
 
-    eval_loss = None
-    if plan.num_stages == 1:  # forward-only calls run single-stage plans
-        run.eval()
-        x, y = global_batch(data, args.steps, args.seed)[1](my_rows)
-        with torch.no_grad():
-            eval_loss = mean_over_ranks(loss_fn(run(x), y).item())
-        log(f"eval loss {eval_loss:.6f}")
-    else:
-        log(f"eval skipped: the plan has {plan.num_stages} pipeline stages")
+    run.eval()                                         # forward only, this rank's rows
+    x, y = global_batch(data, args.steps, args.seed)[1](my_rows)
+    with torch.no_grad():
+        out = run(x)
+    losses.append(mean_over_ranks(loss_fn(out, y).item()))
+    log(f"eval loss {losses[-1]:.6f}")
+    state = run.full_state_dict()                      # full tensors on every rank
 
     if args.check and dist.get_rank() == 0:
-        ref_losses, ref_eval = train_plain(state, data, args)
-        log("one process:", ", ".join(f"{v:.6f}" for v in ref_losses), f"eval {ref_eval:.6f}")
-        check_losses(losses + ([eval_loss] if eval_loss is not None else []),
-                     ref_losses + ([ref_eval] if eval_loss is not None else []))
+        ref = train_plain(state0, data, args, my_rows)
+        log("one process:", ", ".join(f"{v:.6f}" for v in ref["losses"]))
+        check_run({"losses": losses, "grad_norms": norms, "eval": out, "state": state}, ref)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -91,6 +91,33 @@ def check_losses(losses, reference) -> None:
     print("losses equal one process", flush=True)
 
 
+def check_run(mine: dict, reference: dict) -> None:
+    """Rank 0: the plan's run equals plain PyTorch's in one process, in what a loss under
+    Adam cannot show: every step's loss and gradient norm (before clipping), the eval
+    output, and every weight and buffer after the last step.
+
+    Each is a dict with ``losses``, ``grad_norms``, ``eval`` (a tensor or None) and
+    ``state`` (name -> tensor). Losses alone would pass a gradient twice too large: Adam
+    divides it out of the update, and clipping hides it again."""
+    close = torch.testing.assert_close
+    close(torch.tensor(mine["losses"], dtype=torch.float64),
+          torch.tensor(reference["losses"], dtype=torch.float64), rtol=1e-5, atol=1e-6,
+          msg=lambda m: f"losses differ from one process: {m}")
+    print("losses equal one process", flush=True)
+    close(torch.tensor(mine["grad_norms"], dtype=torch.float64),
+          torch.tensor(reference["grad_norms"], dtype=torch.float64), rtol=1e-4, atol=1e-6,
+          msg=lambda m: f"gradient norms differ from one process: {m}")
+    if mine["eval"] is not None:
+        close(mine["eval"].double(), reference["eval"].double(), rtol=1e-4, atol=1e-5,
+              msg=lambda m: f"eval outputs differ from one process: {m}")
+    missing = sorted(set(reference["state"]) - set(mine["state"]))
+    assert not missing, f"full_state_dict lacks {missing}"
+    for name, ref in reference["state"].items():
+        close(mine["state"][name].double(), ref.double(), rtol=1e-4, atol=1e-5,
+              msg=lambda m, name=name: f"{name} differs from one process: {m}")
+    print("gradient norms, eval outputs and weights equal one process", flush=True)
+
+
 def log(*args) -> None:
     if dist.get_rank() == 0:
         print(*args, flush=True)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers import T5Config, T5ForConditionalGeneration
 
 import meshplan
-from common import (check_losses, init_distributed, log, mean_over_ranks, parse_args,
+from common import (check_run, init_distributed, log, mean_over_ranks, parse_args,
                     plan_on_rank0, rows)
 
 BATCH, SRC, TGT, LR, CLIP = 8, 16, 16, 3e-3, 1.0
@@ -43,24 +43,27 @@ def schedule(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
-def train_plain(state, args):
+def train_plain(state, args, eval_rows):
     """The same steps in plain PyTorch, one process, whole global batch (--check)."""
     model = T5ForConditionalGeneration(CONFIG)
     model.load_state_dict(state)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = schedule(opt)
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         inputs, labels = global_batch(step, args.seed)
         loss = loss_fn(model(**inputs, use_cache=False).logits, labels)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         opt.step(), sched.step(), opt.zero_grad()
         losses.append(loss.item())
     model.eval()
     inputs, labels = global_batch(args.steps, args.seed)
     with torch.no_grad():
-        return losses, loss_fn(model(**inputs, use_cache=False).logits, labels).item()
+        logits = model(**inputs, use_cache=False).logits
+    losses.append(loss_fn(logits, labels).item())
+    return {"losses": losses, "grad_norms": norms, "eval": logits[eval_rows],
+            "state": model.state_dict()}
 
 
 def main():
@@ -74,38 +77,35 @@ def main():
                          example_targets=(labels.to("meta"),), loss_fn=loss_fn)
     run = meshplan.parallelize(model, plan, loss_fn=loss_fn)
 
-    state = None
+    state0 = None
     if dist.get_rank() == 0:  # a seeded CPU model; rank 0 alone holds its full weights
         torch.manual_seed(args.seed)
-        state = T5ForConditionalGeneration(CONFIG).state_dict()  # tied names included
-    run.load_full_state_dict(state, broadcast_from_rank0=True)
+        state0 = T5ForConditionalGeneration(CONFIG).state_dict()  # tied names included
+    run.load_full_state_dict(state0, broadcast_from_rank0=True)
 
     opt = torch.optim.AdamW(run.parameters(), lr=LR)
     sched = schedule(opt)
-    losses = []
+    losses, norms = [], []
     for step in range(args.steps):
         inputs, labels = global_batch(step, args.seed)
         loss = run.train_step(rows(inputs, run), targets=(rows(labels, run),))
-        norm = run.clip_grad_norm_(CLIP)
+        norm = run.clip_grad_norm_(CLIP)               # the global norm, before clipping
         opt.step(), sched.step(), opt.zero_grad()
-        losses.append(loss)
+        losses.append(loss), norms.append(float(norm))
         log(f"step {step}  loss {loss:.6f}  grad norm {norm:.4f}  lr {sched.get_last_lr()[0]:.2e}")
 
-    eval_loss = None
-    if plan.num_stages == 1:  # forward-only calls run single-stage plans
-        run.eval()
-        inputs, labels = global_batch(args.steps, args.seed)
-        with torch.no_grad():
-            eval_loss = mean_over_ranks(loss_fn(run(rows(inputs, run)), rows(labels, run)).item())
-        log(f"eval loss {eval_loss:.6f}")
-    else:
-        log(f"eval skipped: the plan has {plan.num_stages} pipeline stages")
+    run.eval()                                         # forward only, this rank's rows
+    inputs, labels = global_batch(args.steps, args.seed)
+    with torch.no_grad():
+        out = run(rows(inputs, run))
+    losses.append(mean_over_ranks(loss_fn(out, rows(labels, run)).item()))
+    log(f"eval loss {losses[-1]:.6f}")
+    state = run.full_state_dict()                      # full tensors on every rank
 
     if args.check and dist.get_rank() == 0:
-        ref_losses, ref_eval = train_plain(state, args)
-        log("one process:", ", ".join(f"{v:.6f}" for v in ref_losses), f"eval {ref_eval:.6f}")
-        check_losses(losses + ([eval_loss] if eval_loss is not None else []),
-                     ref_losses + ([ref_eval] if eval_loss is not None else []))
+        ref = train_plain(state0, args, rows(torch.arange(BATCH), run))
+        log("one process:", ", ".join(f"{v:.6f}" for v in ref["losses"]))
+        check_run({"losses": losses, "grad_norms": norms, "eval": out, "state": state}, ref)
     dist.barrier()
     dist.destroy_process_group()
 
