@@ -26,10 +26,12 @@ def batch(model, step, device="cpu"):
     return c.inputs, c.targets
 
 
-def reference(state):
+def reference(state, *, dropout=True):
+    """One eager process; ``dropout=False`` runs the same steps with the dropouts off (eval
+    mode: T5 has no other train-only layer), to show that the masks change the losses."""
     model = parse_model_spec(T5).build("cpu")
     model.load_state_dict(state)
-    model.train()
+    model.train(dropout)
     torch.manual_seed(SEED)
     losses = []
     for step in range(STEPS):
@@ -42,7 +44,7 @@ def reference(state):
             for p in model.parameters():
                 p -= LR * p.grad
                 p.grad = None
-    return losses
+    return {"losses": losses, "state": model.state_dict()}
 
 
 def run(state, options):
@@ -64,7 +66,7 @@ def run(state, options):
                                    targets=tuple(t[lo:hi] for t in tgs)))
         opt.step()
         opt.zero_grad()
-    return {"losses": losses, "engine": r.engine_name}
+    return {"losses": losses, "engine": r.engine_name, "state": r.full_state_dict()}
 
 
 def main():
@@ -72,7 +74,7 @@ def main():
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     state = parse_model_spec(T5).build("cpu").state_dict()
-    out = {"ref": reference(state)}
+    out = {"ref": reference(state), "ref_no_dropout": reference(state, dropout=False)}
     for name, options in PLANS.items():
         try:
             out[name] = run(state, options)

@@ -47,7 +47,8 @@ def wrong_keyword():
 
 
 def _reference_losses(spec_text: str, batch: int, steps: int, seed: int = 0,
-                      lr: float = 1e-3, seq: int | None = None) -> list[float]:
+                      lr: float = 1e-3, seq: int | None = None,
+                      norms: list[float] | None = None) -> list[float]:
     """The steps of ``meshplan run`` in one process: the same seeded weights and synthetic
     batches (specs.LoadedModel.synthetic), Adam (the plan's optimizer) on the whole batch."""
     torch.manual_seed(seed)
@@ -64,6 +65,8 @@ def _reference_losses(spec_text: str, batch: int, steps: int, seed: int = 0,
         else:
             loss = loss_fn(out, *call.targets)
         loss.backward()
+        if norms is not None:  # the global norm `meshplan run --clip` records (never binds)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -90,12 +93,15 @@ def test_factory_plans_and_runs_with_the_losses_of_one_process(factory, extra, e
     assert Plan.from_json(plan).model.spec == spec
     assert any(r["role"] == "target" for r in recorded["model"]["inputs"])
     metrics = tmp_path / "metrics.json"
-    assert main(["run", str(plan), "--steps", "2", "--metrics-out", str(metrics)]) == 0, \
-        capsys.readouterr().err[-3000:]
-    losses = json.loads(metrics.read_text())["losses"]
-    ref = _reference_losses(spec, 8, 2)
-    assert losses == pytest.approx(ref, rel=1e-4, abs=1e-5), (losses, ref)
-    assert losses[0] != losses[1]  # the step trained
+    assert main(["run", str(plan), "--steps", "2", "--metrics-out", str(metrics),
+                 "--clip", "1e9"]) == 0, capsys.readouterr().err[-3000:]
+    got = json.loads(metrics.read_text())
+    ref_norms: list[float] = []
+    ref = _reference_losses(spec, 8, 2, norms=ref_norms)
+    assert got["losses"] == pytest.approx(ref, rel=1e-4, abs=1e-5), (got["losses"], ref)
+    # Adam hides a gradient's scale from the losses; its norm does not
+    assert got["grad_norm"] == pytest.approx(ref_norms, rel=1e-4, abs=1e-6), \
+        (got["grad_norm"], ref_norms)
 
 
 @pytest.mark.slow
