@@ -122,13 +122,11 @@ def case(kind, options, batch=8, engine=None):
         opt.step()
         opt.zero_grad()
     final = run.full_state_dict()
-    out = None
-    if plan.num_stages == 1:
-        run.eval()
-        out = run(local)
-        run.train()
+    run.eval()  # forward only, pipelines included (DECISIONS 54): this rank's rows
+    out = run(local)
+    run.train()
     return {"losses": losses, "norms": norms, "final": final, "eval": out, "kind": kind,
-            "batch": batch,
+            "batch": batch, "dp_rank": run.dp_rank, "dp_size": run.dp_size,
             "engine": run.engine_name,
             "layout": f"{run.engine_name} engine, stages={plan.num_stages} "
                       f"mesh={list(plan.stages[0].mesh_shape)} zero={plan.stages[0].zero} "

@@ -37,7 +37,7 @@ def expected():
             cache[kind, batch] = reference(
                 lambda: w.initial(kind), [w.data(kind, batch)] * w.STEPS, w.forward(kind),
                 w.loss(kind), optimizer=lambda params: torch.optim.AdamW(params, lr=w.LR),
-                clip=w.CLIP)
+                clip=w.CLIP, eval_batch=w.data(kind, batch))
         return cache[kind, batch]
     return get
 
@@ -65,10 +65,17 @@ def test_plans_run_on_the_engine_they_name(results):
 
 
 @pytest.mark.slow
-def test_eval_forward_is_the_rank_shard(results):
-    for name in ("mlp_dp4", "mlp_dp2_tp2_graph"):  # one per engine
-        out = results[name]["eval"]
-        assert out is not None and out.shape == (8 // (4 if name == "mlp_dp4" else 2), 10)
+@pytest.mark.parametrize("name", CASES)
+def test_eval_outputs_are_the_rank_rows_of_one_process(results, expected, name):
+    """After training, ``run(x)`` in eval mode returns this rank's rows of what the trained
+    one-process model outputs, every engine and pipelines included (values, not shapes)."""
+    r = results[name]
+    ref = expected(r["kind"], r["batch"]).ref["eval"]
+    n = r["batch"] // r["dp_size"]
+    want = ref[r["dp_rank"] * n:(r["dp_rank"] + 1) * n]
+    assert r["eval"] is not None and r["eval"].shape == want.shape, (r["eval"], want.shape)
+    torch.testing.assert_close(r["eval"].double(), want.double(), rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{name} {r['layout']}: {m}")
 
 
 @pytest.mark.slow
