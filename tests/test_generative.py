@@ -1,0 +1,61 @@
+"""The generative differential test: models drawn from a grammar of what users write
+(tests/harness/generated.py), each trained through the public API in a user's own loop under
+a layout on 4 gloo processes (tests/_generative_worker.py, one launch for the whole sample),
+against one plain PyTorch process on the whole batch.
+
+The only allowed outcomes are ``equal`` and ``refused`` when the plan is made (one line).
+CI runs a fixed-seed, stratified sample; ``benchmarks/generative.py`` runs a large one and
+counts outcomes and how often each grammar feature was drawn."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from _launch import forked_results
+from tests.harness import generated as g
+
+WORKER = str(Path(__file__).with_name("_generative_worker.py"))
+CI_CASES = 28  # every (kind, layout) pair once: 3 kinds x 5 + seq x 9 = 24, then 4 more
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict]:
+    return g.draw(CI_CASES, seed=0)
+
+
+def test_the_sample_covers_every_kind_and_layout(cases):
+    pairs = {(c["kind"], c["layout"]) for c in cases}
+    assert pairs == {(k, lay) for k in ("mlp", "blocks", "cnn", "seq") for lay in g.layouts(k)}
+    drawn = Counter(f for c in cases for f in g.features(c))
+    for feature in ("nn.Sequential stack", "batchnorm", "qkv=fused", "positions=table",
+                    "classes tp does not divide", "loss=aux", "loss=smooth"):
+        assert drawn[feature] > 0, feature
+
+
+def test_a_case_builds_and_trains_in_one_process():
+    """The grammar's models run as plain PyTorch (what the reference does), each kind."""
+    import torch
+
+    for kind in ("mlp", "blocks", "cnn", "seq"):
+        case = next(c for c in g.draw(40, seed=1) if c["kind"] == kind)
+        model = g.initial(case)
+        x, y = g.batch(case, 0)
+        loss = g.user_loss(case)(model(x), y)
+        loss.backward()
+        assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_generated_models_train_as_one_process(cases, tmp_path):
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    results = forked_results(WORKER, tmp_path / "out.pt", nproc=4, timeout=1500)
+    counts = Counter(r["outcome"] for r in results)
+    print(f"\n{len(results)} cases: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())))
+    for r in results:
+        c = r["case"]
+        print(f"  {r['outcome']:<10} {c['kind']:<6} {c['layout']:<8} {r['plan']} {r['detail'][:200]}")
+    bad = [r for r in results if r["outcome"] not in ("equal", "refused")]
+    assert not bad, "\n".join(f"{r['outcome']}: {r['case']}: {r['detail']}" for r in bad)
+    assert counts["equal"] >= len(results) // 2, counts
