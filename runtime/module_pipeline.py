@@ -50,7 +50,7 @@ class StageCut:
 
     index: int
     record: int  # the plan's stage record (zero, recompute) for this stage
-    blocks: tuple[str, ...]  # keys kept in the blocks' container
+    blocks: tuple[str, ...]  # keys kept in the blocks' container (with their activations)
     first: bool  # keeps the modules before the blocks (embedding)
     last: bool  # keeps the modules after the blocks (norm, head)
 
@@ -77,7 +77,9 @@ def _outer_owners(model: nn.Module, container: str) -> tuple[list[str], list[str
         if name == container:
             seen = True
             continue
-        if name.startswith(container + ".") or not any(True for _ in mod.parameters(recurse=False)):
+        # the blocks' container at the root (an nn.Sequential of layers) holds every module
+        inside = not container or name.startswith(container + ".")
+        if inside or not any(True for _ in mod.parameters(recurse=False)):
             continue
         (after if seen else before).append(name)
     return before, after
@@ -106,10 +108,26 @@ def stage_cuts(plan: Plan, model: nn.Module) -> tuple[str, list[StageCut]]:
             any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
         raise NotSupportedError(f"stage layer ranges {ranges} are not contiguous over the "
                                 f"{len(keys)} blocks")
-    cuts = [StageCut(j, j if plan.num_stages == n else j % pp, tuple(keys[a:b]), j == 0,
-                     j == n - 1) for j, (a, b) in enumerate(ranges)]
+    kept = _members(model.get_submodule(container), keys, ranges)
+    cuts = [StageCut(j, j if plan.num_stages == n else j % pp, kept[j], j == 0, j == n - 1)
+            for j in range(n)]
     _check_against_plan(plan, model, container, cuts)
     return container, cuts
+
+
+def _members(holder: nn.Module, keys: list[str], ranges) -> list[tuple[str, ...]]:
+    """The container's children each stage keeps, in order: its blocks and the children
+    without parameters that follow each of them (the activation modules between the layers
+    of an nn.Sequential: ``Linear, GELU, Linear``), those before the first block with the
+    first stage. Dropping them would run the layers back to back: a different function,
+    with the shapes unchanged (issue 42)."""
+    stage_of = {k: j for j, (a, b) in enumerate(ranges) for k in keys[a:b]}
+    kept: list[list[str]] = [[] for _ in ranges]
+    owner = 0
+    for key in holder._modules:
+        owner = stage_of.get(key, owner)
+        kept[owner].append(key)
+    return [tuple(k) for k in kept]
 
 
 def _check_against_plan(plan: Plan, model: nn.Module, container: str, cuts) -> None:
@@ -334,7 +352,7 @@ class PipelineModuleEngine(ModuleEngineBase):
                                   first=cut.first)
             if fsdp_mesh is not None:
                 apply_fsdp(wrapped, fsdp_mesh, zero=record.zero,
-                           param_dtype=compute, blocks=_ROOT + container)
+                           param_dtype=compute, blocks=(_ROOT + container).rstrip("."))
             if on_meta:
                 to_empty_keeping_ties(wrapped, self.device)
             self.modules.append(wrapped)
