@@ -227,6 +227,41 @@ def layer_groups(plan: Plan, graph=None) -> list[LayerGroup]:
     return groups
 
 
+# -- what the batch is made of ---------------------------------------------------------------
+
+def has_sequence(plan: Plan) -> bool:
+    """Whether the plan's first input (the one ``training.seq_len`` is read from: its dim 1,
+    planner/assemble.py ``batch_and_seq``) has a sequence axis: token ids (integers, batch x
+    seq ...) or float embeddings (batch x seq x features). Float features (batch x features)
+    and images (batch x channels x height x width) have none; nor has a plan that records no
+    inputs from before the records (read as the token ids it was made for)."""
+    if not plan.model.inputs:
+        return True
+    rec = plan.model.inputs[0]
+    shape, dtype = rec.get("shape", ()), str(rec.get("dtype", ""))
+    if len(shape) < 2:
+        return False
+    if dtype.startswith(("float", "bfloat", "complex")):
+        return len(shape) == 3
+    return True
+
+
+def batch_words(plan: Plan) -> str:
+    """``16 x 32`` (global batch x sequence) or ``16 samples`` where there is no sequence."""
+    t = plan.training
+    return f"{t.global_batch} x {t.seq_len}" if has_sequence(plan) else \
+        f"{t.global_batch} samples"
+
+
+def throughput(plan: Plan) -> tuple[str, float]:
+    """("tokens/s", tokens per second), or ("samples/s", ...) where the input has no sequence
+    (the estimate's ``tokens_per_s`` counts batch x dim 1 of the first input)."""
+    p, t = plan.predicted, plan.training
+    if has_sequence(plan):
+        return "tokens/s", p.tokens_per_s
+    return "samples/s", p.tokens_per_s / max(t.seq_len, 1)
+
+
 # -- tables -------------------------------------------------------------------------------------
 
 def head_table(plan: Plan) -> Table:
@@ -238,7 +273,8 @@ def head_table(plan: Plan) -> Table:
     head.add_column("value")
     head.add_row("parameters", f"{plan.model.param_count:,}")
     sched = t.schedule + (f" x{t.virtual_stages} virtual" if t.virtual_stages > 1 else "")
-    head.add_row("global batch x seq", f"{t.global_batch} x {t.seq_len} "
+    head.add_row("global batch x seq" if has_sequence(plan) else "global batch",
+                 f"{batch_words(plan)} "
                  f"({t.microbatches} microbatch{'es' if t.microbatches != 1 else ''}"
                  f"{f' of {t.microbatch_size}' if t.microbatch_size else ''}, {t.dtype}, "
                  f"{t.optimizer})")
@@ -248,7 +284,8 @@ def head_table(plan: Plan) -> Table:
     if cp > 1:
         head.add_row("context parallel", chunk_words(t.seq_len, cp))
     head.add_row("predicted step time", fmt_time(p.step_time_s))
-    head.add_row("throughput", f"{p.tokens_per_s:,.0f} tokens/s")
+    unit, rate = throughput(plan)
+    head.add_row("throughput", f"{rate:,.0f} {unit}")
     head.add_row("MFU", f"{p.mfu * 100:.1f}%")
     head.add_row("pipeline bubble", f"{p.bubble_fraction * 100:.1f}%")
     head.add_row("peak memory / device", f"{p.peak_memory_gib:.3f} GiB of "

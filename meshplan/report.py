@@ -23,7 +23,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from meshplan.inspect import fmt_mem, fmt_time, param_styles, summary_text
+from meshplan.inspect import (batch_words, fmt_mem, fmt_time, param_styles, summary_text,
+                              throughput)
 from meshplan.plan import Plan, atomic_write
 from meshplan.schedules import Schedule
 
@@ -299,7 +300,8 @@ document.body.setAttribute('data-figures-rendered',String(n));})();
 
 def render_report(plan: Plan, graph=None) -> str:
     p, t = plan.predicted, plan.training
-    kpis = [("step time", fmt_time(p.step_time_s)), ("tokens/s", f"{p.tokens_per_s:,.0f}"),
+    unit, rate = throughput(plan)
+    kpis = [("step time", fmt_time(p.step_time_s)), (unit, f"{rate:,.0f}"),
             ("MFU", f"{p.mfu:.1%}"), ("bubble", f"{p.bubble_fraction:.1%}"),
             ("peak memory", f"{fmt_mem(p.peak_memory_gib)} of {p.memory_capacity_gib:.0f} GiB"
              + ("" if p.fits else " (DOES NOT FIT)")),
@@ -314,7 +316,7 @@ def render_report(plan: Plan, graph=None) -> str:
              f"{html.escape(title)}</title><style>{_CSS}</style></head><body>",
              f"<h1>{html.escape(title)}</h1>",
              f"<p>{plan.num_devices} devices (mesh {'x'.join(map(str, plan.mesh.shape))}), "
-             f"{plan.model.param_count:,} parameters, global batch {t.global_batch} x {t.seq_len}, "
+             f"{plan.model.param_count:,} parameters, global batch {batch_words(plan)}, "
              f"{t.microbatches} microbatches, {html.escape(t.schedule)}, {plan.num_stages} stages, "
              f"{t.dtype}.</p>",
              "<div class='kpi'>" + "".join(f"<div>{html.escape(k)}<b>{html.escape(v)}</b></div>"

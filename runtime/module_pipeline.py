@@ -10,13 +10,16 @@ stage (``apply_tp``, ``apply_ac``, ``apply_fsdp`` over the stage's own dp x tp s
 wrapped in a ``PipelineStage``; the plan's schedule (GPipe, 1F1B, interleaved 1F1B) drives
 the microbatches. ``pipeline_refusal`` says why a plan cannot run this way (the graph engine,
 runtime/graph/pipeline.py, then runs it); it runs every stage's forward on meta (DECISIONS 63), which is what
-refuses a model whose forward does not run with its blocks removed (DECISIONS 49).
+refuses a model whose forward does not run with its blocks removed (DECISIONS 49), and
+``structure_refusal`` compares the stages' aten operators, module by module, with the whole
+model's forward (a cut that drops or repeats a module keeps every shape: issue 42).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
@@ -50,7 +54,7 @@ class StageCut:
 
     index: int
     record: int  # the plan's stage record (zero, recompute) for this stage
-    blocks: tuple[str, ...]  # keys kept in the blocks' container
+    blocks: tuple[str, ...]  # keys kept in the blocks' container (with their activations)
     first: bool  # keeps the modules before the blocks (embedding)
     last: bool  # keeps the modules after the blocks (norm, head)
 
@@ -77,7 +81,9 @@ def _outer_owners(model: nn.Module, container: str) -> tuple[list[str], list[str
         if name == container:
             seen = True
             continue
-        if name.startswith(container + ".") or not any(True for _ in mod.parameters(recurse=False)):
+        # the blocks' container at the root (an nn.Sequential of layers) holds every module
+        inside = not container or name.startswith(container + ".")
+        if inside or not any(True for _ in mod.parameters(recurse=False)):
             continue
         (after if seen else before).append(name)
     return before, after
@@ -106,10 +112,26 @@ def stage_cuts(plan: Plan, model: nn.Module) -> tuple[str, list[StageCut]]:
             any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
         raise NotSupportedError(f"stage layer ranges {ranges} are not contiguous over the "
                                 f"{len(keys)} blocks")
-    cuts = [StageCut(j, j if plan.num_stages == n else j % pp, tuple(keys[a:b]), j == 0,
-                     j == n - 1) for j, (a, b) in enumerate(ranges)]
+    kept = _members(model.get_submodule(container), keys, ranges)
+    cuts = [StageCut(j, j if plan.num_stages == n else j % pp, kept[j], j == 0, j == n - 1)
+            for j in range(n)]
     _check_against_plan(plan, model, container, cuts)
     return container, cuts
+
+
+def _members(holder: nn.Module, keys: list[str], ranges) -> list[tuple[str, ...]]:
+    """The container's children each stage keeps, in order: its blocks and the children
+    without parameters that follow each of them (the activation modules between the layers
+    of an nn.Sequential: ``Linear, GELU, Linear``), those before the first block with the
+    first stage. Dropping them would run the layers back to back: a different function,
+    with the shapes unchanged (issue 42)."""
+    stage_of = {k: j for j, (a, b) in enumerate(ranges) for k in keys[a:b]}
+    kept: list[list[str]] = [[] for _ in ranges]
+    owner = 0
+    for key in holder._modules:
+        owner = stage_of.get(key, owner)
+        kept[owner].append(key)
+    return [tuple(k) for k in kept]
 
 
 def _check_against_plan(plan: Plan, model: nn.Module, container: str, cuts) -> None:
@@ -240,6 +262,7 @@ def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> s
     # the stages take the positional inputs only (flat order: arguments, then targets)
     roles = [r.get("role") for r in plan.model.inputs]
     x = x[:roles.count("arg")] if "arg" in roles else x
+    inputs = x
     try:
         whole = run_on_meta(_Forward(meta_copy(model)), x)
         for cut in cuts:
@@ -251,6 +274,124 @@ def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> s
     if tuple(out.shape) != tuple(whole.shape):
         return (f"the last stage gives shape {list(out.shape)}, the whole model "
                 f"{list(whole.shape)}; the graph engine runs this plan")
+    return structure_refusal(model, container, cuts, inputs)
+
+
+# -- the structural self-check (issue 42) ------------------------------------------------------
+
+class _OpsByUnit(TorchDispatchMode):
+    """Counts the aten operators each unit runs: a unit is a member of the blocks' container
+    (a block, or an activation module between blocks) or a module outside the blocks that
+    holds parameters (embedding, final norm, head), named as in the user's model. Operators
+    outside every unit (the root forward's positions and masks, which each stage recomputes
+    for itself; rotary tables) are not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = []
+        self.counts: Counter = Counter()
+        self.handles: list = []
+
+    def watch(self, model: nn.Module, units: list[str]) -> None:
+        for unit in units:
+            try:
+                mod = model.get_submodule(unit)
+            except AttributeError:  # not in this stage
+                continue
+            self.handles.append(mod.register_forward_pre_hook(self._enter(unit)))
+            self.handles.append(mod.register_forward_hook(self._leave))
+
+    def _enter(self, unit: str):
+        def hook(module, args) -> None:
+            self.stack.append(unit)
+        return hook
+
+    def _leave(self, module, args, out) -> None:
+        self.stack.pop()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.stack:
+            self.counts[(self.stack[-1], str(func.overloadpacket))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _first_tensor(out):
+    out = out.logits if hasattr(out, "logits") else out
+    return next((t for t in torch.utils._pytree.tree_leaves(out)
+                 if isinstance(t, torch.Tensor)), None)
+
+
+def _record(boundary: dict, name: str):
+    def hook(module, args, out) -> None:
+        boundary[name] = tuple(_first_tensor(out).shape)
+    return hook
+
+
+def structure_refusal(model: nn.Module, container: str, cuts, x: tuple) -> str | None:
+    """The stages, run on meta one after another as the schedule runs them, must execute the
+    model's operators: for every unit (``_OpsByUnit``) and aten operator, as many calls over
+    all stages as the whole model's forward makes, and each stage must hand on a value of the
+    shape the whole model has at that boundary (the output of the stage's last container
+    member). A stage that drops or repeats a module (an activation between the layers of an
+    nn.Sequential, issue 42) is refused here, when the plan is made: the graph engine runs
+    the plan. A forward that does not run eagerly on meta (it was exported instead, see
+    ``run_on_meta``) gives no evidence here; the shape check above still applies."""
+    from meshplan.runtime.module_plan import _as_tracers_see_it, _Forward
+    from meshplan.runtime.graph.parallelize import meta_copy
+
+    before, after = _outer_owners(model, container)
+    members = [f"{container}.{k}" if container else k for cut in cuts for k in cut.blocks]
+    holder = model.get_submodule(container)
+    members += [f"{container}.{k}" if container else k for k in holder._modules
+                if (f"{container}.{k}" if container else k) not in members]
+    units = [*before, *members, *after]
+    boundary: dict[str, tuple] = {}
+    whole_ops = _OpsByUnit()
+    try:
+        with _as_tracers_see_it():
+            ref = meta_copy(model)
+            whole_ops.watch(ref, units)
+            for cut in cuts[:-1]:
+                last = f"{container}.{cut.blocks[-1]}" if container else cut.blocks[-1]
+                ref.get_submodule(last).register_forward_hook(_record(boundary, last))
+            with whole_ops:
+                _Forward(ref)(*x)
+            stage_ops: Counter = Counter()
+            for cut in cuts:
+                part = cut_stage(meta_copy(model), container, cut)
+                ops = _OpsByUnit()
+                ops.watch(part, units)
+                with ops:
+                    out = _first_tensor(StageModule(part)(*x))
+                ops.close()
+                stage_ops.update(ops.counts)
+                if not cut.last:
+                    last = f"{container}.{cut.blocks[-1]}" if container else cut.blocks[-1]
+                    if tuple(out.shape) != boundary.get(last):
+                        return (f"stage {cut.index} hands on shape {list(out.shape)} where the "
+                                f"model has {list(boundary.get(last, ()))} after {last}; the "
+                                "graph engine runs this plan")
+                # as the schedule hands it on: an activation that requires grad (autograd
+                # state changes which aliasing operators some code dispatches)
+                x = (torch.empty(out.shape, dtype=out.dtype, device="meta",
+                                 requires_grad=out.requires_grad),)
+    except Exception:  # noqa: BLE001 - not eagerly runnable on meta: no structural evidence
+        return None
+    finally:
+        whole_ops.close()
+    for key in sorted(set(whole_ops.counts) | set(stage_ops)):
+        want, got = whole_ops.counts[key], stage_ops[key]
+        if want != got:
+            unit, op = key
+            kind = type(model.get_submodule(unit)).__name__
+            return (f"the pipeline stages run {op} in module {unit!r} ({kind}) {got} time(s), "
+                    f"the model's forward {want} (the stage cut "
+                    f"{'drops' if got < want else 'repeats'} it); the graph engine runs this plan")
     return None
 
 
@@ -334,7 +475,7 @@ class PipelineModuleEngine(ModuleEngineBase):
                                   first=cut.first)
             if fsdp_mesh is not None:
                 apply_fsdp(wrapped, fsdp_mesh, zero=record.zero,
-                           param_dtype=compute, blocks=_ROOT + container)
+                           param_dtype=compute, blocks=(_ROOT + container).rstrip("."))
             if on_meta:
                 to_empty_keeping_ties(wrapped, self.device)
             self.modules.append(wrapped)

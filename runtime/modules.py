@@ -104,7 +104,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero: int, param_dtype,
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) \
         if param_dtype is not None else MixedPrecisionPolicy()
     blocks = find_repeated_blocks(model)[0] if blocks is None else blocks
-    children = list(model.get_submodule(blocks).children()) if blocks else []
+    # the blocks, not the parameterless modules between them (an nn.Sequential's activations)
+    children = [c for c in model.get_submodule(blocks).children()
+                if next(c.parameters(), None) is not None] if blocks else []
     if zero == 0:
         # private module: FSDP2-based replicate composes with DTensor tensor parallelism,
         # which DistributedDataParallel does not

@@ -1,6 +1,7 @@
 """Reading plans: summary tables, placements in words, explain's alternatives, diff."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -166,3 +167,39 @@ def test_published_plan_schema_is_the_shipped_one():
     assert published.read_bytes() == shipped.read_bytes(), (
         "docs/plan.schema.json differs from meshplan/plan.schema.json: "
         "cp meshplan/plan.schema.json docs/plan.schema.json")
+
+
+@pytest.mark.parametrize("shape,dtype,sequence", [
+    ((16, 32), "float32", False),  # features (issue 42: "a sequence of 32")
+    ((16, 3, 8, 8), "float32", False),  # images
+    ((16,), "int64", False),  # one id per row
+    ((16, 32), "int64", True),  # token ids
+    ((16, 32, 8), "float32", True)])  # embeddings: batch x seq x features
+def test_inputs_without_a_sequence_are_not_called_one(shape, dtype, sequence):
+    """The summary, ``show`` and the report say "global batch x seq" and tokens/s only for
+    inputs with a sequence axis; features and images get "16 samples" and samples/s (issue
+    42: the plan of an MLP on 32 float features spoke of a sequence of 32)."""
+    import torch
+    import torch.nn as nn
+    from meshplan.report import render_report
+
+    layers = {2: nn.Linear(shape[-1], 10), 1: nn.Embedding(64, 10),
+              4: nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(144, 10))}
+    model = nn.Sequential(nn.Embedding(64, 8), nn.Linear(8, 10)) if dtype == "int64" and \
+        len(shape) == 2 else layers[len(shape)] if len(shape) != 3 else nn.Linear(8, 10)
+    x = torch.randint(0, 64, shape, device="meta") if dtype == "int64" else \
+        torch.randn(shape, device="meta")
+    plan = meshplan.manual_plan(model, Mesh.local(2), (x,), dp=2, microbatch_size=8,
+                                loss_fn=lambda out: out.float().pow(2).mean())
+    text = summary_text(plan)
+    report = render_report(plan)
+    rate = plan.predicted.tokens_per_s
+    if sequence:
+        assert re.search(rf"global batch x seq +│ 16 x {shape[1]} \(", text), text
+        assert f"{rate:,.0f} tokens/s" in text and "samples" not in text
+        assert f"global batch 16 x {shape[1]}," in report
+    else:
+        assert "x seq" not in text and re.search(r"global batch +│ 16 samples \(", text), text
+        assert f"{rate / plan.training.seq_len:,.0f} samples/s" in text
+        assert "tokens/s" not in text and "tokens/s" not in report
+        assert "global batch 16 samples," in report
