@@ -97,8 +97,9 @@ def main():
         ref_losses, ref_state = train_plain(state, config_path, args)
         log("one process:", ", ".join(f"{v:.6f}" for v in ref_losses))
         check_losses(losses, ref_losses)
-        for name, value in trained.items():
-            torch.testing.assert_close(value, ref_state[name], rtol=1e-4, atol=1e-5,
+        for name, value in trained.items():  # 1e-4: the project's floor for weights (AdamW
+            # turns summation-order noise in a near-zero gradient into up to lr per element)
+            torch.testing.assert_close(value, ref_state[name], rtol=0, atol=1e-4,
                                        msg=lambda m, n=name: f"{n}: {m}")
         print("weights equal one process", flush=True)
     dist.barrier()
