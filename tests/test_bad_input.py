@@ -493,3 +493,27 @@ def test_a_plan_finds_its_factory_in_another_tree_through_links_and_copies(
     monkeypatch.chdir(tmp_path)
     assert main(["run", str(elsewhere / "plan.json"), "--steps", "1", "--print-torchrun"]) == 0
     assert f"--model {factory}:plain_loss" in capsys.readouterr().out
+
+
+def test_the_api_names_both_losses_when_a_plan_meets_another_loss():
+    """What ``meshplan.parallelize`` (graph engine) and ``meshplan run`` check: the plan
+    records its loss (``model.loss``), and a graph traced with another is refused naming both
+    (a loss module by its repr, meshplan's default by name)."""
+    import torch.nn.functional as F
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.tensor([0, 3, 1, 2])
+    plan = meshplan.manual_plan(model, meshplan.Mesh.local(2), example_inputs=(x,),
+                                example_targets=(y,), loss_fn=F.cross_entropy, dp=2)
+    assert plan.model.loss == "torch.nn.functional.cross_entropy"
+    for other, named in [(nn.CrossEntropyLoss(label_smoothing=0.1), "CrossEntropyLoss()"),
+                         (None, "meshplan's default (cross entropy against the targets)")]:
+        if other is None:  # the default loss traces the same cross entropy: nothing to refuse
+            graph = meshplan.trace(model, (x,), example_targets=(y,))
+            assert graph.loss == named
+            continue
+        graph = meshplan.trace(model, (x,), example_targets=(y,), loss_fn=other)
+        with pytest.raises(MeshplanError) as info:
+            plan.check_graph(graph)
+        assert f"was made with the loss torch.nn.functional.cross_entropy, but this run's " \
+            f"loss is {named}" in str(info.value)
