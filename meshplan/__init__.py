@@ -16,13 +16,13 @@ from meshplan.mesh import Mesh
 from meshplan.plan import Estimate, Plan
 from meshplan.tracing import trace
 from meshplan.api import autoparallel, estimate, manual_plan
-from meshplan.specs import ModelBundle
+from meshplan.specs import ModelBundle, model_from_config
 
 __all__ = [
     "Mesh", "Plan", "Estimate", "autoparallel", "manual_plan", "estimate", "trace", "ModelBundle",
     "MeshplanError", "TraceError", "MeshError", "SpecError", "PlanFileError", "PlanningError",
     "MemoryLimitError", "NotSupportedError", "parallelize", "ParallelRun", "DataError",
-    "plan_for", "export_plan", "import_plan",
+    "plan_for", "export_plan", "import_plan", "model_from_config",
 ]
 
 

@@ -55,6 +55,7 @@ def check_model_for_run(plan, spec_text: str, *, data: bool):
     from meshplan.specs import parse_model_spec
 
     spec = parse_model_spec(spec_text)
+    check_config_unchanged(plan, spec)
     loaded = spec.load_for_plan(plan, device="meta")
     model = loaded.model
     plan.check_param_ranks({n: p.ndim for n, p in model.named_parameters(remove_duplicate=False)})
@@ -65,6 +66,20 @@ def check_model_for_run(plan, spec_text: str, *, data: bool):
                         "--data to train on synthetic batches of its examples' shapes")
     plan.check_graph(loaded.trace(spec.name))  # the fingerprint, then op placements
     return loaded
+
+
+def check_config_unchanged(plan, spec) -> None:
+    """A plan made from a config file runs only with that file as it was: its sha256 now
+    must be the one the plan records (a changed file builds another model, which a
+    fingerprint does not always tell: rope_theta, eps and dropout trace alike)."""
+    from meshplan.specs import config_sha256
+
+    recorded = plan.model.spec_sha256
+    now = config_sha256(spec)
+    if recorded and now and now != recorded:
+        raise SpecError(f"{spec.target} has changed since the plan was made (sha256 "
+                        f"{now[:12]}..., the plan records {recorded[:12]}...); make a new plan "
+                        f"(meshplan plan --model {spec.text} ...) or restore the file")
 
 
 def check_checkpoint_dir(directory: str, steps: int) -> str:

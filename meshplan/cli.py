@@ -54,11 +54,12 @@ def cmd_plan(args) -> int:
         plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
                                      dtype=args.dtype, memory_limit_gib=args.memory_limit_gib,
                                      time_limit_s=args.time_limit_s, engine=args.engine)
-    from meshplan.plan import spec_for_plan_folder
+    from meshplan.specs import config_sha256
 
-    # a factory path is stored relative to the plan file, which finds it from any folder
-    plan = plan.with_spec(spec_for_plan_folder(args.model, os.path.dirname(
-        os.path.abspath(args.output))) if args.output else args.model)
+    # Plan.to_json stores a factory or config path relative to the plan file, which finds it
+    # from any folder; a config file's hash lets run refuse one that changed
+    plan = plan.with_spec(spec.target if spec.kind == "config" else args.model,
+                          config_sha256(spec))
     print(plan.summary())
     print(f"planned in {plan.wall_time_s:.2f} s")
     if args.output:
@@ -222,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_mesh(p, mesh_required=True):
         p.add_argument("--model", required=True, help="transformers:NAME?k=v&..., a preset "
-                       "(gpt3-175b, llama2-7b, ...) or path/file.py:factory")
+                       "(gpt3-175b, llama2-7b, ...), path/to/config.json (or a checkpoint "
+                       "folder) or path/file.py:factory")
         p.add_argument("--mesh", required=mesh_required,
                        help="dgx-a100-80gb:nodes=8, dgx-h100:nodes=N, local:4 or cluster.json")
         p.add_argument("--batch", type=POSITIVE_INT, required=True,

@@ -150,6 +150,7 @@ class OpGraph:
     block_module: str = ""  # module path prefix of the repeated blocks, e.g. "m.transformer.h"
     model_name: str = ""
     signature: CallSignature | None = None  # None: every input is a positional model argument
+    loss: str = ""  # the loss traced with the model, as tracing.loss_label names it
     # the graph this one was cut from (the pipeline search's neighbourhoods,
     # planner/stagecost.py), whose per-operator analyses hold for the cut's operators
     whole: "OpGraph | None" = field(default=None, compare=False, repr=False)

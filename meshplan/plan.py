@@ -117,6 +117,16 @@ class ModelInfo:
     # "file.py:factory"); "" for a plan made from a Python object. Commands that need the
     # model (show/explain/report/estimate/run) default to it.
     spec: str = ""
+    # a config-file spec (path/config.json): the file's sha256 (hex) when the plan was made;
+    # ``meshplan run`` refuses the plan when the file has changed since. "" for other specs.
+    spec_sha256: str = ""
+    # the loss the graph was traced with (tracing.loss_label: "torch.nn.functional.
+    # cross_entropy", "my_loss", meshplan's default); "" in plans written before it was
+    # recorded. A run whose loss differs is refused with both named.
+    loss: str = ""
+    # a file spec's file (factory or config), absolute with links resolved, as it was when
+    # the plan was written: where a plan copied away from its file still finds it ("" else)
+    spec_file: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,17 +220,27 @@ class Plan:
 
         return summary_text(self)
 
-    def check_model(self, fingerprint: str) -> None:
-        """Refuse to run on a model other than the one this plan was made for."""
+    def check_model(self, fingerprint: str, loss: str | None = None) -> None:
+        """Refuse to run on a model other than the one this plan was made for; with the
+        ``loss`` a graph was traced with, a different loss is named as the difference."""
+        if fingerprint != self.model.fingerprint and loss is not None and self.model.loss \
+                and loss != self.model.loss:
+            raise PlanFileError(
+                f"plan for {self.model.name} was made with the loss {self.model.loss}, but "
+                f"this run's loss is {loss} (its operators differ: fingerprint "
+                f"{fingerprint}, the plan's {self.model.fingerprint}); pass the plan's "
+                f"loss_fn, or make a new plan with this one (meshplan plan ...)")
         if fingerprint != self.model.fingerprint:
             raise PlanFileError(
                 f"plan was made for model {self.model.name} with fingerprint "
                 f"{self.model.fingerprint}, but this model (with these input shapes) has "
                 f"{fingerprint}; make a new plan for this model (meshplan plan ...)")
 
-    def with_spec(self, spec: str) -> "Plan":
-        """This plan, recording the model spec it was made from."""
-        return replace(self, model=replace(self.model, spec=spec))
+    def with_spec(self, spec: str, sha256: str | None = None) -> "Plan":
+        """This plan, recording the model spec it was made from (and, for a config file,
+        its sha256; None keeps the recorded one)."""
+        sha = self.model.spec_sha256 if sha256 is None else sha256
+        return replace(self, model=replace(self.model, spec=spec, spec_sha256=sha))
 
     def check_param_ranks(self, ndims: dict[str, int]) -> None:
         """Every planned parameter placement against its tensor's number of dims
@@ -235,7 +255,7 @@ class Plan:
         """``check_model`` on ``graph``'s fingerprint, then every planned placement against
         the tensor it places: a hand-edited "S(7)" on a 2-D weight is refused here, with the
         tensor named, not at step 1 inside DTensor. ``graph`` is the model's OpGraph."""
-        self.check_model(graph.fingerprint)
+        self.check_model(graph.fingerprint, getattr(graph, "loss", None))
         self.check_param_ranks({n: len(i.shape) for n, i in graph.param_map.items()})
         for stage in self.stages:
             for name, op in stage.ops.items():
@@ -256,7 +276,15 @@ class Plan:
         return _dumps(self.to_dict())
 
     def to_json(self, path: str | os.PathLike) -> None:
-        atomic_write(path, self.to_json_text())
+        """Write the plan to ``path``; a factory or config file the spec names (as typed,
+        relative to the working directory, or absolute) is recorded relative to the plan's
+        folder, where ``from_json`` looks for it, whichever command writes the file."""
+        spec = spec_for_plan_folder(self.model.spec, os.path.dirname(os.path.abspath(path)))
+        parts = _file_spec(self.model.spec)
+        where = os.path.realpath(parts[0]) if parts else ""
+        plan = self if spec == self.model.spec and where == self.model.spec_file else \
+            replace(self, model=replace(self.model, spec=spec, spec_file=where))
+        atomic_write(path, plan.to_json_text())
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "Plan":
@@ -267,7 +295,8 @@ class Plan:
         except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
             raise PlanFileError(f"cannot read plan file {path}: {exc}") from None
         plan = cls.from_json_text(text, origin=str(path))
-        spec = spec_from_plan_folder(plan.model.spec, os.path.dirname(os.path.abspath(path)))
+        spec = spec_from_plan_folder(plan.model.spec, os.path.dirname(os.path.abspath(path)),
+                                     plan.model.spec_file)
         return plan.with_spec(spec) if spec != plan.model.spec else plan
 
     @classmethod
@@ -409,34 +438,44 @@ def _dumps(obj) -> str:
 
 
 def _file_spec(spec: str) -> tuple[str, str] | None:
-    """(path, factory) of a ``path/file.py:factory`` model spec; None for other specs."""
+    """(path, rest) of a model spec that names a file: ``path/file.py:factory`` (rest
+    ``:factory``) or a Hugging Face ``path/config.json`` (rest ""); None for other specs."""
+    if spec.endswith(".json") and not spec.startswith("transformers:"):
+        return spec, ""
     path, sep, factory = spec.rpartition(":")
-    return (path, factory) if sep and path.endswith(".py") else None
+    return (path, f":{factory}") if sep and path.endswith(".py") else None
 
 
 def spec_for_plan_folder(spec: str, folder: str) -> str:
-    """A file spec as a plan file in ``folder`` records it: the factory's path relative to
-    that folder (so the plan runs from any working directory, and moves with its factory);
-    other specs unchanged."""
+    """A file spec as a plan file in ``folder`` records it: the file's path relative to
+    that folder (so the plan runs from any working directory, and moves with its file),
+    both sides with symbolic links resolved (a folder reached through a link and read back
+    from its real path finds the same file); other specs unchanged."""
     parts = _file_spec(spec)
     if parts is None:
         return spec
-    path = os.path.relpath(os.path.abspath(parts[0]), os.path.abspath(folder))
-    return f"{Path(path).as_posix()}:{parts[1]}"
+    path = os.path.relpath(os.path.realpath(parts[0]), os.path.realpath(folder))
+    return f"{Path(path).as_posix()}{parts[1]}"
 
 
-def spec_from_plan_folder(spec: str, folder: str) -> str:
+def spec_from_plan_folder(spec: str, folder: str, recorded: str = "") -> str:
     """The inverse of ``spec_for_plan_folder`` for a plan read from ``folder``: a relative
-    factory path resolved against that folder (absolute), where the file is. A plan written
-    before paths were stored this way holds the path as typed, relative to where it was
-    made: kept when only that exists."""
+    path resolved against that folder's real path (absolute), where the file is. Where
+    nothing is there (a plan copied away from its file), the absolute path ``recorded`` when
+    the plan was written; then (a plan written before paths were stored this way, relative
+    to where it was made) the path as typed from the working directory."""
     parts = _file_spec(spec)
     if parts is None or os.path.isabs(parts[0]):
         return spec
-    beside = os.path.normpath(os.path.join(folder, parts[0]))
-    if os.path.exists(beside) or not os.path.exists(parts[0]):
-        return f"{beside}:{parts[1]}"
-    return spec
+    for base in (os.path.realpath(folder), os.path.abspath(folder)):
+        beside = os.path.normpath(os.path.join(base, parts[0]))
+        if os.path.exists(beside):
+            return f"{beside}{parts[1]}"
+    if recorded and os.path.exists(recorded):
+        return f"{recorded}{parts[1]}"
+    if os.path.exists(parts[0]):
+        return f"{os.path.abspath(parts[0])}{parts[1]}"
+    return f"{os.path.normpath(os.path.join(os.path.realpath(folder), parts[0]))}{parts[1]}"
 
 
 def atomic_write(path: str | os.PathLike, text: str) -> None:

@@ -8,6 +8,10 @@ Model specs:
   classifier for vision models; ``head=causal-lm`` (etc.) in the query picks another;
   dropout is off unless a ``*dropout*`` / ``*pdrop`` key is given (losses compare across plans);
 - ``gpt3-175b``, ``llama2-7b``, ... — named configs of published models (MODEL_PRESETS);
+- ``path/to/config.json`` or a checkpoint folder holding one — a Hugging Face config file,
+  built on meta with its ``model_type``'s config class and the head its ``architectures``
+  name (``CONFIG_HEADS``); only the config is read, never weights or code; the plan records
+  the file's sha256 (``config_sha256``) and ``meshplan run`` refuses a file that changed;
 - ``path/to/file.py:factory`` or ``package.module:factory`` — a function (called without
   arguments, or with ``batch=`` when it has that keyword) returning either an ``nn.Module``
   (a causal LM on token ids, batch x seq; its synthetic data needs ``vocab_size``, attribute
@@ -30,15 +34,18 @@ masked-lm                     (ids with 15% set to the mask id,)     (ids there,
 seq2seq                       {input_ids, decoder_input_ids}         (labels,): decoder ids
                                                                       shifted left one token
 image-classification          (pixels,) batch x C x H x W float      (class ids,) batch
+sequence-classification       (ids,) batch x seq                     (class ids,) batch
 ============================  =====================================  ==========================
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -96,20 +103,33 @@ MODEL_PRESETS: dict[str, tuple[str, dict]] = {
 # The demo's model: a scaled-down GPT-2 (2 blocks, width 64) that trains in seconds on a CPU.
 DEMO_MODEL = "transformers:gpt2?n_layer=2&n_embd=64&n_head=4&vocab_size=256&n_positions=64"
 
-HEADS = ("causal-lm", "masked-lm", "seq2seq", "image-classification")
+HEADS = ("causal-lm", "masked-lm", "seq2seq", "image-classification",
+         "sequence-classification")
+
+# A Hugging Face checkpoint keeps its configuration in this file (transformers' CONFIG_NAME).
+CONFIG_FILE = "config.json"
+
+# The head a config's ``architectures`` entry names, by its class-name suffix (transformers'
+# naming: LlamaForCausalLM, T5ForConditionalGeneration, BertForSequenceClassification, ...).
+CONFIG_HEADS = (("ForCausalLM", "causal-lm"), ("ForMaskedLM", "masked-lm"),
+                ("ForConditionalGeneration", "seq2seq"), ("ForSeq2SeqLM", "seq2seq"),
+                ("ForImageClassification", "image-classification"),
+                ("ForSequenceClassification", "sequence-classification"))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     text: str
-    kind: str  # "transformers" | "file" | "module"
-    target: str  # model_type, "path.py:factory" or "package.module:factory"
+    kind: str  # "transformers" | "config" | "file" | "module"
+    target: str  # model_type, the config.json, "path.py:factory" or "package.module:factory"
     overrides: tuple[tuple[str, object], ...] = ()
 
     def build(self, device: str | torch.device = "meta") -> nn.Module:
         """Build the model on ``device`` (meta: no weights allocated)."""
         if self.kind == "transformers":
             return _build_transformers(self.target, dict(self.overrides), device)
+        if self.kind == "config":
+            return model_from_config(self.target, device)
         made = _call_factory(self, device, batch=None)
         return made.model if isinstance(made, ModelBundle) else made
 
@@ -124,7 +144,7 @@ class ModelSpec:
         transformers head's call (``training_call``), token ids for a bare module, or a
         ``ModelBundle``'s examples resized to ``batch`` (``seq`` must then be None, the
         examples fix every other dim; ``bundle_seq=False`` ignores it instead)."""
-        if self.kind == "transformers":
+        if self.kind in ("transformers", "config"):
             model, seq = self.build(device), _need_seq(self, seq)
             return LoadedModel(model, training_call(model, batch, seq, device=device),
                                spec_text=self.text, batch=batch, seq=seq, kind=self.kind)
@@ -154,6 +174,8 @@ def parse_model_spec(text: str) -> ModelSpec:
             raise SpecError(f"model spec {text!r} names no architecture; e.g. transformers:gpt2")
         overrides = tuple((k, _parse_value(v)) for k, v in parse_qsl(query, keep_blank_values=True))
         return ModelSpec(text, "transformers", name, overrides)
+    if text.endswith(".json") or os.path.isdir(text):
+        return ModelSpec(text, "config", config_file(text))
     path, sep, factory = text.rpartition(":")
     if sep and path.endswith(".py"):
         if not os.path.exists(path):
@@ -169,7 +191,99 @@ def parse_model_spec(text: str) -> ModelSpec:
                             "install it, or name a file: path/to/file.py:factory")
         return ModelSpec(text, "module", text)
     raise SpecError(f"cannot read model spec {text!r}; use transformers:NAME?key=value&..., "
-                    f"path/file.py:factory, or a preset: {', '.join(MODEL_PRESETS)}")
+                    "path/to/config.json (or a checkpoint folder), path/file.py:factory, or a "
+                    f"preset: {', '.join(MODEL_PRESETS)}")
+
+
+def config_file(path: str) -> str:
+    """The Hugging Face config file a spec names: ``path`` itself, or ``path/config.json``
+    for a checkpoint folder."""
+    if os.path.isdir(path):
+        inside = os.path.join(path, CONFIG_FILE)
+        if not os.path.isfile(inside):
+            raise SpecError(f"model folder {path} holds no {CONFIG_FILE}; name a Hugging Face "
+                            f"checkpoint folder (it has one) or the config file itself")
+        return inside
+    if not os.path.isfile(path):
+        raise SpecError(f"model config file {path} does not exist")
+    return path
+
+
+def config_sha256(spec: "ModelSpec") -> str:
+    """The sha256 (hex) of the config file a ``config`` spec reads; "" for other specs. A plan
+    records it, and ``meshplan run`` refuses the plan when the file has changed since."""
+    if spec.kind != "config":
+        return ""
+    with open(spec.target, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def read_config(path: str):
+    """The transformers config of a Hugging Face ``config.json`` (a file, or a checkpoint
+    folder holding one): built by its ``model_type``'s own config class, as
+    ``AutoConfig.from_pretrained`` builds it, without the Hub and without the checkpoint's own
+    code (``auto_map`` is never run)."""
+    transformers = _transformers()
+    path = config_file(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                        f"{exc.colno})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path} holds a JSON {type(data).__name__}, not an object; a Hugging "
+                        "Face config.json is one object with a model_type")
+    model_type = data.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise SpecError(f"{path} has no model_type; a Hugging Face config.json names its "
+                        'architecture, e.g. "model_type": "llama"')
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise SpecError(f"{path}: model_type {model_type!r} is not one transformers "
+                        f"{transformers.__version__} knows (meshplan never runs a checkpoint's "
+                        "own code); write a path/file.py:factory that builds the model")
+    try:
+        config = transformers.CONFIG_MAPPING[model_type].from_dict(data)
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation, in one line
+        raise SpecError(f"{path}: transformers refused the config: {_first_line(exc)}") from None
+    config.use_cache = False
+    return config
+
+
+def model_from_config(path: str, device: str | torch.device = "meta") -> nn.Module:
+    """The model a Hugging Face ``config.json`` (or a checkpoint folder holding one)
+    describes, with random weights on ``device`` (meta: nothing allocated; weights are never
+    read): the head its ``architectures`` names (causal LM, seq2seq, masked LM, sequence or
+    image classification), else the head its kind of model is trained with."""
+    transformers = _transformers()
+    config = read_config(path)
+    names = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+    head = next((h for a in names for suffix, h in CONFIG_HEADS if a.endswith(suffix)
+                 and (h != "seq2seq" or getattr(config, "is_encoder_decoder", False))), None)
+    if head == "sequence-classification" and \
+            getattr(config.get_text_config(), "pad_token_id", None) is None:
+        raise SpecError(f"{config_file(path)}: a sequence classifier finds each row's last "
+                        "token by pad_token_id, which the config does not set; add "
+                        '"pad_token_id" to it')
+    model_cls = _auto_class(transformers, config, head)
+    with torch.device(device):
+        return model_cls.from_config(config)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise SpecError("transformers model specs and config files need the transformers "
+                        "package: pip install transformers") from None
+    return transformers
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _parse_value(v: str):
@@ -249,7 +363,8 @@ def _auto_class(transformers, config, head: str | None = None):
     autos = {"seq2seq": transformers.AutoModelForSeq2SeqLM,
              "masked-lm": transformers.AutoModelForMaskedLM,
              "causal-lm": transformers.AutoModelForCausalLM,
-             "image-classification": transformers.AutoModelForImageClassification}
+             "image-classification": transformers.AutoModelForImageClassification,
+             "sequence-classification": transformers.AutoModelForSequenceClassification}
     if head is None:
         order = ["masked-lm", "causal-lm", "image-classification"]
         if getattr(config, "is_encoder_decoder", False):
@@ -408,6 +523,8 @@ def model_head(model: nn.Module) -> str:
         return "masked-lm"
     if name.endswith("ForImageClassification"):
         return "image-classification"
+    if name.endswith("ForSequenceClassification"):
+        return "sequence-classification"
     return "causal-lm"
 
 
@@ -435,6 +552,8 @@ def training_call(model: nn.Module, batch: int, seq: int, *, device="meta",
     ids = ints(vocab, batch, seq)
     if head == "causal-lm":
         return TrainingCall(head, (ids,))
+    if head == "sequence-classification":
+        return TrainingCall(head, (ids,), (ints(model.config.num_labels, batch),))
     if head == "masked-lm":
         cfg = getattr(model, "config", None)
         mask_id = getattr(cfg, "mask_token_id", None) or vocab - 1
@@ -528,7 +647,7 @@ class LoadedModel:
             return trace(self.model, c.inputs, example_targets=c.targets, loss_fn=c.loss_fn,
                          model_name=model_name or self.spec_text)
         except TraceError:
-            if self.bundle or self.kind == "transformers" or \
+            if self.bundle or self.kind in ("transformers", "config") or \
                     any(isinstance(m, nn.Embedding) for m in self.model.modules()):
                 raise
             raise SpecError(

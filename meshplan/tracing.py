@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import enum
 import inspect
+import logging
 import os
 import re
 import traceback
@@ -178,7 +179,7 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
         return _TRACES[cache_key]
     wrapped = TrainingModule(model, loss_fn, signature, loss=loss)
     try:
-        with on_device(model, flat, device) as (fake_flat, originals):
+        with _quiet_fake_tensor_log(), on_device(model, flat, device) as (fake_flat, originals):
             ep = torch.export.export(wrapped, fake_flat, strict=False)
             # the program keeps the model's own (meta) tensors, not the fakes
             for table in (ep.state_dict, ep.constants):
@@ -192,7 +193,7 @@ def export_training_graph(model: nn.Module, example_inputs: Inputs,
             cause = cause.__cause__ or cause.__context__
         if cause is not None:  # the loss, not the model's traceability
             raise LossError(str(cause)) from None
-        raise TraceError(_explain_trace_failure(exc, model)) from exc
+        raise TraceError(_explain_trace_failure(exc, model, flat)) from exc
     if cache_key is not None:
         _TRACES[cache_key] = ep
         while len(_TRACES) > _TRACES_KEPT:
@@ -385,7 +386,62 @@ def trace(model: nn.Module, example_inputs: Inputs, *, loss_fn: LossFn | None = 
     if graph is None:
         ep = export_training_graph(model, flat, loss_fn, signature=signature)
         graph = graph_from_export(ep, model, model_name=name)
-    return dataclasses.replace(graph, signature=signature)
+    check_position_tables(graph)
+    return dataclasses.replace(graph, signature=signature,
+                               loss=loss_label(loss_fn, targets=signature.num_targets > 0))
+
+
+def loss_label(loss_fn: LossFn | None, *, targets: bool) -> str:
+    """How a plan names the loss it was traced with: ``module.function`` for a function
+    of an importable module (``torch.nn.functional.cross_entropy``), the function's name
+    for one from a factory file or a script, a loss module's repr
+    (``CrossEntropyLoss()``), or meshplan's default."""
+    if loss_fn is None:
+        return "meshplan's default (cross entropy against the targets)" if targets else \
+            "meshplan's default (next-token cross entropy)"
+    if isinstance(loss_fn, nn.Module):
+        return repr(loss_fn)
+    fn = getattr(loss_fn, "func", loss_fn)  # functools.partial
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    module = getattr(fn, "__module__", "") or ""
+    label = name if not module or module == "__main__" or module.startswith("meshplan_user_") \
+        else f"{module}.{name}"
+    return f"partial({label})" if fn is not loss_fn else label
+
+
+_VIEWS = ("aten.unsqueeze.", "aten.expand.", "aten.view.", "aten.reshape.", "aten.to.",
+          "aten._to_copy.", "aten.repeat.", "aten.clone.", "aten.contiguous.")
+
+
+def check_position_tables(graph: OpGraph) -> None:
+    """A table indexed by ``torch.arange`` over the sequence (learned positions in the
+    user's own model) has a row for every position: on meta nothing is indexed, so a
+    sequence longer than the table would first fail at the run's first step (an IndexError
+    inside torch.nn.functional.embedding)."""
+    by_name = {n.name: n for n in graph.nodes}
+    rows = {p.name: p.shape[0] for p in graph.params if p.shape}
+    for node in graph.nodes:
+        if not node.target.startswith("aten.embedding.") or not node.params \
+                or len(node.inputs) < 2:
+            continue
+        src = by_name.get(node.inputs[1])
+        while src is not None and src.target.startswith(_VIEWS) and src.inputs:
+            src = by_name.get(src.inputs[0])
+        if src is None or not src.target.startswith("aten.arange.") or not src.out:
+            continue
+        args, _ = src.parsed_args()
+        nums = [a for a in args if isinstance(a, (int, float)) and not isinstance(a, bool)]
+        count = src.out.shape[0] if src.out.shape else 0
+        start, step = (nums[0] if len(nums) >= 2 else 0), (nums[2] if len(nums) >= 3 else 1)
+        last = int(start + step * (count - 1)) if count else -1
+        table = node.params[0]
+        have = rows.get(table)
+        if have is not None and last >= have:
+            raise TraceError(
+                f"{table} has {have} rows, but its positions come from torch.arange over "
+                f"{count} tokens and reach row {last}: a sequence of {count} (--seq {count}) "
+                f"would fail at the first step; use --seq {have - int(start)} or less (a "
+                f"shorter sequence), or give the table at least {last + 1} rows")
 
 
 # -- building the OpGraph ------------------------------------------------------------------
@@ -626,10 +682,39 @@ def _is_library_frame(path: str) -> bool:
     return "/torch/" in path or path.startswith(_OWN_DIRS) or path.startswith("<")
 
 
-def _explain_trace_failure(exc: Exception, model: nn.Module) -> str:
+@contextlib.contextmanager
+def _quiet_fake_tensor_log():
+    """torch logs an operator's failure on fake tensors (with its traceback) before it
+    raises; the raised error becomes meshplan's one line, so the log is held back."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# torch's messages for an operator given tensors of shapes it cannot combine (matmul,
+# linear, conv, elementwise broadcasting, norms): the example inputs do not fit the model
+_SHAPE_ERRORS = re.compile(
+    r"same reduction dim|shapes cannot be multiplied|size of tensor a \(\d+\) must match|"
+    r"expected input\[.*\] to have \d+ channels|Given normalized_shape=|"
+    r"running_mean should contain|is invalid for input of size")
+
+
+def _explain_trace_failure(exc: Exception, model: nn.Module, inputs=()) -> str:
     """Name the operator or module and the user's source line that stopped tracing; a
     forward that does not take the example inputs is named as such (a calling convention,
-    not a traceability problem)."""
+    not a traceability problem), and so are inputs of shapes the model's operators cannot
+    take (a wrong feature count)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _SHAPE_ERRORS.search(first):
+        shapes = ", ".join(f"{list(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+                           for x in inputs if isinstance(x, torch.Tensor))
+        return (f"the example tensors ({shapes}) do not fit {type(model).__name__}: "
+                f"{first[:300].rstrip('.')}; give inputs of the shapes its forward takes "
+                "(the batch first, then e.g. the feature count its first layer expects)")
     cause = exc
     while cause is not None:
         if isinstance(cause, TypeError) and re.search(

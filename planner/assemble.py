@@ -21,7 +21,7 @@ def model_info(graph: OpGraph) -> ModelInfo:
     return ModelInfo(name=graph.model_name, fingerprint=graph.fingerprint,
                      param_count=graph.param_count, train_flops_per_step=graph.train_flops,
                      num_layers=graph.num_layers, num_nodes=len(graph.nodes),
-                     inputs=input_records(graph))
+                     inputs=input_records(graph), loss=graph.loss)
 
 
 def input_records(graph: OpGraph) -> tuple[dict, ...]:

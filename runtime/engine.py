@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from meshplan import vocabulary
 from meshplan.errors import MeshplanError
 from meshplan.graph import CallSignature
 from meshplan.placements import shard
@@ -146,7 +147,14 @@ def input_placements(plan: Plan) -> dict[str, tuple[str, ...]]:
 
 def split_over_dp(plan: Plan, record: dict, placements: dict | None = None) -> bool:
     """Whether the flat input of ``record`` is split by rows over the data-parallel axes
-    (else every rank passes it whole)."""
+    (else every rank passes it whole). The module engine runs each data-parallel rank's
+    module on that rank's rows of every input: the search may still leave an input
+    replicated over a data-parallel axis (T5's decoder ids and labels on local:4, where
+    the encoder ids are split), a per-operator choice that engine does not follow, so there
+    every input is split wherever the first one is."""
+    axes = data_parallel_axes(plan.stages[0])
+    if plan.engine == vocabulary.Engine.MODULES:
+        return bool(axes) and bool(record.get("shape"))
     pl = (placements if placements is not None else input_placements(plan)).get(
         record["name"], ())
-    return any(a < len(pl) and pl[a] == shard(0) for a in data_parallel_axes(plan.stages[0]))
+    return any(a < len(pl) and pl[a] == shard(0) for a in axes)

@@ -370,3 +370,150 @@ def test_print_torchrun_with_a_new_checkpoint_dir_prints_only_the_command(gpt_pl
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "torch.distributed.run" in out[0], out
     assert not (tmp_path / "ckpt").exists()
+
+
+# -- issue 42: the bad-input tour's last tracebacks ---------------------------------------------
+
+USER_MODELS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import meshplan
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 10))
+
+
+def wrong_features():  # the MLP takes 32 features; the examples have 16
+    return meshplan.ModelBundle(mlp(), torch.randn(8, 16), torch.tensor([0, 9] * 4),
+                                F.cross_entropy)
+
+
+class LearnedPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.vocab_size = 64
+        self.tok = nn.Embedding(64, 32)
+        self.pos = nn.Embedding(16, 32)  # 16 positions
+        self.out = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        t = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+        return self.out(self.tok(ids) + self.pos(t))
+
+
+def positions():
+    return LearnedPositions()
+
+
+def smoothed(logits, labels):
+    return F.cross_entropy(logits, labels, label_smoothing=0.1)
+
+
+def plain_loss():
+    return meshplan.ModelBundle(mlp(), torch.randn(8, 32), torch.tensor([0, 9] * 4),
+                                F.cross_entropy)
+
+
+def smoothed_loss():
+    return meshplan.ModelBundle(mlp(), torch.randn(8, 32), torch.tensor([0, 9] * 4), smoothed)
+'''
+
+
+@pytest.fixture(scope="module")
+def user_models(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tour42") / "user_models.py"
+    path.write_text(USER_MODELS)
+    return str(path)
+
+
+def test_a_wrong_feature_dimension_is_meshplans_line_alone(user_models, tmp_path, capfd):
+    """Before: torch's fake-tensor log (a traceback, on stderr) came first, then a line that
+    advised making the code traceable."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", f"{user_models}:wrong_features", "--mesh", "local:2",
+                 "--batch", "8", "-o", str(out)]) == 2
+    err = capfd.readouterr().err
+    assert err.strip().splitlines() == [err.strip()], err  # one line, no torch log before it
+    assert "the example tensors ([8, 16] float32, [8] int64) do not fit Sequential: a and b " \
+        "must have same reduction dim, but got [8, 16] X [32, 64]" in err, err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_a_position_table_shorter_than_seq_is_refused_at_plan_time(user_models, tmp_path,
+                                                                   capsys):
+    """Before: the plan was written, and the run's first step died with an IndexError inside
+    torch.nn.functional.embedding."""
+    _one_line_exit_2(["plan", "--model", f"{user_models}:positions", "--mesh", "local:2",
+                      "--batch", "4", "--seq", "32", "--manual", "dp=2"], tmp_path / "p.json",
+                     capsys, "pos.weight has 16 rows, but its positions come from torch.arange "
+                     "over 32 tokens and reach row 31: a sequence of 32 (--seq 32) would fail "
+                     "at the first step; use --seq 16 or less")
+    assert main(["plan", "--model", f"{user_models}:positions", "--mesh", "local:2",
+                 "--batch", "4", "--seq", "16", "--manual", "dp=2",
+                 "-o", str(tmp_path / "ok.json")]) == 0  # 16 tokens fit 16 rows
+
+
+def test_a_plan_run_with_another_loss_names_both_losses(user_models, tmp_path, no_launch,
+                                                        capsys):
+    """Before: 'plan was made for model ... with fingerprint ...', which does not say that
+    the loss is what changed."""
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", f"{user_models}:plain_loss", "--mesh", "local:2",
+                 "--batch", "8", "--manual", "dp=2", "--engine", "graph",
+                 "-o", str(plan)]) == 0
+    assert json.loads(plan.read_text())["model"]["loss"] == "torch.nn.functional.cross_entropy"
+    _run_exit_2(["run", str(plan), "--model", f"{user_models}:smoothed_loss", "--steps", "1"],
+                capsys, "was made with the loss torch.nn.functional.cross_entropy, but this "
+                "run's loss is smoothed")
+
+
+def test_a_plan_finds_its_factory_in_another_tree_through_links_and_copies(
+        user_models, tmp_path, monkeypatch, no_launch, capsys):
+    """Before: a plan written into a linked folder resolved the factory's relative path from
+    the folder's real location (/.../real/deep/other/...), and a plan copied to another tree
+    from the copy's folder: both named a file that is not there."""
+    factory = tmp_path / "models" / "fac.py"
+    factory.parent.mkdir()
+    factory.write_text(USER_MODELS)
+    real = tmp_path / "real" / "deep" / "dir"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    monkeypatch.chdir(tmp_path / "link")
+    assert main(["plan", "--model", f"{factory}:plain_loss", "--mesh", "local:2", "--batch",
+                 "8", "--manual", "dp=2", "-o", str(tmp_path / "link" / "plan.json")]) == 0
+    capsys.readouterr()
+    assert main(["run", "plan.json", "--steps", "1", "--print-torchrun"]) == 0
+    assert f"--model {factory}:plain_loss" in capsys.readouterr().out
+    elsewhere = tmp_path / "other-tree" / "runs"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "plan.json").write_text((real / "plan.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(elsewhere / "plan.json"), "--steps", "1", "--print-torchrun"]) == 0
+    assert f"--model {factory}:plain_loss" in capsys.readouterr().out
+
+
+def test_the_api_names_both_losses_when_a_plan_meets_another_loss():
+    """What ``meshplan.parallelize`` (graph engine) and ``meshplan run`` check: the plan
+    records its loss (``model.loss``), and a graph traced with another is refused naming both
+    (a loss module by its repr, meshplan's default by name)."""
+    import torch.nn.functional as F
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x, y = torch.randn(4, 8), torch.tensor([0, 3, 1, 2])
+    plan = meshplan.manual_plan(model, meshplan.Mesh.local(2), example_inputs=(x,),
+                                example_targets=(y,), loss_fn=F.cross_entropy, dp=2)
+    assert plan.model.loss == "torch.nn.functional.cross_entropy"
+    for other, named in [(nn.CrossEntropyLoss(label_smoothing=0.1), "CrossEntropyLoss()"),
+                         (None, "meshplan's default (cross entropy against the targets)")]:
+        if other is None:  # the default loss traces the same cross entropy: nothing to refuse
+            graph = meshplan.trace(model, (x,), example_targets=(y,))
+            assert graph.loss == named
+            continue
+        graph = meshplan.trace(model, (x,), example_targets=(y,), loss_fn=other)
+        with pytest.raises(MeshplanError) as info:
+            plan.check_graph(graph)
+        assert f"was made with the loss torch.nn.functional.cross_entropy, but this run's " \
+            f"loss is {named}" in str(info.value)

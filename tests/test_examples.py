@@ -17,7 +17,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["causal_lm_tokens.py", "image_classifier_bn.py",
-                                    "encoder_decoder.py"])
+                                    "encoder_decoder.py", "config_file.py"])
 def test_example_matches_one_process(script, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "WARNING",
            "TRANSFORMERS_VERBOSITY": "error"}
@@ -32,6 +32,9 @@ def test_example_matches_one_process(script, tmp_path):
         assert "weights equal one process" in proc.stdout, proc.stdout[-3000:]
     assert (tmp_path / "plan.json").exists()  # rank 0 planned, the others read its file
     assert proc.stdout.count("\nstep ") == 2
+    if script == "config_file.py":  # the model came from the config.json it wrote
+        assert "weights equal one process" in proc.stdout
+        assert (tmp_path / "config.json").exists()
 
 
 @pytest.mark.slow
