@@ -6,7 +6,8 @@ from meshplan.checks import check_writable
 from meshplan.cli_args import ENGINE_CHOICES, POSITIVE_FLOAT, POSITIVE_INT, load_model_and_graph
 from meshplan.cli_json import add_json_flag, answer
 from meshplan.errors import SpecError
-from meshplan.vocabulary import DTYPES, STACK_TARGETS
+from meshplan.stacks.layout import STACK_DTYPES
+from meshplan.vocabulary import DTYPES, STACK_TARGETS, ComputeDtype
 
 
 def add_cost_commands(sub) -> None:
@@ -58,7 +59,7 @@ def add_cost_commands(sub) -> None:
                    "mesh of the same GPU, e.g. dgx-h100:nodes=128")
     p.add_argument("--for", dest="for_", choices=STACK_TARGETS, default="torchtitan",
                    help="the stack whose layouts are searched and priced (default torchtitan)")
-    p.add_argument("--dtype", choices=("bf16", "fp8", "fp32"), default="bf16")
+    p.add_argument("--dtype", choices=STACK_DTYPES, default=ComputeDtype.BF16)
     p.add_argument("--top", type=POSITIVE_INT, default=5, help="layouts listed for --mesh")
     p.add_argument("--max-nodes", type=POSITIVE_INT, default=4096,
                    help="the largest node count the smallest-mesh search tries")

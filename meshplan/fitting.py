@@ -34,7 +34,7 @@ from meshplan.errors import MeshError, SpecError, gib
 from meshplan.mesh import GPU_PRESETS
 from meshplan.plan import MemoryBreakdown
 from meshplan.schedules import Schedule
-from meshplan.vocabulary import ComputeDtype
+from meshplan.vocabulary import ComputeDtype, Recompute
 
 # --gpu's short names: the GPU -> the preset of its 8-GPU node (costmodel/presets/*.json)
 GPU_NAMES = {"a100": "dgx-a100-80gb", "a100-80gb": "dgx-a100-80gb", "h100": "dgx-h100",
@@ -249,7 +249,7 @@ def _frugal(ctx: _Search, nodes: int):
     batch, seq = ctx.graph.inputs[0][1].shape[0], ctx.graph.inputs[0][1].shape[1]
     space = layouts(ctx.target, ctx.arch, devices=mesh.num_devices,
                     devices_per_node=mesh.devices_per_node, global_batch=batch, seq_len=seq,
-                    dtype=ctx.dtype, recompute=("full",))
+                    dtype=ctx.dtype, recompute=(Recompute.FULL,))
     space = [lay for lay in space if lay.microbatch_size == 1
              and lay.schedule in (Schedule.ONE_F_ONE_B,)
              and lay.zero == (max(ZEROS[ctx.target]) if lay.dp * lay.cp > 1 else 0)]
