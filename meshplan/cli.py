@@ -388,7 +388,10 @@ def run_command(args) -> int:
         with json_mode() if as_json else contextlib.nullcontext():
             rc = args.func(args) or 0
         if as_json:
-            emit(document(args.command, args.json_result), stdout)
+            result = getattr(args, "json_result", None)
+            if result is None:  # a bug: every --json command answers through cli_json.answer
+                raise RuntimeError(f"meshplan {args.command} --json returned no document")
+            emit(document(args.command, result), stdout)
         return rc
     except (MeshplanError, FileNotFoundError, PermissionError, IsADirectoryError) as exc:
         if args.debug:

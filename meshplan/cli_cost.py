@@ -165,11 +165,12 @@ def _print_estimate(est, fmt_time) -> None:
 
 def cmd_fit(args) -> int:
     """``meshplan fit``: meshplan/fitting.py on the command line."""
-    from meshplan.fitting import fit, gpu_preset
+    from meshplan.fitting import check_mesh_gpu, fit, gpu_preset
     from meshplan.specs import parse_mesh_spec, parse_model_spec
 
     gpu_preset(args.gpu)  # a bad --gpu or --mesh fails before the model loads
     mesh = parse_mesh_spec(args.mesh) if args.mesh else None
+    check_mesh_gpu(mesh, args.gpu)
     spec = parse_model_spec(args.model)
     loaded = spec.load(args.batch, args.seq, device="meta")
     if loaded.bundle:

@@ -152,6 +152,20 @@ def gpu_preset(gpu: str) -> str:
                     f"{', '.join(sorted(GPU_NAMES))} (or a preset: {', '.join(GPU_PRESETS)})")
 
 
+def check_mesh_gpu(mesh, gpu: str) -> None:
+    """A ``--mesh`` of another GPU than ``--gpu`` (its device name or its memory differ),
+    refused in one line: the two answers would be about different machines."""
+    from meshplan.mesh import Mesh
+
+    if mesh is None:
+        return
+    preset = gpu_preset(gpu)
+    want, got = Mesh.preset(preset, nodes=1).hardware.device, mesh.hardware.device
+    if (want.name, want.memory_gib) != (got.name, got.memory_gib):
+        raise SpecError(f"--mesh {mesh.name} is not of --gpu {gpu} ({preset}); give a mesh "
+                        f"of that GPU, e.g. {preset}:nodes=16")
+
+
 def fit(model, *, gpu: str, batch: int, seq: int, mesh=None, graph=None, model_name: str = "",
         target: str = "torchtitan", dtype: str = ComputeDtype.BF16, top: int = DEFAULT_TOP,
         max_nodes: int = MAX_NODES, time_limit_s: float | None = DEFAULT_TIME_LIMIT_S,
@@ -177,10 +191,7 @@ def fit(model, *, gpu: str, batch: int, seq: int, mesh=None, graph=None, model_n
             raise SpecError(f"{name} {value!r}: must be a positive integer")
     preset = gpu_preset(gpu)
     user_mesh = as_mesh(mesh) if mesh is not None else None
-    if user_mesh is not None and user_mesh.hardware.device.name != \
-            Mesh.preset(preset, nodes=1).hardware.device.name:
-        raise SpecError(f"--mesh {user_mesh.name} is not of --gpu {gpu} ({preset}); give a mesh "
-                        f"of that GPU, e.g. {preset}:nodes=16")
+    check_mesh_gpu(user_mesh, gpu)
     arch = arch_of_model(model)
     if graph is None:
         import torch
