@@ -10,8 +10,9 @@
     loss = run.train_step((x,), targets=(y,))
 """
 
-from meshplan.errors import (MemoryLimitError, MeshError, MeshplanError, NotSupportedError,
-                             PlanFileError, PlanningError, SpecError, TraceError)
+from meshplan.errors import (MemoryLimitError, MeshError, MeshplanError, NotExpressibleError,
+                             NotSupportedError, PlanFileError, PlanningError, SpecError,
+                             TraceError)
 from meshplan.mesh import Mesh
 from meshplan.plan import Estimate, Plan
 from meshplan.tracing import trace
@@ -22,7 +23,8 @@ __all__ = [
     "Mesh", "Plan", "Estimate", "autoparallel", "manual_plan", "estimate", "trace", "ModelBundle",
     "MeshplanError", "TraceError", "MeshError", "SpecError", "PlanFileError", "PlanningError",
     "MemoryLimitError", "NotSupportedError", "parallelize", "ParallelRun", "DataError",
-    "plan_for", "export_plan", "import_plan", "model_from_config",
+    "plan_for", "export_plan", "import_plan", "model_from_config", "NotExpressibleError", "fit",
+    "FitAnswer", "FitLayout",
 ]
 
 
@@ -37,5 +39,10 @@ def __getattr__(name: str):
         from meshplan.stacks import commands
 
         return getattr(commands, name)
+    if name in ("fit", "FitAnswer", "FitLayout"):
+        # will it fit: the fewest nodes of a GPU, the fastest layouts on a mesh (meshplan/fitting.py)
+        from meshplan import fitting
+
+        return getattr(fitting, name)
     raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ meshplan/cli_args.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -18,6 +19,8 @@ from meshplan.checks import (check_checkpoint_dir, check_model_for_run, check_ru
 from meshplan.cli_args import (ENGINE_CHOICES, EXIT_USER_ERROR, POSITIVE_FLOAT, POSITIVE_INT,
                                OneLineParser, load_model_and_graph)
 from meshplan.cli_cost import add_cost_commands
+from meshplan.cli_json import (BAD_USAGE, INTERRUPTED, add_json_flag, answer, command_of,
+                               document, emit, error_document, json_mode, plan_facts)
 from meshplan.errors import MeshplanError, SpecError
 from meshplan.support import stack_refusal
 from meshplan.vocabulary import EXPORT_TARGET, ComputeDtype, DTYPES, ENGINES, STACK_TARGETS
@@ -60,16 +63,22 @@ def cmd_plan(args) -> int:
     # from any folder; a config file's hash lets run refuse one that changed
     plan = plan.with_spec(spec.target if spec.kind == "config" else args.model,
                           config_sha256(spec))
-    print(plan.summary())
-    print(f"planned in {plan.wall_time_s:.2f} s")
+    then = ""
     if args.output:
         plan.to_json(args.output)
         if plan.engine in ENGINES:
-            then = f"run it with: {self_command()} run {shlex.quote(args.output)}"
+            then = f"{self_command()} run {shlex.quote(args.output)}"
         else:  # priced for a stack meshplan does not run (support.stack_refusal)
-            then = f"export it with: {self_command()} export {shlex.quote(args.output)} " \
+            then = f"{self_command()} export {shlex.quote(args.output)} " \
                 f"--to {EXPORT_TARGET[plan.engine]}"
-        print(f"wrote {args.output}; {then}")
+    if args.json:
+        return answer(args, {"plan": plan.to_dict(), "summary": plan_facts(plan),
+                             "output": args.output or None, "next": then or None})
+    print(plan.summary())
+    print(f"planned in {plan.wall_time_s:.2f} s")
+    if args.output:
+        verb = "run" if plan.engine in ENGINES else "export"
+        print(f"wrote {args.output}; {verb} it with: {then}")
     return 0
 
 
@@ -140,6 +149,8 @@ def cmd_show(args) -> int:
     from meshplan.inspect import summary_text
 
     plan, graph = plan_and_graph(args.plan, args.model, recorded=False)  # show stays quick
+    if args.json:
+        return answer(args, {"plan": plan.to_dict(), "summary": plan_facts(plan)})
     print(summary_text(plan, graph=graph))
     return 0
 
@@ -160,6 +171,9 @@ def cmd_explain(args) -> int:
                         "which a plan file does not hold; pass --model SPEC (the spec the "
                         "plan was made from)")
     expls = explain(plan, graph, node=args.node, layer=args.layer)
+    if args.json:  # every alternative: --limit shortens the tables only
+        return answer(args, {"plan": args.plan, "layer": args.layer, "node": args.node,
+                             "choice": choice_text(plan) or None, "operators": expls})
     if choice_text(plan):
         print(choice_text(plan))
     print(explain_text(expls, plan, limit=0 if args.node else args.limit))
@@ -171,7 +185,12 @@ def cmd_diff(args) -> int:
     from meshplan.plan import Plan
 
     a, b = Plan.from_json(args.a), Plan.from_json(args.b)
-    print(diff_text(diff_plans(a, b), a, b))
+    d = diff_plans(a, b)
+    if args.json:
+        return answer(args, {"a": args.a, "b": args.b, "identical": d.identical,
+                             "step_time_s": d.step_time_s, "peak_memory_gib": d.peak_memory_gib,
+                             "differences": d.differences})
+    print(diff_text(d, a, b))
     return 0
 
 
@@ -252,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="with --for torchtitan: price and "
                    "export torch.compile (compile.enable)")
     p.add_argument("-o", "--output", default="", help="write the plan JSON here")
+    add_json_flag(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("run", help="train with a plan under torchrun")
@@ -306,6 +326,7 @@ def _add_reading_commands(sub, model_mesh) -> None:
     p = sub.add_parser("show", help="print a plan as tables")
     p.add_argument("plan")
     p.add_argument("--model", default="", help=retrace)
+    add_json_flag(p)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("explain", help="the alternatives the solver had at a layer or operator")
@@ -316,11 +337,13 @@ def _add_reading_commands(sub, model_mesh) -> None:
     p.add_argument("--node", default=None, help="operator name, as in the plan's ops")
     p.add_argument("--limit", type=int, default=6, help="alternatives shown per operator "
                    "with --layer (0: all)")
+    add_json_flag(p)
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("diff", help="compare two plans and price each difference")
     p.add_argument("a")
     p.add_argument("b")
+    add_json_flag(p)
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("report", help="self-contained HTML report of a plan, with pictures")
@@ -345,19 +368,44 @@ def main(argv=None) -> int:
     # command line shows meshplan's own messages only.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(words)
     except SystemExit as exc:  # --help, or a malformed command line (one line, exit 2)
-        return exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
+        code = exc.code if isinstance(exc.code, int) else EXIT_USER_ERROR
+        if code and "--json" in words:
+            emit(error_document(command_of(words), code=BAD_USAGE,
+                                message=OneLineParser.last_error or "the command line was "
+                                "refused; see meshplan --help"))
+        return code
+    return run_command(args)
+
+
+def run_command(args) -> int:
+    """The parsed command, its user errors as one line (exit 2); with ``--json`` its answer
+    or its error as one JSON document on stdout (meshplan/cli_json.py)."""
+    as_json = getattr(args, "json", False)
+    stdout = sys.stdout
     try:
-        return args.func(args) or 0
+        with json_mode() if as_json else contextlib.nullcontext():
+            rc = args.func(args) or 0
+        if as_json:
+            result = getattr(args, "json_result", None)
+            if result is None:  # a bug: every --json command answers through cli_json.answer
+                raise RuntimeError(f"meshplan {args.command} --json returned no document")
+            emit(document(args.command, result), stdout)
+        return rc
     except (MeshplanError, FileNotFoundError, PermissionError, IsADirectoryError) as exc:
         if args.debug:
             raise
         print(f"meshplan {args.command}: error: {exc}", file=sys.stderr)
+        if as_json:
+            emit(error_document(args.command, exc), stdout)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"meshplan {args.command}: interrupted", file=sys.stderr)
+        if as_json:
+            emit(error_document(args.command, code=INTERRUPTED, message="interrupted"), stdout)
         return 130
 
 

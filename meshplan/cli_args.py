@@ -29,9 +29,13 @@ def load_model_and_graph(args):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, with its errors as one line (no usage block) and exit code 2."""
+    """argparse, with its errors as one line (no usage block) and exit code 2;
+    ``last_error`` keeps the line for ``--json``'s error document."""
+
+    last_error = ""
 
     def error(self, message: str):
+        OneLineParser.last_error = f"{self.prog}: {message}"
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from meshplan.checks import check_writable
-from meshplan.cli_args import ENGINE_CHOICES, POSITIVE_INT, load_model_and_graph
+from meshplan.cli_args import ENGINE_CHOICES, POSITIVE_FLOAT, POSITIVE_INT, load_model_and_graph
+from meshplan.cli_json import add_json_flag, answer
 from meshplan.errors import SpecError
-from meshplan.vocabulary import DTYPES
+from meshplan.stacks.layout import STACK_DTYPES
+from meshplan.vocabulary import DTYPES, STACK_TARGETS, ComputeDtype
 
 
 def add_cost_commands(sub) -> None:
@@ -38,7 +40,33 @@ def add_cost_commands(sub) -> None:
     from meshplan.stacks.commands import add_from_arguments
 
     add_from_arguments(p)
+    add_json_flag(p)
     p.set_defaults(func=cmd_estimate)
+
+    p = sub.add_parser("fit", help="will it fit: the fewest nodes of a GPU, and the fastest "
+                       "layouts on a mesh, with memory per GPU", description="`meshplan fit "
+                       "--model SPEC --gpu h100 --batch B --seq S [--mesh dgx-h100:nodes=N]`: "
+                       "the fewest nodes of that GPU on which some layout the stack runs fits, "
+                       "and on --mesh the fastest layouts that fit, each with its peak memory "
+                       "per GPU broken down (docs/cli-json.md)")
+    p.add_argument("--model", required=True, help="transformers:llama|qwen3?k=v&..., or a "
+                   "preset (llama3.1-8b, llama3.1-70b, llama3.1-405b, ...)")
+    p.add_argument("--gpu", required=True, help="h100, a100, h200, h100-96gb, or a node preset "
+                   "(dgx-h100, ...): its memory and its node size")
+    p.add_argument("--batch", type=POSITIVE_INT, required=True, help="global batch (sequences)")
+    p.add_argument("--seq", type=POSITIVE_INT, required=True, help="sequence length")
+    p.add_argument("--mesh", default="", help="also list the fastest layouts that fit on this "
+                   "mesh of the same GPU, e.g. dgx-h100:nodes=128")
+    p.add_argument("--for", dest="for_", choices=STACK_TARGETS, default="torchtitan",
+                   help="the stack whose layouts are searched and priced (default torchtitan)")
+    p.add_argument("--dtype", choices=STACK_DTYPES, default=ComputeDtype.BF16)
+    p.add_argument("--top", type=POSITIVE_INT, default=5, help="layouts listed for --mesh")
+    p.add_argument("--max-nodes", type=POSITIVE_INT, default=4096,
+                   help="the largest node count the smallest-mesh search tries")
+    p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=60.0, help="the --mesh "
+                   "search keeps the best found after this long")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_fit)
 
     p = sub.add_parser("calibrate", help="measure this machine and fit a hardware profile")
     p.add_argument("--procs", type=int, default=4, help="collectives over 2..N local processes")
@@ -79,6 +107,9 @@ def cmd_estimate(args) -> int:
                 raise SpecError(f"--engine {engine} re-prices {args.plan} from the model's "
                                 "operators, which a plan file does not hold; pass --model SPEC "
                                 "(the spec the plan was made from)")
+            if args.json:
+                return answer(args, {"estimate": plan.predicted, "source": "recorded",
+                                     "plan": args.plan, "output": None})
             print(f"prediction recorded in {args.plan} (pass --model SPEC to re-price):")
             _print_estimate(plan.predicted, fmt_time)
             return 0
@@ -86,6 +117,7 @@ def cmd_estimate(args) -> int:
 
         est = meshplan.estimate(plan, retrace(plan, args.model), hardware=hardware,
                                 compiled=args.compiled, engine=engine)
+        source = "repriced"
     else:
         if not (args.model and args.mesh and args.batch):
             raise SpecError("meshplan estimate needs a plan file, or --model, --mesh, --batch "
@@ -107,9 +139,14 @@ def cmd_estimate(args) -> int:
                                          dtype=args.dtype, engine=args.engine)
         est = meshplan.estimate(plan, hardware=hardware, compiled=args.compiled) \
             if hardware or args.compiled else plan.predicted
-    _print_estimate(est, fmt_time)
+        source = "manual" if args.manual else "auto"
     if args.output:
         plan.with_prediction(est).to_json(args.output)
+    if args.json:
+        return answer(args, {"estimate": est, "source": source, "plan": args.plan or None,
+                             "output": args.output or None})
+    _print_estimate(est, fmt_time)
+    if args.output:
         print(f"wrote {args.output}")
     return 0
 
@@ -124,6 +161,32 @@ def _print_estimate(est, fmt_time) -> None:
           f"device (params {m.params_gib:.2f}, grads {m.grads_gib:.2f}, optimizer "
           f"{m.optimizer_gib:.2f}, activations {m.activations_gib:.2f}, buffers {m.buffers_gib:.2f})")
     print(f"fits             {'yes' if est.fits else 'NO: ' + est.overflow}")
+
+
+def cmd_fit(args) -> int:
+    """``meshplan fit``: meshplan/fitting.py on the command line."""
+    from meshplan.fitting import check_mesh_gpu, fit, gpu_preset
+    from meshplan.specs import parse_mesh_spec, parse_model_spec
+
+    gpu_preset(args.gpu)  # a bad --gpu or --mesh fails before the model loads
+    mesh = parse_mesh_spec(args.mesh) if args.mesh else None
+    check_mesh_gpu(mesh, args.gpu)
+    spec = parse_model_spec(args.model)
+    loaded = spec.load(args.batch, args.seq, device="meta")
+    if loaded.bundle:
+        raise SpecError(f"--model {args.model}: fit plans causal language models of token ids "
+                        "(the stacks' layouts); a ModelBundle is planned with meshplan plan")
+    from meshplan.checks import check_batch_and_seq
+
+    check_batch_and_seq(loaded.model, args.batch, args.seq)
+    result = fit(loaded.model, gpu=args.gpu, batch=args.batch, seq=args.seq, mesh=mesh,
+                 graph=loaded.trace(spec.name), model_name=spec.name, target=args.for_,
+                 dtype=args.dtype, top=args.top, max_nodes=args.max_nodes,
+                 time_limit_s=args.time_limit_s)
+    if args.json:
+        return answer(args, result)
+    print(result.text())
+    return 0
 
 
 def cmd_calibrate(args) -> int:

@@ -35,6 +35,8 @@ class DataError(MeshplanError):
     """A training step's data does not match the plan (shape, dtype, or ranks that must
     hold the same data do not)."""
 
+    code = "BAD_DATA"
+
 
 @runtime_checkable
 class Engine(Protocol):

@@ -57,3 +57,14 @@ def test_stacks_export_example_reads_back_what_it_wrote(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "read back: same layouts, same predictions" in proc.stdout
     assert (tmp_path / "torchtitan.toml").exists() and (tmp_path / "megatron.txt").exists()
+
+
+def test_will_it_fit_example_checks_its_answer(tmp_path):
+    """examples/will_it_fit.py: meshplan.fit's smallest mesh and fastest layouts, rebuilt
+    with manual_plan and checked (its --check asserts them)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "will_it_fit.py"), "--check"],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "smallest mesh: 2 nodes (16 GPUs)" in proc.stdout, proc.stdout
+    assert "checked: " in proc.stdout

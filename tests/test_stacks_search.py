@@ -42,6 +42,44 @@ def test_prunings_drop_nothing(small, target):
     assert any(not p.fits for p in every) and any(p.fits for p in every)  # memory mattered
 
 
+def test_keep_prices_the_fastest_few(small):
+    """``keep=k`` (meshplan fit's list): the k fastest fitting layouts it priced are the k
+    fastest of the exhaustive search, less those a lighter recompute of the same layout
+    beats (never listed: a heavier recompute is never faster)."""
+    from meshplan.plan import RECOMPUTE
+
+    model, graph, mesh = small
+    k = 32  # keep=1 lists a wrong 32nd here (its bound pruned a layout faster than it)
+    _, priced = search_layouts(model, mesh, "torchtitan", graph=graph, keep=k)
+    _, every = search_layouts(model, mesh, "torchtitan", graph=graph, exhaustive=True)
+
+    def shape(lay):
+        return dataclasses.replace(lay, recompute="none")
+
+    lightest = {}
+    for p in every:
+        if p.fits:
+            r = RECOMPUTE.index(p.layout.recompute)
+            lightest[shape(p.layout)] = min(r, lightest.get(shape(p.layout), r))
+    want = sorted(p.step_time_s for p in every if p.fits
+                  and RECOMPUTE.index(p.layout.recompute) == lightest[shape(p.layout)])[:k]
+    got = sorted(p.step_time_s for p in priced if p.fits)[:k]
+    assert len(want) == k and got == want
+    assert all(p.memory is not None and p.memory.total_gib == pytest.approx(p.peak_gib)
+               for p in priced)
+
+
+def test_nothing_fits_is_a_memory_error(small):
+    from meshplan.errors import MemoryLimitError
+
+    model, graph, mesh = small
+    dev = dataclasses.replace(mesh.hardware.device, memory_gib=0.01)
+    tiny = dataclasses.replace(mesh, hardware=dataclasses.replace(mesh.hardware, device=dev))
+    with pytest.raises(MemoryLimitError) as err:
+        search_layouts(model, tiny, "torchtitan", graph=graph)
+    assert err.value.min_memory_gib > 0.01 and err.value.code == "MEMORY_OVER_BUDGET"
+
+
 @pytest.mark.parametrize("target", ["torchtitan", "megatron"])
 def test_plan_is_priced_as_the_stack_runs_it(small, target, tmp_path):
     model, graph, mesh = small

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from meshplan.errors import NotSupportedError, SpecError
+from meshplan.errors import NotExpressibleError, SpecError
 from meshplan.plan import Plan
 from meshplan.stacks.arch import ModelArch, arch_of_spec
 from meshplan.stacks.layout import StackLayout, check_expressible, layout_of
@@ -43,7 +43,7 @@ def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None,
 def export_plan(plan: Plan, to: str, *, model_spec: str = "", graph=None) -> str:
     """``plan`` as ``to``'s configuration text (torchtitan TOML, Megatron-LM arguments).
 
-    NotSupportedError (one line, naming what is missing) for a plan the target cannot
+    NotExpressibleError (one line, naming what is missing) for a plan the target cannot
     express. A plan made for another engine than ``to`` is checked operator by operator
     against the uniform layout it follows (``check_expressible``), which needs the model:
     ``graph`` or ``model_spec`` (default: the spec the plan records)."""
@@ -56,7 +56,7 @@ def export_plan(plan: Plan, to: str, *, model_spec: str = "", graph=None) -> str
     layout = layout_of(plan, compiled=plan.training.compiled)
     problems = mod.problems(layout, arch)
     if problems:
-        raise NotSupportedError(f"{to} cannot run this plan: {problems[0]}")
+        raise NotExpressibleError(f"{to} cannot run this plan: {problems[0]}")
     if plan.engine != to:
         if graph is None:
             from meshplan.explain import retrace
@@ -119,7 +119,11 @@ def add_export_command(sub) -> None:
     p.add_argument("--to", required=True, choices=TARGETS)
     p.add_argument("--model", default="", help="model spec (default: the one the plan records)")
     p.add_argument("-o", "--output", default="", help="where to write (default: beside the "
-                   "plan, PLAN.TARGET.toml / .txt; '-' prints it)")
+                   "plan, PLAN.TARGET.toml / .txt; '-' prints it, or with --json puts it in "
+                   "the document)")
+    from meshplan.cli_json import add_json_flag
+
+    add_json_flag(p)
     p.set_defaults(func=cmd_export)
 
 
@@ -140,11 +144,19 @@ def cmd_export(args) -> int:
     if out != "-":
         check_writable(out)
     text = export_plan(plan, args.to, model_spec=args.model)
+    if out != "-":
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
+    if args.json:
+        from meshplan.cli_json import answer
+
+        return answer(args, {"target": args.to, "plan": args.plan,
+                             "output": None if out == "-" else out,
+                             "text": text if out == "-" else None,
+                             "layout": layout_of(plan).words()})
     if out == "-":
         print(text, end="")
         return 0
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(text)
     print(f"wrote {out} ({args.to}: {layout_of(plan).words()})")
     return 0
 
@@ -200,12 +212,17 @@ def cmd_estimate_from(args, print_estimate) -> int:
                         "dgx-h100:nodes=8)")
     mesh = parse_mesh_spec(args.mesh)
     plan = import_plan(path, target, mesh, model_spec=args.model)
-    print(f"{path}: {layout_of(plan, compiled=plan.training.compiled).words()}, priced as "
-          f"{target} runs it")
-    print_estimate(plan.predicted)
+    words = layout_of(plan, compiled=plan.training.compiled).words()
     if args.output:
         plan.to_json(args.output)
-        print(f"wrote {args.output}")
+    result = {"estimate": plan.predicted, "source": "from", "plan": None,
+              "output": args.output or None, "from": {"target": target, "file": path,
+                                                      "layout": words}}
+    if not args.json:
+        print(f"{path}: {words}, priced as {target} runs it")
+        print_estimate(plan.predicted)
+        if args.output:
+            print(f"wrote {args.output}")
     if args.compare:
         from meshplan.diff import diff_plans, diff_text
         from meshplan.stacks.search import search_layouts
@@ -216,11 +233,19 @@ def cmd_estimate_from(args, print_estimate) -> int:
                            compiled=plan.training.compiled)
         ours = ours.with_spec(plan.model.spec)
         a, b = plan.predicted, ours.predicted
-        print(f"meshplan plan --for {target}: {layout_of(ours).words()}: step "
-              f"{b.step_time_s:.3f} s vs {a.step_time_s:.3f} s ({a.step_time_s / b.step_time_s - 1:+.1%} "
-              f"time for the file's layout), MFU {b.mfu:.1%} vs {a.mfu:.1%}, peak "
-              f"{b.peak_memory_gib:.1f} vs {a.peak_memory_gib:.1f} GiB")
-        print(diff_text(diff_plans(plan, ours), plan, ours))
+        d = diff_plans(plan, ours)
+        result["compare"] = {"layout": layout_of(ours).words(), "estimate": b,
+                             "differences": d.differences}
+        if not args.json:
+            print(f"meshplan plan --for {target}: {layout_of(ours).words()}: step "
+                  f"{b.step_time_s:.3f} s vs {a.step_time_s:.3f} s ({a.step_time_s / b.step_time_s - 1:+.1%} "
+                  f"time for the file's layout), MFU {b.mfu:.1%} vs {a.mfu:.1%}, peak "
+                  f"{b.peak_memory_gib:.1f} vs {a.peak_memory_gib:.1f} GiB")
+            print(diff_text(d, plan, ours))
+    if args.json:
+        from meshplan.cli_json import answer
+
+        return answer(args, result)
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from meshplan.errors import NotSupportedError, SpecError
+from meshplan.errors import NotExpressibleError, NotSupportedError, SpecError
 from meshplan.plan import RECOMPUTE, Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.support import cp_degree, data_parallel_degree, lists_rank_groups, \
@@ -123,7 +123,7 @@ class StackLayout:
 
 def _one(values: set, what: str, fix: str):
     if len(values) != 1:
-        raise NotSupportedError(f"the plan's stages differ in {what} ({', '.join(map(str, sorted(values)))}); "
+        raise NotExpressibleError(f"the plan's stages differ in {what} ({', '.join(map(str, sorted(values)))}); "
                                 f"torchtitan and Megatron-LM take one for the whole model: {fix}")
     return next(iter(values))
 
@@ -139,14 +139,14 @@ def layout_of(plan: Plan, *, compiled: bool = False) -> StackLayout:
     axes = dict(_one(shapes, "mesh shape", "plan with meshplan plan --for torchtitan|megatron"))
     unknown = sorted(set(axes) - {"dp", "cp", "tp"})
     if unknown:
-        raise NotSupportedError(f"the plan's stage mesh has axes {', '.join(unknown)} besides dp, "
+        raise NotExpressibleError(f"the plan's stage mesh has axes {', '.join(unknown)} besides dp, "
                                 "cp and tp (a per-operator 2-D split); torchtitan and Megatron-LM "
                                 "run one tensor-parallel axis: plan with meshplan plan --for "
                                 "torchtitan|megatron")
     st0 = plan.stages[0]
     dp, tp, cp = data_parallel_degree(plan), axes.get("tp", 1), cp_degree(st0)
     if dp * tp * cp != len(st0.devices):
-        raise NotSupportedError(f"stage 0's {len(st0.devices)} devices are not dp {dp} x cp {cp} x "
+        raise NotExpressibleError(f"stage 0's {len(st0.devices)} devices are not dp {dp} x cp {cp} x "
                                 f"tp {tp} (the batch is not split over every other axis); plan "
                                 "with meshplan plan --for torchtitan|megatron")
     recompute = _one({st.recompute for st in plan.stages}, "recompute",
@@ -161,7 +161,7 @@ def layout_of(plan: Plan, *, compiled: bool = False) -> StackLayout:
     else:
         stage_layers = tuple(st.layers[1] - st.layers[0] for st in plan.stages) if pp > 1 else ()
     if t.dtype not in STACK_DTYPES:
-        raise NotSupportedError(f"dtype {t.dtype!r}: the exported stacks train in "
+        raise NotExpressibleError(f"dtype {t.dtype!r}: the exported stacks train in "
                                 f"{', '.join(STACK_DTYPES)} (fp16 needs loss scaling); re-plan with "
                                 "dtype='bf16'")
     layout = StackLayout(dp=dp, tp=tp, cp=cp, pp=pp, schedule=schedule, virtual_stages=v,
@@ -198,7 +198,7 @@ def check_expressible(plan: Plan, layout: StackLayout, graph) -> None:
     theirs = {p: pl for st in uniform.stages for p, pl in st.params.items()}
     for name, pl in ours.items():
         if name in theirs and tuple(pl) != tuple(theirs[name]):
-            raise NotSupportedError(
+            raise NotExpressibleError(
                 f"parameter {name} is placed {'/'.join(pl)} where the stacks' uniform "
                 f"{layout.words()} places it {'/'.join(theirs[name])}; torchtitan and "
                 "Megatron-LM split every block alike: plan with meshplan plan --for "

@@ -40,12 +40,13 @@ margin and order: fewer stages, less ZeRO, no recompute, no cp).
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import time
 from dataclasses import dataclass, replace
 
-from meshplan.errors import NotSupportedError, PlanningError
-from meshplan.plan import RECOMPUTE, Plan
+from meshplan.errors import MemoryLimitError, NotSupportedError, PlanningError
+from meshplan.plan import RECOMPUTE, MemoryBreakdown, Plan
 from meshplan.stacks.layout import StackLayout
 from meshplan.schedules import Schedule
 from meshplan.vocabulary import ComputeDtype
@@ -147,18 +148,22 @@ class Priced:
     fits: bool
     peak_gib: float
     mfu: float
+    memory: MemoryBreakdown | None = None  # of the peak device (meshplan fit shows it)
+    tokens_per_s: float = 0.0
 
 
 def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype.BF16,
                    compiled: bool = False, arch=None, progress=None,
-                   exhaustive: bool = False,
-                   time_limit_s: float | None = None) -> tuple[Plan, list[Priced]]:
+                   exhaustive: bool = False, time_limit_s: float | None = None,
+                   keep: int = 1) -> tuple[Plan, list[Priced]]:
     """The best plan ``target`` runs for ``model`` on ``mesh`` (module docstring), and the
     priced layouts; PlanningError (one line) when none fits. ``exhaustive`` prices every
     layout, without the prunings (the test that they drop nothing compares the two).
     ``time_limit_s``: stop pricing new placement groups after this long and keep the best
     found so far; the plan's solver status then says how many layouts were left unpriced
-    (the plan is the best found, not proven the best)."""
+    (the plan is the best found, not proven the best). ``keep``: the compute bound prunes
+    against the ``keep``-th fastest fitting layout so far, not the fastest, so that the
+    ``keep`` fastest layouts are all priced (``meshplan fit`` lists them)."""
     from meshplan.costmodel.estimate import default_runtime, estimate_plan
     from meshplan.costmodel.runtime_profiles import with_compile
     from meshplan.planner.manual import build_manual_plan
@@ -195,6 +200,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     runtimes = {pp: with_compile(default_runtime(hw, engine=target, pipeline=pp > 1), compiled)
                 for pp in {k[3] for k in groups}}
     best: float | None = None  # the fastest fitting step so far
+    fitting: list[float] = []  # the fitting steps so far, ascending
     bounded = 0
     margin = error_margin(hw)
     ordered = sorted(groups.items(), key=lambda kv: _promise(kv[0]))
@@ -215,13 +221,15 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
             shape = (lay.microbatch_size, lay.schedule, lay.virtual_stages, lay.zero)
             if not exhaustive and (shape in skip or (shape[1:], lay.recompute) in overflows):
                 continue
-            if not exhaustive and best is not None and \
-                    floor.get(lay.microbatch_size, 0.0) >= best * (1 + margin):
+            bound = fitting[keep - 1] if len(fitting) >= keep else None
+            if not exhaustive and bound is not None and \
+                    floor.get(lay.microbatch_size, 0.0) >= bound * (1 + margin):
                 bounded += 1
                 continue
             est = estimate_plan(variant(base, lay), graph, hw=hw, runtime=runtimes[lay.pp],
                                 cache=cache)
-            priced.append(Priced(lay, est.step_time_s, est.fits, est.peak_memory_gib, est.mfu))
+            priced.append(Priced(lay, est.step_time_s, est.fits, est.peak_memory_gib, est.mfu,
+                                 est.memory, est.tokens_per_s))
             if lay.recompute == "none":
                 b = est.breakdown
                 floor[lay.microbatch_size] = max(floor.get(lay.microbatch_size, 0.0),
@@ -231,14 +239,18 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
             if est.fits:
                 skip.add(shape)
                 best = est.step_time_s if best is None else min(best, est.step_time_s)
+                bisect.insort(fitting, est.step_time_s)
         if progress:
             progress(i + 1, len(groups))
     if best is None:
         low = min(priced, key=lambda p: p.peak_gib) if priced else None
         more = f"; the smallest needs {low.peak_gib:.1f} GiB ({low.layout.words()})" if low else \
             "; every layout's parameters and optimizer state alone exceed it"
-        raise PlanningError(f"no layout {target} runs fits {cap:.0f} GiB per device{more}: add "
-                            "devices, lower the batch or the sequence")
+        raise MemoryLimitError(f"no layout {target} runs fits {cap:.0f} GiB per device{more}: "
+                               "add devices, lower the batch or the sequence",
+                               min_memory_gib=low.peak_gib if low else min(
+                                   state_floor_gib(lay, graph.param_count, dtype)
+                                   for lay in space))
     chosen = _simplest([p for p in priced if p.fits], best, margin)
     plan = _built(model, mesh, graph, target, chosen.layout, compiled)
     fastest = min((p for p in priced if p.fits), key=lambda p: p.step_time_s)
