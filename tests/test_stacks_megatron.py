@@ -544,3 +544,45 @@ def test_moe_argument_files_import_and_price(tmp_path):
     path.write_text(MOE_BASE.replace("--expert-model-parallel-size 1",
                                      "--expert-model-parallel-size 8"))
     assert main(["estimate", "--from", "megatron", str(path), "--mesh", "dgx-h100"]) == 2
+
+
+def test_megatron_lm_parses_and_validates_the_moe_files():
+    """The MoE argument files import reads (Mixtral, Qwen3-MoE at tp 2, DeepSeek-V3 with
+    MLA) pass Megatron-LM core_v0.16.1's own parser, ``validate_args`` and
+    ``core_transformer_config_from_args``, which give the experts, top-k, expert width,
+    shared experts, layer pattern and MLA ranks import reads. Needs MEGATRON_LM_DIR as above;
+    validate_args asks the GPU's compute capability for --moe-grouped-gemm: an H100's (9, 0)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.environ.get("MEGATRON_LM_DIR")
+    if not root or not os.path.isfile(os.path.join(root, "megatron/training/arguments.py")):
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
+    pytest.importorskip("six")
+    check = LM_CHECK.replace(
+        "A.get_device_arch_version = lambda: 9",
+        "A.get_device_arch_version = lambda: 9\nimport torch\n"
+        "torch.cuda.get_device_capability = lambda *a: (9, 0)").replace(
+        "    A.core_transformer_config_from_args(args)\n"
+        "    print(\"OK\", args.data_parallel_size, args.virtual_pipeline_model_parallel_size)",
+        "    c = A.core_transformer_config_from_args(args)\n"
+        "    print('OK', args.data_parallel_size, c.num_moe_experts, c.moe_router_topk,"
+        " c.moe_ffn_hidden_size, c.moe_shared_expert_intermediate_size or 0,"
+        " sum(c.moe_layer_freq) if isinstance(c.moe_layer_freq, list) else c.num_layers,"
+        " c.q_lora_rank if c.multi_latent_attention else 0)")
+    assert check != LM_CHECK
+    texts = [MOE_BASE, MOE_BASE + "--qk-layernorm --tensor-model-parallel-size 2 "
+             "--expert-tensor-parallel-size 2 --sequence-parallel --group-query-attention "
+             "--num-query-groups 2 --kv-channels 32", MOE_BASE + MLA]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
+    for text in texts:  # one process each: Megatron's globals are set once per process
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", check], env=env, cwd=root,
+                             input=text, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("OK")]
+        layout, arch = from_megatron(text)
+        assert [int(x) for x in got[0]] == [
+            layout.dp, arch.experts, arch.top_k, arch.moe_ffn_hidden, arch.shared_ffn_hidden,
+            arch.layers - len(arch.dense_layers), arch.q_lora_rank]
