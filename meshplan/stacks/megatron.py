@@ -509,13 +509,21 @@ def _moe_arch(a: dict, arch: ModelArch, tp: int) -> ModelArch:
     if a["--moe-token-dispatcher-type"] not in _DISPATCHERS:
         raise SpecError(f"--moe-token-dispatcher-type {a['--moe-token-dispatcher-type']!r}: "
                         f"Megatron-LM's are {', '.join(_DISPATCHERS)}")
+    if tp > 1:
+        # the plan's tp splits attention and dense feed-forwards; expert weights (one
+        # (experts, ., .) tensor) stay whole, which Megatron never runs: priced that way the
+        # import would count tp copies of every expert
+        raise NotSupportedError(f"--tensor-model-parallel-size {tp} with --num-experts: "
+                                "meshplan's tensor parallelism does not split expert weights "
+                                "yet (Megatron splits them over --expert-tensor-parallel-size)"
+                                ", so it would price them replicated; import MoE layouts with "
+                                "tensor parallel size 1 (issue 39)")
     etp = a["--expert-tensor-parallel-size"] or tp  # arguments.py: None means tp
     if etp != tp:
         raise NotSupportedError(f"--expert-tensor-parallel-size {etp} with "
                                 f"--tensor-model-parallel-size {tp}: experts split apart from "
                                 "attention (MoE parallel folding) are not yet a plan axis "
-                                "(issue 39); use --expert-tensor-parallel-size "
-                                f"{tp} or leave it out")
+                                "(issue 39); leave --expert-tensor-parallel-size out")
     pattern = _moe_pattern(a["--moe-layer-freq"], arch.layers)
     dense = tuple(i for i, moe in enumerate(pattern) if not moe)
     moe_ffn = a["--moe-ffn-hidden-size"] or arch.ffn_hidden  # Megatron's default
