@@ -98,6 +98,41 @@ MODEL_PRESETS: dict[str, tuple[str, dict]] = {
                                     rms_norm_eps=1e-5)),
     "bert-large": ("bert", dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                                 intermediate_size=4096, vocab_size=30522)),
+    # Mixtures of experts: each model's config.json on the Hugging Face Hub (the values its
+    # authors published with the weights). Total / active parameters the authors state:
+    # Mixtral 46.7B / 12.9B (Jiang et al. 2024, arXiv 2401.04088), Qwen3 30.5B / 3.3B and
+    # 235B / 22B (Qwen3 technical report, arXiv 2505.09388, Table 2 and the model cards),
+    # DeepSeek-V3 671B / 37B (arXiv 2412.19437, section 1; the multi-token-prediction module
+    # of the released checkpoint is not part of the 671B, nor built by transformers), gpt-oss
+    # 117B / 5.1B (OpenAI's gpt-oss model card, Table 1). Rope scaling (YaRN) is left out
+    # where a config has it: it changes no shape, parameter or FLOP.
+    "mixtral-8x7b": ("mixtral", dict(  # mistralai/Mixtral-8x7B-v0.1
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-5)),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(  # Qwen/Qwen3-30B-A3B
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "qwen3-235b-a22b": ("qwen3_moe", dict(  # Qwen/Qwen3-235B-A22B
+        hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936,
+        max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "deepseek-v3": ("deepseek_v3", dict(  # deepseek-ai/DeepSeek-V3
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
+        num_key_value_heads=128, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, max_position_embeddings=163840,
+        rope_theta=10000, rms_norm_eps=1e-6)),
+    "gpt-oss-120b": ("gpt_oss", dict(  # openai/gpt-oss-120b
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+        sliding_window=128, vocab_size=201088, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, swiglu_limit=7.0)),
 }
 
 # The demo's model: a scaled-down GPT-2 (2 blocks, width 64) that trains in seconds on a CPU.
@@ -335,6 +370,8 @@ def _checked_config_value(model_type: str, default, key: str, value):
     nested = {k: v for d in vars(default).values() if isinstance(d, dict)
               for k, v in d.items() if isinstance(k, str)}
     if not hasattr(default, key) and key not in nested:
+        if key in _modeling_config_reads(model_type):
+            return value  # read by the modeling code with a fallback: Qwen3-MoE's head_dim
         known = sorted(k for k in default.to_dict() if not k.startswith("_"))
         close = difflib.get_close_matches(key, known, n=3)
         hint = f"did you mean {', '.join(close)}?" if close else \
@@ -356,6 +393,25 @@ def _checked_config_value(model_type: str, default, key: str, value):
         return value  # lists, dicts: transformers checks them
     raise SpecError(f"transformers:{model_type} config {key}={value!r}: expected "
                     f"{type(want).__name__} (default {want!r})")
+
+
+def _modeling_config_reads(model_type: str) -> frozenset[str]:
+    """Config keys the model's modeling code reads as ``getattr(config, "KEY", fallback)``:
+    keys a config class does not declare yet a published checkpoint sets, e.g.
+    ``head_dim`` of Qwen3-MoE (128 in Qwen/Qwen3-30B-A3B's config.json, while
+    hidden_size / num_attention_heads is 64), which Qwen3MoeConfig has no field for."""
+    import re
+
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    name = model_type_to_module_name(model_type)
+    try:
+        source = inspect.getsource(importlib.import_module(
+            f"transformers.models.{name}.modeling_{name}"))
+    except (ImportError, OSError, TypeError):
+        return frozenset()
+    return frozenset(re.findall(r"getattr\(\s*(?:self\.)?config\s*,\s*[\"'](\w+)[\"']",
+                                source))
 
 
 def _auto_class(transformers, config, head: str | None = None):

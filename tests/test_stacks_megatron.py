@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from meshplan.errors import NotSupportedError, SpecError
 from meshplan.stacks import ModelArch, StackLayout, arch_of_spec
 from meshplan.stacks import megatron
+from meshplan.specs import parse_model_spec
 from meshplan.stacks.megatron import from_megatron, nemo_overrides, problems, to_megatron
 
 # Flags this module writes or reads, each found in the argument parser of Megatron-LM tag
@@ -42,7 +43,20 @@ VERIFIED_FLAGS = frozenset("""
 --swiglu --tensor-model-parallel-size --tokenizer-type --tp-comm-overlap
 --untie-embeddings-and-output-weights --use-distributed-optimizer --use-megatron-fsdp
 --use-rotary-position-embeddings --use-torch-fsdp2 --vocab-size
+--num-experts --moe-layer-freq --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim
+--v-head-dim --moe-router-topk --moe-ffn-hidden-size --moe-shared-expert-intermediate-size
+--moe-grouped-gemm --moe-token-dispatcher-type --expert-model-parallel-size
+--expert-tensor-parallel-size
 """.split())
+# The MoE and MLA flags (issue 39): --num-experts and --moe-layer-freq are arguments.py's
+# _add_moe_args, the MLA dimensions its _add_mla_args (defaults None, 32, 128, 64, 128); the
+# others are generated from megatron-core 0.16.1's TransformerConfig fields by arguments.py's
+# ArgumentGroupFactory (argument_utils.py) with the exclude list of _add_network_size_args:
+# that factory, run over the installed TransformerConfig, makes --moe-router-topk (default 2),
+# --moe-ffn-hidden-size, --moe-shared-expert-intermediate-size, --moe-grouped-gemm (a switch),
+# --moe-token-dispatcher-type (allgather | alltoall | flex), --expert-model-parallel-size (1),
+# --expert-tensor-parallel-size (None: validate_args sets it to the tensor-parallel size) and
+# --multi-latent-attention (a switch).
 
 QWEN3_06B = ModelArch(family="qwen3", hidden=1024, ffn_hidden=3072, layers=28, heads=16,
                       kv_heads=8, head_dim=128, vocab=151936, max_positions=40960,
@@ -437,3 +451,139 @@ def test_benchmark_exports_accepted_by_megatron_core():
         assert megatron_chunks(cfg) == layout.layers_per_chunk(arch.layers), f.name
         assert (cfg.tensor_model_parallel_size, cfg.context_parallel_size,
                 cfg.pipeline_model_parallel_size) == (layout.tp, layout.cp, layout.pp), f.name
+
+
+# --- mixtures of experts and multi-latent attention (issue 39: import; EP is not an axis yet) --
+
+MOE_BASE = """# devices: 8
+--num-layers 3 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
+--seq-length 64 --max-position-embeddings 128 --position-embedding-type rope
+--normalization RMSNorm --swiglu --disable-bias-linear --untie-embeddings-and-output-weights
+--tokenizer-type NullTokenizer --vocab-size 255 --micro-batch-size 1 --global-batch-size 16
+--bf16 --use-distributed-optimizer
+--num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-grouped-gemm
+--moe-token-dispatcher-type alltoall --expert-model-parallel-size 1
+"""
+# DeepSeek-V3's attention and experts in miniature, written as its Megatron recipes write them
+MLA = """--multi-latent-attention --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16
+--qk-pos-emb-head-dim 8 --v-head-dim 16 --qk-layernorm
+--moe-shared-expert-intermediate-size 32 --moe-layer-freq '([0]*1+[1]*2)'
+"""
+
+
+def test_moe_flags_build_mixtral_qwen3_moe_and_deepseek_v3():
+    layout, arch = from_megatron(MOE_BASE)
+    assert (arch.family, arch.experts, arch.top_k, arch.moe_ffn_hidden) == ("mixtral", 8, 2, 32)
+    assert layout.dp == 8 and arch.dense_layers == () and not arch.shared_ffn_hidden
+    _, arch = from_megatron(MOE_BASE + "--qk-layernorm --expert-tensor-parallel-size 1 "
+                            "--group-query-attention --num-query-groups 2 --kv-channels 32")
+    assert (arch.family, arch.head_dim, arch.kv_heads) == ("qwen3_moe", 32, 2)
+    assert "head_dim=32" in arch.spec() and "num_experts=8" in arch.spec()
+    _, arch = from_megatron(MOE_BASE + MLA)
+    assert arch.family == "deepseek_v3" and arch.dense_layers == (0,)
+    assert (arch.q_lora_rank, arch.kv_lora_rank, arch.head_dim, arch.qk_rope_dim,
+            arch.v_head_dim, arch.shared_ffn_hidden) == (32, 16, 16, 8, 16, 32)
+    # the spec builds what the flags say: a dense first block, then routed + shared experts
+    model = parse_model_spec(arch.spec()).build()
+    first, moe = model.model.layers[0], model.model.layers[1]
+    assert not hasattr(first.mlp, "experts") and first.mlp.gate_proj.out_features == 128
+    assert moe.mlp.experts.gate_up_proj.shape[0] == 8
+    assert moe.mlp.shared_experts.gate_proj.out_features == 32
+    attn = moe.self_attn
+    assert (attn.q_a_proj.out_features, attn.kv_a_proj_with_mqa.out_features,
+            attn.o_proj.in_features) == (32, 16 + 8, 4 * 16)
+    # megatron-core's own reading of the layer pattern (an int N: blocks 0, N, 2N, ...)
+    _, arch = from_megatron(MOE_BASE.replace("--num-layers 3", "--num-layers 4") + MLA.replace(
+        "'([0]*1+[1]*2)'", "'([0]*2+[1]*2)'"))
+    assert arch.dense_layers == (0, 1)
+
+
+@pytest.mark.parametrize("extra, error, words", [
+    ("--expert-model-parallel-size 4", NotSupportedError,
+     "expert parallelism is not yet a plan axis (issue 39)"),
+    ("--tensor-model-parallel-size 2 --expert-tensor-parallel-size 2", NotSupportedError,
+     "does not split expert weights yet"),
+    ("--expert-tensor-parallel-size 2", NotSupportedError,
+     "--expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1: experts split "
+     "apart from attention (MoE parallel folding) are not yet a plan axis (issue 39)"),
+    ("--moe-layer-freq 2", NotSupportedError, "dense blocks [1] without --multi-latent"),
+    ("--moe-shared-expert-intermediate-size 64", NotSupportedError, "shared experts without"),
+    ("--moe-layer-freq '[1,1]'", SpecError, "gives 2 blocks but --num-layers is 3"),
+    ("--moe-layer-freq '__import__(1)'", SpecError, "not N or a list of 0 and 1"),
+    ("--moe-router-topk 9", SpecError, "--moe-router-topk 9 with --num-experts 8"),
+    ("--moe-token-dispatcher-type deepep", SpecError, "allgather, alltoall, flex"),
+    ("--moe-ffn-hiden-size 32", SpecError, "did you mean --moe-ffn-hidden-size"),
+    ("--multi-latent-attention --moe-layer-freq '([1]*2+[0])'", NotSupportedError,
+     "keeps its dense blocks first"),
+    ("--multi-latent-attention --moe-shared-expert-intermediate-size 48", NotSupportedError,
+     "not a multiple of --moe-ffn-hidden-size 32"),
+])
+def test_moe_refusals_are_one_line(extra, error, words):
+    text = MOE_BASE + extra
+    if "--multi-latent-attention" in extra:
+        text += " --q-lora-rank 32"
+    with pytest.raises(error) as info:
+        from_megatron(text)
+    assert words in str(info.value) and "\n" not in str(info.value), str(info.value)
+    with pytest.raises(NotSupportedError, match="without --q-lora-rank"):
+        from_megatron(MOE_BASE + "--multi-latent-attention")
+
+
+def test_moe_argument_files_import_and_price(tmp_path):
+    """estimate --from megatron on an EP=1 MoE file: the DeepSeek-style model is traced and
+    priced with its routed experts at top-k; an EP=8 file is one line, exit 2."""
+    from meshplan.cli import main
+
+    path = tmp_path / "ds.txt"
+    path.write_text(MOE_BASE + MLA)
+    out = tmp_path / "plan.json"
+    assert main(["estimate", "--from", "megatron", str(path), "--mesh", "dgx-h100",
+                 "-o", str(out)]) == 0
+    import meshplan
+    plan = meshplan.Plan.from_json(str(out))
+    assert plan.model.spec.startswith("transformers:deepseek_v3?")
+    assert plan.predicted.fits and plan.predicted.step_time_s > 0
+    path.write_text(MOE_BASE.replace("--expert-model-parallel-size 1",
+                                     "--expert-model-parallel-size 8"))
+    assert main(["estimate", "--from", "megatron", str(path), "--mesh", "dgx-h100"]) == 2
+
+
+def test_megatron_lm_parses_and_validates_the_moe_files():
+    """The MoE argument files import reads (Mixtral, Qwen3-MoE at tp 2, DeepSeek-V3 with
+    MLA) pass Megatron-LM core_v0.16.1's own parser, ``validate_args`` and
+    ``core_transformer_config_from_args``, which give the experts, top-k, expert width,
+    shared experts, layer pattern and MLA ranks import reads. Needs MEGATRON_LM_DIR as above;
+    validate_args asks the GPU's compute capability for --moe-grouped-gemm: an H100's (9, 0)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.environ.get("MEGATRON_LM_DIR")
+    if not root or not os.path.isfile(os.path.join(root, "megatron/training/arguments.py")):
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
+    pytest.importorskip("six")
+    check = LM_CHECK.replace(
+        "A.get_device_arch_version = lambda: 9",
+        "A.get_device_arch_version = lambda: 9\nimport torch\n"
+        "torch.cuda.get_device_capability = lambda *a: (9, 0)").replace(
+        "    A.core_transformer_config_from_args(args)\n"
+        "    print(\"OK\", args.data_parallel_size, args.virtual_pipeline_model_parallel_size)",
+        "    c = A.core_transformer_config_from_args(args)\n"
+        "    print('OK', args.data_parallel_size, c.num_moe_experts, c.moe_router_topk,"
+        " c.moe_ffn_hidden_size, c.moe_shared_expert_intermediate_size or 0,"
+        " sum(c.moe_layer_freq) if isinstance(c.moe_layer_freq, list) else c.num_layers,"
+        " c.q_lora_rank if c.multi_latent_attention else 0)")
+    assert check != LM_CHECK
+    texts = [MOE_BASE, MOE_BASE + "--qk-layernorm --expert-tensor-parallel-size 1 "
+             "--group-query-attention --num-query-groups 2 --kv-channels 32", MOE_BASE + MLA]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
+    for text in texts:  # one process each: Megatron's globals are set once per process
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", check], env=env, cwd=root,
+                             input=text, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("OK")]
+        layout, arch = from_megatron(text)
+        assert [int(x) for x in got[0]] == [
+            layout.dp, arch.experts, arch.top_k, arch.moe_ffn_hidden, arch.shared_ffn_hidden,
+            arch.layers - len(arch.dense_layers), arch.q_lora_rank]

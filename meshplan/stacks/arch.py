@@ -32,9 +32,26 @@ class ModelArch:
     rope_theta: float
     norm_eps: float
     tied_embeddings: bool = False
+    # mixture of experts (experts=0: dense): routed experts, each token's top_k of them,
+    # each expert's hidden size, the shared experts' total hidden size (0: none) and the
+    # blocks that keep a dense feed-forward (ffn_hidden) instead
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn_hidden: int = 0
+    shared_ffn_hidden: int = 0
+    dense_layers: tuple[int, ...] = ()
+    # multi-latent attention (family deepseek_v3; head_dim is the query/key head's part
+    # without rotary embedding): the query's and key/value's low ranks, the rotary part of
+    # each query/key head and the value head's size
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
 
     def spec(self) -> str:
         """A meshplan model spec that builds this architecture (random weights)."""
+        if self.experts:
+            return self._moe_spec()
         keys = dict(hidden_size=self.hidden, intermediate_size=self.ffn_hidden,
                     num_hidden_layers=self.layers, num_attention_heads=self.heads,
                     num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
@@ -46,9 +63,38 @@ class ModelArch:
             keys["tie_word_embeddings"] = True
         return f"transformers:{self.family}?" + "&".join(f"{k}={v}" for k, v in keys.items())
 
+    def _moe_spec(self) -> str:
+        """Mixtral (no qk-norm), Qwen3-MoE (qk-norm) or DeepSeek-V3 (multi-latent attention,
+        shared experts, dense first blocks; group-limited routing off: n_group 1)."""
+        keys = dict(hidden_size=self.hidden, num_hidden_layers=self.layers,
+                    num_attention_heads=self.heads, num_key_value_heads=self.kv_heads)
+        if self.family == "mixtral":
+            keys |= dict(intermediate_size=self.moe_ffn_hidden, num_local_experts=self.experts)
+        elif self.family == "qwen3_moe":
+            keys |= dict(intermediate_size=self.ffn_hidden,
+                         moe_intermediate_size=self.moe_ffn_hidden, num_experts=self.experts)
+        else:
+            keys |= dict(intermediate_size=self.ffn_hidden,
+                         moe_intermediate_size=self.moe_ffn_hidden, n_routed_experts=self.experts,
+                         n_shared_experts=self.shared_ffn_hidden // self.moe_ffn_hidden,
+                         first_k_dense_replace=len(self.dense_layers), n_group=1, topk_group=1,
+                         q_lora_rank=self.q_lora_rank, kv_lora_rank=self.kv_lora_rank,
+                         qk_nope_head_dim=self.head_dim, qk_rope_head_dim=self.qk_rope_dim,
+                         v_head_dim=self.v_head_dim)
+        keys |= dict(num_experts_per_tok=self.top_k, vocab_size=self.vocab,
+                     max_position_embeddings=self.max_positions, rope_theta=_num(self.rope_theta),
+                     rms_norm_eps=_num(self.norm_eps))
+        if self.family != "deepseek_v3" and self.head_dim != self.hidden // self.heads:
+            keys["head_dim"] = self.head_dim
+        if self.tied_embeddings:
+            keys["tie_word_embeddings"] = True
+        return f"transformers:{self.family}?" + "&".join(f"{k}={v}" for k, v in keys.items())
+
     def words(self) -> str:
+        moe = f", {self.experts} experts (top {self.top_k}, ffn {self.moe_ffn_hidden})" \
+            if self.experts else ""
         return (f"{self.family} {self.layers} layers, hidden {self.hidden}, ffn {self.ffn_hidden}, "
-                f"{self.heads} heads ({self.kv_heads} kv), vocab {self.vocab}")
+                f"{self.heads} heads ({self.kv_heads} kv), vocab {self.vocab}{moe}")
 
 
 def _num(x: float):

@@ -341,6 +341,15 @@ _VALUE_FLAGS = {
     "--recompute-method": (str, None), "--recompute-num-layers": (int, None),
     "--fp8-format": (str, None), "--fp8-recipe": (str, "delayed"), "--num-experts": (int, None),
     "--num-distributed-optimizer-instances": (int, 1),
+    # mixture of experts (TransformerConfig / ModelParallelConfig fields, and --num-experts
+    # --moe-layer-freq of arguments.py _add_moe_args) and multi-latent attention
+    # (arguments.py _add_mla_args), with core_v0.16.1's defaults
+    "--moe-router-topk": (int, 2), "--moe-ffn-hidden-size": (int, None),
+    "--moe-shared-expert-intermediate-size": (int, None), "--moe-layer-freq": (str, "1"),
+    "--moe-token-dispatcher-type": (str, "allgather"), "--expert-model-parallel-size": (int, 1),
+    "--expert-tensor-parallel-size": (int, None), "--q-lora-rank": (int, None),
+    "--kv-lora-rank": (int, 32), "--qk-head-dim": (int, 128), "--qk-pos-emb-head-dim": (int, 64),
+    "--v-head-dim": (int, 128),
 }
 _LIST_FLAGS = {"--cp-comm-type": ["p2p"], "--recompute-modules": None}
 _BOOL_FLAGS = ("--group-query-attention", "--use-rotary-position-embeddings", "--swiglu",
@@ -348,13 +357,15 @@ _BOOL_FLAGS = ("--group-query-attention", "--use-rotary-position-embeddings", "-
                "--qk-layernorm", "--sequence-parallel", "--use-distributed-optimizer",
                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
                "--recompute-activations", "--bf16", "--fp16", "--use-torch-fsdp2",
-               "--use-megatron-fsdp", "--multi-latent-attention")
+               "--use-megatron-fsdp", "--multi-latent-attention", "--moe-grouped-gemm")
 _REFUSED = {"--fp16": "fp16 needs loss scaling, which meshplan does not price; train with --bf16",
             "--use-torch-fsdp2": "torch FSDP2 (ZeRO-3) is not what meshplan's megatron "
             "profile prices; use --use-distributed-optimizer or import it as torchtitan",
             "--use-megatron-fsdp": "Megatron FSDP is not what meshplan's megatron profile "
-            "prices; use --use-distributed-optimizer",
-            "--multi-latent-attention": "MLA: export/import covers Llama and Qwen3 decoders"}
+            "prices; use --use-distributed-optimizer"}
+# Megatron-LM's choices (TransformerConfig.moe_token_dispatcher_type); with one expert-parallel
+# rank each keeps every token on its rank, so the three price alike
+_DISPATCHERS = ("allgather", "alltoall", "flex")
 
 
 def _read_args(text: str) -> tuple[dict, int | None]:
@@ -420,12 +431,18 @@ def from_megatron(text: str, *, devices: int | None = None,
                  "--max-position-embeddings", "--seq-length", "--micro-batch-size"):
         if a[flag] is None:
             raise SpecError(f"{flag} is missing: Megatron-LM requires it")
+    if a["--expert-model-parallel-size"] != 1:
+        raise NotSupportedError(f"--expert-model-parallel-size "
+                                f"{a['--expert-model-parallel-size']}: expert parallelism is not "
+                                "yet a plan axis (issue 39); meshplan imports and prices MoE "
+                                "layouts with --expert-model-parallel-size 1")
     rope = a["--position-embedding-type"] == "rope" or a["--use-rotary-position-embeddings"]
     if not (rope and a["--normalization"] == "RMSNorm" and a["--swiglu"] and
-            a["--disable-bias-linear"] and not a["--add-qkv-bias"] and not a["--num-experts"]):
-        raise NotSupportedError("not a Llama/Qwen3 decoder (needs --position-embedding-type "
-                                "rope, --normalization RMSNorm, --swiglu, --disable-bias-linear, "
-                                "no biases, no experts): import covers those families")
+            a["--disable-bias-linear"] and not a["--add-qkv-bias"]):
+        raise NotSupportedError("not a Llama/Qwen3-style decoder (needs --position-embedding-"
+                                "type rope, --normalization RMSNorm, --swiglu, --disable-bias-"
+                                "linear, no biases): import covers those families, their "
+                                "mixtures of experts and multi-latent attention")
     tp, pp, cp = (a[f"--{k}-parallel-size"] for k in ("tensor-model", "pipeline-model",
                                                        "context"))
     if devices % (tp * pp * cp):
@@ -438,14 +455,17 @@ def from_megatron(text: str, *, devices: int | None = None,
         raise SpecError(f"--tokenizer-type {a['--tokenizer-type']}: the vocabulary comes from "
                         "the tokenizer's files; pass vocab=N")
     step = a["--make-vocab-size-divisible-by"] * tp  # Megatron pads it (_vocab_size_with_padding)
+    ffn = a["--ffn-hidden-size"] or int(4 * h * 2 / 3 / 64) * 64
     arch = ModelArch(
         family="qwen3" if a["--qk-layernorm"] else "llama", hidden=h,
-        ffn_hidden=a["--ffn-hidden-size"] or int(4 * h * 2 / 3 / 64) * 64, layers=layers,
+        ffn_hidden=ffn, layers=layers,
         heads=heads, kv_heads=a["--num-query-groups"] if a["--group-query-attention"] else heads,
         head_dim=a["--kv-channels"] or h // heads, vocab=-(-vocab // step) * step,
         max_positions=a["--max-position-embeddings"], rope_theta=float(a["--rotary-base"]),
         norm_eps=a["--norm-epsilon"],
         tied_embeddings=not a["--untie-embeddings-and-output-weights"])
+    if a["--num-experts"] or a["--multi-latent-attention"]:
+        arch = _moe_arch(a, arch, tp)
     bad_cp = sorted(set(a["--cp-comm-type"]) - {"p2p", "allgather"})
     if cp > 1 and bad_cp:
         raise NotSupportedError(f"--cp-comm-type {' '.join(bad_cp)}: meshplan prices context "
@@ -473,6 +493,102 @@ def from_megatron(text: str, *, devices: int | None = None,
         raise NotSupportedError("--num-distributed-optimizer-instances > 1 shards over part of "
                                 "dp x cp; meshplan prices the distributed optimizer over all of it")
     return layout, arch
+
+
+def _moe_arch(a: dict, arch: ModelArch, tp: int) -> ModelArch:
+    """``arch`` with the experts and multi-latent attention the flags describe: DeepSeek-V3
+    (MLA, shared experts, dense first blocks), Qwen3-MoE (--qk-layernorm) or Mixtral, the
+    families transformers builds them as; one line for what none of them is."""
+    experts, k = a["--num-experts"], a["--moe-router-topk"]
+    if not experts:
+        raise NotSupportedError("--multi-latent-attention without --num-experts: import builds "
+                                "MLA as DeepSeek-V3 does, with experts")
+    if not 1 <= k <= experts:
+        raise SpecError(f"--moe-router-topk {k} with --num-experts {experts}: each token picks "
+                        f"between 1 and {experts} experts")
+    if a["--moe-token-dispatcher-type"] not in _DISPATCHERS:
+        raise SpecError(f"--moe-token-dispatcher-type {a['--moe-token-dispatcher-type']!r}: "
+                        f"Megatron-LM's are {', '.join(_DISPATCHERS)}")
+    if tp > 1:
+        # the plan's tp splits attention and dense feed-forwards; expert weights (one
+        # (experts, ., .) tensor) stay whole, which Megatron never runs: priced that way the
+        # import would count tp copies of every expert
+        raise NotSupportedError(f"--tensor-model-parallel-size {tp} with --num-experts: "
+                                "meshplan's tensor parallelism does not split expert weights "
+                                "yet (Megatron splits them over --expert-tensor-parallel-size)"
+                                ", so it would price them replicated; import MoE layouts with "
+                                "tensor parallel size 1 (issue 39)")
+    etp = a["--expert-tensor-parallel-size"] or tp  # arguments.py: None means tp
+    if etp != tp:
+        raise NotSupportedError(f"--expert-tensor-parallel-size {etp} with "
+                                f"--tensor-model-parallel-size {tp}: experts split apart from "
+                                "attention (MoE parallel folding) are not yet a plan axis "
+                                "(issue 39); leave --expert-tensor-parallel-size out")
+    pattern = _moe_pattern(a["--moe-layer-freq"], arch.layers)
+    dense = tuple(i for i, moe in enumerate(pattern) if not moe)
+    moe_ffn = a["--moe-ffn-hidden-size"] or arch.ffn_hidden  # Megatron's default
+    shared = a["--moe-shared-expert-intermediate-size"] or 0
+    fields = dict(experts=experts, top_k=k, moe_ffn_hidden=moe_ffn, shared_ffn_hidden=shared,
+                  dense_layers=dense)
+    if a["--multi-latent-attention"]:
+        if a["--q-lora-rank"] is None:
+            raise NotSupportedError("--multi-latent-attention without --q-lora-rank (a full-"
+                                    "rank query, as DeepSeek-V2-Lite): import builds "
+                                    "DeepSeek-V3's low-rank query; give --q-lora-rank")
+        if shared % moe_ffn:
+            raise NotSupportedError(f"--moe-shared-expert-intermediate-size {shared} is not a "
+                                    f"multiple of --moe-ffn-hidden-size {moe_ffn}: DeepSeek-V3's "
+                                    "shared experts are whole experts")
+        if dense != tuple(range(len(dense))):
+            raise NotSupportedError(f"--moe-layer-freq {a['--moe-layer-freq']}: DeepSeek-V3 "
+                                    "(transformers) keeps its dense blocks first; write the "
+                                    "pattern as ([0]*K+[1]*N)")
+        return replace(arch, family="deepseek_v3", kv_heads=arch.heads,
+                       head_dim=a["--qk-head-dim"], q_lora_rank=a["--q-lora-rank"],
+                       kv_lora_rank=a["--kv-lora-rank"], qk_rope_dim=a["--qk-pos-emb-head-dim"],
+                       v_head_dim=a["--v-head-dim"], **fields)
+    if shared or dense:
+        what = "shared experts" if shared else f"dense blocks {list(dense)}"
+        raise NotSupportedError(f"{what} without --multi-latent-attention: import builds "
+                                "Mixtral and Qwen3-MoE, whose every block routes to experts "
+                                "and none is shared")
+    return replace(arch, family="qwen3_moe" if a["--qk-layernorm"] else "mixtral", **fields)
+
+
+def _moe_pattern(text: str, layers: int) -> list[int]:
+    """--moe-layer-freq as Megatron reads it (arguments.py ``moe_freq_type``): N, one MoE
+    block in every N (blocks 0, N, 2N, ...: megatron-core's ``get_gpt_decoder_block_spec``),
+    or a list expression of 0 (dense) and 1 (MoE) per block, e.g. ([0]*3+[1]*58)."""
+    import ast
+    import operator
+
+    if text.strip().isdigit():
+        n = int(text)
+        if n < 1:
+            raise SpecError(f"--moe-layer-freq {text}: must be at least 1")
+        return [int(i % n == 0) for i in range(layers)]
+    ops = {ast.Add: operator.add, ast.Mult: operator.mul}
+
+    def value(node):
+        if isinstance(node, ast.List):
+            return [value(x) for x in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(node)
+
+    try:
+        pattern = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        pattern = None
+    if not isinstance(pattern, list) or any(x not in (0, 1) for x in pattern):
+        raise SpecError(f"--moe-layer-freq {text!r}: not N or a list of 0 and 1 such as "
+                        "([0]*3+[1]*58)")
+    if len(pattern) != layers:
+        raise SpecError(f"--moe-layer-freq {text!r} gives {len(pattern)} blocks but --num-layers "
+                        f"is {layers}; one 0 or 1 per block")
+    return pattern
 
 
 def _recompute(a: dict, most_layers: int) -> str:
