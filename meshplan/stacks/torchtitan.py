@@ -320,11 +320,13 @@ def torchtitan_command(layout: StackLayout, arch: ModelArch, *,
                 f"torchtitan's command line cannot change; use --module {package} --config "
                 f"{function_name(arch)})")
     words = ["--module", flavor.name, "--config", base]
+    given = _base_values(base)  # only what differs from torchtitan's own function
     for section in ("training", "parallelism", "compile"):
         for k, v in cfg[section].items():
-            if v is not None:
+            if v != given[section][k]:
                 words += _flag(section, k, v)
-    words.append(f"activation-checkpoint:{cfg['ac']}")
+    if cfg["ac"] != given["ac"]:
+        words.append(f"activation-checkpoint:{cfg['ac']}")
     return shlex.join(words)
 
 
