@@ -80,7 +80,7 @@ def steps(job: dict, dump: str) -> None:
     cfg = _parse(["--module", job["package"], "--config", job["function"],
                   "--checkpoint.no_enable", "--training.disable_cuda_graphs",
                   "--metrics.no_enable_tensorboard", "--profiler.no_enable_profiling",
-                  "--validator.no_enable"], dump)
+                  "--validator.no_enable"] + job.get("extra", []), dump)
     vocab = cfg.model_spec.model.vocab_size
     seq = cfg.training.seq_len
 
@@ -92,7 +92,9 @@ def steps(job: dict, dump: str) -> None:
         def __iter__(self):
             while True:
                 x = torch.randint(vocab, self.shape, generator=self.gen)
-                yield {"input": x[:, :-1]}, x[:, 1:]
+                # positions: one document a row (FlexAttention's mask is built from them)
+                pos = torch.arange(seq).expand(self.shape[0], seq)
+                yield {"input": x[:, :-1], "positions": pos}, x[:, 1:]
 
         def state_dict(self):
             return {}
@@ -135,7 +137,7 @@ def flavors() -> None:
     dims = {}
     for name, table in (("llama3", llama3_configs), ("qwen3", qwen3_configs)):
         for flavor, build in table.items():
-            cfg = build(attn_backend="sdpa")
+            cfg = build(attn_backend="flex")
             if getattr(cfg.layers[0], "moe", None) is not None or "moe" in flavor \
                     or "non_fused" in flavor or "-A" in flavor:
                 continue
@@ -144,17 +146,14 @@ def flavors() -> None:
             block = next(iter(model.layers.values()))
             att = block.attention
             emb = model.tok_embeddings.weight
-            w = dict(att.named_parameters())
-            q = [v for k, v in w.items() if k.endswith(("wq.weight", "wqkv.weight"))][0]
+            qkv = [v for k, v in att.named_parameters() if k.endswith(("wq.weight",
+                                                                       "wqkv.weight"))][0]
             rope = cfg.layers[0].attention.rope
-            head_dim = rope.dim
-            kv = att.n_kv_heads if hasattr(att, "n_kv_heads") else None
             dims[f"{name}/{flavor}"] = dict(
                 hidden=emb.shape[1], vocab=emb.shape[0], layers=len(model.layers),
-                ffn_hidden=block.feed_forward.w1.weight.shape[0], head_dim=head_dim,
-                heads=att.n_heads if hasattr(att, "n_heads") else None, kv_heads=kv,
-                rope_theta=float(rope.theta), tied_embeddings=bool(cfg.enable_weight_tying),
-                wq_rows=q.shape[0])
+                ffn_hidden=block.feed_forward.w1.weight.shape[0], head_dim=att.head_dim,
+                heads=att.n_heads, kv_heads=att.n_kv_heads, rope_theta=float(rope.theta),
+                tied_embeddings=bool(cfg.enable_weight_tying), wq_rows=qkv.shape[0])
     splits = {}
     for stages in (2, 3, 4, 8, 16):
         for layers, first, last in ((32, 1, 1), (126, 1, 1), (80, 2, 3), (6, 1, 1)):

@@ -495,8 +495,8 @@ def test_flavor_table_and_split_rule_are_torchtitans(tmp_path):
         dims = got["flavors"][key]
         assert dims["wq_rows"] in (arch.heads * arch.head_dim,
                                    (arch.heads + 2 * arch.kv_heads) * arch.head_dim), key
-        for k in ("hidden", "vocab", "layers", "ffn_hidden", "head_dim", "rope_theta",
-                  "tied_embeddings"):
+        for k in ("hidden", "vocab", "layers", "ffn_hidden", "head_dim", "heads", "kv_heads",
+                  "rope_theta", "tied_embeddings"):
             assert dims[k] == getattr(arch, k), (key, k)
     assert got["splits"]
     for key, counts in got["splits"].items():
