@@ -11,7 +11,7 @@ validation) and ``ParallelDims.build_mesh`` on torch's fake process group of N r
 process is rank 0; ``_validate_meshes`` checks each mesh's size). Prints one JSON line per job
 with the parsed sections and the meshes. MODE ``steps``: one job: torchtitan's ``Trainer``
 built with ``comm.mode = "fake_backend"`` (model on meta, TP / AC / FSDP, weights,
-optimizer), then two ``Trainer.train_step`` calls. MODE ``flavors`` (JOBS unused): the dense
+optimizer), then ``job["steps"]`` (default 2) ``Trainer.train_step`` calls. MODE ``flavors`` (JOBS unused): the dense
 flavors' dimensions read off torchtitan's models built on meta, and its default pipeline split
 (``_generate_llm_fqn_per_model_part``) for a grid of stage counts.
 
@@ -120,7 +120,7 @@ def steps(job: dict, dump: str) -> None:
     cfg.dataloader, cfg.tokenizer = Loader(), NoTokenizer()
     trainer = trainer_mod.Trainer(cfg)
     batches = trainer.batch_generator(trainer.dataloader)
-    for _ in range(2):  # Trainer.train's loop body, less its post-step barrier
+    for _ in range(job.get("steps", 2)):  # Trainer.train's loop body, less its barrier
         trainer.step += 1
         trainer.train_step(batches)
     print("RESULT " + json.dumps({

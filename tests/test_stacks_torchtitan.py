@@ -472,12 +472,25 @@ def _debug_plan(**kw):
 def test_torchtitan_trainer_dry_run(tmp_path):
     """plan -> layout -> config_registry.py -> torchtitan 0.3.0's Trainer on its fake
     communication backend (comm.mode = "fake_backend", rank 0 of dp 4 x tp 2 on the CPU): it
-    builds the model, applies TP / AC / FSDP and the optimizer, and runs two training steps."""
+    builds the model, applies TP / AC / FSDP, initializes the weights and builds the
+    optimizer. No training step: 0.3.0 builds language models with FlexAttention only
+    (``get_attention_config``: "sdpa is no longer supported for language models"), and
+    torch's FlexAttention has no CPU backward ("FlexAttention does not support backward on
+    CPU"); the step needs a GPU. With ``parallelism.spmd_backend = "partial_dtensor"``: under
+    0.3.0's default, "spmd_types", ``fully_shard`` refuses the CPU model's parameters ("When
+    dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh ... Got
+    plain tensor for parameter 'weight'"); the export leaves the backend to torchtitan."""
     layout, arch = _debug_plan(dp=4, tp=2, zero=3, sequence_parallel=True,
                                recompute="selective", dtype="bf16", microbatch_size=2)
-    got, = _run_worker(tmp_path, "steps", [_job(tmp_path, "dry", layout, arch)])
-    assert got["model_parts"] == 1 and got["steps"] == 2
+    job = _job(tmp_path, "dry", layout, arch)
+    job.update(extra=["--parallelism.spmd_backend", "partial_dtensor"], steps=0)
+    got, = _run_worker(tmp_path, "steps", [job])
+    assert got["model_parts"] == 1 and got["steps"] == 0
     assert got["grad_accumulation"] == layout.microbatches
+    a = arch  # the debugmodel's weights (DTensor numel counts the global tensor)
+    block = a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim + a.heads * a.head_dim * \
+        a.hidden + 3 * a.hidden * a.ffn_hidden + 2 * a.hidden
+    assert got["params"] == 2 * a.vocab * a.hidden + a.layers * block + a.hidden
 
 
 @needs_torchtitan

@@ -220,7 +220,10 @@ def check_plan_for_args(args, model) -> None:
                         f"in {', '.join(STACK_DTYPES)} (fp16 needs loss scaling); use bf16")
     if args.for_ == "torchtitan":
         from meshplan.stacks.arch import arch_of_model
-        from meshplan.stacks.torchtitan import flavor_problem
+        from meshplan.stacks.torchtitan import FP8_PROBLEM, flavor_problem
+
+        if args.dtype == ComputeDtype.FP8:
+            raise SpecError(f"--dtype fp8 with --for torchtitan: {FP8_PROBLEM}")
 
         why = flavor_problem(arch_of_model(model))
         if why:

@@ -68,6 +68,9 @@ WITHOUT_FLOAT8 = {"llama3_405b": ("llama3_70b", [
     "config.optimizer = default_adamw(lr=8e-5)",
     "config.lr_scheduler.warmup_steps = 600", "config.training.steps = 3000"],
     ["from torchtitan.components.optimizer import default_adamw"])}
+FP8_PROBLEM = ("fp8 (tensorwise with fp8 all-gather, as meshplan prices it): torchtitan "
+               f"{TORCHTITAN_VERSION}'s Float8LinearConverter has the rowwise recipes only "
+               "(components/quantization/float8.py); plan in bf16 (--dtype bf16)")
 AC_NAMES = {Recompute.NONE: "none", Recompute.SELECTIVE: "selective", Recompute.FULL: "full"}
 
 
@@ -90,9 +93,7 @@ def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
         out.append(f"zero={L.zero} over dp x cp = 1: torchtitan's FSDP over dp_shard x cp = 1 "
                    "shards nothing; set zero=0 (the same run)")
     if L.dtype == ComputeDtype.FP8:
-        out.append("fp8 (tensorwise with fp8 all-gather, as meshplan prices it): torchtitan "
-                   f"{TORCHTITAN_VERSION}'s Float8LinearConverter has the rowwise recipes only; "
-                   "plan in bf16 (--dtype bf16)")
+        out.append(FP8_PROBLEM)
     if L.tp == 1 and L.sequence_parallel:
         out.append("sequence_parallel with tp=1: there is no tensor-parallel group to shard "
                    "the sequence over; set sequence_parallel=False")
