@@ -200,7 +200,9 @@ def _export_torchtitan(plan: Plan, args, folder: str) -> int:
     print(f"run:  PYTHONPATH={parent} torchrun --nproc_per_node {per_node} --nnodes "
           f"{layout.devices // per_node} -m torchtitan.train --module {package} "
           f"--config {function_name(arch)}")
-    print(f"or:   torchrun ... -m torchtitan.train {torchtitan_command(layout, arch, package=package)}")
+    line = torchtitan_command(layout, arch, package=package)
+    print(f"or:   torchrun ... -m torchtitan.train {line}" if line.startswith("--") else
+          f"or:   {line}")
     return 0
 
 

@@ -71,7 +71,9 @@ WITHOUT_FLOAT8 = {"llama3_405b": ("llama3_70b", [
 FP8_PROBLEM = ("fp8 (tensorwise with fp8 all-gather, as meshplan prices it): torchtitan "
                f"{TORCHTITAN_VERSION}'s Float8LinearConverter has the rowwise recipes only "
                "(components/quantization/float8.py); plan in bf16 (--dtype bf16)")
-AC_NAMES = {Recompute.NONE: "none", Recompute.SELECTIVE: "selective", Recompute.FULL: "full"}
+# torchtitan's activation-checkpoint subcommands (none | selective | full) are meshplan's
+# recompute names; the config classes behind them:
+AC_CLASSES = {Recompute.NONE: None, Recompute.SELECTIVE: "SelectiveAC", Recompute.FULL: "FullAC"}
 
 
 def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
@@ -232,7 +234,7 @@ def _settings(layout: StackLayout, arch: ModelArch) -> dict:
     return {"training": training, "parallelism": par,
             "compile": {"enable": L.compiled, "enable_async_tensor_parallel": False,
                         "components": ["model", "loss"]},
-            "ac": AC_NAMES[L.recompute]}
+            "ac": Recompute(L.recompute)}
 
 
 def function_name(arch: ModelArch) -> str:
@@ -256,7 +258,7 @@ def to_torchtitan(layout: StackLayout, arch: ModelArch, *, package: str = "meshp
     base = base_function(flavor)
     module = f"torchtitan.models.{flavor.name}.config_registry"
     fn = function_name(arch)
-    acs = {"none": None, "selective": "SelectiveAC", "full": "FullAC"}
+    acs = AC_CLASSES
     imports = [f"from {module} import {base}", "from torchtitan.trainer import Trainer"]
     if acs[cfg["ac"]]:
         imports.insert(0, f"from torchtitan.distributed.activation_checkpoint import "
@@ -618,12 +620,10 @@ def _read_command(text: str) -> dict:
         w = pending[i]
         if w.startswith("activation-checkpoint:") or w.startswith("activation_checkpoint:"):
             name = w.split(":", 1)[1]
-            modes = {"none": Recompute.NONE, "selective": Recompute.SELECTIVE,
-                     "full": Recompute.FULL}
-            if name not in modes:
+            if name not in AC_CLASSES:
                 raise NotSupportedError(f"torchtitan {w}: meshplan prices none, selective and "
                                         "full")
-            values["ac"] = modes[name]
+            values["ac"] = Recompute(name)
             i += 1
             continue
         if not w.startswith("--") or "." not in w:
