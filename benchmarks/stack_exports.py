@@ -33,7 +33,8 @@ from meshplan.stacks.search import search_layouts
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = os.path.join(HERE, "stack_configs")
 OUT = os.path.join(HERE, "results")
-SUFFIX = {"torchtitan": ".toml", "megatron": ".txt"}
+SUFFIX = {"torchtitan": ".toml", "megatron": ".txt"}  # the published configs
+EXPORTED = {"torchtitan": "_config_registry.py", "megatron": ".txt"}  # torchtitan 0.3: Python
 # (name, model preset, H100s, config file stem)
 RUNS = (
     ("8B on 8 H100, 8K", "llama3.1-8b", 8, "llama3.1_8b_8gpu"),
@@ -62,7 +63,7 @@ def _row(name: str, target: str, spec: str, gpus: int, stem: str,
     ours = ours.with_spec(spec)
     out_dir = os.path.join(OUT, "stack_exports")
     os.makedirs(out_dir, exist_ok=True)
-    exported = os.path.join(out_dir, f"{stem}.meshplan{SUFFIX[target]}")
+    exported = os.path.join(out_dir, f"{stem}.meshplan{EXPORTED[target]}")
     with open(exported, "w") as f:
         f.write(export_plan(ours, target, graph=theirs.graph))
     a, b = theirs.predicted, ours.predicted

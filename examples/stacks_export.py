@@ -5,7 +5,7 @@
 What a user of those stacks does with meshplan (docs/torchtitan.md, docs/megatron.md):
 1. ``meshplan.plan_for(model, mesh, "torchtitan")``: the best layout torchtitan runs (FSDP2,
    TP with sequence parallel, CP, pipeline schedules), priced as torchtitan runs it;
-2. ``meshplan.export_plan(plan, "torchtitan")``: its job TOML (and for Megatron-LM, the
+2. ``meshplan.export_plan(plan, "torchtitan")``: its torchtitan 0.3 config_registry.py (and for Megatron-LM, the
    ``pretrain_gpt.py`` arguments);
 3. ``meshplan.import_plan(file, target, mesh)``: a configuration file read back and priced.
 ``--check`` asserts that the file read back is the same layout with the same prediction.
@@ -43,7 +43,7 @@ def main() -> int:
     ids = torch.zeros((BATCH, SEQ), dtype=torch.long, device="meta")
     mesh = meshplan.Mesh.preset("dgx-h100", nodes=2)
     graph = meshplan.trace(model, (ids,), model_name="llama-small")
-    for target, suffix in (("torchtitan", ".toml"), ("megatron", ".txt")):
+    for target, suffix in (("torchtitan", "_config_registry.py"), ("megatron", ".txt")):
         plan = meshplan.plan_for(model, mesh, target, graph=graph).with_spec(SPEC)
         plan.to_json(os.path.join(out, f"plan_{target}.json"))
         text = meshplan.export_plan(plan, target)

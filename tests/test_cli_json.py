@@ -109,9 +109,10 @@ def test_export_and_estimate_from(files, capsys, tmp_path):
     res = run(capsys, ["export", files["tt"], "--to", "torchtitan", "-o", "-"], "export")
     assert res["text"] == meshplan.export_plan(Plan.from_json(files["tt"]), "torchtitan")
     assert res["output"] is None and res["layout"].startswith("dp8")
-    job = tmp_path / "job.toml"
+    job = tmp_path / "job"  # torchtitan 0.3 reads a config package (a folder)
     res = run(capsys, ["export", files["tt"], "--to", "torchtitan", "-o", str(job)], "export")
-    assert res["output"] == str(job) and res["text"] is None and job.exists()
+    assert res["output"] == str(job) and res["text"] is None
+    assert (job / "config_registry.py").exists()
     res = run(capsys, ["estimate", "--from", "torchtitan", str(job), "--mesh",
                        "dgx-h100:nodes=1", "--model", LLAMA], "estimate")
     assert res["source"] == "from" and res["from"]["layout"].startswith("dp8")

@@ -56,7 +56,8 @@ def test_stacks_export_example_reads_back_what_it_wrote(tmp_path):
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "read back: same layouts, same predictions" in proc.stdout
-    assert (tmp_path / "torchtitan.toml").exists() and (tmp_path / "megatron.txt").exists()
+    assert (tmp_path / "torchtitan_config_registry.py").exists() and \
+        (tmp_path / "megatron.txt").exists()
 
 
 def test_will_it_fit_example_checks_its_answer(tmp_path):

@@ -12,7 +12,7 @@ M = ("transformers:llama?hidden_size=256&intermediate_size=768&num_hidden_layers
 PLAN = ["plan", "--model", M, "--mesh", "dgx-h100:nodes=1", "--batch", "16", "--seq", "8192"]
 
 
-@pytest.mark.parametrize("target,suffix", [("torchtitan", ".toml"), ("megatron", ".txt")])
+@pytest.mark.parametrize("target,suffix", [("torchtitan", "_pkg"), ("megatron", ".txt")])
 def test_plan_for_export_and_read_back(target, suffix, tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(PLAN + ["--for", target, "-o", str(plan)]) == 0
@@ -20,7 +20,11 @@ def test_plan_for_export_and_read_back(target, suffix, tmp_path, capsys):
     assert f"export {plan} --to {target}" in out.replace("'", "")
     cfg = tmp_path / f"job{suffix}"
     assert main(["export", str(plan), "--to", target, "-o", str(cfg)]) == 0
-    assert cfg.exists() and f"wrote {cfg}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert cfg.exists() and "wrote " + str(cfg) in printed
+    if target == "torchtitan":  # a package: run by --module, and the same as overrides
+        assert f"--module job_pkg --config meshplan_llama3_debugmodel" in printed
+        assert "--module llama3 --config llama3_debugmodel" in printed
     assert main(["estimate", "--from", target, str(cfg), "--mesh", "dgx-h100:nodes=1",
                  "--model", M, "--compare", "-o", str(tmp_path / "back.json")]) == 0
     printed = capsys.readouterr().out
@@ -47,6 +51,7 @@ def test_export_refuses_what_the_stack_cannot_express(tmp_path, capsys):
     (PLAN + ["--for", "megatron", "--memory-limit-gib", "40"], "--memory-limit-gib"),
     (PLAN + ["--for", "megatron", "--engine", "torchtitan"], "--engine torchtitan"),
     (PLAN + ["--for", "torchtitan", "--dtype", "fp16"], "fp16 needs loss scaling"),
+    (PLAN + ["--for", "torchtitan", "--dtype", "fp8"], "rowwise recipes only"),
     (PLAN + ["--for", "megatron", "--compile"], "does not run torch.compile"),
 ])
 def test_bad_input_is_one_line(argv, words, capsys):
@@ -63,16 +68,16 @@ def test_a_typo_in_an_imported_file_is_one_line(tmp_path, capsys):
     assert main(PLAN + ["--for", "torchtitan", "-o", str(tmp_path / "t.json")]) == 0
     assert main(["export", str(plan), "--to", "megatron", "-o", str(tmp_path / "a.txt")]) == 0
     assert main(["export", str(tmp_path / "t.json"), "--to", "torchtitan",
-                 "-o", str(tmp_path / "j.toml")]) == 0
+                 "-o", str(tmp_path / "j")]) == 0
     capsys.readouterr()
     args = (tmp_path / "a.txt").read_text().replace("--global-batch-size", "--global-batch-sise")
     (tmp_path / "b.txt").write_text(args)
-    toml = (tmp_path / "j.toml").read_text()
-    (tmp_path / "k.toml").write_text(toml.replace("seq_len", "seq_lenn"))
-    (tmp_path / "l.toml").write_text(toml.replace("seq_len = 8192", 'seq_len = "8192"'))
+    py = (tmp_path / "j" / "config_registry.py").read_text()
+    (tmp_path / "k.py").write_text(py.replace("seq_len =", "seq_lenn ="))
+    (tmp_path / "l.py").write_text(py.replace("seq_len = 8192", "seq_len = '8192'"))
     for target, f, words in (("megatron", "b.txt", "did you mean --global-batch-size"),
-                             ("torchtitan", "k.toml", "did you mean seq_len"),
-                             ("torchtitan", "l.toml", "seq_len = '8192': expected int")):
+                             ("torchtitan", "k.py", "did you mean seq_len"),
+                             ("torchtitan", "l.py", "seq_len = '8192': expected int")):
         assert main(["estimate", "--from", target, str(tmp_path / f), "--mesh",
                      "dgx-h100:nodes=1"]) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -17,7 +17,7 @@ from meshplan.stacks.layout import StackLayout, check_expressible, layout_of
 from meshplan.stacks.search import TARGETS, target_module
 from meshplan.vocabulary import EXPORT_TARGET, ComputeDtype
 
-SUFFIX = {"torchtitan": ".toml", "megatron": ".txt"}
+SUFFIX = {"torchtitan": "_torchtitan", "megatron": ".txt"}  # torchtitan: a package folder
 
 
 def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None,
@@ -40,8 +40,11 @@ def plan_for(model, mesh, to: str, example_inputs=(), *, graph=None,
                           time_limit_s=time_limit_s)[0]
 
 
-def export_plan(plan: Plan, to: str, *, model_spec: str = "", graph=None) -> str:
-    """``plan`` as ``to``'s configuration text (torchtitan TOML, Megatron-LM arguments).
+def export_plan(plan: Plan, to: str, *, model_spec: str = "", graph=None,
+                package: str = "meshplan_job") -> str:
+    """``plan`` as ``to``'s configuration text: torchtitan 0.3's ``config_registry.py`` (its
+    package named ``package``; ``torchtitan_command`` gives the command-line form), Megatron-LM
+    arguments.
 
     NotExpressibleError (one line, naming what is missing) for a plan the target cannot
     express. A plan made for another engine than ``to`` is checked operator by operator
@@ -63,13 +66,19 @@ def export_plan(plan: Plan, to: str, *, model_spec: str = "", graph=None) -> str
 
             graph = retrace(plan, spec)
         check_expressible(plan, layout, graph)
+    if to == "torchtitan":
+        return mod.to_torchtitan(layout, arch, package=package)
     return getattr(mod, f"to_{to}")(layout, arch)
 
 
 def read_config(path: str, target: str, *, devices: int | None = None) \
         -> tuple[StackLayout, ModelArch]:
-    """The layout and model of a torchtitan TOML or Megatron-LM argument file."""
+    """The layout and model of a torchtitan configuration (a 0.3 package folder or its
+    ``config_registry.py``, a file holding a 0.3 ``--module ... --config ...`` line, a 0.2
+    TOML job) or a Megatron-LM argument file."""
     mod = target_module(target)
+    if target == "torchtitan" and os.path.isdir(path):
+        path = os.path.join(path, "config_registry.py")
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -104,23 +113,30 @@ def import_plan(path: str, target: str, mesh, *, model_spec: str = "") -> Plan:
 
 
 def default_output(plan_path: str, target: str) -> str:
-    return os.path.splitext(plan_path)[0] + f".{target}" + SUFFIX[target]
+    stem = os.path.splitext(plan_path)[0]
+    if target == "torchtitan":  # a package: its name must be a Python identifier
+        folder, name = os.path.split(stem)
+        name = "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+        return os.path.join(folder, ("p_" if name[:1].isdigit() else "") + name + SUFFIX[target])
+    return stem + f".{target}" + SUFFIX[target]
 
 
 # -- the command line ---------------------------------------------------------------------------
 
 def add_export_command(sub) -> None:
-    p = sub.add_parser("export", help="write a plan as a torchtitan job TOML or Megatron-LM "
-                       "arguments", description="`meshplan export plan.json --to torchtitan "
-                       "-o job.toml` / `--to megatron -o args.txt`: the plan in the stack's own "
+    p = sub.add_parser("export", help="write a plan as a torchtitan 0.3 config package or "
+                       "Megatron-LM arguments", description="`meshplan export plan.json --to "
+                       "torchtitan -o my_job` (a package: my_job/config_registry.py, run with "
+                       "--module my_job --config meshplan_<model>) / `--to megatron -o "
+                       "args.txt`: the plan in the stack's own "
                        "configuration; a plan the stack cannot express is refused in one line "
                        "naming what is missing (docs/torchtitan.md, docs/megatron.md)")
     p.add_argument("plan", help="a plan JSON file (best made with meshplan plan --for TARGET)")
     p.add_argument("--to", required=True, choices=TARGETS)
     p.add_argument("--model", default="", help="model spec (default: the one the plan records)")
     p.add_argument("-o", "--output", default="", help="where to write (default: beside the "
-                   "plan, PLAN.TARGET.toml / .txt; '-' prints it, or with --json puts it in "
-                   "the document)")
+                   "plan, PLAN_torchtitan/ (a package folder) / PLAN.megatron.txt; '-' prints "
+                   "it, or with --json puts it in the document)")
     from meshplan.cli_json import add_json_flag
 
     add_json_flag(p)
@@ -130,7 +146,9 @@ def add_export_command(sub) -> None:
 def add_from_arguments(p) -> None:
     """``meshplan estimate --from TARGET FILE``."""
     p.add_argument("--from", dest="from_", nargs=2, metavar=("TARGET", "FILE"), default=None,
-                   help="price an existing torchtitan TOML or Megatron-LM argument file as "
+                   help="price an existing torchtitan config (0.3 package or config_registry.py, "
+                   "a file with its --module/--config line, a 0.2 TOML) or Megatron-LM "
+                   "argument file as "
                    "that stack runs it (with --mesh)")
     p.add_argument("--compare", action="store_true", help="with --from: also search what "
                    "meshplan plan --for TARGET picks and print the difference")
@@ -141,6 +159,8 @@ def cmd_export(args) -> int:
 
     plan = Plan.from_json(args.plan)
     out = args.output or default_output(args.plan, args.to)
+    if args.to == "torchtitan" and out != "-":
+        return _export_torchtitan(plan, args, out)
     if out != "-":
         check_writable(out)
     text = export_plan(plan, args.to, model_spec=args.model)
@@ -161,6 +181,47 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _export_torchtitan(plan: Plan, args, folder: str) -> int:
+    """``folder``/config_registry.py (+ an empty __init__.py): a package torchrun imports with
+    ``--module NAME`` when its parent folder is on PYTHONPATH."""
+    from meshplan.checks import check_writable
+    from meshplan.stacks.arch import arch_of_spec
+    from meshplan.stacks.torchtitan import check_package_name, function_name, \
+        torchtitan_command
+
+    folder = folder.rstrip("/\\") or folder
+    parent, package = os.path.split(os.path.abspath(folder))
+    if folder.endswith(".py") or folder.endswith(".toml"):
+        raise SpecError(f"-o {folder}: torchtitan 0.3 reads a config package (a folder holding "
+                        "config_registry.py); give a folder name, e.g. -o my_job")
+    check_package_name(package)
+    text = export_plan(plan, "torchtitan", model_spec=args.model, package=package)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "config_registry.py")
+    check_writable(path)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    init = os.path.join(folder, "__init__.py")
+    if not os.path.exists(init):
+        open(init, "w").close()
+    layout = layout_of(plan, compiled=plan.training.compiled)
+    if args.json:
+        from meshplan.cli_json import answer
+
+        return answer(args, {"target": args.to, "plan": args.plan, "output": folder,
+                             "text": None, "layout": layout.words()})
+    arch = arch_of_spec(args.model or plan.model.spec)
+    print(f"wrote {path} (torchtitan {layout.words()})")
+    per_node = min(plan.mesh.devices_per_node, layout.devices)
+    print(f"run:  PYTHONPATH={parent} torchrun --nproc_per_node {per_node} --nnodes "
+          f"{layout.devices // per_node} -m torchtitan.train --module {package} "
+          f"--config {function_name(arch)}")
+    line = torchtitan_command(layout, arch, package=package)
+    print(f"or:   torchrun ... -m torchtitan.train {line}" if line.startswith("--") else
+          f"or:   {line}")
+    return 0
+
+
 def check_plan_for_args(args, model) -> None:
     """``plan --for TARGET``'s options that the stack search does not take, and a model an
     export could not name, refused in one line before the search."""
@@ -177,7 +238,10 @@ def check_plan_for_args(args, model) -> None:
                         f"in {', '.join(STACK_DTYPES)} (fp16 needs loss scaling); use bf16")
     if args.for_ == "torchtitan":
         from meshplan.stacks.arch import arch_of_model
-        from meshplan.stacks.torchtitan import flavor_problem
+        from meshplan.stacks.torchtitan import FP8_PROBLEM, flavor_problem
+
+        if args.dtype == ComputeDtype.FP8:
+            raise SpecError(f"--dtype fp8 with --for torchtitan: {FP8_PROBLEM}")
 
         why = flavor_problem(arch_of_model(model))
         if why:

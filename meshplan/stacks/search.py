@@ -182,6 +182,9 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
         raise PlanningError("--compile with --for megatron: Megatron-LM does not run "
                             "torch.compile (its fused kernels are priced without it); drop "
                             "--compile")
+    if not space and target == "torchtitan" and dtype == ComputeDtype.FP8:
+        from meshplan.stacks.torchtitan import FP8_PROBLEM
+        raise PlanningError(f"--dtype fp8 with --for torchtitan: {FP8_PROBLEM}")
     if not space:
         raise PlanningError(f"no layout of {arch.words()} on {mesh.num_devices} devices "
                             f"(batch {batch}, seq {seq}) is one {target} runs; change the "

@@ -83,3 +83,64 @@ def flavor_of(arch: ModelArch) -> Flavor | None:
 def _flavor_names() -> str:
     return "; ".join(f"{n}: " + ", ".join(f for m, f in FLAVORS if m == n)
                      for n in ("llama3", "qwen3"))
+
+
+# --- torchtitan 0.3.0: Python config registries -----------------------------------------------
+
+# torchtitan 0.3.0's config functions for the dense flavors (models/llama3/config_registry.py,
+# models/qwen3/config_registry.py) and what each sets beyond the 0.3.0 dataclass defaults
+# (DEFAULTS_03), read from their bodies. "ac": the activation-checkpoint policy they set;
+# "float8": the function converts the model to float8 rowwise in its model spec (llama3_405b,
+# filter_fqns ["lm_head"]), which needs torchao and an SM89+ GPU to even build the config.
+# llama3 1B / 3B and qwen3 4B / 8B have flavors but no config function in 0.3.0.
+BASES_03: dict[str, dict] = {
+    "llama3_debugmodel": {"flavor": ("llama3", "debugmodel"), "ac": Recompute.SELECTIVE,
+                          "training": {"local_batch_size": 8, "seq_len": 2048},
+                          "parallelism": {"pipeline_parallel_schedule": "Interleaved1F1B"}},
+    "llama3_8b": {"flavor": ("llama3", "8B"), "ac": Recompute.SELECTIVE,
+                  "training": {"local_batch_size": 1, "seq_len": 8192}},
+    "llama3_70b": {"flavor": ("llama3", "70B"), "ac": Recompute.FULL,
+                   "training": {"local_batch_size": 8, "seq_len": 8192},
+                   "parallelism": {"tensor_parallel_degree": 8}},
+    "llama3_405b": {"flavor": ("llama3", "405B"), "ac": Recompute.FULL, "float8": True,
+                    "training": {"local_batch_size": 2, "seq_len": 8192},
+                    "parallelism": {"tensor_parallel_degree": 8},
+                    "compile": {"enable": True, "enable_async_tensor_parallel": True}},
+    "qwen3_debugmodel": {"flavor": ("qwen3", "debugmodel"), "ac": Recompute.SELECTIVE,
+                         "training": {"local_batch_size": 8, "seq_len": 2048}},
+    "qwen3_0_6b": {"flavor": ("qwen3", "0.6B"), "ac": Recompute.SELECTIVE,
+                   "training": {"local_batch_size": 4, "seq_len": 4096}},
+    "qwen3_1_7b": {"flavor": ("qwen3", "1.7B"), "ac": Recompute.SELECTIVE,
+                   "training": {"local_batch_size": 4, "seq_len": 4096}},
+    "qwen3_14b": {"flavor": ("qwen3", "14B"), "ac": Recompute.FULL,
+                  "training": {"local_batch_size": 4, "seq_len": 4096}},
+    "qwen3_32b": {"flavor": ("qwen3", "32B"), "ac": Recompute.FULL,
+                  "training": {"local_batch_size": 2, "seq_len": 4096}},
+}
+
+# torchtitan 0.3.0's dataclass defaults (config/configs.py TrainingConfig, ParallelismConfig,
+# CompileConfig) for every field meshplan reads or writes
+DEFAULTS_03 = {
+    "training": {"local_batch_size": 8, "global_batch_size": -1, "seq_len": 2048,
+                 "dtype": "float32", "mixed_precision_param": "bfloat16",
+                 "mixed_precision_reduce": "float32", "enable_cpu_offload": False,
+                 "disable_cuda_graphs": False},
+    "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
+                    "fsdp_reshard_after_forward": "default", "tensor_parallel_degree": 1,
+                    "enable_sequence_parallel": True, "pipeline_parallel_degree": 1,
+                    "module_fqns_per_model_part": None,
+                    "pipeline_parallel_first_stage_less_layers": 1,
+                    "pipeline_parallel_last_stage_less_layers": 1,
+                    "pipeline_parallel_layers_per_stage": None,
+                    "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_schedule_csv": "",
+                    "pipeline_parallel_microbatch_size": 1, "context_parallel_degree": 1,
+                    "context_parallel_load_balancer": "headtail", "expert_parallel_degree": 1},
+    "compile": {"enable": False, "enable_async_tensor_parallel": False,
+                "components": ["model", "loss"]},
+}
+
+
+def base_function(flavor: Flavor) -> str | None:
+    """torchtitan 0.3.0's config function for ``flavor``, or None where it has none."""
+    return next((f for f, b in BASES_03.items() if b["flavor"] == (flavor.name, flavor.flavor)),
+                None)
