@@ -299,10 +299,6 @@ class PipelineModuleEngine(ModuleEngineBase):
         # context parallelism inside each stage (runtime/cp_modules.py): weights sharded and
         # gradients reduced over dp x cp; activations cross stages as this rank's chunks
         self.cp_mesh = world["cp"] if support.cp_degree(st) > 1 else None
-        if self.cp_mesh is not None and loss_fn is not None:
-            raise NotSupportedError("loss_fn with cp > 1: the loss runs on each rank's sequence "
-                                    "chunk as token cross entropy over labels (-100 ignored); "
-                                    "pass token targets without loss_fn, or use cp=1")
         fsdp_mesh = _dp_cp_mesh(world, self.dp_axis) if self.cp_mesh is not None else \
             (world[self.dp_axis] if self.dp_size > 1 else None)
         self.fsdp_mesh = fsdp_mesh
@@ -356,8 +352,10 @@ class PipelineModuleEngine(ModuleEngineBase):
         mode, = self._targets_mode
         if mode == "none":  # forward only: no loss is wanted
             return torch.zeros((), device=out.device)
-        if mode == "cp":  # this chunk's summed loss, weighted (see _cp_train_step)
-            summed = cp_modules.chunk_loss_sum(out, target)
+        if mode == "cp":  # this chunk's summed loss, weighted (cp_modules.pipeline_train_step)
+            summed = cp_modules.chunk_loss_sum(out, target) if self.loss_fn is None else \
+                cp_modules.chunk_loss(out, (target,), self.loss_fn, self.loss_reduction,
+                                      cp_modules.row_totals_over(self.cp_mesh))
             self._cp_sums.append(summed.detach())
             return summed * self._cp_scale
         if self._labels is not None and mode in ("fn", "ce"):

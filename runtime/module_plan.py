@@ -63,8 +63,9 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
 
     nn.Linear weight S(0) -> ColwiseParallel (bias S(0)), S(1) -> RowwiseParallel (bias R);
     nn.Embedding S(0) -> RowwiseParallel(input_layouts=Replicate()) (vocab-parallel),
-    S(1) -> ColwiseParallel. A column-parallel layer outside the repeated blocks (the output
-    head) gathers its output (Replicate), so the loss sees whole logits. With sequence
+    S(1) -> ColwiseParallel. A column-parallel nn.Linear that no row-parallel layer follows
+    (the output head, the last layer of an nn.Sequential) gathers its output (Replicate), so
+    the user's ``loss_fn`` sees whole outputs (``_gather_unpaired``). With sequence
     parallelism (Megatron's, Korthikanti et al. 2022) the residual stream is split by
     sequence (dim 1) between the layers: the embedding and row-parallel layers reduce-scatter
     to Shard(1), the norms on the residual stream (tp-replicated weights of the embedding's
@@ -102,11 +103,9 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         bias_tp = placed.get(id(bias), (REPLICATE,) * len(stage.mesh_shape))[tp] \
             if bias is not None else None
         w_tp = weight[tp] if weight else REPLICATE
-        inner = bool(blocks) and mname.startswith(blocks + ".")
         style = None
         if isinstance(mod, nn.Linear) and w_tp == shard(0) and bias_tp in (None, shard(0)):
-            style = ColwiseParallel(**into) if inner \
-                else ColwiseParallel(**into, output_layouts=Replicate())
+            style = ColwiseParallel(**into)  # its output layout: _gather_unpaired below
         elif isinstance(mod, nn.Linear) and w_tp == shard(1) and bias_tp in (None, REPLICATE):
             style = RowwiseParallel(**seq)
         elif isinstance(mod, nn.Embedding) and w_tp == shard(0):
@@ -129,6 +128,7 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         styles[mname] = style
     if tied:
         return {}, tied
+    _gather_unpaired(styles, model, plan.graph, into)
     heads = heads_refusal(model, stage.mesh_shape[tp]) if styles else None
     if heads:
         return {}, heads
@@ -143,6 +143,41 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
             styles[name] = ColwiseParallel()
         styles.update(gathered)
     return styles, None
+
+
+def _call_order(names: list[str], graph) -> list[str]:
+    """``names`` (modules, in registration order) in the order the forward first reads their
+    parameters: the traced graph's operator order, else registration order."""
+    if graph is None:
+        return names
+    first: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        for p in node.params:
+            first.setdefault(p.rpartition(".")[0], i)
+    end = len(graph.nodes)
+    return sorted(names, key=lambda n: (first.get(n, end), names.index(n)))
+
+
+def _gather_unpaired(styles: dict, model: nn.Module, graph, into: dict) -> None:
+    """A column-parallel nn.Linear hands its local shard on only to a row-parallel layer
+    (Megatron's pair: q/k/v then o, up then down); one that no row-parallel layer follows in
+    the forward (the output head, the last layer of an nn.Sequential) gathers its output
+    (Replicate), so the code after it and the user's ``loss_fn`` see whole outputs. In call
+    order, the colwise layers before the next non-colwise style are paired when that style is
+    an nn.Linear's RowwiseParallel."""
+    mods = dict(model.named_modules())
+    order = _call_order([n for n in mods if n in styles], graph)
+
+    def colwise_linear(name):
+        return isinstance(styles[name], ColwiseParallel) and isinstance(mods[name], nn.Linear)
+    for i, name in enumerate(order):
+        if not colwise_linear(name):
+            continue
+        nxt = next((m for m in order[i + 1:] if not colwise_linear(m)), None)
+        paired = nxt is not None and isinstance(styles[nxt], RowwiseParallel) \
+            and isinstance(mods[nxt], nn.Linear)
+        if not paired:
+            styles[name] = ColwiseParallel(**into, output_layouts=Replicate())
 
 
 class GatherSequence(ParallelStyle):
@@ -336,6 +371,15 @@ def _meta_call(plan: Plan, dp_size: int) -> tuple[tuple, dict] | None:
     if len(plan.stages[0].inputs) == 1:  # an older plan: token ids (the CLI's inputs)
         return (torch.zeros(rows, t.seq_len, dtype=torch.long, device="meta"),), {}
     return None
+
+
+def model_output_shape(plan: Plan, model: nn.Module) -> tuple[int, ...]:
+    """The shape of the model's outputs (logits) for one microbatch of the plan's global
+    batch on one data-parallel rank, run on meta."""
+    call = _meta_call(plan, 1)
+    if call is None:
+        raise PlanFileError("the plan records no model call; make it with example_inputs")
+    return tuple(run_on_meta(_Forward(meta_copy(model)), call[0], call[1]).shape)
 
 
 def _dropout(model: nn.Module) -> str | None:
