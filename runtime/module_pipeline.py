@@ -161,8 +161,51 @@ def cut_stage(model: nn.Module, container: str, cut: StageCut) -> nn.Module:
             continue
         gone.append(name)
         parent, _, leaf = name.rpartition(".")
-        setattr(stage.get_submodule(parent) if parent else stage, leaf, nn.Identity())
+        gone_module = nn.Identity()
+        if not cut.first and isinstance(stage.get_submodule(name), nn.Embedding):
+            gone_module = LaterStageEmbedding()
+        setattr(stage.get_submodule(parent) if parent else stage, leaf, gone_module)
     return stage
+
+
+class LaterStageEmbedding(nn.Module):
+    """An embedding of the first stage, in a later stage's copy of the model's forward: the
+    hidden states the stage receives pass through (where the token embedding read the
+    ids), and an embedding of integers computed inside the forward (learned positions of
+    ``torch.arange(t)``, nanoGPT's ``wpe``) adds nothing, its term already in the hidden
+    states. ``pipeline_refusal`` checks in the traced graph that such an embedding's output
+    is only added (``added_embeddings_refusal``)."""
+
+    def forward(self, x):
+        if x.is_floating_point():
+            return x
+        return torch.zeros((), dtype=torch.get_default_dtype(), device=x.device)
+
+
+def added_embeddings_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """An nn.Embedding that does not read a model input (positions from ``torch.arange``)
+    must only be added to (``LaterStageEmbedding`` stands for it in later stages as zero);
+    read from the plan's traced graph (no graph: not checked)."""
+    graph = plan.graph
+    if graph is None:
+        return None
+    inputs = {name for name, _ in graph.inputs}
+    users = graph.users
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Embedding):
+            continue
+        for node in graph.nodes:
+            if f"{name}.weight" not in node.params or node.kind != "embedding":
+                continue
+            if any(i in inputs for i in node.inputs):
+                continue
+            bad = [u for u in users.get(node.name, ()) if not graph.node(u).target.startswith(
+                "aten.add")]
+            if bad:
+                return (f"{name} embeds positions computed in the forward and its output "
+                        f"goes to {graph.node(bad[0]).target}, not only to an add; a later "
+                        "pipeline stage cannot stand in for it; the graph engine runs this plan")
+    return None
 
 
 class StageModule(nn.Module):
@@ -216,7 +259,8 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     if "kwarg" in roles or roles.count("target") > 1:
         return ("the plan's call has keyword inputs or several targets; module-engine pipelines "
                 "feed positional inputs to the first stage and one target to the loss")
-    why = module_engine_refusal(single_stage_view(plan), model)
+    why = module_engine_refusal(single_stage_view(plan), model) or \
+        added_embeddings_refusal(plan, model)
     if why:
         return why
     try:

@@ -11,6 +11,11 @@ Failing before their fixes:
   it met the tensor-parallel shard of the last nn.Linear in ``loss_fn``. Now a colwise
   nn.Linear no rowwise layer follows gathers its output (runtime/module_plan.py
   ``_gather_unpaired``); ``mlp5``: a 5-class head tp=2 does not divide stays replicated.
+- nanoGPT's learned positions (``wpe(torch.arange(t))``) in a later pipeline stage, whose
+  copy of the forward had ``wpe`` as nn.Identity: the positions were added to the hidden
+  states ("fails with blocks removed"; gpt cp2xpp2 refused, dp2xpp2 on the graph engine).
+  Now the later stage's embedding adds zero (runtime/module_pipeline.py
+  ``LaterStageEmbedding``, checked to be only added in the traced graph).
 - every layout with context parallelism and a ``loss_fn`` was refused when the plan was made;
   now the loss_fn runs on each rank's chunk, weighted by its labelled tokens (``mean``), as a
   sum (``sum``) or per sequence (``sequence``): runtime/cp_modules.py ``chunk_loss``.
@@ -31,7 +36,8 @@ CASES = [("mlp10", "dp2xtp2", MODULES), ("mlp5", "dp2xtp2", MODULES),
            for lay in ("cp4", "dp2xcp2", "cp2xtp2", "cp2xpp2")],
          ("llama_sum", "dp2xcp2", "auto"), ("llama_seq", "dp2xcp2", "auto"),
          ("llama_sum", "cp2xpp2", "auto"), ("llama_seq", "cp2xpp2", "auto"),
-         ("llama_sum", "dp2xtp2", MODULES), ("llama_seq", "dp4", "auto")]
+         ("llama_sum", "dp2xtp2", MODULES), ("llama_seq", "dp4", "auto"),
+         ("gpt", "dp2xpp2", MODULES)]
 
 
 def _key(model, layout, engine):
