@@ -259,7 +259,9 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     if "kwarg" in roles or roles.count("target") > 1:
         return ("the plan's call has keyword inputs or several targets; module-engine pipelines "
                 "feed positional inputs to the first stage and one target to the loss")
-    why = module_engine_refusal(single_stage_view(plan), model) or \
+    from meshplan.runtime.module_plan import fused_refusal
+    view = single_stage_view(plan)
+    why = module_engine_refusal(view, model) or fused_refusal(view, model) or \
         added_embeddings_refusal(plan, model)
     if why:
         return why

@@ -17,6 +17,7 @@ import shutil
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput,
                                                RowwiseParallel,
                                                SequenceParallel)
@@ -128,7 +129,7 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         styles[mname] = style
     if tied:
         return {}, tied
-    _gather_unpaired(styles, model, plan.graph, into)
+    _gather_unpaired(styles, model, forward_probe(plan, model, set(styles)), into)
     heads = heads_refusal(model, stage.mesh_shape[tp]) if styles else None
     if heads:
         return {}, heads
@@ -145,20 +146,62 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
     return styles, None
 
 
-def _call_order(names: list[str], graph) -> list[str]:
-    """``names`` (modules, in registration order) in the order the forward first reads their
-    parameters: the traced graph's operator order, else registration order."""
-    if graph is None:
+class _SplitCalls(TorchFunctionMode):
+    """Records ``split`` calls on the outputs ``outs`` holds (id -> (module FQN, tensor))."""
+
+    def __init__(self, outs: dict):
+        super().__init__()
+        self.outs, self.seen = outs, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.split, torch.split) and args and id(args[0]) in self.outs:
+            size = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections",
+                                                            kwargs.get("split_size"))
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            self.seen[self.outs[id(args[0])][0]] = (size, dim, args[0].dim())
+        return func(*args, **kwargs)
+
+
+def forward_probe(plan: Plan, model: nn.Module, names) -> tuple[list[str], dict] | None:
+    """Run the model on meta (one microbatch of the plan's call) and see (the modules of
+    ``names`` in the order they are first called, {module: (split size, dim, rank)} of the
+    ``split`` calls on their outputs); None when the forward cannot run on meta."""
+    stage = plan.stages[0]
+    dp, _, _ = _axes(stage)
+    call = _meta_call(plan, stage.mesh_shape[dp] if dp is not None else 1)
+    if call is None:
+        return None
+    shadow = meta_copy(model)
+    order: list[str] = []
+    outs: dict = {}
+    for name, mod in shadow.named_modules():
+        if name in names:
+            def hook(_m, _a, out, name=name):
+                if name not in order:
+                    order.append(name)
+                if isinstance(out, torch.Tensor):
+                    outs[id(out)] = (name, out)  # the tensor kept: its id stays unique
+            mod.register_forward_hook(hook)
+    splits = _SplitCalls(outs)
+    try:
+        with _as_tracers_see_it(), splits:
+            _Forward(shadow)(*call[0], **call[1])
+    except Exception:  # noqa: BLE001 - a forward meta cannot run: no probe
+        return None
+    return order, splits.seen
+
+
+def _call_order(names: list[str], probe) -> list[str]:
+    """``names`` (modules, in registration order) in the order the forward first calls
+    them (``forward_probe``), else registration order."""
+    if probe is None:
         return names
-    first: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):
-        for p in node.params:
-            first.setdefault(p.rpartition(".")[0], i)
-    end = len(graph.nodes)
-    return sorted(names, key=lambda n: (first.get(n, end), names.index(n)))
+    first = {n: i for i, n in enumerate(probe[0])}
+    return sorted(names, key=lambda n: (first.get(n, len(first)), names.index(n)))
 
 
-def _gather_unpaired(styles: dict, model: nn.Module, graph, into: dict) -> None:
+def _gather_unpaired(styles: dict, model: nn.Module, probe, into: dict) -> None:
     """A column-parallel nn.Linear hands its local shard on only to a row-parallel layer
     (Megatron's pair: q/k/v then o, up then down); one that no row-parallel layer follows in
     the forward (the output head, the last layer of an nn.Sequential) gathers its output
@@ -166,7 +209,7 @@ def _gather_unpaired(styles: dict, model: nn.Module, graph, into: dict) -> None:
     order, the colwise layers before the next non-colwise style are paired when that style is
     an nn.Linear's RowwiseParallel."""
     mods = dict(model.named_modules())
-    order = _call_order([n for n in mods if n in styles], graph)
+    order = _call_order([n for n in mods if n in styles], probe)
 
     def colwise_linear(name):
         return isinstance(styles[name], ColwiseParallel) and isinstance(mods[name], nn.Linear)
@@ -260,7 +303,12 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
     n = stage.mesh_shape[tp]
     shadow = meta_copy(model)
     mods = dict(shadow.named_modules())
+    # a fused projection's parts reach the user's code as DTensors of global shapes, and
+    # the row-parallel layer after it reads them so (runtime/fused_parts.py): whole on meta
+    whole = _fused_and_partners(plan, model, styles, n)
     for mname, style in styles.items():
+        if mname in whole:
+            continue
         mod = mods[mname]
         for pname, p in list(mod.named_parameters(recurse=False)):
             dim = _sharded_dim(mod, pname, style)
@@ -275,6 +323,51 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
     except Exception as exc:  # noqa: BLE001 - any failure means "not on local shards"
         return (f"the model's forward fails on tensor-parallel local shards ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160]}); the graph engine runs this plan")
+    return None
+
+
+def _fused_and_partners(plan: Plan, model: nn.Module, styles: dict, tp: int) -> set[str]:
+    """The fused projections (runtime/fused_parts.py) and the row-parallel nn.Linear that
+    follows each in call order."""
+    probe = forward_probe(plan, model, set(styles))
+    fused = fused_projections(probe, styles, model, tp)
+    if not fused:
+        return set()
+    mods = dict(model.named_modules())
+    order = _call_order([n for n in mods if n in styles], probe)
+    out = set(fused)
+    for name in fused:
+        after = order[order.index(name) + 1:]
+        partner = next((m for m in after if isinstance(styles[m], RowwiseParallel)
+                        and isinstance(mods[m], nn.Linear)), None)
+        if partner is not None:
+            out.add(partner)
+    return out
+
+
+def fused_projections(probe, styles: dict, model: nn.Module, tp: int) -> dict[str, int]:
+    """runtime/fused_parts.py ``fused_layers`` from a ``forward_probe``."""
+    from meshplan.runtime.fused_parts import fused_layers
+    return fused_layers(probe[1], styles, model, tp) if probe is not None and styles else {}
+
+
+def fused_of(plan: Plan, model: nn.Module, styles: dict) -> dict[str, int]:
+    """The fused projections of ``model`` under ``plan``'s tensor parallelism."""
+    stage = plan.stages[0]
+    _, tp, _ = _axes(stage)
+    if tp is None or not styles:
+        return {}
+    return fused_projections(forward_probe(plan, model, set(styles)), styles, model,
+                             stage.mesh_shape[tp])
+
+
+def fused_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """Module-engine pipelines do not install the fused projections' hooks yet."""
+    styles, _ = tp_styles(plan, model)
+    fused = fused_of(plan, model, styles)
+    if fused:
+        return (f"{sorted(fused)[0]} is a fused projection split by size, which module-engine "
+                "pipelines do not shard by head yet; use pp=1 or tp=1, or the graph engine")
     return None
 
 

@@ -38,12 +38,13 @@ from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.runtime import cp_modules
 from meshplan.plan import Plan
-from meshplan.runtime import loss_weights, state
+from meshplan.runtime import fused_parts, loss_weights, state
 from meshplan.tracing import find_repeated_blocks, next_token_loss
 from meshplan.vocabulary import Engine as EngineName, LossReduction, Recompute
 from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
 from meshplan.runtime.module_plan import (_axes, _call, check_model,  # noqa: F401
-                                          module_engine_refusal, tp_styles)  # re-exported
+                                          fused_of, module_engine_refusal,
+                                          tp_styles)  # re-exported
 
 # Outputs `selective` recompute keeps: the parameter matmuls; attention scores, softmax and
 # pointwise ops are recomputed (Korthikanti et al. 2022, Sec. 5; as runtime/graph/spmd.py does).
@@ -253,6 +254,7 @@ class ModuleEngineBase:
         local = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor)
                                 else p.grad).cpu()
                  for n, p in self.named_parameters().items() if p.grad is not None}
+        local = state.natural_rows(self, local)
         return state.gather_stages(self.plan, local)
 
     def _check_buffers(self) -> None:
@@ -298,11 +300,26 @@ class ModuleEngine(ModuleEngineBase):
         self.cp_mesh = self.mesh["cp"] if support.cp_degree(stage) > 1 else None
         self.fsdp_mesh = _dp_cp_mesh(self.mesh, self.dp_axis) if self.cp_mesh is not None \
             else None
+        # fused projections split by size (runtime/fused_parts.py): Megatron's row order
+        tp_size = stage.mesh_shape[tp] if tp is not None else 1
+        fused = fused_of(plan, model, styles)
+        self.fused_rows = {f"{name}.{p}": (parts, tp_size) for name, parts in fused.items()
+                           for p in ("weight", "bias")
+                           if getattr(model.get_submodule(name), p, None) is not None}
+        if not on_meta:
+            with torch.no_grad():
+                for fqn, (parts, n) in self.fused_rows.items():
+                    t = model.get_parameter(fqn)
+                    t.copy_(fused_parts.to_permuted(t, parts, n))
+        hooked = [(model.get_submodule(name), model.get_submodule(name.rpartition(".")[0]),
+                   parts) for name, parts in fused.items()]
         self.fsdp = parallelize_model(
             model, mesh=self.mesh, dp_axis=self.dp_axis,
             tp_axis=stage.axis_names[tp] if tp is not None else None, styles=styles,
             recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype,
             compile=compile, fsdp_mesh=self.fsdp_mesh)
+        if hooked:
+            fused_parts.install(hooked, self.mesh[stage.axis_names[tp]])
         if on_meta:  # only the local shards get memory; weights come from load/init_weights
             to_empty_keeping_ties(model, self.device)
         compute = COMPUTE_DTYPES[plan.training.dtype]
