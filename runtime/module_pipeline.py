@@ -168,13 +168,14 @@ def cut_stage(model: nn.Module, container: str, cut: StageCut) -> nn.Module:
     return stage
 
 
-class LaterStageEmbedding(nn.Module):
+class LaterStageEmbedding(nn.Identity):
     """An embedding of the first stage, in a later stage's copy of the model's forward: the
     hidden states the stage receives pass through (where the token embedding read the
     ids), and an embedding of integers computed inside the forward (learned positions of
     ``torch.arange(t)``, nanoGPT's ``wpe``) adds nothing, its term already in the hidden
     states. ``pipeline_refusal`` checks in the traced graph that such an embedding's output
-    is only added (``added_embeddings_refusal``)."""
+    is only added (``added_embeddings_refusal``). An nn.Identity, so that the stage's
+    tensor-parallel styles and FSDP skip it as they skip the other removed modules."""
 
     def forward(self, x):
         if x.is_floating_point():
