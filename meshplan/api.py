@@ -21,11 +21,12 @@ from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.graph import OpGraph
 from meshplan.context import graph_engine_cp_refusal
 from meshplan.support import (FP8_REFUSAL, check_plan, cp_degree, graph_engine_cp_rule,
-                              plan_problems)
+                              loss_reduction_rule, plan_problems)
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 from meshplan.schedules import Schedule
-from meshplan.vocabulary import PRICED_ONLY_DTYPES, ComputeDtype, Engine, Recompute
+from meshplan.vocabulary import (PRICED_ONLY_DTYPES, ComputeDtype, Engine, LossReduction,
+                                 Recompute)
 
 
 def default_dtype(mesh: Mesh) -> str:
@@ -111,7 +112,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  recompute: Sequence[str] | None = None, max_stages: int | None = None,
                  time_limit_s: float = 30.0, model_name: str = "",
                  graph: OpGraph | None = None, engine: str = "auto",
-                 context_parallel: Sequence[int] = (1,), margin: float | None = None) -> Plan:
+                 context_parallel: Sequence[int] = (1,), margin: float | None = None,
+                 loss_reduction: str = LossReduction.MEAN) -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
     ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
@@ -125,7 +127,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     ``margin`` of the fastest (default: the cost model's measured error on this kind of
     machine, planner/simplest.py; 0 keeps the fastest) the simplest is returned: fewer
     pipeline stages, less ZeRO, no recompute, no cp; ``plan.solver`` records the margin and
-    the faster plan it beat.
+    the faster plan it beat. ``loss_reduction``: what ``loss_fn`` returns over its labelled
+    targets ("mean", "sum" or "sequence", docs/running.md).
     """
     mesh = as_mesh(mesh)
     _check_search_options(microbatches=microbatches, max_stages=max_stages,
@@ -173,7 +176,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
         note = plan.engine_note
         plan = replace(plan_auto(graph, mesh, engine=plan.engine, **kw), engine_note=note)
     _check_model_rules(plan, model)
-    _check_loss_rule(plan, loss_fn)
+    _check_loss_rule(plan, model, loss_fn, example_targets, loss_reduction)
     return replace(plan, wall_time_s=time.perf_counter() - start)
 
 
@@ -204,7 +207,8 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None,
-                engine: str = "auto", stage_layers: Sequence[int] = ()) -> Plan:
+                engine: str = "auto", stage_layers: Sequence[int] = (),
+                loss_reduction: str = LossReduction.MEAN) -> Plan:
     """A Megatron-style plan written by hand (dp x cp x tp x pp devices), estimated.
 
     ``stage_layers``: repeated blocks per pipeline chunk, in chunk order (pp x
@@ -212,7 +216,9 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     (planner/manual.py ``layer_bounds`` / ``chunk_bounds``).
 
     ``cp`` > 1 splits every activation's sequence over a context-parallel mesh axis
-    (meshplan/context.py); the stage mesh is then (dp, cp, tp).
+    (meshplan/context.py); the stage mesh is then (dp, cp, tp). A ``loss_fn`` then runs on
+    each rank's sequence chunk, weighted as ``loss_reduction`` ("mean", "sum", "sequence")
+    says; one that cannot be split so is refused here (docs/running.md).
 
     Never raises for memory: a plan that does not fit has ``predicted.fits == False`` and
     ``predicted.overflow`` says what overflows. Pass ``graph`` to reuse a trace.
@@ -239,20 +245,31 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     check_plan(plan, PlanningError)
     _check_model_rules(plan, model)
     plan = choose_engine(plan, model, engine)
-    _check_loss_rule(plan, loss_fn)
+    _check_loss_rule(plan, model, loss_fn, example_targets, loss_reduction)
     return _priced_for_engine(plan, graph, engine)
 
 
-def _check_loss_rule(plan: Plan, loss_fn: Callable | None) -> None:
-    """A loss_fn with context parallelism on the module engine, refused when the plan is made
-    (runtime/modules.py and module_pipeline.py refuse it in parallelize: cp_modules computes
-    token cross entropy on each rank's sequence chunk)."""
+def _check_loss_rule(plan: Plan, model: nn.Module | None, loss_fn: Callable | None,
+                     example_targets, reduction: str) -> None:
+    """``loss_reduction`` on this plan's engine (meshplan/support.py), and a loss_fn with
+    context parallelism on the module engine, which calls it on each rank's sequence chunk:
+    it must split by position as ``reduction`` says (runtime/cp_modules.py
+    ``loss_split_refusal``: its targets one value per position, and the chunks' weighted
+    combination equal to the whole sequence's loss on random data)."""
+    why = loss_reduction_rule(plan, reduction, loss_fn is not None)
+    if why:
+        raise PlanningError(why[0])
     cp = cp_degree(plan.stages[0])
-    if loss_fn is not None and cp > 1 and plan.engine == Engine.MODULES:
-        raise PlanningError(f"loss_fn with cp={cp} on the module engine: its cp computes token "
-                            "cross entropy over labels (-100 ignored) on each rank's sequence "
-                            "chunk; pass token targets without loss_fn, or plan with "
-                            "context_parallel=(1,) / cp=1")
+    if loss_fn is None or cp == 1 or plan.engine != Engine.MODULES or model is None:
+        return
+    from meshplan.runtime.cp_modules import loss_split_refusal
+    from meshplan.runtime.module_plan import model_output_shape
+
+    targets = (example_targets,) if isinstance(example_targets, torch.Tensor) else \
+        tuple(example_targets or ())
+    why = loss_split_refusal(loss_fn, model_output_shape(plan, model), targets, reduction, cp)
+    if why:
+        raise PlanningError(why)
 
 
 def _check_model_rules(plan: Plan, model: nn.Module | None) -> None:

@@ -18,8 +18,9 @@ from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.placements import shard
-from meshplan.vocabulary import (ENGINE_DTYPES, ENGINES, EXPORT_TARGET, PRICED_ONLY_DTYPES,
-                                 TRAINED_DTYPES, ComputeDtype, Engine, Recompute)
+from meshplan.vocabulary import (ENGINE_DTYPES, ENGINES, EXPORT_TARGET, LOSS_REDUCTIONS,
+                                 PRICED_ONLY_DTYPES, TRAINED_DTYPES, ComputeDtype, Engine,
+                                 LossReduction, Recompute)
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
@@ -270,6 +271,32 @@ GRAPH_ONLY = (
      "torch's context_parallel shards SDPA with is_causal or no mask only (DECISIONS 74)"),
 )
 
+
+
+def loss_reduction_rule(plan: Plan, reduction: str, has_loss_fn: bool,
+                        engine: str | None = None) -> tuple[str, ...]:
+    """``loss_reduction`` (what the user's loss_fn returns, vocabulary.LossReduction) on
+    ``plan`` run by ``engine`` (default: the plan's). The module engine weighs every piece
+    of a step by it (runtime/modules.py, runtime/cp_modules.py ``chunk_loss``); the graph
+    engine's weighting and module pipelines' summed losses without cp read a mean only."""
+    if reduction not in LOSS_REDUCTIONS:
+        return (f"loss_reduction={reduction!r} is not one of {', '.join(LOSS_REDUCTIONS)}: "
+                "what loss_fn returns over its labelled targets (a mean, a sum, or each "
+                "sequence's mean averaged over the sequences)",)
+    if reduction == LossReduction.MEAN:
+        return ()
+    if not has_loss_fn:
+        return (f"loss_reduction={reduction!r} without a loss_fn: the built-in losses are "
+                "means; pass loss_fn= or leave loss_reduction='mean'",)
+    engine = engine or plan.engine
+    if engine != Engine.MODULES:
+        return (f"loss_reduction={reduction!r} on the {engine} engine, whose loss weighting "
+                "reads a mean over labelled targets; use engine='modules' or a loss_fn that "
+                "returns that mean",)
+    if reduction == LossReduction.SUM and plan.num_stages > 1 and cp_degree(plan.stages[0]) == 1:
+        return ("loss_reduction='sum' on a module-engine pipeline without context parallelism "
+                "is not weighted yet; use pp=1, cp > 1, or a loss_fn that returns the mean",)
+    return ()
 
 
 def module_engine_dtype_rule(plan: Plan) -> tuple[str, ...]:

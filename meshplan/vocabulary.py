@@ -54,6 +54,22 @@ class Engine(PlanName):
 ENGINES = tuple(e.value for e in Engine)  # ("graph", "modules")
 
 
+class LossReduction(StrEnum):
+    """What the user's ``loss_fn`` returns over the targets it is given (``loss_reduction=``
+    of manual_plan, autoparallel and parallelize; docs/running.md): ``mean`` over the
+    labelled targets (labels != -100; every entry of float targets), F.cross_entropy's
+    default; ``sum`` over them; ``sequence``: each row's (sequence's) labelled mean,
+    averaged over the rows. The runtime weighs the pieces of a step so that the step's loss
+    is that reduction over the global batch."""
+
+    MEAN = "mean"
+    SUM = "sum"
+    SEQUENCE = "sequence"
+
+
+LOSS_REDUCTIONS = tuple(r.value for r in LossReduction)  # ("mean", "sum", "sequence")
+
+
 class Stack(PlanName):
     """Training stacks meshplan plans for and exports to (meshplan/stacks/): a plan made with
     ``plan --for`` names one in ``Plan.engine`` — the runtime that executes it is that stack,

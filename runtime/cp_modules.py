@@ -297,6 +297,134 @@ def chunk_loss_sum(out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+# -- the user's loss_fn on each rank's chunk --------------------------------------------------
+#
+# The step's loss is ``sum(S) / D``: S is each chunk's share (over every rank, microbatch and
+# cp chunk), D the global batch's denominator. ``mean`` (loss_fn a per-token mean over labels
+# != -100): S = loss_fn(chunk) x the chunk's labelled tokens, D = the global batch's labelled
+# tokens (torchtitan divides by the global token count the same way). ``sum``: S =
+# loss_fn(chunk), D = 1. ``sequence`` (each row's labelled mean, averaged over rows): S = sum
+# over the chunk's rows of loss_fn(row's chunk) x its labelled tokens / the row's labelled
+# tokens over every chunk, D = the global batch's rows.
+
+def labelled(targets: tuple) -> torch.Tensor:
+    """(rows, positions) mask of the positions that count: the first target's entries !=
+    -100 when it holds integer labels, every position otherwise."""
+    first = targets[0]
+    if first.is_floating_point() or first.dtype == torch.bool:
+        return torch.ones(first.shape[:2], dtype=torch.bool, device=first.device)
+    return first != IGNORE_INDEX
+
+
+def _zero(out: torch.Tensor) -> torch.Tensor:
+    """A zero loss that still reaches every parameter's backward hook (FSDP's sync)."""
+    return out.sum() * 0.0
+
+
+def chunk_loss(out, targets: tuple, loss_fn, reduction: str, row_totals) -> torch.Tensor:
+    """This chunk's share S of the step's loss (above). ``targets``: the chunk's targets
+    (positions on dim 1); ``row_totals(rows)``: each row's labelled tokens over every cp
+    chunk, from this chunk's (a sum over the cp group; ``sequence`` only)."""
+    from meshplan.vocabulary import LossReduction
+
+    out = out.full_tensor() if isinstance(out, DTensor) else out
+    out = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
+    if reduction == LossReduction.SUM:
+        return loss_fn(out, *targets)
+    mask = labelled(targets)
+    if reduction == LossReduction.MEAN:
+        k = int(mask.sum())
+        return loss_fn(out, *targets) * k if k else _zero(out)
+    rows = mask.sum(1).to(torch.float64)
+    whole = row_totals(rows)
+    parts = [loss_fn(out[b:b + 1], *(t[b:b + 1] for t in targets)) * float(rows[b] / whole[b])
+             for b in range(out.shape[0]) if rows[b] > 0]
+    return torch.stack(parts).sum() if parts else _zero(out)
+
+
+def loss_denominator(targets: tuple, reduction: str, dp_size: int = 1) -> torch.Tensor:
+    """This data-parallel shard's part of D (the caller sums it over the dp ranks), float64."""
+    from meshplan.vocabulary import LossReduction
+
+    mask = labelled(targets)
+    if reduction == LossReduction.SUM:
+        return torch.full((), 1.0 / dp_size, dtype=torch.float64, device=mask.device)
+    if reduction == LossReduction.SEQUENCE:
+        return torch.tensor(float(mask.shape[0]), dtype=torch.float64, device=mask.device)
+    return mask.sum().to(torch.float64)
+
+
+def row_totals_over(cp_mesh):
+    """``chunk_loss``'s row_totals: a sum over the cp group."""
+    def total(rows: torch.Tensor) -> torch.Tensor:
+        whole = rows.clone()
+        dist.all_reduce(whole, group=cp_mesh.get_group())
+        return whole
+    return total
+
+
+def _head_tail(x: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    pieces = x.chunk(2 * cp, dim=1)
+    return torch.cat([pieces[rank], pieces[2 * cp - 1 - rank]], dim=1)
+
+
+def loss_split_refusal(loss_fn, out_shape, targets, reduction: str, cp: int) -> str | None:
+    """Why ``loss_fn`` cannot be computed on cp chunks and combined as ``reduction`` says
+    (None when it can): every target must hold a value per position (rows, positions, ...),
+    and on random outputs and targets (a quarter of the labels -100) the chunks' combination
+    must equal the loss of the whole sequence, in float64. A loss that shifts its targets
+    inside, or adds a term over every position, fails the second rule."""
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    seq = out_shape[1] if len(out_shape) >= 2 else None
+    fix = ("pass token-aligned targets (targets[:, t] for position t) to a loss_fn(outputs, "
+           "*targets) that returns a per-token mean over labels != -100, declare "
+           "loss_reduction='sum' or 'sequence', or use cp=1")
+    if not targets:
+        return f"loss_fn {name} with cp={cp} gets no targets, so its loss cannot be split " \
+               f"by position; {fix}"
+    for i, t in enumerate(targets):
+        if t.dim() < 2 or seq is None or t.shape[1] != seq:
+            return (f"loss_fn {name} with cp={cp}: target {i} has shape {list(t.shape)}, not "
+                    f"one value per position of the outputs' {list(out_shape)}; cp splits the "
+                    f"loss by position; {fix}")
+    g = torch.Generator().manual_seed(0)
+    rows = min(3, out_shape[0])
+    # outputs larger and labels sparser along the sequence, and each row labelled
+    # differently: any term that is not weighed as declared changes the combination
+    ramp = torch.linspace(1.0, 4.0, seq, dtype=torch.float64)
+    out = torch.randn((rows, *out_shape[1:]), generator=g, dtype=torch.float64) * \
+        ramp.view(1, seq, *[1] * (len(out_shape) - 2))
+    made = []
+    for t in targets:
+        shape = (rows, *t.shape[1:])
+        if t.is_floating_point():
+            made.append(torch.randn(shape, generator=g, dtype=torch.float64))
+        else:
+            v = torch.randint(0, max(1, out_shape[-1]), shape, generator=g, dtype=t.dtype)
+            odds = (torch.linspace(0.05, 0.6, seq).view(1, seq) +
+                    0.15 * torch.arange(rows).view(rows, 1)).view(rows, seq, *[1] * (len(shape) - 2))
+            drop = torch.rand(shape, generator=g) < odds
+            drop[:, 0] = False  # every row keeps a label
+            made.append(v.masked_fill(drop, IGNORE_INDEX) if t.dtype != torch.bool else v)
+    try:
+        whole = float(loss_fn(out, *made))
+        mask = labelled(tuple(made))
+        totals = mask.sum(1).to(torch.float64)
+        shares = sum(float(chunk_loss(_head_tail(out, cp, r),
+                                      tuple(_head_tail(t, cp, r) for t in made), loss_fn,
+                                      reduction, lambda _rows: totals))
+                     for r in range(cp))
+        split = shares / float(loss_denominator(tuple(made), reduction))
+    except Exception as exc:  # noqa: BLE001 - any failure on a chunk means "not splittable"
+        return (f"loss_fn {name} with cp={cp} fails on a sequence chunk ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:120] if str(exc) else ''}); {fix}")
+    if not abs(split - whole) <= 1e-6 * max(1.0, abs(whole)):
+        return (f"loss_fn {name} with cp={cp}: on random data its cp chunks combined as "
+                f"loss_reduction={reduction!r} give {split:.6g}, the whole sequence {whole:.6g}; "
+                f"it is not a {reduction} over labelled positions; {fix}")
+    return None
+
+
 # -- pipelines (runtime/module_pipeline.py) -------------------------------------------------
 
 @contextlib.contextmanager
@@ -317,13 +445,19 @@ def pipeline_region(engine, tensors: list[torch.Tensor]):
 
 def pipeline_train_step(engine, args: tuple, targets: tuple) -> float:
     """PipelineModuleEngine.train_step under context parallelism: every microbatch's loss
-    on this rank's chunks, summed over labelled tokens and divided by those of the global
-    batch, times the microbatches (the schedule divides gradients by them) and the dp x cp
+    on this rank's chunks (the user's loss_fn weighted as ``chunk_loss`` says), summed over
+    labelled tokens and divided by those of the global batch, times the microbatches (the schedule divides gradients by them) and the dp x cp
     ranks fully_shard averages over: gradients as one process's."""
+    from meshplan.vocabulary import LossReduction
+
     n = engine.plan.training.microbatches
     ids = args[0].to(engine.device)
+    if engine.loss_fn is not None and not targets:
+        raise NotSupportedError("loss_fn with cp > 1 and no targets: cp splits the loss by "
+                                "position; pass token-aligned targets, or use cp=1")
     labels = (targets[0] if targets else next_token_labels(args[0])).to(engine.device)
-    counted = (labels != IGNORE_INDEX).sum().to(torch.float64)
+    reduction = engine.loss_reduction if engine.loss_fn is not None else LossReduction.MEAN
+    counted = loss_denominator((labels,), reduction, engine.dp_size).to(engine.device)
     if engine.dp_group is not None:
         dist.all_reduce(counted, group=engine.dp_group)
     engine._cp_scale = n * engine.fsdp_mesh.size() / max(counted.item(), 1.0)

@@ -183,8 +183,52 @@ def cut_stage(model: nn.Module, container: str, cut: StageCut) -> nn.Module:
             continue
         gone.append(name)
         parent, _, leaf = name.rpartition(".")
-        setattr(stage.get_submodule(parent) if parent else stage, leaf, nn.Identity())
+        gone_module = nn.Identity()
+        if not cut.first and isinstance(stage.get_submodule(name), nn.Embedding):
+            gone_module = LaterStageEmbedding()
+        setattr(stage.get_submodule(parent) if parent else stage, leaf, gone_module)
     return stage
+
+
+class LaterStageEmbedding(nn.Identity):
+    """An embedding of the first stage, in a later stage's copy of the model's forward: the
+    hidden states the stage receives pass through (where the token embedding read the
+    ids), and an embedding of integers computed inside the forward (learned positions of
+    ``torch.arange(t)``, nanoGPT's ``wpe``) adds nothing, its term already in the hidden
+    states. ``pipeline_refusal`` checks in the traced graph that such an embedding's output
+    is only added (``added_embeddings_refusal``). An nn.Identity, so that the stage's
+    tensor-parallel styles and FSDP skip it as they skip the other removed modules."""
+
+    def forward(self, x):
+        if x.is_floating_point():
+            return x
+        return torch.zeros((), dtype=torch.get_default_dtype(), device=x.device)
+
+
+def added_embeddings_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """An nn.Embedding that does not read a model input (positions from ``torch.arange``)
+    must only be added to (``LaterStageEmbedding`` stands for it in later stages as zero);
+    read from the plan's traced graph (no graph: not checked)."""
+    graph = plan.graph
+    if graph is None:
+        return None
+    inputs = {name for name, _ in graph.inputs}
+    users = graph.users
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Embedding):
+            continue
+        for node in graph.nodes:
+            if f"{name}.weight" not in node.params or node.kind != "embedding":
+                continue
+            if any(i in inputs for i in node.inputs):
+                continue
+            bad = [u for u in users.get(node.name, ()) if not graph.node(u).target.startswith(
+                "aten.add")]
+            if bad:
+                return (f"{name} embeds positions computed in the forward and its output "
+                        f"goes to {graph.node(bad[0]).target}, not only to an add; a later "
+                        "pipeline stage cannot stand in for it; the graph engine runs this plan")
+    return None
 
 
 class StageModule(nn.Module):
@@ -238,7 +282,10 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     if "kwarg" in roles or roles.count("target") > 1:
         return ("the plan's call has keyword inputs or several targets; module-engine pipelines "
                 "feed positional inputs to the first stage and one target to the loss")
-    why = module_engine_refusal(single_stage_view(plan), model)
+    from meshplan.runtime.module_plan import fused_refusal
+    view = single_stage_view(plan)
+    why = module_engine_refusal(view, model) or fused_refusal(view, model) or \
+        added_embeddings_refusal(plan, model)
     if why:
         return why
     try:
@@ -440,10 +487,6 @@ class PipelineModuleEngine(ModuleEngineBase):
         # context parallelism inside each stage (runtime/cp_modules.py): weights sharded and
         # gradients reduced over dp x cp; activations cross stages as this rank's chunks
         self.cp_mesh = world["cp"] if support.cp_degree(st) > 1 else None
-        if self.cp_mesh is not None and loss_fn is not None:
-            raise NotSupportedError("loss_fn with cp > 1: the loss runs on each rank's sequence "
-                                    "chunk as token cross entropy over labels (-100 ignored); "
-                                    "pass token targets without loss_fn, or use cp=1")
         fsdp_mesh = _dp_cp_mesh(world, self.dp_axis) if self.cp_mesh is not None else \
             (world[self.dp_axis] if self.dp_size > 1 else None)
         self.fsdp_mesh = fsdp_mesh
@@ -497,8 +540,10 @@ class PipelineModuleEngine(ModuleEngineBase):
         mode, = self._targets_mode
         if mode == "none":  # forward only: no loss is wanted
             return torch.zeros((), device=out.device)
-        if mode == "cp":  # this chunk's summed loss, weighted (see _cp_train_step)
-            summed = cp_modules.chunk_loss_sum(out, target)
+        if mode == "cp":  # this chunk's summed loss, weighted (cp_modules.pipeline_train_step)
+            summed = cp_modules.chunk_loss_sum(out, target) if self.loss_fn is None else \
+                cp_modules.chunk_loss(out, (target,), self.loss_fn, self.loss_reduction,
+                                      cp_modules.row_totals_over(self.cp_mesh))
             self._cp_sums.append(summed.detach())
             return summed * self._cp_scale
         if self._labels is not None and mode in ("fn", "ce"):

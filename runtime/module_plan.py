@@ -17,6 +17,7 @@ import shutil
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.overrides import TorchFunctionMode
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleOutput,
                                                RowwiseParallel,
                                                SequenceParallel)
@@ -63,8 +64,9 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
 
     nn.Linear weight S(0) -> ColwiseParallel (bias S(0)), S(1) -> RowwiseParallel (bias R);
     nn.Embedding S(0) -> RowwiseParallel(input_layouts=Replicate()) (vocab-parallel),
-    S(1) -> ColwiseParallel. A column-parallel layer outside the repeated blocks (the output
-    head) gathers its output (Replicate), so the loss sees whole logits. With sequence
+    S(1) -> ColwiseParallel. A column-parallel nn.Linear that no row-parallel layer follows
+    (the output head, the last layer of an nn.Sequential) gathers its output (Replicate), so
+    the user's ``loss_fn`` sees whole outputs (``_gather_unpaired``). With sequence
     parallelism (Megatron's, Korthikanti et al. 2022) the residual stream is split by
     sequence (dim 1) between the layers: the embedding and row-parallel layers reduce-scatter
     to Shard(1), the norms on the residual stream (tp-replicated weights of the embedding's
@@ -102,11 +104,9 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         bias_tp = placed.get(id(bias), (REPLICATE,) * len(stage.mesh_shape))[tp] \
             if bias is not None else None
         w_tp = weight[tp] if weight else REPLICATE
-        inner = bool(blocks) and mname.startswith(blocks + ".")
         style = None
         if isinstance(mod, nn.Linear) and w_tp == shard(0) and bias_tp in (None, shard(0)):
-            style = ColwiseParallel(**into) if inner \
-                else ColwiseParallel(**into, output_layouts=Replicate())
+            style = ColwiseParallel(**into)  # its output layout: _gather_unpaired below
         elif isinstance(mod, nn.Linear) and w_tp == shard(1) and bias_tp in (None, REPLICATE):
             style = RowwiseParallel(**seq)
         elif isinstance(mod, nn.Embedding) and w_tp == shard(0):
@@ -129,6 +129,7 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         styles[mname] = style
     if tied:
         return {}, tied
+    _gather_unpaired(styles, model, forward_probe(plan, model, set(styles)), into)
     heads = heads_refusal(model, stage.mesh_shape[tp]) if styles else None
     if heads:
         return {}, heads
@@ -143,6 +144,83 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
             styles[name] = ColwiseParallel()
         styles.update(gathered)
     return styles, None
+
+
+class _SplitCalls(TorchFunctionMode):
+    """Records ``split`` calls on the outputs ``outs`` holds (id -> (module FQN, tensor))."""
+
+    def __init__(self, outs: dict):
+        super().__init__()
+        self.outs, self.seen = outs, {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.split, torch.split) and args and id(args[0]) in self.outs:
+            size = args[1] if len(args) > 1 else kwargs.get("split_size_or_sections",
+                                                            kwargs.get("split_size"))
+            dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+            self.seen[self.outs[id(args[0])][0]] = (size, dim, args[0].dim())
+        return func(*args, **kwargs)
+
+
+def forward_probe(plan: Plan, model: nn.Module, names) -> tuple[list[str], dict] | None:
+    """Run the model on meta (one microbatch of the plan's call) and see (the modules of
+    ``names`` in the order they are first called, {module: (split size, dim, rank)} of the
+    ``split`` calls on their outputs); None when the forward cannot run on meta."""
+    stage = plan.stages[0]
+    dp, _, _ = _axes(stage)
+    call = _meta_call(plan, stage.mesh_shape[dp] if dp is not None else 1)
+    if call is None:
+        return None
+    shadow = meta_copy(model)
+    order: list[str] = []
+    outs: dict = {}
+    for name, mod in shadow.named_modules():
+        if name in names:
+            def hook(_m, _a, out, name=name):
+                if name not in order:
+                    order.append(name)
+                if isinstance(out, torch.Tensor):
+                    outs[id(out)] = (name, out)  # the tensor kept: its id stays unique
+            mod.register_forward_hook(hook)
+    splits = _SplitCalls(outs)
+    try:
+        with _as_tracers_see_it(), splits:
+            _Forward(shadow)(*call[0], **call[1])
+    except Exception:  # noqa: BLE001 - a forward meta cannot run: no probe
+        return None
+    return order, splits.seen
+
+
+def _call_order(names: list[str], probe) -> list[str]:
+    """``names`` (modules, in registration order) in the order the forward first calls
+    them (``forward_probe``), else registration order."""
+    if probe is None:
+        return names
+    first = {n: i for i, n in enumerate(probe[0])}
+    return sorted(names, key=lambda n: (first.get(n, len(first)), names.index(n)))
+
+
+def _gather_unpaired(styles: dict, model: nn.Module, probe, into: dict) -> None:
+    """A column-parallel nn.Linear hands its local shard on only to a row-parallel layer
+    (Megatron's pair: q/k/v then o, up then down); one that no row-parallel layer follows in
+    the forward (the output head, the last layer of an nn.Sequential) gathers its output
+    (Replicate), so the code after it and the user's ``loss_fn`` see whole outputs. In call
+    order, the colwise layers before the next non-colwise style are paired when that style is
+    an nn.Linear's RowwiseParallel."""
+    mods = dict(model.named_modules())
+    order = _call_order([n for n in mods if n in styles], probe)
+
+    def colwise_linear(name):
+        return isinstance(styles[name], ColwiseParallel) and isinstance(mods[name], nn.Linear)
+    for i, name in enumerate(order):
+        if not colwise_linear(name):
+            continue
+        nxt = next((m for m in order[i + 1:] if not colwise_linear(m)), None)
+        paired = nxt is not None and isinstance(styles[nxt], RowwiseParallel) \
+            and isinstance(mods[nxt], nn.Linear)
+        if not paired:
+            styles[name] = ColwiseParallel(**into, output_layouts=Replicate())
 
 
 class GatherSequence(ParallelStyle):
@@ -225,7 +303,12 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
     n = stage.mesh_shape[tp]
     shadow = meta_copy(model)
     mods = dict(shadow.named_modules())
+    # a fused projection's parts reach the user's code as DTensors of global shapes, and
+    # the row-parallel layer after it reads them so (runtime/fused_parts.py): whole on meta
+    whole = _fused_and_partners(plan, model, styles, n)
     for mname, style in styles.items():
+        if mname in whole:
+            continue
         mod = mods[mname]
         for pname, p in list(mod.named_parameters(recurse=False)):
             dim = _sharded_dim(mod, pname, style)
@@ -240,6 +323,51 @@ def _forward_on_local_shards(plan: Plan, model: nn.Module, styles: dict) -> str 
     except Exception as exc:  # noqa: BLE001 - any failure means "not on local shards"
         return (f"the model's forward fails on tensor-parallel local shards ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:160]}); the graph engine runs this plan")
+    return None
+
+
+def _fused_and_partners(plan: Plan, model: nn.Module, styles: dict, tp: int) -> set[str]:
+    """The fused projections (runtime/fused_parts.py) and the row-parallel nn.Linear that
+    follows each in call order."""
+    probe = forward_probe(plan, model, set(styles))
+    fused = fused_projections(probe, styles, model, tp)
+    if not fused:
+        return set()
+    mods = dict(model.named_modules())
+    order = _call_order([n for n in mods if n in styles], probe)
+    out = set(fused)
+    for name in fused:
+        after = order[order.index(name) + 1:]
+        partner = next((m for m in after if isinstance(styles[m], RowwiseParallel)
+                        and isinstance(mods[m], nn.Linear)), None)
+        if partner is not None:
+            out.add(partner)
+    return out
+
+
+def fused_projections(probe, styles: dict, model: nn.Module, tp: int) -> dict[str, int]:
+    """runtime/fused_parts.py ``fused_layers`` from a ``forward_probe``."""
+    from meshplan.runtime.fused_parts import fused_layers
+    return fused_layers(probe[1], styles, model, tp) if probe is not None and styles else {}
+
+
+def fused_of(plan: Plan, model: nn.Module, styles: dict) -> dict[str, int]:
+    """The fused projections of ``model`` under ``plan``'s tensor parallelism."""
+    stage = plan.stages[0]
+    _, tp, _ = _axes(stage)
+    if tp is None or not styles:
+        return {}
+    return fused_projections(forward_probe(plan, model, set(styles)), styles, model,
+                             stage.mesh_shape[tp])
+
+
+def fused_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """Module-engine pipelines do not install the fused projections' hooks yet."""
+    styles, _ = tp_styles(plan, model)
+    fused = fused_of(plan, model, styles)
+    if fused:
+        return (f"{sorted(fused)[0]} is a fused projection split by size, which module-engine "
+                "pipelines do not shard by head yet; use pp=1 or tp=1, or the graph engine")
     return None
 
 
@@ -336,6 +464,15 @@ def _meta_call(plan: Plan, dp_size: int) -> tuple[tuple, dict] | None:
     if len(plan.stages[0].inputs) == 1:  # an older plan: token ids (the CLI's inputs)
         return (torch.zeros(rows, t.seq_len, dtype=torch.long, device="meta"),), {}
     return None
+
+
+def model_output_shape(plan: Plan, model: nn.Module) -> tuple[int, ...]:
+    """The shape of the model's outputs (logits) for one microbatch of the plan's global
+    batch on one data-parallel rank, run on meta."""
+    call = _meta_call(plan, 1)
+    if call is None:
+        raise PlanFileError("the plan records no model call; make it with example_inputs")
+    return tuple(run_on_meta(_Forward(meta_copy(model)), call[0], call[1]).shape)
 
 
 def _dropout(model: nn.Module) -> str | None:

@@ -38,12 +38,13 @@ from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.runtime import cp_modules
 from meshplan.plan import Plan
-from meshplan.runtime import loss_weights, state
+from meshplan.runtime import fused_parts, loss_weights, state
 from meshplan.tracing import find_repeated_blocks, next_token_loss
-from meshplan.vocabulary import Engine as EngineName, Recompute
+from meshplan.vocabulary import Engine as EngineName, LossReduction, Recompute
 from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
 from meshplan.runtime.module_plan import (_axes, _call, check_model,  # noqa: F401
-                                          module_engine_refusal, tp_styles)  # re-exported
+                                          fused_of, module_engine_refusal,
+                                          tp_styles)  # re-exported
 
 # Outputs `selective` recompute keeps: the parameter matmuls; attention scores, softmax and
 # pointwise ops are recomputed (Korthikanti et al. 2022, Sec. 5; as runtime/graph/spmd.py does).
@@ -180,13 +181,17 @@ def _zero_loss(out) -> torch.Tensor:
     return out.float().sum() * 0.0
 
 
-def build(model: nn.Module, plan: Plan, *, loss_fn=None, compile: bool = False):
+def build(model: nn.Module, plan: Plan, *, loss_fn=None, compile: bool = False,
+          loss_reduction: str = LossReduction.MEAN):
     """The module engine for ``plan`` on ``model``, parallelized in place: ``ModuleEngine``
     for one stage, ``PipelineModuleEngine`` (runtime/module_pipeline.py) for several."""
     if plan.num_stages > 1:
         from meshplan.runtime.module_pipeline import PipelineModuleEngine
-        return PipelineModuleEngine(model, plan, loss_fn=loss_fn, compile=compile)
-    return ModuleEngine(model, plan, loss_fn=loss_fn, compile=compile)
+        engine = PipelineModuleEngine(model, plan, loss_fn=loss_fn, compile=compile)
+    else:
+        engine = ModuleEngine(model, plan, loss_fn=loss_fn, compile=compile)
+    engine.loss_reduction = loss_reduction
+    return engine
 
 
 class ModuleEngineBase:
@@ -195,6 +200,8 @@ class ModuleEngineBase:
     the one clipping (runtime/grad_clip.py) and the one state path (runtime/state.py)."""
 
     name = EngineName.MODULES.value
+    # what the user's loss_fn returns (meshplan/vocabulary.py LossReduction; set by build)
+    loss_reduction: str = LossReduction.MEAN
 
     def compute_grads(self, args: tuple, kwargs: dict, targets: tuple,
                       labels: torch.Tensor | None) -> float:
@@ -249,6 +256,7 @@ class ModuleEngineBase:
         local = {clean_fqn(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor)
                                 else p.grad).cpu()
                  for n, p in self.named_parameters().items() if p.grad is not None}
+        local = state.natural_rows(self, local)
         return state.gather_stages(self.plan, local)
 
     def _check_buffers(self) -> None:
@@ -292,17 +300,28 @@ class ModuleEngine(ModuleEngineBase):
         # context parallelism (runtime/cp_modules.py): weights replicated over cp, sharded
         # and their gradients reduced over dp x cp (torchtitan's dp_shard_cp mesh)
         self.cp_mesh = self.mesh["cp"] if support.cp_degree(stage) > 1 else None
-        if self.cp_mesh is not None and loss_fn is not None:
-            raise NotSupportedError("loss_fn with cp > 1: the loss runs on each rank's sequence "
-                                    "chunk as token cross entropy over labels (-100 ignored); "
-                                    "pass token targets without loss_fn, or use cp=1")
         self.fsdp_mesh = _dp_cp_mesh(self.mesh, self.dp_axis) if self.cp_mesh is not None \
             else None
+        # fused projections split by size (runtime/fused_parts.py): Megatron's row order
+        tp_size = stage.mesh_shape[tp] if tp is not None else 1
+        fused = fused_of(plan, model, styles)
+        self.fused_rows = {f"{name}.{p}": (parts, tp_size) for name, parts in fused.items()
+                           for p in ("weight", "bias")
+                           if getattr(model.get_submodule(name), p, None) is not None}
+        if not on_meta:
+            with torch.no_grad():
+                for fqn, (parts, n) in self.fused_rows.items():
+                    t = model.get_parameter(fqn)
+                    t.copy_(fused_parts.to_permuted(t, parts, n))
+        hooked = [(model.get_submodule(name), model.get_submodule(name.rpartition(".")[0]),
+                   parts) for name, parts in fused.items()]
         self.fsdp = parallelize_model(
             model, mesh=self.mesh, dp_axis=self.dp_axis,
             tp_axis=stage.axis_names[tp] if tp is not None else None, styles=styles,
             recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype,
             compile=compile, fsdp_mesh=self.fsdp_mesh)
+        if hooked:
+            fused_parts.install(hooked, self.mesh[stage.axis_names[tp]])
         if on_meta:  # only the local shards get memory; weights come from load/init_weights
             to_empty_keeping_ties(model, self.device)
         compute = COMPUTE_DTYPES[plan.training.dtype]
@@ -333,6 +352,11 @@ class ModuleEngine(ModuleEngineBase):
         if self.cp_mesh is not None:
             return self._cp_train_step(args, kwargs or {}, targets)
         n = self.plan.training.microbatches
+        # a summed loss: each piece's sum counts whole (the averages over the n microbatches
+        # and the dp ranks undone); per-sequence means: the pieces' rows weigh alike
+        whole = n * self.dp_size if self.loss_reduction == LossReduction.SUM else 1.0
+        if self.loss_reduction != LossReduction.MEAN:
+            labels = None
         kwargs = kwargs or {}
         a = list(zip(*[_split(x, n, f"argument {i}") for i, x in enumerate(args)])) or [()] * n
         t = list(zip(*[_split(x, n, f"target {i}") for i, x in enumerate(targets)])) or [()] * n
@@ -342,7 +366,7 @@ class ModuleEngine(ModuleEngineBase):
         for i in range(n):
             if self._defer_sync:
                 self.model.set_requires_gradient_sync(i == n - 1)
-            w = 1.0 if labels is None else loss_weights.weight(labels, i, dp_rank=self.dp_rank)
+            w = whole if labels is None else loss_weights.weight(labels, i, dp_rank=self.dp_rank)
             with self._autocast():
                 out = _call(self.model, a[i], kw[i])
                 # no labelled target here: weight 0, and a zero loss that still runs every
@@ -357,27 +381,37 @@ class ModuleEngine(ModuleEngineBase):
 
     def _cp_train_step(self, args: tuple, kwargs: dict, targets: tuple) -> float:
         """Context parallel: each microbatch's loss on this rank's chunks, summed over
-        labelled tokens and divided by those of the global batch; fully_shard averages the
-        gradients over dp x cp, so the loss is scaled by that size (gradients as one
-        process's)."""
+        labelled tokens and divided by those of the global batch (the user's ``loss_fn`` on
+        each chunk, weighted as its ``loss_reduction`` says: runtime/cp_modules.py
+        ``chunk_loss``); fully_shard averages the gradients over dp x cp, so the loss is
+        scaled by that size (gradients as one process's)."""
         n = self.plan.training.microbatches
-        labels = targets[0] if targets else cp_modules.next_token_labels(args[0])
-        counted = (labels != cp_modules.IGNORE_INDEX).sum().to(torch.float64)
+        fn = self.loss_fn
+        if fn is not None and not targets:
+            raise NotSupportedError("loss_fn with cp > 1 and no targets: cp splits the loss by "
+                                    "position; pass token-aligned targets, or use cp=1")
+        whole = tuple(targets) if fn is not None else \
+            ((targets[0] if targets else cp_modules.next_token_labels(args[0])),)
+        reduction = self.loss_reduction if fn is not None else LossReduction.MEAN
+        counted = cp_modules.loss_denominator(whole, reduction, self.dp_size).to(self.device)
         if self.dp_size > 1:
             dist.all_reduce(counted, group=self.mesh[self.dp_axis].get_group())
         a = list(zip(*[_split(x, n, f"argument {i}") for i, x in enumerate(args)]))
         kw = [dict(zip(kwargs, vals)) for vals in
               zip(*[_split(v, n, f"keyword {k}") for k, v in kwargs.items()])] or [{}] * n
-        lab = _split(labels, n, "labels")
+        tg = list(zip(*[_split(t, n, f"target {j}") for j, t in enumerate(whole)]))
         scale = self.fsdp_mesh.size() / counted.clamp(min=1).item()
+        rows = cp_modules.row_totals_over(self.cp_mesh)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i in range(n):
             if self._defer_sync:
                 self.model.set_requires_gradient_sync(i == n - 1)
-            with cp_modules.chunked_call(self.model, self.cp_mesh, a[i], kw[i], (lab[i],)) \
-                    as (ai, kwi, (li,)):
+            with cp_modules.chunked_call(self.model, self.cp_mesh, a[i], kw[i], tg[i]) \
+                    as (ai, kwi, ti):
                 with self._autocast():
-                    loss = cp_modules.chunk_loss_sum(_call(self.model, ai, kwi), li)
+                    out = _call(self.model, ai, kwi)
+                    loss = cp_modules.chunk_loss_sum(out, ti[0]) if fn is None else \
+                        cp_modules.chunk_loss(out, ti, fn, reduction, rows)
                 (loss * scale).backward()
             total += loss.detach().to(torch.float64)
         dist.all_reduce(total, group=self.fsdp_mesh.get_group())

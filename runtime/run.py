@@ -34,14 +34,16 @@ from meshplan.runtime import loss_weights, state
 from meshplan.runtime.engine import (TENSOR_DTYPES, DataError, collective_device,  # noqa: F401
                                      data_parallel_coordinate, input_placements, plan_call,
                                      split_over_dp)  # re-exported: the worker, meshplan
-from meshplan.support import stack_refusal
+from meshplan.support import loss_reduction_rule, stack_refusal
 from meshplan.tracing import flatten_call, unflatten_call
-from meshplan.vocabulary import ENGINES, Engine
+from meshplan.vocabulary import ENGINES, Engine, LossReduction
 
 
 class ParallelRun:
     """A model parallelized in place by a plan; see ``meshplan.parallelize``. ``engine`` is
     any runtime/engine.py ``Engine``."""
+
+    loss_reduction: str = LossReduction.MEAN  # what loss_fn returns (parallelize sets it)
 
     def __init__(self, engine, plan: Plan, model: nn.Module, *, loss_fn=None,
                  uninitialized: set[str] | None = None, pristine: nn.Module):
@@ -102,10 +104,13 @@ class ParallelRun:
                                 f"{self.plan.training.microbatches} microbatch(es) are "
                                 "accumulated inside train_step)")
         args, kwargs, targets = unflatten_call(flat, self.signature)
-        # each microbatch weighed by its labelled targets over the global batch
+        # each microbatch weighed by its labelled targets over the global batch (a loss_fn
+        # that returns a sum or per-sequence means: the engine weighs its pieces alike)
         labels = loss_weights.label_counts(
             targets[0] if targets else None, self.plan.training.microbatches,
             dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.engine.device)
+        if self.loss_reduction != LossReduction.MEAN:
+            labels = None
         return self.engine.compute_grads(args, kwargs, targets, labels)
 
     def __call__(self, inputs):
@@ -263,7 +268,8 @@ class ParallelRun:
 
 def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None,
                 init_weights: Callable[[nn.Module], None] | None = None,
-                engine: str | None = None, compile: bool = False) -> "ParallelRun":
+                engine: str | None = None, compile: bool = False,
+                loss_reduction: str = LossReduction.MEAN) -> "ParallelRun":
     """Parallelize ``model`` in place per ``plan`` on the current process group (under
     torchrun); returns the ``ParallelRun`` the training loop drives.
 
@@ -271,7 +277,9 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     memory, and the weights come from ``run.load_full_state_dict(state)`` or ``init_weights``
     (called module by module as ``model.apply`` would; ``reset_parameters`` when the model
     has real weights is not needed). A model with real weights is sharded as it is.
-    ``loss_fn(outputs, *targets)`` must be the loss the plan was made with. The plan says
+    ``loss_fn(outputs, *targets)`` must be the loss the plan was made with, and
+    ``loss_reduction`` what it returns over its labelled targets: "mean" (default), "sum", or
+    "sequence" (each row's mean, averaged over the rows; docs/running.md). The plan says
     which engine runs it (``plan.engine``); ``engine="graph"`` forces the graph engine.
     ``compile=True`` (module engine only) compiles each repeated block with torch.compile."""
     why = stack_refusal(engine or getattr(plan, "engine", Engine.GRAPH),
@@ -302,6 +310,9 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         raise NotSupportedError("compile=True runs on the module engine only; this plan runs "
                                 f"on the graph engine ({plan.engine_note or 'engine=graph'}); "
                                 "pass compile=False")
+    why = loss_reduction_rule(plan, loss_reduction, loss_fn is not None, engine)
+    if why:
+        raise NotSupportedError(why[0])
     from meshplan.runtime.graph.parallelize import meta_copy
 
     uninitialized = {name for name, t in list(model.named_parameters(remove_duplicate=False))
@@ -309,12 +320,14 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     pristine = meta_copy(model)  # before an engine wraps the model in place
     if engine == Engine.MODULES:
         from meshplan.runtime.modules import build
-        placed = build(model, plan, loss_fn=loss_fn, compile=compile)
+        placed = build(model, plan, loss_fn=loss_fn, compile=compile,
+                       loss_reduction=loss_reduction)
     else:
         from meshplan.runtime.graph.engine import build
         placed = build(model, plan, loss_fn=loss_fn, pristine=pristine)
     run = ParallelRun(placed, plan, model, loss_fn=loss_fn, uninitialized=uninitialized,
                       pristine=pristine)
+    run.loss_reduction = loss_reduction
     if init_weights is not None:
         run.init_weights(init_weights)
     return run

@@ -59,6 +59,16 @@ def gather_stages(plan, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return out
 
 
+def natural_rows(engine, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full tensors of fused projections (runtime/fused_parts.py) back in the model's own
+    row order."""
+    fused = getattr(engine, "fused_rows", {})
+    if not fused:
+        return tensors
+    from meshplan.runtime.fused_parts import to_natural
+    return {k: to_natural(v, *fused[k]) if k in fused else v for k, v in tensors.items()}
+
+
 @torch.no_grad()
 def full_state_dict(engine, keys=None, names: Mapping[str, list[str]] | None = None
                     ) -> dict[str, torch.Tensor]:
@@ -73,7 +83,7 @@ def full_state_dict(engine, keys=None, names: Mapping[str, list[str]] | None = N
         if id(t) not in done:
             done[id(t)] = _full(t)
         mine[name] = done[id(t)]
-    mine = gather_stages(engine.plan, mine)
+    mine = gather_stages(engine.plan, natural_rows(engine, mine))
     if keys is None:
         return mine
     names = names or {}
@@ -136,6 +146,10 @@ def load_full_state_dict(engine, state: Mapping[str, torch.Tensor] | None, *,
                 torch.empty(shape, dtype=dtype, device=collective_device())
             dist.broadcast(wire, src=0)
             full = wire
+        fused = getattr(engine, "fused_rows", {}).get(key)
+        if fused is not None and full is not None:
+            from meshplan.runtime.fused_parts import to_permuted
+            full = to_permuted(full, *fused)
         set_full(key, full, tensors, names)
     engine.after_load({a for k in keys for a in (names or {}).get(k, [k])})
     return keys

@@ -204,23 +204,44 @@ def test_graph_engine_cp_with_pipeline_at_one_sequence_is_refused_when_planned()
         == "graph"
 
 
-def test_a_loss_fn_with_module_engine_cp_is_refused_when_the_plan_is_made():
-    """The module engine's cp computes token cross entropy on each rank's chunk and refuses
-    a loss_fn in ModuleEngine.__init__; a plan made with that loss_fn was emitted (engine
-    'modules', no note) and failed only at parallelize time. Now manual_plan (and
-    autoparallel, on the plan it found) refuse it in one PlanningError line."""
+def test_a_loss_fn_with_module_engine_cp_is_planned_or_refused_when_it_cannot_split():
+    """The module engine's cp calls the user's loss_fn on each rank's sequence chunk and
+    weighs it by the chunk's labelled tokens (runtime/cp_modules.py ``chunk_loss``; before,
+    every loss_fn with cp was refused). A loss that cannot be split so is refused when the
+    plan is made, in one PlanningError line: one that shifts its targets inside (HF's
+    causal-LM loss on labels = input_ids), a per-sequence mean declared as a token mean, a
+    target with no value per position, no targets."""
     import torch.nn.functional as F
 
     from meshplan.errors import PlanningError
 
-    def loss_fn(out, y):
+    def token_ce(out, y):
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
+    def shifted(out, ids):
+        return F.cross_entropy(out[:, :-1].reshape(-1, out.shape[-1]), ids[:, 1:].reshape(-1))
+
+    def per_sequence(out, y):
+        per = F.cross_entropy(out.transpose(1, 2), y, reduction="none")
+        mask = (y != -100).to(per.dtype)
+        return ((per * mask).sum(1) / mask.sum(1)).mean()
+
+    def last_position(out, y):  # a sequence's class from its last position
+        return F.cross_entropy(out[:, -1], y)
+
     ids = torch.zeros(2, 16, dtype=torch.long, device="meta")
-    with pytest.raises(PlanningError, match=r"^loss_fn with cp=2 on the module engine: .*"
-                                            r"context_parallel") as info:
-        _plan(_llama("sdpa"), dp=2, cp=2, loss_fn=loss_fn, example_targets=(ids,))
-    assert "\n" not in str(info.value)
-    assert _plan(_llama("sdpa"), dp=2, cp=2).engine == "modules"  # no loss_fn: token targets
-    assert _plan(_llama("sdpa"), dp=2, tp=2, loss_fn=loss_fn, example_targets=(ids,)).engine \
-        == "modules"  # cp=1 runs the loss_fn
+    assert _plan(_llama("sdpa"), dp=2, cp=2, loss_fn=token_ce, example_targets=(ids,)).engine \
+        == "modules"
+    assert _plan(_llama("sdpa"), dp=2, cp=2, loss_fn=per_sequence, example_targets=(ids,),
+                 loss_reduction="sequence").engine == "modules"
+    refused = [(shifted, (ids,), "mean", "cp chunks combined as loss_reduction='mean' give"),
+               (per_sequence, (ids,), "mean", "it is not a mean over labelled positions"),
+               (last_position, (ids[:, 0],), "mean", "not one value per position"),
+               (token_ce, (ids,), "median", "loss_reduction='median' is not one of")]
+    for fn, targets, reduction, words in refused:
+        with pytest.raises(PlanningError, match=words) as info:
+            _plan(_llama("sdpa"), dp=2, cp=2, loss_fn=fn, example_targets=targets,
+                  loss_reduction=reduction)
+        assert "\n" not in str(info.value)
+    assert _plan(_llama("sdpa"), dp=2, tp=2, loss_fn=shifted, example_targets=(ids,)).engine \
+        == "modules"  # cp=1 runs any loss_fn
