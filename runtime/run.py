@@ -34,7 +34,7 @@ from meshplan.runtime import loss_weights, state
 from meshplan.runtime.engine import (TENSOR_DTYPES, DataError, collective_device,  # noqa: F401
                                      data_parallel_coordinate, input_placements, plan_call,
                                      split_over_dp)  # re-exported: the worker, meshplan
-from meshplan.support import stack_refusal
+from meshplan.support import batch_norm_rule, stack_refusal
 from meshplan.tracing import flatten_call, unflatten_call
 from meshplan.vocabulary import ENGINES, Engine
 
@@ -302,6 +302,9 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
         raise NotSupportedError("compile=True runs on the module engine only; this plan runs "
                                 f"on the graph engine ({plan.engine_note or 'engine=graph'}); "
                                 "pass compile=False")
+    from meshplan.runtime.sync_batchnorm import batch_norms
+    for why in batch_norm_rule(plan, bool(batch_norms(model))):  # a plan file made without it
+        raise PlanFileError(f"plan cannot run this model: {why}")
     from meshplan.runtime.graph.parallelize import meta_copy
 
     uninitialized = {name for name, t in list(model.named_parameters(remove_duplicate=False))

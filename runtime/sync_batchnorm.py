@@ -14,8 +14,9 @@ to be on GPU or XPU" for a CPU tensor, and the operators its autograd function c
 (``aten::batch_norm_stats``, ``batch_norm_elemt``, ``batch_norm_gather_stats_with_counts``,
 ``batch_norm_backward_reduce``) have no CPU kernel in torch 2.13 ("Could not run
 'aten::batch_norm_stats' with arguments from the 'CPU' backend"). The backward here is
-autograd's through ``torch.distributed.nn.functional.all_reduce``, whose gradient is the
-all-reduce of the gradients: each rank receives the gradient of every rank's loss with
+autograd's through ``_AllReduce`` below (a sum over the group whose gradient is the
+sum of the gradients; torch.distributed.nn.functional.all_reduce does the same and is
+deprecated in torch 2.13): each rank receives the gradient of every rank's loss with
 respect to its rows through the shared statistics (SyncBatchNorm's backward all-reduces
 the same two sums, ``sum_dy`` and ``sum_dy_xmu``).
 """
@@ -27,7 +28,28 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.nn.functional import all_reduce
+
+
+class _AllReduce(torch.autograd.Function):
+    """The sum over ``group``; every rank's output depends on every rank's input, so the
+    gradient of an input is the sum over ranks of the outputs' gradients."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    return _AllReduce.apply(x, group)
 
 
 def batch_norms(model: nn.Module) -> list[tuple[str, nn.modules.batchnorm._BatchNorm]]:

@@ -21,13 +21,16 @@ BATCH, CLASSES, SIZE, STEPS, LR, CLIP, SEED = 16, 10, 8, 5, 1e-2, 1.0, 0
 # case -> (planner, options); microbatch_size is rows per data-parallel rank
 CASES = {
     "dp4-mb1": ("manual", dict(dp=4, microbatch_size=4)),  # one microbatch per rank
-    "dp4-mb1-modules": ("manual", dict(dp=4, microbatch_size=4, engine="modules")),
     "dp4": ("manual", dict(dp=4)),                          # the planner's microbatch size
-    "dp4-modules": ("manual", dict(dp=4, engine="modules")),
+    "dp4-graph": ("manual", dict(dp=4, engine="graph")),
     "dp2-tp2": ("manual", dict(dp=2, tp=2)),
-    "dp2-pp2": ("manual", dict(dp=2, pp=2)),                # BatchNorm inside each stage
     "auto": ("auto", {}),
+    # the user's opt-in: 4 microbatches per rank, each global microbatch normalised alone
+    "dp4-per-microbatch": ("manual", dict(dp=4, microbatch_size=1, batch_norm="microbatch")),
+    "dp4-per-microbatch-graph": ("manual", dict(dp=4, microbatch_size=1, engine="graph",
+                                                batch_norm="microbatch")),
 }
+PER_MICROBATCH = 4  # microbatches of the per-microbatch cases (rows per rank)
 
 
 class CNN(nn.Module):
@@ -68,8 +71,10 @@ def schedule(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
 
 
-def reference() -> dict:
-    """Plain PyTorch, one process, the whole batch of 16 every step."""
+def reference(microbatches: int = 1) -> dict:
+    """Plain PyTorch, one process, the whole batch of 16 every step; with ``microbatches``
+    > 1, gradient accumulation over the global microbatches the plan runs (microbatch i:
+    row i of each rank's 16 / 4 rows, each normalised alone)."""
     model = CNN()
     model.load_state_dict(initial_state())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -77,8 +82,12 @@ def reference() -> dict:
     losses = []
     for step in range(STEPS):
         images, labels = batch(step)
-        loss = loss_fn(model(images), labels)
-        loss.backward()
+        loss = 0.0
+        for i in range(microbatches):
+            rows = torch.arange(BATCH).view(-1, microbatches)[:, i]  # row i of each rank's
+            part = loss_fn(model(images[rows]), labels[rows]) / microbatches
+            part.backward()
+            loss = loss + part.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step(), sched.step(), opt.zero_grad()
         losses.append(loss.item())
