@@ -259,9 +259,11 @@ GRAPH_ONLY = (
      "so a plan's loss equals one process whatever the layout"),
     ("fp16 (loss scaling)",
      "the module engine trains fp32 and bf16; fp16 needs a loss scaler in the step"),
-    ("BatchNorm (running statistics) split over data-parallel ranks or pipeline stages",
-     "fully_shard normalises each rank's rows; SyncBatchNorm rejects CPU tensors; the graph "
-     "engine computes the global batch's statistics (DECISIONS 18)"),
+    ("BatchNorm (running statistics) split over tensor- or context-parallel ranks or "
+     "pipeline stages",
+     "the module engine synchronises BatchNorm over data-parallel ranks only "
+     "(runtime/sync_batchnorm.py; torch's SyncBatchNorm has no CPU kernels); the graph "
+     "engine computes the global batch's statistics under any layout (DECISIONS 18)"),
     ("pipelines whose stages are not one block stack, or share a weight across stages",
      "torch.distributed.pipelining stage modules are copies of the model with other stages' "
      "blocks removed: a tied embedding/head on two stages has no owner there"),
