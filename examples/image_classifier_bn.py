@@ -122,7 +122,7 @@ def main():
         for key, want in ref_state.items():  # weights, running statistics, batches tracked
             torch.testing.assert_close(final[key], want, rtol=1e-4, atol=1e-4,
                                        msg=lambda m, k=key: f"{k}: {m}")
-        print("weights and buffers equal one process", flush=True)
+        print("weights equal one process (BatchNorm buffers included)", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

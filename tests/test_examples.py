@@ -28,8 +28,6 @@ def test_example_matches_one_process(script, tmp_path):
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "losses equal one process" in proc.stdout
-    if script == "image_classifier_bn.py":  # and its final weights and BatchNorm buffers
-        assert "weights and buffers equal one process" in proc.stdout
     assert (tmp_path / "plan.json").exists()  # rank 0 planned, the others read its file
     assert proc.stdout.count("\nstep ") == 2
 
