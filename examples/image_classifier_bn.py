@@ -6,7 +6,9 @@ with a meshplan plan, in your own training loop.
 
 The labels are the loss targets (``loss_fn(logits, labels)``, cross entropy). BatchNorm's
 statistics are those of the whole global batch (meshplan runs batch norm as SyncBatchNorm
-would), so the running statistics, and the eval loss that reads them, match one process.
+would, and keeps a BatchNorm model's batch in one microbatch), so the running statistics,
+and the eval loss that reads them, match one process; ``--check`` compares the losses and
+the final weights and buffers (``run.full_state_dict()``) with plain PyTorch.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def train_plain(state, args):
     model.eval()
     images, labels = global_batch(args.steps, args.seed)
     with torch.no_grad():
-        return losses, loss_fn(model(images), labels).item()
+        return losses, loss_fn(model(images), labels).item(), model.state_dict()
 
 
 def main():
@@ -110,11 +112,17 @@ def main():
     else:
         log(f"eval skipped: the plan has {plan.num_stages} pipeline stages")
 
+    final = run.full_state_dict()  # on every rank (a collective)
     if args.check and dist.get_rank() == 0:
-        ref_losses, ref_eval = train_plain(state, args)
+        ref_losses, ref_eval, ref_state = train_plain(state, args)
         log("one process:", ", ".join(f"{v:.6f}" for v in ref_losses), f"eval {ref_eval:.6f}")
         check_losses(losses + ([eval_loss] if eval_loss is not None else []),
                      ref_losses + ([ref_eval] if eval_loss is not None else []))
+        assert set(final) == set(ref_state), sorted(set(final) ^ set(ref_state))
+        for key, want in ref_state.items():  # weights, running statistics, batches tracked
+            torch.testing.assert_close(final[key], want, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, k=key: f"{k}: {m}")
+        print("weights equal one process (BatchNorm buffers included)", flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -20,12 +20,14 @@ from meshplan.planner.assemble import check_training_options
 from meshplan.planner.hybrid import plan_auto, search_space
 from meshplan.graph import OpGraph
 from meshplan.context import graph_engine_cp_refusal
-from meshplan.support import (FP8_REFUSAL, check_plan, cp_degree, graph_engine_cp_rule,
+from meshplan.support import (FP8_REFUSAL, batch_norm_rule, check_batch_norm_stats,
+                              check_plan, cp_degree, graph_engine_cp_rule, has_batch_norm,
                               loss_reduction_rule, plan_problems)
 from meshplan.tracing import Inputs, trace
 from meshplan.plan import Estimate, Plan
 from meshplan.schedules import Schedule
-from meshplan.vocabulary import (PRICED_ONLY_DTYPES, ComputeDtype, Engine, LossReduction,
+from meshplan.vocabulary import (PRICED_ONLY_DTYPES, BatchNormStats, ComputeDtype, Engine,
+                                 LossReduction,
                                  Recompute)
 
 
@@ -113,7 +115,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                  time_limit_s: float = 30.0, model_name: str = "",
                  graph: OpGraph | None = None, engine: str = "auto",
                  context_parallel: Sequence[int] = (1,), margin: float | None = None,
-                 loss_reduction: str = LossReduction.MEAN) -> Plan:
+                 loss_reduction: str = LossReduction.MEAN,
+                 batch_norm: str = BatchNormStats.BATCH) -> Plan:
     """Find the fastest plan for ``model`` on ``mesh`` that fits every device's memory.
 
     ``example_inputs`` is one GLOBAL batch, usually on the meta device: a tensor (token ids,
@@ -128,9 +131,14 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     machine, planner/simplest.py; 0 keeps the fastest) the simplest is returned: fewer
     pipeline stages, less ZeRO, no recompute, no cp; ``plan.solver`` records the margin and
     the faster plan it beat. ``loss_reduction``: what ``loss_fn`` returns over its labelled
-    targets ("mean", "sum" or "sequence", docs/running.md).
+    targets ("mean", "sum" or "sequence", docs/running.md). ``batch_norm``: a model with
+    BatchNorm normalises each step's whole batch, as one process does ("batch": the plan has
+    one microbatch, the dp ranks share their statistics); "microbatch" lets the search cut the
+    batch into microbatches, each normalised alone, as one process accumulating gradients
+    over them.
     """
     mesh = as_mesh(mesh)
+    check_batch_norm_stats(batch_norm, PlanningError)
     _check_search_options(microbatches=microbatches, max_stages=max_stages,
                           time_limit_s=time_limit_s, memory_limit_gib=memory_limit_gib)
     _check_context_parallel(context_parallel, mesh)
@@ -142,6 +150,7 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
         check_example_call(model, example_inputs, example_targets, loss_fn)
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
+    microbatches = _batch_norm_microbatches(graph, batch_norm, microbatches)
     # the pipeline search (stages, submeshes, microbatches, schedule, recompute, ZeRO) and
     # the single-stage intra-op ILP compete under one cost model (planner/hybrid); raises
     # MemoryLimitError (with min_memory_gib) when nothing fits
@@ -177,7 +186,23 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
         plan = replace(plan_auto(graph, mesh, engine=plan.engine, **kw), engine_note=note)
     _check_model_rules(plan, model)
     _check_loss_rule(plan, model, loss_fn, example_targets, loss_reduction)
+    plan = replace(plan, training=replace(plan.training, batch_norm=batch_norm))
     return replace(plan, wall_time_s=time.perf_counter() - start)
+
+
+def _batch_norm_microbatches(graph: OpGraph, batch_norm: str,
+                             microbatches: Sequence[int] | None) -> Sequence[int] | None:
+    """The microbatch counts the search may try: one for a model with BatchNorm normalising
+    the whole batch (the rows one process normalises together), else ``microbatches``."""
+    if batch_norm != BatchNormStats.BATCH or not has_batch_norm(graph):
+        return microbatches
+    if microbatches and any(m != 1 for m in microbatches):
+        raise PlanningError(f"microbatches={tuple(microbatches)} with a BatchNorm model: each "
+                            "microbatch would be normalised alone, not the whole batch one "
+                            "process normalises; drop microbatches=, or pass "
+                            "batch_norm='microbatch' to normalise each microbatch as gradient "
+                            "accumulation does")
+    return (1,)
 
 
 def _engine_to_price(model: nn.Module | None, mesh: Mesh, dtype: str, engine: str) -> str:
@@ -201,15 +226,23 @@ def _engine_to_price(model: nn.Module | None, mesh: Mesh, dtype: str, engine: st
 
 def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 example_targets: Sequence[torch.Tensor] | torch.Tensor = (),
-                dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, microbatch_size: int = 1,
+                dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1,
+                microbatch_size: int | None = None,
                 schedule: str = Schedule.ONE_F_ONE_B, virtual_stages: int = 1,
                 recompute: str = Recompute.NONE,
                 sequence_parallel: bool = False, zero: int = 0, dtype: str | None = None,
                 optimizer: str = "adam", loss_fn: Callable | None = None,
                 model_name: str = "", graph: OpGraph | None = None,
                 engine: str = "auto", stage_layers: Sequence[int] = (),
-                loss_reduction: str = LossReduction.MEAN) -> Plan:
+                loss_reduction: str = LossReduction.MEAN,
+                batch_norm: str = BatchNormStats.BATCH) -> Plan:
     """A Megatron-style plan written by hand (dp x cp x tp x pp devices), estimated.
+
+    ``microbatch_size``: rows per microbatch per data-parallel rank; None: 1, or for a model
+    with BatchNorm all of the rank's rows (one microbatch: BatchNorm normalises the rows
+    one process normalises together). ``batch_norm="microbatch"`` lets a BatchNorm model's
+    batch be cut into microbatches, each normalised alone (as gradient accumulation does);
+    with "batch" (the default) a plan with several microbatches is refused.
 
     ``stage_layers``: repeated blocks per pipeline chunk, in chunk order (pp x
     virtual_stages counts, e.g. a stack's own split); empty: near-equal chunks
@@ -232,12 +265,26 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
         check_example_call(model, example_inputs, example_targets, loss_fn)
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
                       model_name=model_name or type(model).__name__)
+    check_batch_norm_stats(batch_norm, PlanningError)
+    whole = batch_norm == BatchNormStats.BATCH and has_batch_norm(graph)
+    if microbatch_size is None:  # one microbatch per rank when BatchNorm needs the whole batch
+        microbatch_size = max(1, graph.inputs[0][1].shape[0] // max(dp, 1)) if whole else 1
+    if whole and pp > 1 and schedule != Schedule.GPIPE:
+        raise PlanningError(f"pp={pp} with schedule {schedule!r} and a BatchNorm model: the "
+                            "schedule needs a microbatch per stage, and each microbatch would "
+                            "be normalised alone, not the whole batch one process normalises; "
+                            "use schedule='gpipe' (the whole batch as one microbatch), or pass "
+                            "batch_norm='microbatch' to normalise each microbatch as gradient "
+                            "accumulation does")
     plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer,
                              vocab_parallel_cp=engine in STACKS,
                              stage_layers=stage_layers)
+    plan = replace(plan, training=replace(plan.training, batch_norm=batch_norm))
+    for why in batch_norm_rule(plan, whole):
+        raise PlanningError(why)
     if engine in STACKS:
         return priced_for_stack(plan, graph, engine, model)
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is

@@ -20,7 +20,7 @@ from meshplan.errors import PlanFileError
 from meshplan.placements import shard_dim
 from meshplan.schedules import SCHEDULES, Schedule
 from meshplan.schema import validate_schema
-from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Engine, Recompute, plain
+from meshplan.vocabulary import RECOMPUTE, BatchNormStats, ComputeDtype, Engine, Recompute, plain
 
 SCHEMA_VERSION = "meshplan.plan/v1"
 
@@ -154,9 +154,12 @@ class TrainingConfig:
     # the repeated blocks run under torch.compile (parallelize(..., compile=True) on the
     # module engine, torchtitan's compile.enable): priced so (costmodel/fusion.py)
     compiled: bool = False
+    # the rows a BatchNorm normalises together (vocabulary.BatchNormStats): "batch", the
+    # global batch (one microbatch), or "microbatch", each microbatch (the user's opt-in)
+    batch_norm: str = BatchNormStats.BATCH
 
     def __post_init__(self):
-        _hold_plain(self, "dtype", "schedule")
+        _hold_plain(self, "dtype", "schedule", "batch_norm")
 
 
 @dataclass(frozen=True, slots=True)

@@ -632,14 +632,15 @@ _blocks_per_chunk.__name__ = "blocks per pipeline chunk, e.g. 8/9/8/7"
 
 
 def parse_manual_spec(text: str) -> dict:
-    """dp=2,tp=2,pp=1,cp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0,split=3/2 ->
-    manual_plan kwargs (split: ``stage_layers``, blocks per chunk)."""
+    """dp=2,tp=2,pp=1,cp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0,split=3/2,
+    bn=microbatch -> manual_plan kwargs (split: ``stage_layers``, blocks per chunk; bn:
+    ``batch_norm``, BatchNorm's statistics per step's batch or per microbatch)."""
     keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "cp": ("cp", int),
             "mb": ("microbatch_size", int),
             "schedule": ("schedule", str), "recompute": ("recompute", str),
             "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),
             "zero": ("zero", int), "vs": ("virtual_stages", int), "dtype": ("dtype", str),
-            "split": ("stage_layers", _blocks_per_chunk)}
+            "split": ("stage_layers", _blocks_per_chunk), "bn": ("batch_norm", str)}
     out = {}
     for item in filter(None, text.split(",")):
         key, sep, value = item.partition("=")

@@ -18,9 +18,10 @@ from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.placements import shard
-from meshplan.vocabulary import (ENGINE_DTYPES, ENGINES, EXPORT_TARGET, LOSS_REDUCTIONS,
-                                 PRICED_ONLY_DTYPES, TRAINED_DTYPES, ComputeDtype, Engine,
-                                 LossReduction, Recompute)
+from meshplan.vocabulary import (BATCH_NORM_STATS, ENGINE_DTYPES, ENGINES, EXPORT_TARGET,
+                                 LOSS_REDUCTIONS, PRICED_ONLY_DTYPES, TRAINED_DTYPES,
+                                 BatchNormStats, ComputeDtype, Engine, LossReduction,
+                                 Recompute)
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
@@ -259,9 +260,11 @@ GRAPH_ONLY = (
      "so a plan's loss equals one process whatever the layout"),
     ("fp16 (loss scaling)",
      "the module engine trains fp32 and bf16; fp16 needs a loss scaler in the step"),
-    ("BatchNorm (running statistics) split over data-parallel ranks or pipeline stages",
-     "fully_shard normalises each rank's rows; SyncBatchNorm rejects CPU tensors; the graph "
-     "engine computes the global batch's statistics (DECISIONS 18)"),
+    ("BatchNorm (running statistics) split over tensor- or context-parallel ranks or "
+     "pipeline stages",
+     "the module engine synchronises BatchNorm over data-parallel ranks only "
+     "(runtime/sync_batchnorm.py; torch's SyncBatchNorm has no CPU kernels); the graph "
+     "engine computes the global batch's statistics under any layout (DECISIONS 18)"),
     ("pipelines whose stages are not one block stack, or share a weight across stages",
      "torch.distributed.pipelining stage modules are copies of the model with other stages' "
      "blocks removed: a tied embedding/head on two stages has no owner there"),
@@ -380,6 +383,42 @@ def interleaved_split_rule(plan: Plan) -> tuple[str, ...]:
                     f"{st.layers[1]}) ({held}); the runtime gives each of the {pp} rank groups "
                     f"{want} of the {blocks} blocks; cut the stages evenly or re-plan",)
     return ()
+
+
+# aten operators whose statistics are those of the rows they see together (the batch, and
+# the spatial or sequence positions); planner/strategies.py runs them replicated
+BATCH_STATISTICS_OPS = ("batch_norm", "native_batch_norm",
+                        "_native_batch_norm_legit_functional", "_native_batch_norm_legit")
+
+
+def has_batch_norm(graph) -> bool:
+    """Whether the traced training graph normalises over its batch (BatchNorm in training)."""
+    return any(n.target.rsplit(".", 1)[0].removeprefix("aten.") in BATCH_STATISTICS_OPS
+               for n in graph.nodes)
+
+
+def check_batch_norm_stats(value: str, error: type = NotSupportedError) -> None:
+    if value not in BATCH_NORM_STATS:
+        raise error(f"batch_norm={value!r} is not one of {', '.join(BATCH_NORM_STATS)}: "
+                    "'batch' normalises each step's whole batch, as one process does")
+
+
+def batch_norm_rule(plan: Plan, batch_norm: bool) -> tuple[str, ...]:
+    """A model with BatchNorm (``batch_norm``) normalises the step's whole batch, as the
+    user's one process does, unless the plan opts into per-microbatch statistics
+    (``training.batch_norm == "microbatch"``): microbatches would cut the rows that are
+    normalised together, silently (issue 42: manual_plan(dp=2) at its default microbatch
+    size trained 0.014 off one process)."""
+    t = plan.training
+    if not batch_norm or t.batch_norm != BatchNormStats.BATCH or t.microbatches <= 1:
+        return ()
+    rows = t.global_batch // data_parallel_degree(plan)
+    return (f"the model has BatchNorm and the plan cuts each step's batch into "
+            f"{t.microbatches} microbatches, so each microbatch would be normalised alone, "
+            f"not the {t.global_batch} rows one process normalises together; use one "
+            f"microbatch (microbatch_size={rows} rows per data-parallel rank), or pass "
+            "batch_norm='microbatch' to normalise each microbatch as gradient accumulation "
+            "over the same microbatches does",)
 
 
 def plan_problems(plan: Plan) -> tuple[str, ...]:

@@ -40,6 +40,20 @@ class Recompute(PlanName):
 RECOMPUTE = tuple(r.value for r in Recompute)  # ("none", "selective", "full")
 
 
+class BatchNormStats(PlanName):
+    """Which rows a BatchNorm normalises together in training, ``TrainingConfig.batch_norm``:
+    ``batch`` the step's whole global batch, as one process normalising it (the plan then
+    has one microbatch; dp ranks share their statistics, SyncBatchNorm's semantics);
+    ``microbatch`` each global microbatch alone, as one process accumulating gradients over
+    the same microbatches (a choice the user makes: the plan may then cut the batch)."""
+
+    BATCH = "batch"
+    MICROBATCH = "microbatch"
+
+
+BATCH_NORM_STATS = tuple(b.value for b in BatchNormStats)  # ("batch", "microbatch")
+
+
 class Engine(PlanName):
     """meshplan's own runtimes, ``Plan.engine``: ``modules`` runs PyTorch's composables on
     the user's modules (runtime/modules.py, runtime/module_pipeline.py); ``graph`` interprets

@@ -533,12 +533,18 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
         if PARTIAL in placements:
             return f"{fqn} is stored Partial ({placements}); no composable stores a partial weight"
     norm = next((n for n, m in model.named_modules()
-                 if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))), None)
-    if norm is not None and dp is not None and stage.mesh_shape[dp] > 1:
-        return (f"{norm} is a BatchNorm and the batch is split over {stage.mesh_shape[dp]} "
-                "data-parallel ranks: under fully_shard each rank would normalise its own rows, "
-                "while the plan means statistics over the whole microbatch (DECISIONS 18; the "
-                "graph engine computes those)")
+                 if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
+    split = [stage.axis_names[a] for a in range(len(stage.mesh_shape))
+             if a != dp and stage.mesh_shape[a] > 1]
+    if norm is not None and split:
+        # over dp the module engine synchronises BatchNorm (runtime/sync_batchnorm.py); a
+        # tensor- or context-parallel rank's activations are shards it would normalise alone
+        return (f"{norm} is a BatchNorm and the plan splits the {'/'.join(split)} axis; the "
+                "module engine synchronises BatchNorm over data-parallel ranks only (the "
+                "graph engine normalises the global batch under any layout)")
+    if norm is not None and stage.recompute != Recompute.NONE:
+        return (f"{norm} is a BatchNorm and recompute={stage.recompute}: the recomputed forward "
+                "would update its running statistics a second time; use recompute='none'")
     blocks, num = find_repeated_blocks(model)
     if stage.recompute != Recompute.NONE and not num:
         return (f"recompute={stage.recompute} wraps each repeated block, but the model has no "

@@ -38,7 +38,7 @@ from meshplan import support
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.runtime import cp_modules
 from meshplan.plan import Plan
-from meshplan.runtime import fused_parts, loss_weights, state
+from meshplan.runtime import fused_parts, loss_weights, state, sync_batchnorm
 from meshplan.tracing import find_repeated_blocks, next_token_loss
 from meshplan.vocabulary import Engine as EngineName, LossReduction, Recompute
 from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
@@ -324,6 +324,8 @@ class ModuleEngine(ModuleEngineBase):
             fused_parts.install(hooked, self.mesh[stage.axis_names[tp]])
         if on_meta:  # only the local shards get memory; weights come from load/init_weights
             to_empty_keeping_ties(model, self.device)
+        if self.dp_size > 1:  # BatchNorm normalises the rows of every dp rank, as one process
+            sync_batchnorm.synchronize(model, self.mesh[self.dp_axis].get_group())
         compute = COMPUTE_DTYPES[plan.training.dtype]
         # FSDP's MixedPrecisionPolicy casts the weights; without FSDP autocast does
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=compute)) \

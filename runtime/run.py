@@ -34,7 +34,7 @@ from meshplan.runtime import loss_weights, state
 from meshplan.runtime.engine import (TENSOR_DTYPES, DataError, collective_device,  # noqa: F401
                                      data_parallel_coordinate, input_placements, plan_call,
                                      split_over_dp)  # re-exported: the worker, meshplan
-from meshplan.support import loss_reduction_rule, stack_refusal
+from meshplan.support import batch_norm_rule, loss_reduction_rule, stack_refusal
 from meshplan.tracing import flatten_call, unflatten_call
 from meshplan.vocabulary import ENGINES, Engine, LossReduction
 
@@ -313,6 +313,9 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     why = loss_reduction_rule(plan, loss_reduction, loss_fn is not None, engine)
     if why:
         raise NotSupportedError(why[0])
+    from meshplan.runtime.sync_batchnorm import batch_norms
+    for why in batch_norm_rule(plan, bool(batch_norms(model))):  # a plan file made without it
+        raise PlanFileError(f"plan cannot run this model: {why}")
     from meshplan.runtime.graph.parallelize import meta_copy
 
     uninitialized = {name for name, t in list(model.named_parameters(remove_duplicate=False))

@@ -146,8 +146,11 @@ def plan_for(ex: dict, model: nn.Module) -> meshplan.Plan:
     text = [None]
     if dist.get_rank() == 0:
         mesh = meshplan.Mesh.local(dist.get_world_size())
+        # its one-process reference accumulates over the plan's microbatches, each normalised
+        # alone: the per-microbatch statistics a user opts into (tests/test_batchnorm_user.py
+        # checks the default, the whole batch)
         common = dict(example_inputs=(x.to("meta"),), example_targets=(y.to("meta"),),
-                      loss_fn=loss_fn)
+                      loss_fn=loss_fn, batch_norm="microbatch" if ex["bn"] else "batch")
         try:
             if ex["plan"] == "auto":
                 # BatchNorm normalises each microbatch; over fewer than 4 rows its gradients

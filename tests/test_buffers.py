@@ -82,15 +82,17 @@ MODELS = {"convnet": (ConvNet, (3, 4, 4)), "mlp": (MLP, (16,))}
 # case -> (model, plan source, manual_plan options); microbatch_size is per dp rank
 CASES = {
     "convnet/dp4": ("convnet", "manual", dict(dp=4, microbatch_size=2)),
-    "convnet/dp4-mb2": ("convnet", "manual", dict(dp=4, microbatch_size=1)),
+    "convnet/dp4-mb2": ("convnet", "manual", dict(dp=4, microbatch_size=1,
+                                                   batch_norm="microbatch")),
     "convnet/zero3": ("convnet", "manual", dict(dp=4, microbatch_size=2, zero=3)),
     "convnet/pp2-1f1b": ("convnet", "manual", dict(dp=2, pp=2, microbatch_size=2,
-                                                    schedule="1f1b")),
+                                                    schedule="1f1b", batch_norm="microbatch")),
     "convnet/auto": ("convnet", "auto", {}),
     "mlp/dp4": ("mlp", "manual", dict(dp=4, microbatch_size=2)),
     "mlp/dp2-tp2": ("mlp", "manual", dict(dp=2, tp=2, microbatch_size=4)),
     "mlp/zero3": ("mlp", "manual", dict(dp=4, microbatch_size=2, zero=3)),
-    "mlp/pp2-1f1b": ("mlp", "manual", dict(dp=2, pp=2, microbatch_size=2, schedule="1f1b")),
+    "mlp/pp2-1f1b": ("mlp", "manual", dict(dp=2, pp=2, microbatch_size=2, schedule="1f1b",
+                                           batch_norm="microbatch")),
 }
 CHECKPOINTED = ("convnet/dp4", "convnet/pp2-1f1b")
 

@@ -284,10 +284,11 @@ if __name__ == "__main__":
     worker(sys.argv[1])
 
 
-def test_batchnorm_over_a_split_batch_is_refused():
-    """BatchNorm under data parallelism: fully_shard would normalise each rank's rows, the
-    plan means the whole microbatch's statistics, so the plan goes to the graph engine; on
-    one data-parallel rank the module engine runs it."""
+def test_batchnorm_beyond_data_parallel_is_refused():
+    """BatchNorm under data parallelism runs on the module engine, synchronised over the dp
+    ranks (runtime/sync_batchnorm.py; trained in tests/test_batchnorm_user.py); split over
+    tensor-parallel ranks it goes to the graph engine; on one rank the module engine runs
+    it."""
     from meshplan.runtime.modules import module_engine_refusal
 
     with torch.device("meta"):
@@ -295,8 +296,10 @@ def test_batchnorm_over_a_split_batch_is_refused():
     x, y = torch.zeros(8, 4, device="meta"), torch.zeros(8, dtype=torch.long, device="meta")
     kw = dict(example_targets=(y,), loss_fn=nn.functional.cross_entropy)
     plan = meshplan.manual_plan(model, meshplan.Mesh.local(2), (x,), dp=2, **kw)
-    why = module_engine_refusal(plan, model)
-    assert why is not None and "1 is a BatchNorm" in why and "2 data-parallel ranks" in why
-    assert plan.engine == "graph"
+    assert module_engine_refusal(plan, model) is None and plan.engine == "modules"
+    tp = meshplan.manual_plan(model, meshplan.Mesh.local(2), (x,), tp=2, **kw)
+    why = module_engine_refusal(tp, model)
+    assert why is not None and "1 is a BatchNorm and the plan splits the tp axis" in why
+    assert tp.engine == "graph"
     one = meshplan.manual_plan(model, meshplan.Mesh.local(1), (x,), **kw)
     assert module_engine_refusal(one, model) is None and one.engine == "modules"

@@ -135,7 +135,8 @@ def test_running_statistics_refused_fp16_pipelines_refused_bf16_taken(meta, grap
     plan = meshplan.manual_plan(model, meshplan.Mesh.local(4),
                                 example_inputs=(torch.zeros(16, 8, device="meta"),),
                                 example_targets=(torch.zeros(16, 4, device="meta"),),
-                                loss_fn=nn.functional.mse_loss, dp=2, pp=2, microbatch_size=4)
+                                loss_fn=nn.functional.mse_loss, dp=2, pp=2, microbatch_size=4,
+                                batch_norm="microbatch")
     assert plan.engine == "graph" and "running statistics" in plan.engine_note
     bf16 = plan_for(meta, graph, dp=2, pp=2, dtype="bf16")
     assert bf16.engine == "modules", bf16.engine_note

@@ -52,7 +52,8 @@ CASES = {
     "mlp-dp2xpp2-graph": ("mlp", dict(dp=2, pp=2), "graph", False),
     # the module engine refuses dropout (its masks are drawn per shard): a plain MLP there
     "mlp-plain-dp2xpp2-modules": ("mlp-plain", dict(dp=2, pp=2), "modules", True),
-    "mlp-batchnorm-dp2xpp2-graph": ("mlp-bn", dict(dp=2, pp=2), "graph", False),
+    "mlp-batchnorm-dp2xpp2-graph": ("mlp-bn", dict(dp=2, pp=2, batch_norm="microbatch"),
+                                    "graph", False),
 }
 
 
