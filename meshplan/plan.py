@@ -144,6 +144,10 @@ class TrainingConfig:
     # the repeated blocks run under torch.compile (parallelize(..., compile=True) on the
     # module engine, torchtitan's compile.enable): priced so (costmodel/fusion.py)
     compiled: bool = False
+    # under dtype "fp8": the scaling recipe priced (costmodel/fp8.py PUBLIC_RECIPES:
+    # "tensorwise", "tensorwise-fp8-all-gather", "rowwise"); "" (and absent in files
+    # written before it): the recipe of the engine the plan is priced for
+    fp8_recipe: str = ""
 
     def __post_init__(self):
         _hold_plain(self, "dtype", "schedule")
@@ -250,6 +254,8 @@ class Plan:
         for f in fields(self):
             if f.name not in _NOT_SERIALIZED:
                 out[f.name] = _as_data(getattr(self, f.name))
+        if not self.training.fp8_recipe:  # written only where it says something
+            out["training"].pop("fp8_recipe")
         return json.loads(json.dumps(out))  # JSON-native: tuples become lists
 
     def to_json_text(self) -> str:
