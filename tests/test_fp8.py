@@ -336,3 +336,21 @@ def test_fp8_recipe_is_recorded_and_checked_in_one_line(tiny_llama_h100, tmp_pat
     with pytest.raises(PlanningError, match="prices no fp8 GEMMs") as err:
         meshplan.manual_plan(model, a100, dtype="fp8", fp8_recipe="tensorwise", **kw)
     assert "\n" not in str(err.value)
+
+
+def test_torchtitan_export_writes_the_plans_fp8_recipe():
+    """torchtitan's float8 section says the priced recipe: rowwise as ``recipe_name``, fp8
+    all-gather on only where the recipe gathers in fp8; the default recipe reads back."""
+    from meshplan.stacks import StackLayout, arch_of_spec
+    from meshplan.stacks.torchtitan import from_torchtitan, to_torchtitan
+
+    arch = arch_of_spec("llama3.1-8b")
+    base = StackLayout(dp=8, global_batch=16, seq_len=8192, zero=3, dtype="fp8",
+                       compiled=True)
+    text = {r: to_torchtitan(dataclasses.replace(base, fp8_recipe=r), arch)
+            for r in ("", "tensorwise", "rowwise")}
+    assert "enable_fsdp_float8_all_gather = true" in text[""]
+    assert "enable_fsdp_float8_all_gather = false" in text["tensorwise"]
+    assert 'recipe_name = "rowwise"' in text["rowwise"]
+    assert "enable_fsdp_float8_all_gather = false" in text["rowwise"]
+    assert from_torchtitan(text[""], devices=8)[0] == base

@@ -197,10 +197,12 @@ def to_torchtitan(layout: StackLayout, arch: ModelArch) -> str:
         | ({"selective_ac_option": "op"} if L.recompute == Recompute.SELECTIVE else {}),
         "compile": {"enable": L.compiled, "components": ["model", "loss"]},
     }
-    if L.dtype == ComputeDtype.FP8:
-        sections["quantize.linear.float8"] = {
-            "enable_fsdp_float8_all_gather": True,
-            "precompute_float8_dynamic_scale_for_fsdp": True, "filter_fqns": ["output"]}
+    if L.dtype == ComputeDtype.FP8:  # the plan's recipe (costmodel/fp8.py TORCHAO_RECIPES)
+        gather = L.fp8_recipe in ("", "tensorwise-fp8-all-gather")
+        sections["quantize.linear.float8"] = (
+            {"recipe_name": "rowwise"} if L.fp8_recipe == "rowwise" else {}) | {
+            "enable_fsdp_float8_all_gather": gather,
+            "precompute_float8_dynamic_scale_for_fsdp": gather, "filter_fqns": ["output"]}
     lines = [f"# torchtitan {TORCHTITAN_VERSION} job config written by meshplan "
              f"({L.devices} devices: torchrun --nproc_per_node ... -m torchtitan.train "
              "--job.config_file THIS_FILE).",
