@@ -12,7 +12,7 @@ bf16/fp32: meshplan/support.py refuses ``dtype 'fp8'`` for them). A plan with
   H100/H200 SXM = 2 x bf16) times the fp8 GEMM curve of the recipe's scaling
   (``DeviceSpec.fp8_gemm_efficiency``: measured fractions, sources in the preset);
 - attention, norms, elementwise work, the embedding and the output head, the optimizer
-  and the communication stay as under bf16 (``compute.DTYPE_BYTES["fp8"]`` = 2, fp32
+  and the communication stay as under bf16 (but for the fp8 gathers below) (``compute.DTYPE_BYTES["fp8"]`` = 2, fp32
   master weights and gradients: ``memory.state_bytes_per_param``);
 - dynamic scaling: every GEMM input the recipe casts takes an amax reduction, then a
   scale-and-cast pass, memory-bound kernels priced at the device's memory bandwidth
@@ -43,6 +43,17 @@ torch.compile fuses it (an amax reduction, then one scale-and-cast kernel),
 (benchmarks/results/gpu_check.md, "fp8 e4m3 GEMM", 8192^3 tensorwise): 1,213 TFLOP/s
 for the GEMM alone, 621 with the eager cast and amax of both inputs before it; this model
 prices that case at 719 (``tests/test_fp8.py`` pins the model's side, not the measurement).
+
+Tensor parallelism (issue 43): casts and amaxes are memory-bound kernels on the bytes each
+rank holds when they run (``held_elements``). torchao's tensorwise recipe under TP
+(``Float8ColwiseParallel`` / ``Float8RowwiseParallel``, which torchtitan applies to
+tensorwise only; torchtitan docs/float8.md: "float8 all-gather ... for TP (by default for
+Float8Linear)") casts a block linear's input on its sequence shard and all-gathers it at 1
+byte per element, casts a row-parallel output's gradient on its shard before the backward's
+fp8 all-gather, and hands the linear its input and dy already cast (``tp_backward_casts``);
+each tensorwise amax of a TP-sharded tensor is a scalar all-reduce on NCCL's LL protocol
+(``amax_all_reduce_s``). Rowwise runs plain ColwiseParallel / RowwiseParallel: bf16 gathers,
+casts after them. Transformer Engine's recipe keeps bf16 TP communication here.
 
 fp8 all-gather (``RuntimeModel.fp8_all_gather``, torchtitan's
 ``enable_fsdp_float8_all_gather`` with ``precompute_float8_dynamic_scale_for_fsdp``): the
