@@ -354,3 +354,23 @@ def test_torchtitan_export_writes_the_plans_fp8_recipe():
     assert 'recipe_name = "rowwise"' in text["rowwise"]
     assert "enable_fsdp_float8_all_gather = false" in text["rowwise"]
     assert from_torchtitan(text[""], devices=8)[0] == base
+
+
+def test_cli_fp8_recipe_is_written_and_refused_in_one_line(tmp_path, capsys):
+    from meshplan.cli import main
+
+    model = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
+             "&num_attention_heads=4&num_key_value_heads=2&vocab_size=256")
+    common = ["--model", model, "--batch", "8", "--seq", "32", "--manual",
+              "dp=4,tp=2,sp=1,zero=3", "--engine", "torchtitan", "--dtype", "fp8"]
+    out = tmp_path / "plan.json"
+    assert main(["plan", *common, "--mesh", "dgx-h100", "--fp8-recipe", "rowwise",
+                 "-o", str(out)]) == 0
+    assert Plan.from_json(out).training.fp8_recipe == "rowwise"
+    capsys.readouterr()
+    assert main(["plan", *common, "--mesh", "dgx-a100-80gb", "--fp8-recipe", "tensorwise"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "prices no fp8 GEMMs" in err and "\n" not in err
+    assert main(["estimate", "--model", model, "--batch", "8", "--seq", "32", "--mesh",
+                 "dgx-h100", "--dtype", "fp8", "--fp8-recipe", "rowwise"]) == 2
+    assert "needs --manual" in capsys.readouterr().err
