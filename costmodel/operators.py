@@ -24,7 +24,7 @@ from meshplan.costmodel.runtime_profiles import RuntimeModel
 from meshplan.costmodel.stage_layout import (_bytes, _feeds_split, _placements, reshard_collectives,
                                              split_factor)
 from meshplan.graph import OpGraph, OpKind
-from meshplan.placements import REPLICATE
+from meshplan.placements import PARTIAL, REPLICATE
 from meshplan.plan import Stage
 from meshplan.vocabulary import Recompute
 
@@ -219,6 +219,7 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
         unbuilt = mask_builders(graph)
         names = [n for n in names if n not in unbuilt]
     fused = fused_by_member(graph, names) if compiled else {}  # torch.compile's kernels
+    reads = first_reads(stage, graph) if fp8 is not None else {}
     for name in names:
         node = graph.node(name)
         op = stage.ops[name]
@@ -232,9 +233,18 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
                               kernels=kernels, attention=attention, fp8=fp8,
                               causal=causal_attention(node, graph, masks,
                                                        cp_composable or cp_ax is None),
-                              kv_chunks=ring_kv_chunks(node, op, shape, cp_ax, cp_composable))
+                              kv_chunks=ring_kv_chunks(node, op, shape, cp_ax, cp_composable),
+                              x_src=_x_src(node, w8, graph, placement), out_read=reads.get(name))
             if tkey is not None:
                 times[tkey] = t
+        if w8 is not None and tp_ax is not None:  # tensorwise amax of TP-sharded casts
+            af, ab = _amax_s(node, op, graph, shape, m, w8, fp8, tp_ax, coll, placement, reads)
+            comm_fwd += af
+            comm_layers_fwd += af
+            tp_fwd += af
+            tp_layers_fwd += af
+            comm_bwd += ab
+            tp_bwd += ab
         fwd += t.forward_s
         bwd += t.backward_s
         if node.layer >= 0:
@@ -276,7 +286,9 @@ def _operator_pass(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str
             for axis, tf, tb in input_collectives(
                     coll, shape, nbytes, src, op.inputs[i], op.output,
                     grad=src_name in needs_grad, cp_ax=cp_ax, cp_composable=cp_composable,
-                    feeds_split=name in feeds_split):
+                    feeds_split=name in feeds_split,
+                    fp8_axis=tp_ax, fp8_gathers=fp8_model.tp_gathers_in_fp8(
+                        node, src_name, graph, fp8)):
                 on_tp = axis == tp_ax and node.layer >= 0
                 comm_fwd += tf
                 comm_layers_fwd += tf if node.layer >= 0 else 0.0
@@ -324,15 +336,62 @@ def ring_kv_chunks(node, op, shape: tuple[int, ...], cp_ax: int | None,
     return shape[cp_ax]
 
 
+def first_reads(stage: Stage, graph: OpGraph) -> dict:
+    """The placement each value of ``stage`` is read in by its first consumer in the stage
+    (a row-parallel linear's partial output: the sequence shard its reduce-scatter gives
+    under sequence parallelism, or whole after an all-reduce)."""
+    reads: dict[str, tuple[str, ...]] = {}
+    for name, op in stage.ops.items():
+        for k, src in enumerate(graph.node(name).inputs):
+            if k < len(op.inputs) and src not in graph.param_map:
+                reads.setdefault(src, op.inputs[k])
+    return reads
+
+
+def _x_src(node, w8: int | None, graph: OpGraph, placement: dict):
+    """The placement a block linear's activation input is produced in (None: not one)."""
+    if w8 is None:
+        return None
+    for k, name in enumerate(node.inputs):
+        if k != w8 and name not in graph.param_map:
+            return placement.get(name)
+    return None
+
+
+def _sharded(pl, axis: int) -> bool:
+    return pl is not None and pl[axis] not in (REPLICATE, PARTIAL)
+
+
+def _amax_s(node, op, graph: OpGraph, shape, m: int, w8: int, fp8, tp_ax: int, coll,
+            placement: dict, reads: dict) -> tuple[float, float]:
+    """(forward, backward) seconds of a block linear's tensorwise amax all-reduces over the
+    TP axis in one microbatch (``fp8.amax_all_reduces``): latency-bound scalars."""
+    if shape[tp_ax] == 1:
+        return 0.0, 0.0
+    x_src = _x_src(node, w8, graph, placement)
+    xi = next((k for k, n in enumerate(node.inputs) if k != w8 and n not in graph.param_map),
+              None)
+    x_pl = x_src if x_src is not None and PARTIAL not in x_src else \
+        (op.inputs[xi] if xi is not None and xi < len(op.inputs) else None)
+    sharded = {"x": _sharded(x_pl, tp_ax), "w": _sharded(op.inputs[w8], tp_ax),
+               "dy": _sharded(op.output, tp_ax) or _sharded(reads.get(node.name), tp_ax)}
+    nf, nb = fp8_model.amax_all_reduces(fp8, sharded)
+    a = fp8_model.amax_all_reduce_s(coll, tp_ax, shape[tp_ax]) if nf or nb else 0.0
+    return nf * a, nb * a
+
+
 def operator_time(node, op, graph: OpGraph, hw: HardwareProfile, dtype: str,
                   shape: tuple[int, ...], m: int, contention: float, *, group=None,
                   kernels: dict | None = None, attention: str = "flash", fp8=None,
-                  causal: bool = False, kv_chunks: int = 1) -> OpTime:
+                  causal: bool = False, kv_chunks: int = 1, x_src=None,
+                  out_read=None) -> OpTime:
     """Forward and backward seconds of one operator placed as ``op`` (an OpPlacement) for
     one of ``m`` microbatches: fp8 GEMMs, a fused group (priced at its lead), eager kernels,
     materialized attention or ``compute.op_time``, plus the eager extras (autocast's casts,
     ``.grad`` sums) of a compute-bound operator. The operator walk below and the intra-op
-    ILP (planner/pricing.py) both price operators with it."""
+    ILP (planner/pricing.py) both price operators with it. ``x_src``, ``out_read``: the
+    placement a block linear's input is produced in and the one its output is first read
+    in, where the fp8 recipe casts before a gather (``fp8.held_elements``)."""
     name = node.name
     shard = split_factor(op.output, shape) * m
     w8 = fp8_model.fp8_weight_input(node, graph) if fp8 is not None else None
@@ -340,7 +399,9 @@ def operator_time(node, op, graph: OpGraph, hw: HardwareProfile, dtype: str,
         t = fp8_model.linear_time(
             node, hw, fp8, shard=shard,
             weight_numel=graph.param_map[node.inputs[w8]].numel
-            / split_factor(op.inputs[w8], shape), contention=contention, microbatches=m)
+            / split_factor(op.inputs[w8], shape), contention=contention, microbatches=m,
+            held=fp8_model.held_elements(node, op, graph, shape, m, w8, fp8, x_src, out_read),
+            tensor_parallel=split_factor(op.inputs[w8], shape) > 1)
     elif group is not None:  # priced once, at its first fusible operator
         t = fused_time(group, hw, dtype, shard, contention=contention) \
             if name == group.lead else OpTime(0.0, 0.0)
@@ -364,13 +425,17 @@ def operator_time(node, op, graph: OpGraph, hw: HardwareProfile, dtype: str,
 def input_collectives(coll, shape: tuple[int, ...], nbytes: float, src: tuple[str, ...],
                       dst: tuple[str, ...], out: tuple[str, ...], *, grad: bool,
                       cp_ax: int | None = None, cp_composable: bool = False,
-                      feeds_split: bool = False) -> list[tuple[int, float, float]]:
+                      feeds_split: bool = False, fp8_axis: int | None = None,
+                      fp8_gathers: tuple[bool, bool] = (False, False)
+                      ) -> list[tuple[int, float, float]]:
     """(axis, forward s, backward s) of the collectives that give an operator with output
     placement ``out`` its input of ``nbytes`` (one microbatch, global) produced as ``src``
     and read as ``dst``: the redistribution (``reshard_collectives``) and, for an input read
     whole by an operator split on the axis, the all-reduce of its partial gradient
     (Megatron's f/g). ``feeds_split``: the consumer's replicated output reaches a cp-split
-    operator (``_feeds_split``)."""
+    operator (``_feeds_split``). ``fp8_gathers``: (forward, backward) all-gathers on
+    ``fp8_axis`` that move 1 byte per element where ``nbytes`` counts 2
+    (``fp8.tp_gathers_in_fp8``)."""
     out_list = []
     for axis in range(len(shape)):
         if shape[axis] == 1:
@@ -381,8 +446,12 @@ def input_collectives(coll, shape: tuple[int, ...], nbytes: float, src: tuple[st
             gathered_kv = feeds_split or (out and out[axis] != REPLICATE)
             b = None if not gathered_kv else \
                 Collective.REDUCE_SCATTER if cp_composable else Collective.ALL_REDUCE
-        tf = coll(f, buf, axis) if f else 0.0
-        tb = coll(b, buf, axis) if b else 0.0
+        wire_f = 0.5 if fp8_gathers[0] and axis == fp8_axis and f == Collective.ALL_GATHER \
+            else 1.0
+        wire_b = 0.5 if fp8_gathers[1] and axis == fp8_axis and b == Collective.ALL_GATHER \
+            else 1.0
+        tf = coll(f, buf * wire_f, axis) if f else 0.0
+        tb = coll(b, buf * wire_b, axis) if b else 0.0
         if grad and dst[axis] == REPLICATE and out and out[axis] != REPLICATE \
                 and src[axis] == REPLICATE and axis != cp_ax:
             tb += coll(Collective.ALL_REDUCE, buf, axis)
@@ -424,7 +493,8 @@ class OperatorPricer:
                           causal=causal_attention(node, self.graph, self.masks,
                                                    self.runtime.cp_composable or cp_ax is None),
                           kv_chunks=ring_kv_chunks(node, op, self.stage.mesh_shape, cp_ax,
-                                                   self.runtime.cp_composable))
+                                                   self.runtime.cp_composable),
+                          **self._fp8_held(node))
         rec = self.stage.recompute
         param_mm = node.kind == OpKind.MATMUL and any(i in self.graph.param_map
                                                        for i in node.inputs)
@@ -436,6 +506,14 @@ class OperatorPricer:
             sel = not param_mm
         again = node.layer >= 0 and (rec == Recompute.FULL or rec == Recompute.SELECTIVE and sel)
         return t.total_s + (t.forward_s if again else 0.0)
+
+    def _fp8_held(self, node) -> dict:
+        """operator_time's ``x_src`` / ``out_read`` for a block linear under fp8."""
+        if self.fp8 is None:
+            return {}
+        w8 = fp8_model.fp8_weight_input(node, self.graph)
+        return {"x_src": _x_src(node, w8, self.graph, _placements(self.stage)),
+                "out_read": first_reads(self.stage, self.graph).get(node.name)}
 
     def input_comm_s(self, node, op) -> float:
         """The collectives giving ``node`` its activation inputs in one microbatch (forward,
@@ -456,7 +534,9 @@ class OperatorPricer:
                 self.coll, stage.mesh_shape, _bytes(graph, src_name, DTYPE_BYTES[self.dtype])
                 / self.m, src, op.inputs[i], op.output, grad=src_name in graph.grad_nodes,
                 cp_ax=cp_ax, cp_composable=self.runtime.cp_composable,
-                feeds_split=node.name in feeds))
+                feeds_split=node.name in feeds,
+                fp8_axis=stage.axis_names.index("tp") if "tp" in stage.axis_names else None,
+                fp8_gathers=fp8_model.tp_gathers_in_fp8(node, src_name, graph, self.fp8)))
         return total
 
 

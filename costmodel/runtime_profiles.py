@@ -262,9 +262,24 @@ class RuntimeModel:
 
 
 def plan_runtime(plan: Plan, hw: HardwareProfile) -> RuntimeModel:
-    """The runtime factors of the engine ``plan`` names, compiled when the plan says so."""
-    return with_compile(default_runtime(hw, engine=plan.engine, pipeline=plan.num_stages > 1),
-                        plan.training.compiled)
+    """The runtime factors of the engine ``plan`` names, compiled when the plan says so,
+    running the plan's fp8 recipe."""
+    return with_fp8_recipe(with_compile(default_runtime(hw, engine=plan.engine,
+                                                        pipeline=plan.num_stages > 1),
+                                        plan.training.compiled), plan.training.fp8_recipe)
+
+
+def with_fp8_recipe(runtime: RuntimeModel, recipe: str) -> RuntimeModel:
+    """``runtime`` running the public fp8 recipe ``recipe`` (costmodel/fp8.py
+    ``recipe_for_engine``; "": the engine's own). Transformer Engine's recipe keeps its
+    cast-transpose kernels; a torchao recipe on a stack that ran Transformer Engine's is
+    refused there."""
+    if not recipe:
+        return runtime
+    from meshplan.costmodel.fp8 import recipe_for_engine
+
+    name, gather = recipe_for_engine(recipe, runtime.engine)
+    return replace(runtime, fp8_recipe=name, fp8_all_gather=gather)
 
 
 def with_compile(runtime: RuntimeModel, compiled: bool) -> RuntimeModel:

@@ -235,7 +235,8 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 model_name: str = "", graph: OpGraph | None = None,
                 engine: str = "auto", stage_layers: Sequence[int] = (),
                 loss_reduction: str = LossReduction.MEAN,
-                batch_norm: str = BatchNormStats.BATCH) -> Plan:
+                batch_norm: str = BatchNormStats.BATCH,
+                fp8_recipe: str | None = None) -> Plan:
     """A Megatron-style plan written by hand (dp x cp x tp x pp devices), estimated.
 
     ``microbatch_size``: rows per microbatch per data-parallel rank; None: 1, or for a model
@@ -243,6 +244,12 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     one process normalises together). ``batch_norm="microbatch"`` lets a BatchNorm model's
     batch be cut into microbatches, each normalised alone (as gradient accumulation does);
     with "batch" (the default) a plan with several microbatches is refused.
+
+    ``fp8_recipe`` (with ``dtype="fp8"``): the scaling recipe to price, "tensorwise",
+    "tensorwise-fp8-all-gather" (FSDP gathers the weights in fp8 too) or "rowwise"
+    (torchao, torchtitan); "tensorwise" only for Megatron-LM / NeMo (Transformer Engine's
+    current scaling). Default: the engine's own (costmodel/fp8.py). Recorded in
+    ``plan.training.fp8_recipe``.
 
     ``stage_layers``: repeated blocks per pipeline chunk, in chunk order (pp x
     virtual_stages counts, e.g. a stack's own split); empty: near-equal chunks
@@ -261,6 +268,7 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     mesh = as_mesh(mesh)
     dtype = dtype or default_dtype(mesh)
     check_training_options(dtype=dtype, optimizer=optimizer)
+    recipe = check_fp8_recipe(fp8_recipe, dtype, engine, mesh.hardware)
     if graph is None:
         check_example_call(model, example_inputs, example_targets, loss_fn)
         graph = trace(model, example_inputs, loss_fn=loss_fn, example_targets=example_targets,
@@ -285,6 +293,8 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     plan = replace(plan, training=replace(plan.training, batch_norm=batch_norm))
     for why in batch_norm_rule(plan, whole):
         raise PlanningError(why)
+    if recipe:
+        plan = replace(plan, training=replace(plan.training, fp8_recipe=recipe))
     if engine in STACKS:
         return priced_for_stack(plan, graph, engine, model)
     # a plan Plan.from_json would refuse (e.g. 1F1B with fewer microbatches than stages) is
@@ -294,6 +304,27 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     plan = choose_engine(plan, model, engine)
     _check_loss_rule(plan, model, loss_fn, example_targets, loss_reduction)
     return _priced_for_engine(plan, graph, engine)
+
+
+def check_fp8_recipe(recipe: str | None, dtype: str, engine: str, hardware) -> str:
+    """The public fp8 recipe a plan of ``dtype`` priced for ``engine`` records: ``recipe``
+    checked (one line: a recipe without dtype 'fp8', a name no engine of that family runs,
+    hardware without fp8 tensor cores), or the engine's own under fp8, "" otherwise."""
+    from meshplan.costmodel import fp8 as fp8_model
+    from meshplan.costmodel.estimate import default_runtime
+
+    if recipe is not None and dtype != ComputeDtype.FP8:
+        raise PlanningError(f"fp8_recipe={recipe!r} with dtype {dtype!r}: a recipe says how "
+                            "fp8 GEMMs scale; pass dtype='fp8' with it, or drop fp8_recipe")
+    if dtype != ComputeDtype.FP8:
+        return ""
+    priced = engine if engine in STACKS else "torchtitan"  # fp8 is priced as a stack runs it
+    if recipe is None:
+        rt = default_runtime(hardware, engine=priced)
+        recipe = fp8_model.public_recipe(rt.fp8_recipe, rt.fp8_all_gather)
+    name, _ = fp8_model.recipe_for_engine(recipe, priced)
+    fp8_model.check_fp8_hardware(hardware, name)
+    return recipe
 
 
 def _check_loss_rule(plan: Plan, model: nn.Module | None, loss_fn: Callable | None,
@@ -348,7 +379,10 @@ def priced_for_stack(plan: Plan, graph: OpGraph, stack: str, model: nn.Module | 
     from meshplan.costmodel.hardware import HardwareProfile
 
     hw = HardwareProfile.from_dict(plan.mesh.hardware)
-    runtime = default_runtime(hw, engine=stack, pipeline=plan.num_stages > 1)
+    from meshplan.costmodel.runtime_profiles import with_fp8_recipe
+
+    runtime = with_fp8_recipe(default_runtime(hw, engine=stack, pipeline=plan.num_stages > 1),
+                              plan.training.fp8_recipe)
     problems = plan_problems(plan)
     ours = (f"meshplan's runtimes cannot run it ({problems[0]})" if problems else
             "meshplan can run this layout too: make the plan with engine='auto' "
@@ -413,7 +447,8 @@ def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
 
 
 def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
-             engine: str | None = None, compiled: bool = False) -> Estimate:
+             engine: str | None = None, compiled: bool = False,
+             fp8_recipe: str | None = None) -> Estimate:
     """Predicted step time and memory of ``plan`` (made by autoparallel or manual_plan).
 
     The graph is ``plan.graph`` or the one passed (a plan read from a file carries none:
@@ -426,7 +461,8 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
     ``compile.enable``): pointwise and reduction chains between matmuls fused into one
     kernel each (costmodel/fusion.py); default eager. The graph engine does not compile
     (``parallelize`` refuses ``compile=True`` there): for its plans this prices a what-if.
-    Never raises for memory (``fits`` says).
+    ``fp8_recipe``: price an fp8 plan under another recipe than the one it records
+    (``manual_plan``'s values). Never raises for memory (``fits`` says).
     """
     graph = graph if graph is not None else plan.graph
     if graph is None:
@@ -436,14 +472,22 @@ def estimate(plan: Plan, graph: OpGraph | None = None, *, hardware=None,
     plan.check_model(graph.fingerprint)
     runtime = None
     compiled = compiled or plan.training.compiled
-    if engine is not None or compiled:
+    if fp8_recipe is not None:
+        from meshplan.costmodel.hardware import HardwareProfile
+
+        hw = hardware or HardwareProfile.from_dict(plan.mesh.hardware)
+        recipe = check_fp8_recipe(fp8_recipe, plan.training.dtype, engine or plan.engine, hw)
+        plan = replace(plan, training=replace(plan.training, fp8_recipe=recipe))
+    if engine is not None or compiled or plan.training.fp8_recipe:
         from meshplan.costmodel.estimate import PROFILES, default_runtime
         from meshplan.costmodel.hardware import HardwareProfile
-        from meshplan.costmodel.runtime_profiles import with_compile
+        from meshplan.costmodel.runtime_profiles import with_compile, with_fp8_recipe
 
         if engine is not None and engine not in PROFILES:
             raise PlanningError(f"engine={engine!r} is not one of {', '.join(PROFILES)}")
         hw = hardware or HardwareProfile.from_dict(plan.mesh.hardware)
-        runtime = with_compile(default_runtime(hw, engine=engine or plan.engine,
-                                               pipeline=plan.num_stages > 1), compiled)
+        runtime = with_fp8_recipe(
+            with_compile(default_runtime(hw, engine=engine or plan.engine,
+                                         pipeline=plan.num_stages > 1), compiled),
+            plan.training.fp8_recipe)
     return estimate_plan(plan, graph, hw=hardware, runtime=runtime)

@@ -18,7 +18,8 @@ from meshplan.checks import (check_checkpoint_dir, check_model_for_run, check_ru
                              check_writable, plan_and_graph, recorded_spec)
 from meshplan.cli_args import (ENGINE_CHOICES, EXIT_USER_ERROR, POSITIVE_FLOAT, POSITIVE_INT,
                                OneLineParser, load_model_and_graph)
-from meshplan.cli_cost import add_cost_commands
+from meshplan.cli_cost import (FP8_RECIPE_HELP, FP8_RECIPES, _refuse_fp8_recipe_without_manual,
+                               add_cost_commands)
 from meshplan.cli_json import (BAD_USAGE, INTERRUPTED, add_json_flag, answer, command_of,
                                document, emit, error_document, json_mode, plan_facts)
 from meshplan.errors import MeshplanError, SpecError
@@ -46,14 +47,17 @@ def cmd_plan(args) -> int:
         from meshplan.stacks.search import search_layouts
 
         check_plan_for_args(args, loaded.model)
+        _refuse_fp8_recipe_without_manual(args)
         plan, _ = search_layouts(loaded.model, mesh, args.for_, graph=graph,
                                  dtype=args.dtype or ComputeDtype.BF16, compiled=args.compile,
                                  time_limit_s=args.time_limit_s)
     elif args.manual:
         plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,
                                     dtype=args.dtype, engine=args.engine,
+                                    fp8_recipe=args.fp8_recipe,
                                     **parse_manual_spec(args.manual))
     else:
+        _refuse_fp8_recipe_without_manual(args)
         plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
                                      dtype=args.dtype, memory_limit_gib=args.memory_limit_gib,
                                      time_limit_s=args.time_limit_s, engine=args.engine)
@@ -255,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="make a plan (automatic, or --manual)")
     model_mesh(p)
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
+                   help=FP8_RECIPE_HELP)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
                    "recompute=none,sp=0,zero=0 (split=3/2: blocks per pipeline chunk)")
     p.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None)

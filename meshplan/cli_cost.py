@@ -5,6 +5,7 @@ from __future__ import annotations
 from meshplan.checks import check_writable
 from meshplan.cli_args import ENGINE_CHOICES, POSITIVE_FLOAT, POSITIVE_INT, load_model_and_graph
 from meshplan.cli_json import add_json_flag, answer
+from meshplan.costmodel.fp8 import PUBLIC_RECIPES
 from meshplan.errors import SpecError
 from meshplan.stacks.layout import STACK_DTYPES
 from meshplan.vocabulary import DTYPES, STACK_TARGETS, ComputeDtype
@@ -25,6 +26,8 @@ def add_cost_commands(sub) -> None:
     p.add_argument("--seq", type=POSITIVE_INT, default=0, help="sequence length, for --manual "
                    "(token models)")
     p.add_argument("--dtype", choices=DTYPES, default=None)
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
+                   help=FP8_RECIPE_HELP)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
                    "recompute=none,sp=0,zero=0,vs=1 (split=3/2: blocks per pipeline chunk)")
     p.add_argument("--hardware", default="", help="re-price on this profile JSON (e.g. from "
@@ -76,6 +79,21 @@ def add_cost_commands(sub) -> None:
     p.set_defaults(func=cmd_calibrate)
 
 
+FP8_RECIPES = PUBLIC_RECIPES  # costmodel/fp8.py
+FP8_RECIPE_HELP = ("with --dtype fp8: the scaling recipe to price (torchao: tensorwise, "
+                   "tensorwise-fp8-all-gather with FSDP's weights gathered in fp8 too, rowwise; "
+                   "Megatron-LM / NeMo: tensorwise, Transformer Engine's current scaling); "
+                   "default: the engine's own")
+
+
+def _refuse_fp8_recipe_without_manual(args) -> None:
+    """--fp8-recipe prices a hand-written fp8 layout; the automatic search plans what
+    meshplan's runtimes run, which is not fp8."""
+    if getattr(args, "fp8_recipe", None):
+        raise SpecError(f"--fp8-recipe {args.fp8_recipe} needs --manual ... --engine STACK "
+                        "--dtype fp8: fp8 plans are priced for a stack, not searched")
+
+
 def cmd_estimate(args) -> int:
     import meshplan
     from meshplan.costmodel.hardware import load_profile
@@ -116,7 +134,8 @@ def cmd_estimate(args) -> int:
         from meshplan.explain import retrace
 
         est = meshplan.estimate(plan, retrace(plan, args.model), hardware=hardware,
-                                compiled=args.compiled, engine=engine)
+                                compiled=args.compiled, engine=engine,
+                                fp8_recipe=args.fp8_recipe)
         source = "repriced"
     else:
         if not (args.model and args.mesh and args.batch):
@@ -133,8 +152,10 @@ def cmd_estimate(args) -> int:
         if args.manual:
             plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, model_name=spec.name,
                                         dtype=args.dtype, engine=args.engine,
+                                        fp8_recipe=args.fp8_recipe,
                                         **parse_manual_spec(args.manual))
         else:
+            _refuse_fp8_recipe_without_manual(args)
             plan = meshplan.autoparallel(loaded.model, mesh, graph=graph, model_name=spec.name,
                                          dtype=args.dtype, engine=args.engine)
         est = meshplan.estimate(plan, hardware=hardware, compiled=args.compiled) \

@@ -14,7 +14,8 @@ from pathlib import Path
 from meshplan.costmodel.hardware import HardwareProfile, load_preset, preset_names, read_json
 from meshplan.errors import MeshError
 
-GPU_PRESETS = ("dgx-a100-80gb", "dgx-h100", "dgx-h200", "h100-96gb-hbm2e")
+GPU_PRESETS = ("dgx-a100-80gb", "dgx-h100", "dgx-h200", "h100-96gb-hbm2e", "dgx-h800", "dgx-b200",
+               "gb200-nvl72")
 
 
 @dataclass(frozen=True)

@@ -157,6 +157,10 @@ class TrainingConfig:
     # the rows a BatchNorm normalises together (vocabulary.BatchNormStats): "batch", the
     # global batch (one microbatch), or "microbatch", each microbatch (the user's opt-in)
     batch_norm: str = BatchNormStats.BATCH
+    # under dtype "fp8": the scaling recipe priced (costmodel/fp8.py PUBLIC_RECIPES:
+    # "tensorwise", "tensorwise-fp8-all-gather", "rowwise"); "" (and absent in files
+    # written before it): the recipe of the engine the plan is priced for
+    fp8_recipe: str = ""
 
     def __post_init__(self):
         _hold_plain(self, "dtype", "schedule", "batch_norm")
@@ -273,6 +277,8 @@ class Plan:
         for f in fields(self):
             if f.name not in _NOT_SERIALIZED:
                 out[f.name] = _as_data(getattr(self, f.name))
+        if not self.training.fp8_recipe:  # written only where it says something
+            out["training"].pop("fp8_recipe")
         return json.loads(json.dumps(out))  # JSON-native: tuples become lists
 
     def to_json_text(self) -> str:

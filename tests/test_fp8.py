@@ -193,3 +193,184 @@ def test_transformer_engine_keeps_fp8_inputs_and_weight_copies(tiny_llama_h100):
     tt_bf16 = meshplan.manual_plan(model, mesh, dtype="bf16", **{**kw, "engine": "torchtitan"})
     tt_fp8 = meshplan.manual_plan(model, mesh, dtype="fp8", **{**kw, "engine": "torchtitan"})
     assert tt_fp8.predicted.memory == tt_bf16.predicted.memory  # torchao saves bf16
+
+
+# -- issue 43: tensorwise fp8 with tensor parallelism priced by mechanism ------------------
+
+class _Recorder:
+    """A CollectivePrices stand-in that records every (collective, bytes, axis) it prices."""
+
+    def __init__(self, coll):
+        self.coll, self.calls, self.links = coll, [], coll.links
+
+    def __call__(self, kind, nbytes, axis):
+        self.calls.append((str(kind), nbytes, axis))
+        return self.coll(kind, nbytes, axis)
+
+
+def _tp_pass(tiny_llama_h100, recipe: str):
+    model, graph, mesh = tiny_llama_h100
+    plan = meshplan.manual_plan(model, mesh, graph=graph, dp=4, tp=2, sequence_parallel=True,
+                                zero=3, dtype="fp8", engine="torchtitan", fp8_recipe=recipe)
+    hw = HardwareProfile.from_dict(plan.mesh.hardware)
+    stage = plan.stages[0]
+    rt = default_runtime(hw, engine="torchtitan")
+    from meshplan.costmodel.runtime_profiles import with_fp8_recipe
+    fp8 = fp8_model.fp8_pricing("fp8", with_fp8_recipe(rt, recipe))
+    rec = _Recorder(CollectivePrices(stage, hw, backend="nccl"))
+    ops = _operator_pass(stage, graph, hw, "fp8", 1, 1.0, rec, fp8=fp8)
+    return plan, stage, graph, fp8, rec, ops
+
+
+def test_tensorwise_tp_gathers_move_fp8_bytes_and_all_reduce_amaxes(tiny_llama_h100):
+    """torchao's Float8ColwiseParallel casts a block linear's input on its sequence shard
+    and all-gathers it in fp8 (1 byte per element); rowwise runs plain ColwiseParallel, a
+    bf16 gather (2). Tensorwise scales of TP-sharded tensors take scalar amax all-reduces."""
+    got = {r: _tp_pass(tiny_llama_h100, r) for r in ("tensorwise", "rowwise")}
+    stage = got["rowwise"][1]
+    tp = stage.axis_names.index("tp")
+
+    def gathers(rec):
+        return sorted(b for k, b, a in rec.calls if k == "all_gather" and a == tp)
+
+    tw, rw = gathers(got["tensorwise"][4]), gathers(got["rowwise"][4])
+    assert len(tw) == len(rw) > 0
+    assert sum(tw) < sum(rw)  # the block linears' gathers (and dy's) halve, the rest stay
+    halved = [b for b in rw if b / 2 in tw]
+    assert halved
+    # tensorwise amaxes of TP-sharded tensors: scalar all-reduces on NCCL's LL protocol
+    # inside the node (tuning.cc: 3.6 us + 0.47 us a step, 2 (n-1) steps)
+    rec = got["tensorwise"][4]
+    assert fp8_model.amax_all_reduce_s(rec, tp, 8) == pytest.approx(3.6e-6 + 14 * 0.47e-6)
+    tw8 = fp8_model.Fp8Pricing("torchao-tensorwise", "fused", all_gather=False)
+    ag8 = fp8_model.Fp8Pricing("torchao-tensorwise", "fused", all_gather=True)
+    rw8 = fp8_model.Fp8Pricing("torchao-rowwise", "fused")
+    every = {"x": True, "w": True, "dy": True}
+    assert fp8_model.amax_all_reduces(tw8, every) == (2, 2)  # x, w; dy, w (TP hooks)
+    assert fp8_model.amax_all_reduces(ag8, every) == (1, 1)  # the weight arrives cast
+    assert fp8_model.amax_all_reduces(rw8, every) == (0, 0)
+
+
+def test_casts_run_on_the_shard_each_rank_holds(tiny_llama_h100):
+    """Under sequence parallelism a column-parallel linear's input is cast before its fp8
+    gather (tensorwise: 1/tp of the gathered input) and after the bf16 gather otherwise; a
+    row-parallel linear's input is its own shard either way."""
+    from meshplan.costmodel.operators import _x_src, first_reads
+    from meshplan.costmodel.stage_layout import _placements
+    plan, stage, graph, fp8, _, _ = _tp_pass(tiny_llama_h100, "tensorwise")
+    rowwise = _tp_pass(tiny_llama_h100, "rowwise")[3]
+    tp = stage.axis_names.index("tp")
+    placement, reads = _placements(stage), first_reads(stage, graph)
+    seen = set()
+    for name, op in stage.ops.items():
+        node = graph.node(name)
+        w8 = fp8_model.fp8_weight_input(node, graph)
+        if w8 is None:
+            continue
+        x_src = _x_src(node, w8, graph, placement)
+        args = (node, op, graph, stage.mesh_shape, 1, w8)
+        tw = fp8_model.held_elements(*args, fp8, x_src, reads.get(name))
+        rw = fp8_model.held_elements(*args, rowwise, x_src, reads.get(name))
+        column = op.output[tp] != "P"
+        seen.add(column)
+        if column:
+            assert tw["x"] == pytest.approx(rw["x"] / 2)  # tp = 2
+            assert tw["dy"] == rw["dy"]  # the output's own shard
+        else:
+            assert tw["x"] == rw["x"]
+            assert tw["dy"] == pytest.approx(rw["dy"] / 2)  # cast before the fp8 gather
+    assert seen == {True, False}
+
+
+def test_tensorwise_fp8_with_tp_prices_its_linears_faster_than_bf16(tiny_llama_h100):
+    """The issue's symptom at Llama 3.1 70B's shapes under TP 8 with sequence parallelism
+    (16 x 8192 tokens; the column-parallel q projection 8192 -> 8192 / 8): the fp8 linear,
+    with its casts on the shard each rank holds and the fp8 hooks' backward, against the
+    bf16 GEMMs. Before issue 43 the input's cast was priced on the gathered activation and
+    dy / x were cast again in the backward."""
+    _, graph, _ = tiny_llama_h100
+    hw = load_preset("h100-96gb-hbm2e")
+    node, _ = _block_linear(graph)
+    tokens, k, n, tp = 16 * 8192, 8192, 8192, 8
+    big = _big(node, tokens, k, n // tp)  # one rank's column shard, the whole sequence
+    bf16 = op_time(big, hw, "bf16")
+    fp8 = fp8_model.Fp8Pricing("torchao-tensorwise", "fused", all_gather=True)
+    held = {"x": tokens // tp * k, "dy": tokens * n // tp}  # sequence shard; own columns
+    t = fp8_model.linear_time(big, hw, fp8, shard=1, weight_numel=k * n // tp, held=held,
+                              tensor_parallel=True)
+    assert t.total_s < 0.75 * bf16.total_s
+    gathered = fp8_model.linear_time(big, hw, fp8, shard=1, weight_numel=k * n // tp)
+    assert t.total_s < gathered.total_s  # the old pricing: x whole, backward recasts
+
+
+def test_fp8_recipe_is_recorded_and_checked_in_one_line(tiny_llama_h100, tmp_path):
+    model, graph, mesh = tiny_llama_h100
+    kw = dict(graph=graph, dp=4, tp=2, sequence_parallel=True, zero=3, engine="torchtitan")
+    plans = {r: meshplan.manual_plan(model, mesh, dtype="fp8", fp8_recipe=r, **kw)
+             for r in fp8_model.PUBLIC_RECIPES}
+    default = meshplan.manual_plan(model, mesh, dtype="fp8", **kw)
+    assert default.training.fp8_recipe == "tensorwise-fp8-all-gather"  # torchtitan's runs
+    assert default.predicted == plans["tensorwise-fp8-all-gather"].predicted
+    assert len({p.predicted.step_time_s for p in plans.values()}) == 3
+    for recipe, plan in plans.items():
+        path = tmp_path / f"{recipe}.json"
+        plan.to_json(path)
+        back = Plan.from_json(path)
+        assert back.training.fp8_recipe == recipe
+        assert meshplan.estimate(back, graph) == plan.predicted
+        # re-priced under another recipe without re-planning
+        other = meshplan.estimate(back, graph, fp8_recipe="rowwise")
+        assert other == plans["rowwise"].predicted
+    bf16 = meshplan.manual_plan(model, mesh, dtype="bf16", **kw)
+    assert "fp8_recipe" not in bf16.to_dict()["training"]  # older files stay byte-identical
+    megatron = meshplan.manual_plan(model, mesh, dtype="fp8", **{**kw, "engine": "megatron"})
+    assert megatron.training.fp8_recipe == "tensorwise"  # Transformer Engine's current scaling
+    bad = [(dict(dtype="bf16", fp8_recipe="rowwise"), "pass dtype='fp8'"),
+           (dict(dtype="fp8", fp8_recipe="rowwise", engine="megatron"), "not one megatron runs"),
+           (dict(dtype="fp8", fp8_recipe="delayed"), "is not one of tensorwise")]
+    for extra, words in bad:
+        with pytest.raises(PlanningError, match=words) as err:
+            meshplan.manual_plan(model, mesh, **{**kw, **extra})
+        assert "\n" not in str(err.value)
+    a100 = meshplan.Mesh.preset("dgx-a100-80gb")
+    with pytest.raises(PlanningError, match="prices no fp8 GEMMs") as err:
+        meshplan.manual_plan(model, a100, dtype="fp8", fp8_recipe="tensorwise", **kw)
+    assert "\n" not in str(err.value)
+
+
+def test_torchtitan_export_writes_the_plans_fp8_recipe():
+    """torchtitan's float8 section says the priced recipe: rowwise as ``recipe_name``, fp8
+    all-gather on only where the recipe gathers in fp8; the default recipe reads back."""
+    from meshplan.stacks import StackLayout, arch_of_spec
+    from meshplan.stacks.torchtitan import from_torchtitan, to_torchtitan
+
+    arch = arch_of_spec("llama3.1-8b")
+    base = StackLayout(dp=8, global_batch=16, seq_len=8192, zero=3, dtype="fp8",
+                       compiled=True)
+    text = {r: to_torchtitan(dataclasses.replace(base, fp8_recipe=r), arch)
+            for r in ("", "tensorwise", "rowwise")}
+    assert "enable_fsdp_float8_all_gather = true" in text[""]
+    assert "enable_fsdp_float8_all_gather = false" in text["tensorwise"]
+    assert 'recipe_name = "rowwise"' in text["rowwise"]
+    assert "enable_fsdp_float8_all_gather = false" in text["rowwise"]
+    assert from_torchtitan(text[""], devices=8)[0] == base
+
+
+def test_cli_fp8_recipe_is_written_and_refused_in_one_line(tmp_path, capsys):
+    from meshplan.cli import main
+
+    model = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=2"
+             "&num_attention_heads=4&num_key_value_heads=2&vocab_size=256")
+    common = ["--model", model, "--batch", "8", "--seq", "32", "--manual",
+              "dp=4,tp=2,sp=1,zero=3", "--engine", "torchtitan", "--dtype", "fp8"]
+    out = tmp_path / "plan.json"
+    assert main(["plan", *common, "--mesh", "dgx-h100", "--fp8-recipe", "rowwise",
+                 "-o", str(out)]) == 0
+    assert Plan.from_json(out).training.fp8_recipe == "rowwise"
+    capsys.readouterr()
+    assert main(["plan", *common, "--mesh", "dgx-a100-80gb", "--fp8-recipe", "tensorwise"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "prices no fp8 GEMMs" in err and "\n" not in err
+    assert main(["estimate", "--model", model, "--batch", "8", "--seq", "32", "--mesh",
+                 "dgx-h100", "--dtype", "fp8", "--fp8-recipe", "rowwise"]) == 2
+    assert "needs --manual" in capsys.readouterr().err

@@ -114,7 +114,7 @@ def test_mesh_presets_and_errors(tmp_path):
     assert m.hardware.device.peak_tflops["bfloat16"] == 312.0
     assert meshplan.Mesh.preset("dgx-h100").shape == (8,)
     with pytest.raises(MeshError, match="valid presets: dgx-a100-80gb, dgx-h100, dgx-h200"):
-        meshplan.Mesh.preset("dgx-b200")
+        meshplan.Mesh.preset("dgx-b300")  # no such preset (dgx-b200 is one)
     cluster = tmp_path / "c.json"
     cluster.write_text(json.dumps({"shape": [2, 8], "hardware": "dgx-h100"}))
     assert meshplan.Mesh.from_json(cluster).num_devices == 16

@@ -56,6 +56,9 @@ class StackLayout:
     dtype: str = ComputeDtype.BF16
     compiled: bool = False
     stage_layers: tuple[int, ...] = ()
+    # under fp8, a recipe other than the stack's own (costmodel/fp8.py PUBLIC_RECIPES);
+    # "": the stack's own (torchtitan: tensorwise-fp8-all-gather; Megatron-LM: tensorwise)
+    fp8_recipe: str = ""
 
     def __post_init__(self):
         for name in ("dp", "tp", "cp", "pp", "virtual_stages", "microbatch_size",
@@ -128,6 +131,15 @@ def _one(values: set, what: str, fix: str):
     return next(iter(values))
 
 
+def _non_default_recipe(plan: Plan) -> str:
+    """The plan's fp8 recipe where it is not the one its stack runs by default ("")."""
+    from meshplan.costmodel.fp8 import TE_ENGINES
+
+    own = "tensorwise" if plan.engine in TE_ENGINES else "tensorwise-fp8-all-gather"
+    recipe = plan.training.fp8_recipe
+    return "" if recipe in ("", own) else recipe
+
+
 def layout_of(plan: Plan, *, compiled: bool = False) -> StackLayout:
     """The uniform layout ``plan`` follows; NotSupportedError (one line) when it follows none.
 
@@ -168,7 +180,7 @@ def layout_of(plan: Plan, *, compiled: bool = False) -> StackLayout:
                          microbatch_size=mb, global_batch=t.global_batch, seq_len=t.seq_len,
                          recompute=recompute, sequence_parallel=t.sequence_parallel and tp > 1,
                          zero=zero, dtype=t.dtype, compiled=compiled,
-                         stage_layers=stage_layers)
+                         stage_layers=stage_layers, fp8_recipe=_non_default_recipe(plan))
     if stage_layers:
         even = replace(layout, stage_layers=()).layers_per_chunk(plan.model.num_layers)
         if tuple(stage_layers) == even:
