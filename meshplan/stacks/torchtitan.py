@@ -68,9 +68,11 @@ WITHOUT_FLOAT8 = {"llama3_405b": ("llama3_70b", [
     "config.optimizer = default_adamw(lr=8e-5)",
     "config.lr_scheduler.warmup_steps = 600", "config.training.steps = 3000"],
     ["from torchtitan.components.optimizer import default_adamw"])}
-FP8_PROBLEM = ("fp8 (tensorwise with fp8 all-gather, as meshplan prices it): torchtitan "
+FP8_PROBLEM = ("fp8: torchtitan "
                f"{TORCHTITAN_VERSION}'s Float8LinearConverter has the rowwise recipes only "
-               "(components/quantization/float8.py); plan in bf16 (--dtype bf16)")
+               "(components/quantization/float8.py), and meshplan writes no 0.3 float8 "
+               "converter yet (a rowwise plan, --fp8-recipe rowwise, is priced but not "
+               "exported); plan in bf16 (--dtype bf16)")
 # torchtitan's activation-checkpoint subcommands (none | selective | full) are meshplan's
 # recompute names; the config classes behind them:
 AC_CLASSES = {Recompute.NONE: None, Recompute.SELECTIVE: "SelectiveAC", Recompute.FULL: "FullAC"}
