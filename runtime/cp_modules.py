@@ -156,8 +156,8 @@ class ChunkPositions(TorchFunctionMode):
     """Inside the model's forward, the two ways code derives positions from the (local)
     sequence length return this rank's global positions instead:
     ``torch.arange(s)`` / ``torch.arange(0, s)`` and a slice ``table[:s]`` (or
-    ``table[:, :s]``) of one of the model's buffers at least as long as the global
-    sequence. ``positions``: this rank's global positions (length s = global / cp)."""
+    ``table[:, :s]``) of one of the model's buffers or parameters at least as long as the
+    global sequence. ``positions``: this rank's global positions (length s = global / cp)."""
 
     def __init__(self, positions: torch.Tensor, buffers, global_len: int):
         super().__init__()
@@ -170,7 +170,10 @@ class ChunkPositions(TorchFunctionMode):
         n = self.positions.numel()
         if func is torch.arange and self._is_range(args, kwargs, n):
             return self.positions.to(dtype=out.dtype, device=out.device)
-        if func is torch.Tensor.__getitem__ and id(args[0]) in self.buffers:
+        # a buffer, or a parameter (a learned table, ``self.pos[:t]``: FSDP2 hands the forward
+        # an unsharded copy, so parameters are recognised by type, not by identity)
+        if func is torch.Tensor.__getitem__ and (id(args[0]) in self.buffers
+                                                 or isinstance(args[0], nn.Parameter)):
             dim = self._sliced_dim(args[0], args[1], n)
             if dim is not None:
                 return args[0].index_select(dim, self.positions.to(args[0].device))

@@ -19,14 +19,29 @@ from tests.harness import generated as g
 WORKER = str(Path(__file__).with_name("_generative_worker.py"))
 CI_CASES = 28  # every (kind, layout) pair once: 3 kinds x 5 + seq x 9 = 24, then 4 more
 
+_SEQ = {"kind": "seq", "depth": 1, "width": 16, "heads": 2, "act": "gelu", "norm": "layernorm",
+        "container": "modulelist", "classes": 10, "dropout0": False, "qkv": "separate",
+        "positions": "param", "tied": False, "loss": "ce", "batch": 8, "seed": 5}
+# What the generative runs found, each kept as a named case beside the drawn sample
+REGRESSIONS = {
+    # a learned position table sliced [:t] under cp: every rank added positions 0..t/cp
+    # to its head-tail chunks (runtime/cp_modules.ChunkPositions knew buffers only)
+    "cp-learned-position-table": {**_SEQ, "layout": "cp2xdp2"},
+    "cp-learned-position-table-cp4": {**_SEQ, "layout": "cp4", "qkv": "fused", "tied": True},
+    # BatchNorm cut into microbatches by manual_plan's default (DECISIONS 18)
+    "batchnorm-sequential-dp2xtp2": {**_SEQ, "kind": "mlp", "norm": "batchnorm", "classes": 7,
+                                     "dropout0": True, "act": "silu", "loss": "aux",
+                                     "layout": "dp2xtp2", "seed": 658},
+}
+
 
 @pytest.fixture(scope="module")
 def cases() -> list[dict]:
-    return g.draw(CI_CASES, seed=0)
+    return g.draw(CI_CASES, seed=0) + list(REGRESSIONS.values())
 
 
 def test_the_sample_covers_every_kind_and_layout(cases):
-    pairs = {(c["kind"], c["layout"]) for c in cases}
+    pairs = {(c["kind"], c["layout"]) for c in cases[:CI_CASES]}
     assert pairs == {(k, lay) for k in ("mlp", "blocks", "cnn", "seq") for lay in g.layouts(k)}
     drawn = Counter(f for c in cases for f in g.features(c))
     for feature in ("nn.Sequential stack", "batchnorm", "qkv=fused", "positions=table",
