@@ -28,6 +28,10 @@ REGRESSIONS = {
     # to its head-tail chunks (runtime/cp_modules.ChunkPositions knew buffers only)
     "cp-learned-position-table": {**_SEQ, "layout": "cp2xdp2"},
     "cp-learned-position-table-cp4": {**_SEQ, "layout": "cp4", "qkv": "fused", "tied": True},
+    # an auxiliary loss term's mean over a sharded dim is P(avg) on DTensor; the graph engine
+    # tried to make it the plan's P(sum) and refused at run time (runtime/graph/placing.py)
+    "graph-tp-auxiliary-mean": {**_SEQ, "kind": "cnn", "loss": "aux", "batch": 16,
+                                "layout": "dp2xtp2", "seed": 8035},
     # BatchNorm cut into microbatches by manual_plan's default (DECISIONS 18)
     "batchnorm-sequential-dp2xtp2": {**_SEQ, "kind": "mlp", "norm": "batchnorm", "classes": 7,
                                      "dropout0": True, "act": "silu", "loss": "aux",

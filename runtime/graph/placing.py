@@ -126,7 +126,13 @@ class Placer:
             self.stats.redistributions += 1
             if self.cp_axis is not None and current[self.cp_axis] != target[self.cp_axis]:
                 return context.move_cp(value, current, target, self.cp_axis, to_placements)
-            return value.redistribute(self.mesh, to_placements(target, self.mesh))
+            # a partial value stays the partial it is where the plan keeps it partial: the plan
+            # writes "P" for any pending reduction, and DTensor refuses P(avg) -> P(sum) (a
+            # mean over a sharded dim, e.g. an auxiliary loss term, is P(avg))
+            places = [value.placements[k] if c == PARTIAL and t == PARTIAL else p
+                      for k, (c, t, p) in enumerate(zip(current, target,
+                                                         to_placements(target, self.mesh)))]
+            return value.redistribute(self.mesh, tuple(places))
         except Exception as exc:  # noqa: BLE001 - name the node and the placements
             raise NotSupportedError(
                 f"operator {n.name} ({n.target}): cannot redistribute input {arg.name} from "
