@@ -124,7 +124,7 @@ class ParallelRun:
         flat = self._flat(inputs, (), with_targets=False)
         args, kwargs, _ = unflatten_call(flat, CallSignature(self.signature.num_args,
                                                              self.signature.kwarg_names, 0))
-        return self.engine.forward(args, kwargs)
+        return _plain_outputs(self.engine.forward(args, kwargs))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Scale every gradient so that their global norm (over every rank and pipeline
@@ -363,3 +363,13 @@ def _describe(sig: CallSignature) -> str:
         parts.append(f"keyword inputs {list(sig.kwarg_names)}")
     parts.append(f"{sig.num_targets} target(s)")
     return ", ".join(parts)
+
+
+def _plain_outputs(out):
+    """The outputs as plain tensors: a gathered output (a column-parallel head's
+    ``use_local_output`` gather) arrives as functional collectives' ``AsyncCollectiveTensor``,
+    a subclass a user's ``torch.save`` / ``torch.load(weights_only=True)`` refuses."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.wait() if isinstance(t, AsyncCollectiveTensor) else t, out)
