@@ -345,6 +345,8 @@ class _OpsByUnit(TorchDispatchMode):
                 mod = model.get_submodule(unit)
             except AttributeError:  # not in this stage
                 continue
+            if isinstance(mod, LaterStageEmbedding):  # a removed embedding's stand-in: adds zero
+                continue
             self.handles.append(mod.register_forward_pre_hook(self._enter(unit)))
             self.handles.append(mod.register_forward_hook(self._leave))
 
