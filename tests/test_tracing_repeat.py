@@ -34,7 +34,7 @@ def _same(fast, full):
     assert fast.params == full.params and fast.inputs == full.inputs
     assert fast.output == full.output and fast.block_module == full.block_module
     assert fast.layer_fingerprints == full.layer_fingerprints
-    assert fast == dataclasses.replace(full, signature=None)
+    assert fast == dataclasses.replace(full, signature=None, loss="")  # trace() labels the loss
 
 
 def test_gpt2_from_three_blocks_equals_the_whole_export():
