@@ -97,6 +97,9 @@ class Stage:
     params: dict = field(default_factory=dict)  # parameter name -> placements
     ops: dict = field(default_factory=dict)  # node name -> OpPlacement
     predicted: StagePrediction = field(default_factory=StagePrediction)
+    # expert parallelism: the routed experts split over ``ep`` ranks borrowed from the
+    # stage's dp x cp x tp ranks (torchtitan's layout; it adds no devices); 1 = replicated
+    ep: int = 1
 
     def __post_init__(self):
         _hold_plain(self, "recompute")
@@ -279,6 +282,9 @@ class Plan:
                 out[f.name] = _as_data(getattr(self, f.name))
         if not self.training.fp8_recipe:  # written only where it says something
             out["training"].pop("fp8_recipe")
+        for st in out["stages"]:
+            if st.get("ep") == 1:
+                st.pop("ep")
         return json.loads(json.dumps(out))  # JSON-native: tuples become lists
 
     def to_json_text(self) -> str:
@@ -407,6 +413,13 @@ def check_consistency(plan: Plan) -> list[str]:
                             f"{list(plan.mesh.shape)}")
         if len(st.axis_names) != ndim:
             problems.append(f"stage {st.index}: {len(st.axis_names)} axis names for {ndim} axes")
+        borrowed = 1
+        for name, deg in zip(st.axis_names, st.mesh_shape):
+            if name in ("dp", "cp", "tp"):
+                borrowed *= deg
+        if st.ep < 1 or borrowed % st.ep:
+            problems.append(f"stage {st.index}: ep={st.ep} must divide the stage's dp x cp x tp "
+                            f"= {borrowed} (experts are split over ranks the stage already has)")
         if st.recompute not in RECOMPUTE:
             problems.append(f"stage {st.index}: recompute {st.recompute!r} not in {RECOMPUTE}")
         for kind, table in (("parameter", st.params), ("input", st.inputs)):
