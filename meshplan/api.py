@@ -236,8 +236,12 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                 engine: str = "auto", stage_layers: Sequence[int] = (),
                 loss_reduction: str = LossReduction.MEAN,
                 batch_norm: str = BatchNormStats.BATCH,
-                fp8_recipe: str | None = None) -> Plan:
+                fp8_recipe: str | None = None, ep: int = 1) -> Plan:
     """A Megatron-style plan written by hand (dp x cp x tp x pp devices), estimated.
+
+    ``ep`` > 1 splits each MoE layer's routed experts over ``ep`` ranks borrowed from the
+    stage's data-parallel ranks (it adds no devices; meshplan/axes.py ``EP_AXIS`` says what
+    runs), on the module engine.
 
     ``microbatch_size``: rows per microbatch per data-parallel rank; None: 1, or for a model
     with BatchNorm all of the rank's rows (one microbatch: BatchNorm normalises the rows
@@ -284,7 +288,9 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                             "use schedule='gpipe' (the whole batch as one microbatch), or pass "
                             "batch_norm='microbatch' to normalise each microbatch as gradient "
                             "accumulation does")
-    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
+    _check_axes(model, dict(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep), engine)
+    plan = build_manual_plan(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep,
+                             microbatch_size=microbatch_size,
                              schedule=schedule, virtual_stages=virtual_stages,
                              recompute=recompute, sequence_parallel=sequence_parallel,
                              zero=zero, dtype=dtype, optimizer=optimizer,
@@ -304,6 +310,23 @@ def manual_plan(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     plan = choose_engine(plan, model, engine)
     _check_loss_rule(plan, model, loss_fn, example_targets, loss_reduction)
     return _priced_for_engine(plan, graph, engine)
+
+
+def _check_axes(model: nn.Module | None, degrees: dict, engine: str) -> None:
+    """The axis table's rules (meshplan/axes.py) for a hand-written layout, one line each:
+    a plan priced for another stack is checked against the model only (that stack runs it)."""
+    from meshplan import axes
+
+    ctx = axes.AxisContext(degrees=degrees, engine=engine if engine in (Engine.MODULES, Engine.GRAPH) else "",
+                           experts=axes.routed_experts(model) if model is not None else None)
+    for axis in axes.AXES.values():
+        if ctx.degree(axis.name) == 1:
+            continue
+        # the last rule is what meshplan's runtime runs: a stack's plan is run by the stack
+        rules = axis.rules if engine not in STACKS else axis.rules[:-1]
+        for i, rule in enumerate(rules):
+            for why in rule(ctx):
+                raise (NotSupportedError if i == len(axis.rules) - 1 else PlanningError)(why)
 
 
 def check_fp8_recipe(recipe: str | None, dtype: str, engine: str, hardware) -> str:
@@ -397,6 +420,10 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
     ``engine="graph"`` keeps the graph engine; ``"modules"`` insists on the module engine."""
     if engine not in ENGINE_CHOICES:
         raise PlanningError(f"engine={engine!r} is not one of {', '.join(ENGINE_CHOICES)}")
+    ep = max(st.ep for st in plan.stages)
+    if ep > 1 and (engine == Engine.GRAPH or model is None):
+        raise NotSupportedError(f"ep={ep} on the graph engine: expert parallelism runs on the "
+                                "module engine only; plan it with the model and engine='auto'")
     if engine == Engine.GRAPH or model is None:
         note = "chosen by the caller (engine='graph')" if engine == Engine.GRAPH else \
             "planned from a graph without its model"
@@ -412,6 +439,9 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
     from meshplan.runtime.module_plan import module_engine_refusal
 
     reason = module_engine_refusal(plan, model)
+    if reason and ep > 1:
+        raise NotSupportedError(f"ep={ep} runs on the module engine only, which cannot run "
+                                f"this plan: {reason.removesuffix('; the graph engine runs this plan')}")
     if reason and engine == Engine.MODULES:
         raise NotSupportedError(f"engine='modules': {reason}")
     if reason and cp_degree(plan.stages[0]) > 1:
@@ -438,7 +468,7 @@ def _priced_for_engine(plan: Plan, graph: OpGraph, engine: str) -> Plan:
         return plan
     priced = with_stage_predictions(plan, graph)
     if engine == "auto" and plan.predicted is not None and plan.predicted.fits \
-            and not priced.predicted.fits:
+            and not priced.predicted.fits and max(st.ep for st in plan.stages) == 1:
         return replace(plan, engine=Engine.GRAPH, engine_note=(
             f"the module engine needs {priced.predicted.peak_memory_gib:.1f} GiB per device "
             f"(its FSDP2 buffers and weight copies), over "

@@ -262,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help=FP8_RECIPE_HELP)
     p.add_argument("--manual", default="", help="dp=2,tp=2,pp=1,mb=1,schedule=1f1b,"
-                   "recompute=none,sp=0,zero=0 (split=3/2: blocks per pipeline chunk)")
+                   "recompute=none,sp=0,zero=0 (split=3/2: blocks per pipeline chunk; ep=2: "
+                   "routed experts split over 2 data-parallel ranks)")
     p.add_argument("--memory-limit-gib", type=POSITIVE_FLOAT, default=None)
     p.add_argument("--time-limit-s", type=POSITIVE_FLOAT, default=30.0, help="the solver's limit; "
                    "with --for, the layout search keeps the best found after this long")

@@ -55,6 +55,7 @@ from urllib.parse import parse_qsl
 import torch
 import torch.nn as nn
 
+from meshplan.axes import AXES
 from meshplan.errors import SpecError
 from meshplan.mesh import GPU_PRESETS, Mesh
 
@@ -632,10 +633,11 @@ _blocks_per_chunk.__name__ = "blocks per pipeline chunk, e.g. 8/9/8/7"
 
 
 def parse_manual_spec(text: str) -> dict:
-    """dp=2,tp=2,pp=1,cp=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0,split=3/2,
+    """dp=2,tp=2,pp=1,cp=1,ep=1,mb=1,schedule=1f1b,recompute=none,sp=0,zero=0,split=3/2,
     bn=microbatch -> manual_plan kwargs (split: ``stage_layers``, blocks per chunk; bn:
     ``batch_norm``, BatchNorm's statistics per step's batch or per microbatch)."""
     keys = {"dp": ("dp", int), "tp": ("tp", int), "pp": ("pp", int), "cp": ("cp", int),
+            **{name: (name, int) for name in AXES},  # the axis table's (meshplan/axes.py)
             "mb": ("microbatch_size", int),
             "schedule": ("schedule", str), "recompute": ("recompute", str),
             "sp": ("sequence_parallel", lambda v: v.lower() in ("1", "true", "yes")),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan import axes
 from meshplan.errors import NotSupportedError
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
@@ -421,12 +422,22 @@ def batch_norm_rule(plan: Plan, batch_norm: bool) -> tuple[str, ...]:
             "over the same microbatches does",)
 
 
+def axes_rule(plan: Plan, engine: str = "") -> tuple[str, ...]:
+    """The axis table's rules (meshplan/axes.py) on each stage, the model unknown; with
+    ``engine`` (a plan read from a file), the engine's too."""
+    pp = pipeline_degree(plan)
+    found: list[str] = []
+    for st in plan.stages:
+        found += [w for w in axes.plan_problems(st, engine=engine, pp=pp) if w not in found]
+    return tuple(found)
+
+
 def plan_problems(plan: Plan) -> tuple[str, ...]:
     """Why ``plan`` cannot run (empty: it runs)."""
     if not plan.stages:
         return ("the plan has no stages; re-plan",)
     out = stage_layout_rule(plan) + interleaved_split_rule(plan) + \
-        context_parallel_plan_rule(plan) + module_engine_dtype_rule(plan)
+        context_parallel_plan_rule(plan) + module_engine_dtype_rule(plan) + axes_rule(plan)
     c = candidate_of(plan)
     if plan.num_stages == 1:
         # one stage: the schedule, microbatch size and interleaving are not used by the
@@ -465,7 +476,8 @@ def export_problems(plan: Plan) -> tuple[str, ...]:
         from dataclasses import replace
 
         plan = replace(plan, training=replace(plan.training, dtype=ComputeDtype.BF16))
-    return plan_problems(plan)
+    return plan_problems(plan) + tuple(w for w in axes_rule(plan, plan.engine)
+                                       if w not in axes_rule(plan))
 
 
 def check_plan(plan: Plan, error: type = NotSupportedError) -> None:

@@ -54,14 +54,17 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
                       sequence_parallel: bool = False, zero: int = 0,
                       dtype: str = ComputeDtype.FP32, optimizer: str = "adam",
                       vocab_parallel_cp: bool = False, priced: bool = True,
-                      stage_layers: tuple[int, ...] = ()) -> Plan:
-    """A Megatron-style plan (see the module docstring). ``vocab_parallel_cp``: keep the token
+                      stage_layers: tuple[int, ...] = (), ep: int = 1) -> Plan:
+    """A Megatron-style plan (see the module docstring). ``ep``: the expert-parallel degree
+    each stage records (meshplan/axes.py; ranks borrowed from dp x cp x tp, no devices added). ``vocab_parallel_cp``: keep the token
     embedding vocab-parallel under cp too, as Megatron-LM and torchtitan run it (a plan
     priced for those stacks); meshplan's graph engine replicates it (``with_cp_axis``).
     ``stage_layers``: a stack's own split, blocks per chunk (pp x v entries, one record each)."""
     start = time.perf_counter()
     _check(graph, mesh, dp=dp, tp=tp, pp=pp, cp=cp, microbatch_size=microbatch_size,
            schedule=schedule, virtual_stages=virtual_stages, recompute=recompute, zero=zero)
+    if int(ep) < 1:
+        raise PlanningError(f"ep={ep} must be at least 1")
     # selective recompute and sequence parallelism with cp are built (Megatron-LM / NeMo
     # run them; priced with engine="megatron"); meshplan's runtimes refuse them
     # (support.context_parallel_plan_rule)
@@ -102,7 +105,7 @@ def build_manual_plan(graph: OpGraph, mesh, *, dp: int = 1, tp: int = 1, pp: int
         stages.append(Stage(index=s, devices=tuple(range(g * per_stage, (g + 1) * per_stage)),
                             mesh_shape=shape, axis_names=axes, layers=bounds[s],
                             nodes=(names[0], names[-1]), recompute=recompute, zero=zero,
-                            inputs=inputs, params=params, ops=ops))
+                            inputs=inputs, params=params, ops=ops, ep=int(ep)))
     placeholder = Estimate(step_time_s=0.0, peak_memory_gib=0.0, memory_capacity_gib=0.0,
                            fits=True, mfu=0.0, tokens_per_s=0.0)
     solver = SolverInfo(name=NAME, status="given (manual plan)")
