@@ -511,6 +511,11 @@ def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
         from meshplan.runtime.module_pipeline import pipeline_refusal
         return pipeline_refusal(plan, model)
     t, stage = plan.training, plan.stages[0]
+    if stage.ep > 1:  # the axis table's rules with the model's experts (meshplan/axes.py)
+        from meshplan import axes
+        why = next(iter(axes.plan_problems(stage, experts=axes.routed_experts(model))), None)
+        if why:
+            return why
     if support.cp_degree(stage) > 1:
         why = cp_refusal(plan, model)
         if why:

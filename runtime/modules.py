@@ -19,6 +19,7 @@ priced (DECISIONS 27).
 
 from __future__ import annotations
 
+import importlib
 from contextlib import nullcontext
 from functools import partial
 
@@ -35,6 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from meshplan import support
+from meshplan.axes import EP_AXIS
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.runtime import cp_modules
 from meshplan.plan import Plan
@@ -57,12 +59,15 @@ _WRAPPER_PARTS = ("_checkpoint_wrapped_module.",)
 
 def parallelize_model(model: nn.Module, *, mesh, dp_axis: str | None, tp_axis: str | None,
                       styles: dict, recompute: str, zero: int, dtype: str,
-                      compile: bool = False, fsdp_mesh=None) -> bool:
-    """Tensor parallel, then recompute, then compile, then FSDP (torchtitan's order) over
-    ``fsdp_mesh`` (dp x cp flattened under context parallelism) or the dp axis.
+                      compile: bool = False, fsdp_mesh=None, expert_parallel=None) -> bool:
+    """Tensor parallel, then expert parallel, then recompute, then compile, then FSDP
+    (torchtitan's order) over ``fsdp_mesh`` (dp x cp flattened under context parallelism)
+    or the dp axis. ``expert_parallel(model)``: splits the routed experts and returns their
+    gradient reducer, whose parameters FSDP leaves alone (runtime/expert_parallel.py).
     Returns whether FSDP wraps the model."""
     if tp_axis is not None and styles:
         apply_tp(model, mesh[tp_axis], styles)
+    ignored = set(expert_parallel(model).params) if expert_parallel is not None else None
     if recompute != Recompute.NONE:
         apply_ac(model, recompute)
     if compile:
@@ -70,7 +75,8 @@ def parallelize_model(model: nn.Module, *, mesh, dp_axis: str | None, tp_axis: s
     if fsdp_mesh is None and dp_axis is not None:
         fsdp_mesh = mesh[dp_axis]
     if fsdp_mesh is not None and fsdp_mesh.size() > 1:
-        apply_fsdp(model, fsdp_mesh, zero=zero, param_dtype=COMPUTE_DTYPES[dtype])
+        apply_fsdp(model, fsdp_mesh, zero=zero, param_dtype=COMPUTE_DTYPES[dtype],
+                   ignored_params=ignored)
         return True
     return False
 
@@ -98,7 +104,7 @@ def apply_ac(model: nn.Module, recompute: str, *, blocks: str | None = None) -> 
 
 
 def apply_fsdp(model: nn.Module, dp_mesh, *, zero: int, param_dtype,
-               blocks: str | None = None) -> None:
+               blocks: str | None = None, ignored_params: set | None = None) -> None:
     """ZeRO over ``dp_mesh``: fully_shard per block then the root (ZeRO-3 reshards after
     forward; ZeRO-1/2 keep the gathered weights for backward); ZeRO-0 is FSDP2's replicate
     (whole weights, gradients all-reduced; DECISIONS 27)."""
@@ -113,12 +119,14 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero: int, param_dtype,
         # which DistributedDataParallel does not
         from torch.distributed._composable.replicate_with_fsdp import replicate
         for block in children:
-            replicate(block, mesh=dp_mesh, mp_policy=mp)
-        replicate(model, mesh=dp_mesh, mp_policy=mp)
+            replicate(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored_params)
+        replicate(model, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored_params)
         return
     for block in children:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=zero >= 3)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=zero >= 3)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=zero >= 3,
+                    ignored_params=ignored_params)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=zero >= 3,
+                ignored_params=ignored_params)
 
 
 def compile_blocks(model: nn.Module, container: str | None = None) -> None:
@@ -132,6 +140,13 @@ def compile_blocks(model: nn.Module, container: str | None = None) -> None:
                                  else container)
     for block in holder.children():
         block.compile()
+
+
+def runtime_step(axis):
+    """The function applying a table axis (meshplan/axes.py ``Axis.runtime_step``, named as
+    ``"module:function"`` under meshplan.runtime so that the core imports no runtime)."""
+    module, _, fn = axis.runtime_step.partition(":")
+    return getattr(importlib.import_module(f"meshplan.runtime.{module}"), fn)
 
 
 # -- the engine ------------------------------------------------------------------------------
@@ -315,11 +330,14 @@ class ModuleEngine(ModuleEngineBase):
                     t.copy_(fused_parts.to_permuted(t, parts, n))
         hooked = [(model.get_submodule(name), model.get_submodule(name.rpartition(".")[0]),
                    parts) for name, parts in fused.items()]
+        # expert parallelism (meshplan/axes.py EP_AXIS, runtime/expert_parallel.py)
+        self.experts = None
         self.fsdp = parallelize_model(
             model, mesh=self.mesh, dp_axis=self.dp_axis,
             tp_axis=stage.axis_names[tp] if tp is not None else None, styles=styles,
             recompute=stage.recompute, zero=stage.zero, dtype=plan.training.dtype,
-            compile=compile, fsdp_mesh=self.fsdp_mesh)
+            compile=compile, fsdp_mesh=self.fsdp_mesh,
+            expert_parallel=self._expert_step(stage) if stage.ep > 1 else None)
         if hooked:
             fused_parts.install(hooked, self.mesh[stage.axis_names[tp]])
         if on_meta:  # only the local shards get memory; weights come from load/init_weights
@@ -334,7 +352,25 @@ class ModuleEngine(ModuleEngineBase):
         # sharded (ZeRO 0/1); ZeRO-2/3 reduce-scatter every microbatch (DECISIONS 27)
         self._defer_sync = self.fsdp and stage.zero < 2
 
+    def _expert_step(self, stage):
+        """The axis table's runtime step for ep, kept as the engine's gradient reducer."""
+        def step(model):
+            self.experts = runtime_step(EP_AXIS)(model, stage, device_type=self.device.type)
+            return self.experts
+        return step
+
     # -- training ------------------------------------------------------------------------
+    def train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = (),
+                   labels: torch.Tensor | None = None) -> float:
+        """Forward and backward of every microbatch of this rank's shard; gradients synced
+        (the expert shards' too: runtime/expert_parallel.py); the global mean loss."""
+        if self.experts is None:
+            return self._train_step(args, kwargs, targets, labels)
+        self.experts.stash()
+        loss = self._train_step(args, kwargs, targets, labels)
+        self.experts.reduce()
+        return loss
+
     def _loss(self, out, args, targets) -> torch.Tensor:
         out = out.full_tensor() if isinstance(out, DTensor) else out
         out = out.float() if out.is_floating_point() else out
@@ -344,8 +380,8 @@ class ModuleEngine(ModuleEngineBase):
             return F.cross_entropy(out.reshape(-1, out.shape[-1]), targets[0].reshape(-1))
         return next_token_loss(out, args[0])
 
-    def train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = (),
-                   labels: torch.Tensor | None = None) -> float:
+    def _train_step(self, args: tuple, kwargs: dict | None = None, targets: tuple = (),
+                    labels: torch.Tensor | None = None) -> float:
         """Forward and backward of every microbatch of this rank's shard; gradients synced;
         the global mean loss (the same on every rank). ``labels``: the labelled targets per
         data-parallel rank and microbatch (runtime/loss_weights.py), which weigh each
