@@ -95,16 +95,22 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, local_fn, group, ep: int)
 @contextmanager
 def _local_weights(module: nn.Module, dtype: torch.dtype | None):
     """The module's DTensor expert weights replaced by their local shards (differentiable
-    views, cast to the activations' dtype) for one call."""
+    views, cast to the activations' dtype) for one call, and its ``num_experts`` (which
+    transformers' experts read to group rows) the local count."""
     saved = dict(module._parameters)
+    count = getattr(module, "num_experts", None)
     try:
         for name, p in saved.items():
             if isinstance(p, DTensor):
                 local = p.to_local()
                 module._parameters[name] = local.to(dtype) if dtype is not None else local
+                if count is not None:
+                    module.num_experts = local.shape[0]
         yield
     finally:
         module._parameters.update(saved)
+        if count is not None:
+            module.num_experts = count
 
 
 class ExpertParallel(ParallelStyle):
