@@ -157,15 +157,29 @@ class ExpertParallel(ParallelStyle):
         return module
 
 
-def ep_mesh(stage, device_type: str) -> DeviceMesh:
-    """The stage's ranks with its dp axis viewed as (efsdp, ep), ep inner (torchtitan's
-    ``dp_shard_in_ep``): ep groups are runs of consecutive dp ranks."""
+def ep_mesh(stage, device_type: str, pp: int = 1) -> DeviceMesh:
+    """Every rank of the run (``pp`` rank groups of the stage's mesh, row-major as
+    ``init_device_mesh`` lays them) with the dp axis viewed as (efsdp, ep), ep inner
+    (torchtitan's ``dp_shard_in_ep``): ep groups are runs of consecutive dp ranks."""
     shape, names = list(stage.mesh_shape), list(stage.axis_names)
     dp = names.index("dp")
-    ranks = torch.tensor(stage.devices, dtype=torch.int).reshape(shape)
     shape[dp:dp + 1] = [shape[dp] // stage.ep, stage.ep]
     names[dp:dp + 1] = [EFSDP, EP]
-    return DeviceMesh(device_type, ranks.reshape(shape), mesh_dim_names=tuple(names))
+    if pp > 1:
+        shape, names = [pp, *shape], ["pp", *names]
+    ranks = torch.arange(int(torch.tensor(shape).prod())).reshape(shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=tuple(names))
+
+
+def replica_group(mesh: DeviceMesh):
+    """The ranks holding the same experts on their own data: efsdp, and cp where the stage
+    has it (tensor-parallel ranks compute the same tokens; ep with tp is refused,
+    meshplan/axes.py); None when that is this rank alone."""
+    dims = [d for d in (EFSDP, "cp") if d in mesh.mesh_dim_names and mesh[d].size() > 1]
+    if not dims:
+        return None
+    sub = mesh[dims[0]] if len(dims) == 1 else mesh[tuple(dims)]._flatten("_".join(dims))
+    return sub.get_group()
 
 
 class ExpertGrads:
@@ -196,16 +210,18 @@ class ExpertGrads:
 
 def apply_expert_parallel(model: nn.Module, stage, mesh: DeviceMesh | None = None,
                           device_type: str = "cpu") -> ExpertGrads:
-    """Split ``model``'s routed experts over the stage's ``ep`` ranks (in place); returns
-    the gradient reducer the engine calls once per step, whose ``params`` FSDP must ignore."""
+    """Split ``model``'s routed experts (a pipeline stage's part: its own) over the stage's
+    ``ep`` ranks, in place; returns the gradient reducer the engine calls once per step,
+    whose ``params`` FSDP must ignore. ``mesh``: ``ep_mesh``'s (built here when None)."""
     mesh = mesh if mesh is not None else ep_mesh(stage, device_type)
     found = find_experts(model)
     parallelize_module(model, mesh[EP], {name: ExpertParallel(kind)
                                          for name, (kind, _) in found.items()})
     params = [p for name in found for p in model.get_submodule(name).parameters(recurse=False)]
-    efsdp = mesh[EFSDP]
-    dp = dict(zip(stage.axis_names, stage.mesh_shape)).get("dp", 1)
-    return ExpertGrads(params, efsdp.get_group() if efsdp.size() > 1 else None, dp)
+    degrees = dict(zip(stage.axis_names, stage.mesh_shape))
+    # FSDP averages the other gradients over dp x cp; the experts' sum over their replicas
+    # is divided by the same
+    return ExpertGrads(params, replica_group(mesh), degrees.get("dp", 1) * degrees.get("cp", 1))
 
 
 __all__ = ["ExpertParallel", "ExpertGrads", "apply_expert_parallel", "exchange", "ep_mesh",

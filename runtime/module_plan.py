@@ -507,15 +507,16 @@ def model_refusal(model: nn.Module, *, dtype: str, num_devices: int) -> str | No
 def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why ``plan`` cannot run on ``model`` with PyTorch's composables; None when it can.
     Pure: needs no process group (the local-shard check runs the model on meta)."""
-    if plan.num_stages > 1:  # cut into stage modules, run by torch.distributed.pipelining
-        from meshplan.runtime.module_pipeline import pipeline_refusal
-        return pipeline_refusal(plan, model)
     t, stage = plan.training, plan.stages[0]
     if stage.ep > 1:  # the axis table's rules with the model's experts (meshplan/axes.py)
         from meshplan import axes
-        why = next(iter(axes.plan_problems(stage, experts=axes.routed_experts(model))), None)
+        why = next(iter(axes.plan_problems(stage, experts=axes.routed_experts(model),
+                                           pp=support.pipeline_degree(plan))), None)
         if why:
             return why
+    if plan.num_stages > 1:  # cut into stage modules, run by torch.distributed.pipelining
+        from meshplan.runtime.module_pipeline import pipeline_refusal
+        return pipeline_refusal(plan, model)
     if support.cp_degree(stage) > 1:
         why = cp_refusal(plan, model)
         if why:

@@ -33,10 +33,10 @@ import _user_loss_worker as loop  # noqa: E402 - the user's loop, data and loss
 import moe_grouped  # noqa: E402
 
 VOCAB = 64
-# The transformers models are planned with their default experts ("grouped_mm": the loop
-# over hit experts does not trace) and run with the loop ("eager"), because grouped_mm takes
-# no float64, which the harness's fp64 reference runs; both are the same module, reached by
-# the same call, and the runtime splits either (runtime/expert_parallel.py).
+# The transformers models are planned and run with their default experts ("grouped_mm",
+# torch's grouped GEMM in fp32 on CPU; the loop over hit experts does not trace on meta) and
+# the one-process reference runs the loop ("eager"): grouped_mm takes no float64, which the
+# harness's fp64 reference needs. Same weights, same math, one module class.
 GROUPED_MM = "grouped_mm"
 
 
@@ -70,10 +70,10 @@ def deepseek_style(grouped: bool = False):
                                   use_grouped_mm=grouped)
 
 
-# name: (build to run, build to plan on meta)
-MODELS = {"mixtral": (mixtral, lambda: mixtral(GROUPED_MM)),
-          "qwen3_moe": (qwen3_moe, lambda: qwen3_moe(GROUPED_MM)),
-          "deepseek": (deepseek_style, lambda: deepseek_style(grouped=True))}
+# name: (the reference's build, the run's build, the plan's build on meta)
+MODELS = {"mixtral": (mixtral, lambda: mixtral(GROUPED_MM), lambda: mixtral(GROUPED_MM)),
+          "qwen3_moe": (qwen3_moe, lambda: qwen3_moe(GROUPED_MM), lambda: qwen3_moe(GROUPED_MM)),
+          "deepseek": (deepseek_style, deepseek_style, lambda: deepseek_style(grouped=True))}
 
 
 def parse(layout: str) -> dict:
@@ -105,7 +105,7 @@ def reference(name: str):
 def run_case(name: str, layout: str) -> dict:
     import meshplan
 
-    build, plan_build = MODELS[name]
+    _, build, plan_build = MODELS[name]
     answer = [None]
     if dist.get_rank() == 0:
         with torch.device("meta"):
