@@ -408,6 +408,11 @@ def explain_text(expls: list[NodeExplanation], plan: Plan | None = None, width: 
     from meshplan.inspect import render
 
     tables = []
+    if plan is not None:  # expert parallelism: which ranks hold which experts
+        from meshplan.inspect import expert_table
+        experts = expert_table(plan)
+        if experts is not None:
+            tables.append(experts)
     for e in expls:
         t = Table(title=f"{e.node} ({e.target}, {e.module_path or '-'}, layer {e.layer}, stage "
                         f"{e.stage}): output {list(e.chosen_output)}", title_justify="left",

@@ -327,7 +327,8 @@ def stage_table(plan: Plan) -> Table:
         c, k = st.predicted.compute_s, st.predicted.comm_s
         stages.add_row(str(st.index), f"{devs} ({len(st.devices)})",
                        "x".join(map(str, st.mesh_shape)) + (
-                           f" ({','.join(st.axis_names)})" if "cp" in st.axis_names else ""),
+                           f" ({','.join(st.axis_names)})" if "cp" in st.axis_names else "")
+                       + (f" ep{st.ep}" if st.ep > 1 else ""),
                        f"{st.layers[0]}-{st.layers[1] - 1}" if st.layers[1] > st.layers[0] else "-",
                        st.recompute, str(st.zero), f"{m.params_gib:.3f}", f"{m.grads_gib:.3f}",
                        f"{m.optimizer_gib:.3f}", f"{m.activations_gib:.3f}", f"{m.total_gib:.3f}",
@@ -346,8 +347,69 @@ def layer_table(plan: Plan, graph=None) -> Table:
     return table
 
 
+def routed_experts_of(graph) -> int:
+    """The routed-expert count of a traced model (its 3-D ``experts`` weights' leading size),
+    0 when unknown."""
+    if graph is None:
+        return 0
+    sizes = {p.shape[0] for p in graph.params if len(p.shape) == 3 and "expert" in p.name}
+    return min(sizes) if sizes else 0
+
+
+def expert_lines(plan: Plan, graph=None) -> list[str]:
+    """Which ranks hold which routed experts, one line per ep group of each stage with
+    ep > 1 (the layout of runtime/expert_parallel.py ``ep_mesh``: the dp axis viewed as
+    (efsdp, ep), ep inner, so an ep group is a run of ``ep`` consecutive dp ranks and the
+    experts are split in order over it)."""
+    graph = graph if graph is not None else plan.graph
+    experts = routed_experts_of(graph)
+    out = []
+    for st in plan.stages:
+        if st.ep == 1 or "dp" not in st.axis_names:
+            continue
+        ranks = _ranks_by_dp(st)
+        for g in range(0, len(ranks), st.ep):
+            group = ranks[g:g + st.ep]
+            held = []
+            for i, rank_set in enumerate(group):
+                which = (f"experts {i * experts // st.ep}-{(i + 1) * experts // st.ep - 1}"
+                         if experts else f"expert shard {i}/{st.ep}")
+                held.append(f"rank {'/'.join(map(str, rank_set))}: {which}")
+            out.append(f"stage {st.index} ep group {g // st.ep} (dp ranks {g}-{g + st.ep - 1}): "
+                       + "; ".join(held))
+    return out
+
+
+def _ranks_by_dp(stage: Stage) -> list[tuple[int, ...]]:
+    """Each dp index's devices (the stage's other axes' ranks, which hold the same shard)."""
+    shape, names = list(stage.mesh_shape), list(stage.axis_names)
+    dp = names.index("dp")
+    out: list[list[int]] = [[] for _ in range(shape[dp])]
+    for flat, device in enumerate(stage.devices):
+        index, rest = [], flat
+        for size in reversed(shape):
+            index.append(rest % size)
+            rest //= size
+        out[list(reversed(index))[dp]].append(device)
+    return [tuple(r) for r in out]
+
+
+def expert_table(plan: Plan, graph=None) -> Table | None:
+    lines = expert_lines(plan, graph)
+    if not lines:
+        return None
+    table = Table(title="routed experts by rank (expert parallelism)", title_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 1))
+    table.add_column("ep group: ranks: experts they hold")
+    for line in lines:
+        table.add_row(line)
+    return table
+
+
 def summary_table(plan: Plan, graph=None) -> list:
-    return [head_table(plan), stage_table(plan), layer_table(plan, graph)]
+    experts = expert_table(plan, graph)
+    return [head_table(plan), stage_table(plan), layer_table(plan, graph),
+            *([experts] if experts is not None else [])]
 
 
 def render(tables, width: int = 120) -> str:
