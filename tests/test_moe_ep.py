@@ -1,0 +1,141 @@
+"""Expert parallelism (issue 39): ``manual_plan(..., ep=N)``, its one-line refusals, the axis
+table (meshplan/axes.py), ``show``'s expert lines, and the run on the module engine equal to
+one plain PyTorch process (tests/_moe_ep_worker.py, one launch of 4 gloo processes).
+
+The equality matrix: Mixtral-style and Qwen3-MoE tiny models (transformers 5, 3-D expert
+weights behind ``experts(hidden, top_k_index, top_k_weights)``) and a DeepSeek-style model
+(examples/moe_grouped.py: a dense first block, a shared expert, sigmoid routing) at
+dp4 x ep4 and dp4 x ep2, through the public API in a user's loop (own rows per rank, AdamW,
+LR warmup, clipping below every step's norm, eval outputs, full_state_dict), within
+tests/harness/equivalence.py's rule (10x the fp32 reference's own error against fp64;
+floors 1e-5 on losses and norms, 1e-4 on weights and outputs). The layouts the runtime does
+not run yet (ep with tp, pp or cp) must be refused when the plan is made, in one line.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshplan
+from meshplan import axes
+from meshplan.errors import NotSupportedError, PlanFileError, PlanningError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _moe_ep_worker as w  # noqa: E402
+import _user_loss_worker as loop  # noqa: E402
+
+WORKER = str(Path(__file__).with_name("_moe_ep_worker.py"))
+RUN = [(m, lay) for m in ("mixtral", "qwen3_moe", "deepseek") for lay in ("dp4xep4", "dp4xep2")]
+# the matrix's cells the runtime does not run yet: refused when the plan is made
+REFUSED = [("mixtral", "dp2xtp2xep2", "tp=2"), ("qwen3_moe", "dp2xpp2xep2", "pp=2"),
+           ("deepseek", "dp2xcp2xep2", "cp=2")]
+
+
+def _plan(name: str, mesh: int = 4, **layout):
+    (ids,), (labels,) = loop.tokens(0)
+    with torch.device("meta"):
+        model = w.MODELS[name][2]()
+    return meshplan.manual_plan(model, meshplan.Mesh.local(mesh),
+                                example_inputs=(ids.to("meta"),),
+                                example_targets=(labels.to("meta"),), loss_fn=loop.token_ce,
+                                **layout)
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+def test_ep_is_recorded_and_round_trips_and_show_says_which_ranks_hold_which_experts():
+    plan = _plan("mixtral", dp=4, ep=2)
+    st = plan.stages[0]
+    assert st.ep == 2 and plan.engine == "modules"
+    back = meshplan.Plan.from_json_text(plan.to_json_text())
+    assert back.stages[0].ep == 2 and back.to_json_text() == plan.to_json_text()
+    text = plan.summary()
+    assert "rank 0: experts 0-1; rank 1: experts 2-3" in text
+    assert "rank 2: experts 0-1; rank 3: experts 2-3" in text
+    assert '"ep"' not in _plan("mixtral", dp=4).to_json_text()  # written only when > 1
+
+
+def test_refusals_are_one_line_with_the_value_the_rule_and_the_fix():
+    (ids,), _ = loop.tokens(0)
+    with torch.device("meta"):
+        dense = loop.NanoGPT()
+    with pytest.raises(PlanningError, match="no routed experts.*use ep=1"):
+        meshplan.manual_plan(dense, meshplan.Mesh.local(4), example_inputs=(ids.to("meta"),),
+                             dp=4, ep=2)
+    with pytest.raises(PlanningError, match=r"ep=8 does not divide the model's 4 routed "
+                                            r"experts.*use one of 1, 2, 4"):
+        _plan("mixtral", mesh=8, dp=8, ep=8)
+    with pytest.raises(PlanningError, match=r"ep=3 must divide dp x cp x tp = 4"):
+        _plan("mixtral", dp=4, ep=3)
+    with pytest.raises(NotSupportedError, match="module engine only"):
+        _plan("deepseek", dp=4, ep=2, engine="graph")
+    for name, layout, axis in REFUSED:
+        with pytest.raises(NotSupportedError, match=f"ep=2 with {axis}") as err:
+            _plan(name, **w.parse(layout))
+        assert "\n" not in str(err.value)
+
+
+def test_a_plan_file_with_ep_on_the_graph_engine_is_refused_when_read():
+    text = _plan("mixtral", dp=4, ep=2).to_json_text().replace('"engine": "modules"',
+                                                               '"engine": "graph"')
+    with pytest.raises(PlanFileError, match="module engine only"):
+        meshplan.Plan.from_json_text(text)
+
+
+def test_the_axis_table_and_the_cli_spec():
+    from meshplan.specs import parse_manual_spec
+
+    assert parse_manual_spec("dp=4,ep=2") == {"dp": 4, "ep": 2}
+    ep = axes.AXES["ep"]
+    assert ep.degrees(8, 4) == (1, 2, 4) and ep.degrees(6, 8) == (1, 2)
+    assert ep.runtime_step == "expert_parallel:apply_expert_parallel"
+    with torch.device("meta"):
+        found = axes.find_experts(w.deepseek_style())
+    assert sorted(found) == ["layers.1.ffn.experts", "layers.2.ffn.experts"]
+    assert set(found.values()) == {(axes.GROUPED, 4)}
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe-ep") / "out.pt"
+    from _launch import forked_run
+    cases = [*RUN, *[(m, lay) for m, lay, _ in REFUSED]]
+    forked_run(WORKER, [str(out), ",".join(f"{m}:{lay}" for m, lay in cases)], 4, 900,
+               out.parent / "logs")
+    return torch.load(out, weights_only=False)
+
+
+_REF: dict = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,layout", RUN, ids=[f"{m}-{lay}" for m, lay in RUN])
+def test_expert_parallel_equals_one_process(results, model, layout):
+    from tests.harness.equivalence import check
+
+    got = results[f"{model}:{layout}"]
+    assert "refused" not in got and "error" not in got, \
+        f"{model} {layout}: {got.get('refused') or got.get('error')}\n" \
+        f"{got.get('traceback', '')[-3000:]}"
+    assert got["engine"] == "modules"
+    if model not in _REF:
+        _REF[model] = w.reference(model)
+    ref = _REF[model]
+    assert min(ref.ref["norms"]) > loop.CLIP  # the clipping bites at every step
+    bad = check({"losses": got["losses"], "norms": got["norms"], "eval": got["eval"],
+                 "weights": got["final"]}, ref, fields=("losses", "norms", "eval", "weights"),
+                same_weight_keys=True)
+    assert not bad, f"{model} {layout} [{got['layout']}]: " + "; ".join(bad[:6])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,layout,axis", REFUSED, ids=[f"{m}-{lay}" for m, lay, _ in REFUSED])
+def test_cells_not_run_are_refused_when_planned(results, model, layout, axis):
+    got = results[f"{model}:{layout}"]
+    assert got.get("refused", "").startswith(f"NotSupportedError: ep=2 with {axis}"), got
