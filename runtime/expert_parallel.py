@@ -23,7 +23,8 @@ Gradients. A rank's expert shard receives the gradient of every rank of its ep g
 routed tokens to it (the all-to-all's backward is the reverse all-to-all), each rank's loss
 being its own rows' mean; the other parameters' gradients are averaged over dp by FSDP. The
 expert shards are left out of FSDP (``ignored_params``) and, once per step, summed over the
-``efsdp`` ranks that hold the same experts and divided by dp (``ExpertGrads.reduce``): the
+ranks that hold the same experts (efsdp, and cp under context parallelism, whose ranks see
+other tokens of the same rows) and divided by dp (x cp) (``ExpertGrads.reduce``): the
 gradient one process computes on the global batch.
 """
 
@@ -87,8 +88,10 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, local_fn, group, ep: int)
     out = local_fn(local, recv.sum(0))
     if out.shape[0] == 0 and torch.is_grad_enabled() and local.requires_grad:
         out = out + local.sum() * 0  # keep the backward all-to-all in every rank's graph
-    back = torch.empty_like(perm)
-    back[perm] = torch.arange(perm.numel(), device=perm.device)
+    # the inverse permutation; no torch.arange here or below: under context parallelism
+    # runtime/cp_modules.py ChunkPositions turns an arange of the local sequence length into
+    # this rank's positions
+    back = torch.argsort(perm)
     return _AllToAll.apply(out[back], in_splits, out_splits, group)
 
 
@@ -135,8 +138,7 @@ class ExpertParallel(ParallelStyle):
             with _local_weights(module, x.dtype if x.is_floating_point() else None):
                 if self.kind == GROUPED:
                     return original(x, local_counts)
-                ids = torch.repeat_interleave(
-                    torch.arange(local_counts.numel(), device=x.device), local_counts)
+                ids = torch.repeat_interleave(local_counts)  # expert e repeated counts[e] times
                 return original(x, ids.unsqueeze(1), x.new_ones(x.shape[0], 1))
 
         if self.kind == GROUPED:
