@@ -23,6 +23,7 @@ in weights (tolerance 1e-4).
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,8 @@ def test_ep_is_recorded_and_round_trips_and_show_says_which_ranks_hold_which_exp
     text = plan.summary()
     assert "rank 0: experts 0-1; rank 1: experts 2-3" in text
     assert "rank 2: experts 0-1; rank 3: experts 2-3" in text
-    assert '"ep"' not in _plan("mixtral", dp=4).to_json_text()  # written only when > 1
+    one = replace(plan, stages=(replace(st, ep=1),))
+    assert '"ep"' in plan.to_json_text() and '"ep"' not in one.to_json_text()  # only when > 1
 
 
 def test_refusals_are_one_line_with_the_value_the_rule_and_the_fix():
