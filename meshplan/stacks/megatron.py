@@ -137,6 +137,10 @@ def _moe_problems(L: StackLayout, arch: ModelArch) -> list[str]:
         return [f"ep={L.ep} for a dense model: there are no experts to split; use ep=1"] \
             if L.ep > 1 else []
     out = []
+    if L.ep > 1 and L.tp > 1 and not L.sequence_parallel:  # model_parallel_config.py
+        out.append(f"ep={L.ep} with tp={L.tp} without sequence parallelism: Megatron-Core says "
+                   "'When using expert parallelism and tensor parallelism for training, "
+                   "sequence parallelism must be used'; plan with sequence_parallel=True")
     if arch.experts % L.ep:  # arguments.py validate_args
         out.append(f"ep={L.ep} must divide the {arch.experts} experts (Megatron-LM: 'Number of "
                    "experts should be a multiple of expert model parallel_size')")
