@@ -408,8 +408,20 @@ def test_megatron_core_splits_generated_layouts_as_exported():
 
 # --- checked by Megatron-LM's own argument code (not in the wheel: a checkout) ----------------
 
+def _needs_six(root: str) -> None:
+    """core_v0.16.1's BERT tokenizer imports six (main's does not): skip without it."""
+    import os
+
+    bert = os.path.join(root, "megatron/training/tokenizer/bert_tokenization.py")
+    if os.path.isfile(bert) and "import six" in open(bert).read():
+        pytest.importorskip("six")
+
+
 LM_CHECK = '''
-import os, shlex, sys
+import os, shlex, sys, typing
+if not hasattr(typing, "override"):  # Megatron-LM main names Python 3.12's typing.override
+    import typing_extensions
+    typing.override = typing_extensions.override
 from unittest import mock
 # batch_invariant_kernels needs triton (GPU builds only); nothing here calls it
 sys.modules["megatron.core.transformer.custom_layers.batch_invariant_kernels"] = mock.MagicMock()
@@ -440,8 +452,9 @@ def test_megatron_lm_parses_and_validates_the_exports(llama):
 
     root = os.environ.get("MEGATRON_LM_DIR")
     if not root or not os.path.isfile(os.path.join(root, "megatron/training/arguments.py")):
-        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
-    pytest.importorskip("six")
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout (main at "
+                    "megatron.MEGATRON_LM_MAIN, or core_v0.16.1)")
+    _needs_six(root)
     cases = list(runs(llama).values())
     a30 = dataclasses.replace(llama["8b"], layers=30)
     base = StackLayout(dp=1, pp=4, global_batch=8, seq_len=4096)
@@ -611,7 +624,7 @@ def test_moe_argument_files_import_and_price(tmp_path):
 
 def test_megatron_lm_parses_and_validates_the_moe_files():
     """The MoE argument files import reads (Mixtral, Qwen3-MoE at tp 2, DeepSeek-V3 with
-    MLA) pass Megatron-LM core_v0.16.1's own parser, ``validate_args`` and
+    MLA) and the MoE exports (MOE_RUNS) pass Megatron-LM's own parser, ``validate_args`` and
     ``core_transformer_config_from_args``, which give the experts, top-k, expert width,
     shared experts, layer pattern and MLA ranks import reads. Needs MEGATRON_LM_DIR as above;
     validate_args asks the GPU's compute capability for --moe-grouped-gemm: an H100's (9, 0)."""
@@ -621,8 +634,9 @@ def test_megatron_lm_parses_and_validates_the_moe_files():
 
     root = os.environ.get("MEGATRON_LM_DIR")
     if not root or not os.path.isfile(os.path.join(root, "megatron/training/arguments.py")):
-        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout at core_v0.16.1")
-    pytest.importorskip("six")
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout (main at "
+                    "megatron.MEGATRON_LM_MAIN, or core_v0.16.1)")
+    _needs_six(root)
     check = LM_CHECK.replace(
         "A.get_device_arch_version = lambda: 9",
         "A.get_device_arch_version = lambda: 9\nimport torch\n"
@@ -637,6 +651,8 @@ def test_megatron_lm_parses_and_validates_the_moe_files():
     assert check != LM_CHECK
     texts = [MOE_BASE, MOE_BASE + "--qk-layernorm --expert-tensor-parallel-size 1 "
              "--group-query-attention --num-query-groups 2 --kv-channels 32", MOE_BASE + MLA]
+    # and the MoE exports (ep > 1, the router flags)
+    texts += [to_megatron(layout, arch_of_spec(preset)) for preset, layout in MOE_RUNS.values()]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
     for text in texts:  # one process each: Megatron's globals are set once per process
