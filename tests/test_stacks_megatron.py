@@ -748,3 +748,28 @@ def test_megatron_core_accepts_the_moe_exports():
                                                  else "softmax")
         assert (cfg.moe_router_topk_scaling_factor or 1.0) == arch.router_scale
         assert ddp.use_distributed_optimizer
+
+
+def test_an_moe_plan_exports_with_its_ep_and_comes_back():
+    """plan (a tiny Qwen3-MoE, experts split over ep=4 of dp 8) -> export_plan --to megatron
+    -> from_megatron: the layout with its ep; the plan's stages carry ep into the file."""
+    import meshplan
+    from meshplan.specs import example_inputs
+    from meshplan.stacks import layout_of
+    from meshplan.stacks.commands import export_plan
+    from meshplan.stacks.layout import with_ep
+
+    spec = ("transformers:qwen3_moe?hidden_size=64&num_hidden_layers=2&num_attention_heads=4"
+            "&num_key_value_heads=2&head_dim=16&intermediate_size=128&moe_intermediate_size=32"
+            "&num_experts=8&num_experts_per_tok=2&vocab_size=256&max_position_embeddings=128")
+    model = parse_model_spec(spec).build("meta")
+    graph = meshplan.tracing.trace(model, example_inputs(model, 16, 64))
+    mesh = meshplan.Mesh.preset("dgx-h100", nodes=1)
+    plan = with_ep(meshplan.manual_plan(model, mesh, graph=graph, dp=8, zero=1,
+                                        dtype="bf16", engine="megatron"), 4).with_spec(spec)
+    assert {st.ep for st in plan.stages} == {4} and layout_of(plan).ep == 4
+    text = export_plan(plan, "megatron", graph=graph)
+    f = flags_of(text)
+    assert f["--expert-model-parallel-size"] == "4" and f["--num-experts"] == "8"
+    layout, arch = from_megatron(text)
+    assert layout == layout_of(plan) and arch == arch_of_spec(spec)
