@@ -365,7 +365,8 @@ def _moe_args(L: StackLayout, a: ModelArch) -> list[tuple[str, object]]:
     if a.router_groups > 1:
         out += [("--moe-router-num-groups", a.router_groups),
                 ("--moe-router-group-topk", a.router_group_topk)]
-    out += ROUTER_LOSS[a.family] + [("--moe-router-dtype", "fp32")]
+    # the router in fp32 (Megatron-LM's choice spelled as meshplan's dtype name)
+    out += ROUTER_LOSS[a.family] + [("--moe-router-dtype", ComputeDtype.FP32)]
     return out
 
 
