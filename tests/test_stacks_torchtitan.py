@@ -621,3 +621,26 @@ def test_moe_round_trip_and_refusals():
                                               "235B-A22B")):
         why = flavor_problem(arch_of_spec(preset))
         assert words in why and "\n" not in why, why
+
+
+@pytest.mark.slow
+@needs_torchtitan
+def test_torchtitan_trainer_dry_run_moe(tmp_path):
+    """An MoE export through torchtitan 0.3.0's Trainer on the fake backend (rank 0 of dp 4 x
+    tp 2 with ep 4 over dp_shard x tp, CPU, as test_torchtitan_trainer_dry_run): qwen3's
+    debugmodel_moe builds with TP, expert parallelism, selective AC and FSDP, its weights
+    initialized and its optimizer built; the parameter count is the flavor's (64 experts of
+    width 768 in each of 8 blocks). 43 to 80 s on 2 busy cores."""
+    arch = FLAVORS[("qwen3", "debugmodel_moe")]
+    layout = StackLayout(dp=4, tp=2, ep=4, global_batch=16, seq_len=256, microbatch_size=2,
+                         zero=3, sequence_parallel=True, recompute="selective")
+    job = _job(tmp_path, "drymoe", layout, arch)
+    job.update(extra=["--parallelism.spmd_backend", "partial_dtensor"], steps=0)
+    got, = _run_worker(tmp_path, "steps", [job])
+    assert got["model_parts"] == 1 and got["grad_accumulation"] == layout.microbatches
+    a = arch
+    attention = a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim + \
+        a.heads * a.head_dim * a.hidden
+    block = attention + 3 * a.experts * a.hidden * a.moe_ffn_hidden + a.hidden * a.experts + \
+        2 * a.hidden + 2 * a.head_dim  # router gate, the two norms, q/k norms
+    assert got["params"] == 2 * a.vocab * a.hidden + a.layers * block + a.hidden
