@@ -56,8 +56,12 @@ def _row(name: str, target: str, spec: str, gpus: int, stem: str,
     imported_s = time.perf_counter() - start
     start = time.perf_counter()
     model = parse_model_spec(spec).build(device="meta")
-    ours, priced = search_layouts(model, mesh, target, graph=theirs.graph,
-                                  dtype=theirs.training.dtype,
+    dtype, note = theirs.training.dtype, ""
+    if target == "torchtitan" and dtype == "fp8":
+        # torchtitan 0.3.0 runs rowwise fp8 only (stacks/torchtitan.py FP8_PROBLEM): the
+        # published tensorwise-fp8 run is priced as it ran, meshplan's pick searched in bf16
+        dtype, note = "bf16", "searched in bf16: torchtitan 0.3.0 has no tensorwise fp8"
+    ours, priced = search_layouts(model, mesh, target, graph=theirs.graph, dtype=dtype,
                                   compiled=theirs.training.compiled,
                                   time_limit_s=time_limit_s)
     search_s = time.perf_counter() - start
@@ -75,7 +79,7 @@ def _row(name: str, target: str, spec: str, gpus: int, stem: str,
             "meshplan_layout": layout_of(ours, compiled=ours.training.compiled).words(),
             "meshplan_step_s": round(b.step_time_s, 3), "meshplan_mfu": round(b.mfu, 4),
             "meshplan_peak_gib": round(b.peak_memory_gib, 1), "meshplan_fits": b.fits,
-            "speedup": round(a.step_time_s / b.step_time_s, 3),
+            "speedup": round(a.step_time_s / b.step_time_s, 3), "note": note,
             "search_status": ours.solver.status, "search_s": round(search_s, 1),
             "import_s": round(imported_s, 1),
             "exported": os.path.relpath(exported, os.path.dirname(HERE))}
@@ -141,7 +145,16 @@ def main() -> int:
     ap.add_argument("--target", choices=("torchtitan", "megatron"), default=None)
     ap.add_argument("--time-limit-s", type=float, default=300.0, help="each search keeps the "
                     "best found after this long (its status says how many it left unpriced)")
+    ap.add_argument("--rows-from", default="", help="a log of an earlier run of this script "
+                    "(its JSON lines): runs found there are taken from it, not recomputed")
     args = ap.parse_args()
+    done = {}
+    if args.rows_from:
+        with open(args.rows_from) as f:
+            for line in f:
+                if line.startswith('{"run"'):
+                    row = json.loads(line)
+                    done[(row["run"], row["target"])] = row
     torch.set_num_threads(1)
     rows = []
     for name, spec, gpus, stem in RUNS:
@@ -150,22 +163,24 @@ def main() -> int:
         for target in ("torchtitan", "megatron"):
             if args.target and target != args.target:
                 continue
-            row = _row(name, target, spec, gpus, stem, args.time_limit_s)
+            row = done.get((name, target)) or _row(name, target, spec, gpus, stem,
+                                                   args.time_limit_s)
             if row is None:
                 print(f"{name} / {target}: no published configuration in {CONFIGS}")
                 continue
             rows.append(row)
             print(json.dumps(row), flush=True)
     lines = ["| run | stack | published configuration | step s | MFU | GiB | meshplan plan --for | "
-             "step s | MFU | GiB | published / meshplan time | search s |",
-             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "step s | MFU | GiB | published / meshplan time | search s | note |",
+             "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         fit = "" if r["published_fits"] else " (does not fit)"
         lines.append(f"| {r['run']} | {r['target']} | {r['published_layout']} | "
                      f"{r['published_step_s']} | {r['published_mfu'] * 100:.1f}% | "
                      f"{r['published_peak_gib']}{fit} | {r['meshplan_layout']} | "
                      f"{r['meshplan_step_s']} | {r['meshplan_mfu'] * 100:.1f}% | "
-                     f"{r['meshplan_peak_gib']} | {r['speedup']:.3f} | {r['search_s']} |")
+                     f"{r['meshplan_peak_gib']} | {r['speedup']:.3f} | {r['search_s']} |"
+                     + (f" {r['note']} |" if r.get("note") else " |"))
     text = ("# Published stack configurations vs meshplan plan --for\n\n"
             "Each published configuration (benchmarks/stack_configs/, sources in each file) "
             "imported with `meshplan.import_plan` and priced as that stack runs it; beside it "
