@@ -154,6 +154,37 @@ def flavors() -> None:
                 ffn_hidden=block.feed_forward.w1.weight.shape[0], head_dim=att.head_dim,
                 heads=att.n_heads, kv_heads=att.n_kv_heads, rope_theta=float(rope.theta),
                 tied_embeddings=bool(cfg.enable_weight_tying), wq_rows=qkv.shape[0])
+    from torchtitan.models.deepseek_v3 import deepseekv3_configs
+
+    moe = {}  # the mixtures of experts, read off their configs (nothing built)
+    for name, table, names in (("qwen3", qwen3_configs, ("debugmodel_moe", "30B-A3B",
+                                                          "235B-A22B")),
+                               ("deepseek_v3", deepseekv3_configs, ("671B",))):
+        for flavor in names:
+            kw = {"moe_comm_backend": "standard"} if name == "deepseek_v3" else {}
+            cfg = table[flavor](attn_backend="flex", **kw)
+            last, att = cfg.layers[-1], cfg.layers[-1].attention
+            qkv = getattr(att, "qkv_linear", None)
+            router, shared = last.moe.router, last.moe.shared_experts
+            dense = [i for i, b in enumerate(cfg.layers) if getattr(b, "moe", None) is None]
+            ff = cfg.layers[0].feed_forward if dense else None
+            moe[f"{name}/{flavor}"] = dict(
+                hidden=cfg.dim, vocab=cfg.vocab_size, layers=len(cfg.layers),
+                heads=att.n_heads, kv_heads=qkv.n_kv_heads if qkv else att.n_heads,
+                head_dim=qkv.head_dim if qkv else att.qk_nope_head_dim,
+                rope_theta=float(att.rope.theta), norm_eps=cfg.layers[0].attention_norm.eps,
+                tied_embeddings=bool(getattr(cfg, "enable_weight_tying", False)),
+                experts=last.moe.num_experts, top_k=router.top_k,
+                moe_ffn_hidden=last.moe.routed_experts.inner_experts.hidden_dim,
+                shared_ffn_hidden=shared.w1.out_features if shared else 0,
+                dense_layers=dense, ffn_hidden=ff.w1.out_features if ff else None,
+                q_lora_rank=getattr(att, "q_lora_rank", 0),
+                kv_lora_rank=getattr(att, "kv_lora_rank", 0),
+                qk_rope_dim=getattr(att, "qk_rope_head_dim", 0),
+                v_head_dim=getattr(att, "v_head_dim", 0), score=router.score_func,
+                norm_topk=router.route_norm, router_scale=router.route_scale,
+                router_groups=router.num_expert_groups or 1,
+                router_group_topk=router.num_limited_groups or 1)
     splits = {}
     for stages in (2, 3, 4, 8, 16):
         for layers, first, last in ((32, 1, 1), (126, 1, 1), (80, 2, 3), (6, 1, 1)):
@@ -163,7 +194,8 @@ def flavors() -> None:
                 continue
             splits[f"{stages},{layers},{first},{last}"] = [
                 sum(m.startswith("layers.") for m in part) for part in parts]
-    print("RESULT " + json.dumps({"flavors": dims, "splits": splits}, default=str))
+    print("RESULT " + json.dumps({"flavors": dims, "moe": moe, "splits": splits},
+                                 default=str))
 
 
 if __name__ == "__main__":

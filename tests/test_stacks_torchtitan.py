@@ -9,6 +9,7 @@ ParallelDims and device-mesh construction on a fake process group
 trains an exported dp x tp plan of its debugmodel on the fake communication backend.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -297,6 +298,23 @@ CASES = {  # name: (preset, layout) on H100 nodes; Llama 3 paper Table 4 shapes,
                                                     seq_len=131072, recompute="full",
                                                     sequence_parallel=True, zero=3)),
 }
+
+def _ds_v3():
+    """DeepSeek-V3 as torchtitan 0.3.0 builds it: the preset with its RMSNorm eps 1e-5."""
+    return dataclasses.replace(arch_of_spec("deepseek-v3"), norm_eps=1e-5)
+
+
+MOE_CASES = {  # name: (arch, layout): torchtitan's MoE flavors with expert parallelism
+    "qwen3-30B-A3B-16": (arch_of_spec("qwen3-30b-a3b"), StackLayout(
+        dp=16, ep=8, global_batch=64, seq_len=4096, microbatch_size=4, recompute="full",
+        zero=3)),
+    "qwen3-30B-A3B-32-tp": (arch_of_spec("qwen3-30b-a3b"), StackLayout(
+        dp=8, tp=4, ep=32, global_batch=64, seq_len=4096, microbatch_size=8, recompute="full",
+        sequence_parallel=True, zero=3)),
+    "deepseek-v3-671B-1024": (_ds_v3(), StackLayout(
+        dp=64, pp=16, ep=64, global_batch=1024, seq_len=4096, schedule="interleaved-1f1b",
+        virtual_stages=2, recompute="selective", zero=3)),
+}
 # torchtitan's own functions, read by its ConfigManager to check BASES_03 (llama3_405b
 # converts to float8 while building: torchao and an SM89+ GPU, not here)
 OWN = [f for f in BASES_03 if f != "llama3_405b"]
@@ -388,9 +406,11 @@ def torchtitan_reads(tmp_path_factory):
         layout, arch = from_torchtitan((PUBLISHED_DIR / f"{stem}.toml").read_text(),
                                        devices=PUBLISHED[stem][0])
         jobs.append(_job(tmp, f"published{i}", layout, arch))
-    jobs += [{"package": fn.split("_")[0], "function": fn, "world": 8} for fn in OWN]
+    jobs += [{"package": BASES_03[fn]["flavor"][0], "function": fn, "world": 8} for fn in OWN]
+    jobs += [_job(tmp, f"moe{i}", layout, arch) for i, (arch, layout) in
+             enumerate(MOE_CASES.values())]
     results = _run_worker(tmp, "mesh", jobs)
-    return dict(zip([*CASES, *published, *OWN], results))
+    return dict(zip([*CASES, *published, *OWN, *MOE_CASES], results))
 
 
 @needs_torchtitan
@@ -496,14 +516,25 @@ def test_torchtitan_trainer_dry_run(tmp_path):
 @needs_torchtitan
 def test_flavor_table_and_split_rule_are_torchtitans(tmp_path):
     """FLAVORS holds torchtitan 0.3.0's dense llama3 / qwen3 flavors (dimensions read off its
-    own models built on meta); default_split is its _generate_llm_fqn_per_model_part."""
+    own models built on meta) and its Qwen3-MoE / DeepSeek-V3 flavors (read off their configs:
+    experts, router, MLA ranks, dense blocks); default_split is its
+    _generate_llm_fqn_per_model_part."""
     proc = subprocess.run([sys.executable, str(WORKER), "flavors"], capture_output=True,
                           text=True, timeout=1200, cwd=tmp_path,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     got = json.loads(lines[-1][len("RESULT "):])
-    ours = {f"{name}/{flavor}": arch for (name, flavor), arch in FLAVORS.items()}
+    ours = {f"{name}/{flavor}": arch for (name, flavor), arch in FLAVORS.items()
+            if not arch.experts}
+    for key, arch in ((k, a) for (n, f), a in FLAVORS.items() if a.experts
+                      for k in [f"{n}/{f}"]):  # the mixtures of experts, field by field
+        dims = got["moe"][key]
+        assert dims.pop("score") == ("sigmoid" if arch.family == "deepseek_v3" else "softmax")
+        if dims["ffn_hidden"] is None:  # no dense block: the width is never built
+            dims["ffn_hidden"] = arch.ffn_hidden
+        assert {k: getattr(arch, k) for k in dims} == {
+            k: tuple(v) if k == "dense_layers" else v for k, v in dims.items()}, key
     for key, arch in ours.items():
         dims = got["flavors"][key]
         assert dims["wq_rows"] in (arch.heads * arch.head_dim,
@@ -521,16 +552,15 @@ BENCH_EXPORTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
 
 
 def test_benchmark_exports_read():
-    """The 0.2 TOMLs benchmarks/stack_exports.py wrote for `plan --for torchtitan` (the files
-    the results table cites) read as layouts and re-export for 0.3 where 0.3 runs them."""
-    files = sorted(BENCH_EXPORTS.glob("*.meshplan.toml"))
+    """The config registries benchmarks/stack_exports.py wrote for `plan --for torchtitan` and
+    for the MoE layouts (the files the results table cites) read as layouts that export to the
+    same file again."""
+    files = sorted(BENCH_EXPORTS.glob("*.meshplan_config_registry.py"))
     if not files:
         pytest.skip("run benchmarks/stack_exports.py first")
     for f in files:
         layout, arch = from_torchtitan(f.read_text())  # an export names every degree
-        if not problems(layout, arch):
-            assert from_torchtitan(to_torchtitan(layout, arch),
-                                   devices=layout.devices)[0] == layout, f.name
+        assert to_torchtitan(layout, arch) == f.read_text(), f.name
 
 
 def test_import_prices_the_configs_own_pipeline_split(tmp_path):
@@ -546,3 +576,71 @@ def test_import_prices_the_configs_own_pipeline_split(tmp_path):
                     "seq_len = 512\n[activation_checkpoint]\nmode = \"full\"\n")
     plan = import_plan(str(path), "torchtitan", meshplan.Mesh.preset("dgx-h100", nodes=1))
     assert [s.layers[1] - s.layers[0] for s in plan.stages] == [8, 9, 8, 7]
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_exports_accepted_by_torchtitan(case, torchtitan_reads):
+    """The MoE exports (Qwen3-30B-A3B, DeepSeek-V3 671B with expert parallelism): torchtitan
+    0.3.0's ConfigManager builds them (flavor, expert_parallel_degree), the override line
+    parses to the same sections, ParallelDims validates the degrees (dp_shard x cp x tp =
+    efsdp x ep) and builds the meshes, the ep mesh among them; read back: the same layout."""
+    arch, layout = MOE_CASES[case]
+    got = torchtitan_reads[case]
+    p = got["parallelism"]
+    assert got["flavor"] == [flavor_of(arch).name, flavor_of(arch).flavor]
+    assert got.get("command_differs", {}) == {}
+    assert p["expert_parallel_degree"] == layout.ep
+    assert got["meshes"].get("ep", 1) == layout.ep
+    assert got["meshes"].get("efsdp", 1) * layout.ep == got["dp_shard"] * layout.cp * layout.tp
+    back, back_arch = from_torchtitan(_registry_of(got, function_name(arch)),
+                                      devices=layout.devices)
+    assert back == layout and dataclasses.replace(back_arch, max_positions=arch.max_positions,
+                                                  ffn_hidden=arch.ffn_hidden) == arch
+
+
+def test_moe_round_trip_and_refusals():
+    """MoE layouts come back from the registry and the command line with their ep; what
+    torchtitan 0.3.0 cannot run is one line."""
+    for arch, layout in MOE_CASES.values():
+        text = to_torchtitan(layout, arch)
+        assert f"config.parallelism.expert_parallel_degree = {layout.ep}" in text
+        assert from_torchtitan(text, devices=layout.devices)[0] == layout
+        assert from_torchtitan(torchtitan_command(layout, arch),
+                               devices=layout.devices)[0] == layout
+    arch, layout = MOE_CASES["qwen3-30B-A3B-16"]
+    assert problems(dataclasses.replace(layout, zero=0), arch) == (
+        "ep=8 must divide dp_shard x cp x tp = 1: torchtitan borrows the expert-parallel ranks "
+        "from FSDP and TP (efsdp = dp_shard x cp x tp / ep), never from "
+        "data_parallel_replicate; shard the weights (zero=2 or 3) or choose a divisor",)
+    assert "for a dense model" in problems(dataclasses.replace(layout, ep=2),
+                                           FLAVORS[("llama3", "8B")])[0]
+    for preset, words in (("mixtral-8x7b", "ships no mixtral model"),
+                          ("deepseek-v3", "rms_norm_eps 1e-06 here, 1e-05 in 671B"),
+                          ("qwen3-235b-a22b", "rope_theta 1000000.0 here, 5000000.0 in "
+                                              "235B-A22B")):
+        why = flavor_problem(arch_of_spec(preset))
+        assert words in why and "\n" not in why, why
+
+
+@pytest.mark.slow
+@needs_torchtitan
+def test_torchtitan_trainer_dry_run_moe(tmp_path):
+    """An MoE export through torchtitan 0.3.0's Trainer on the fake backend (rank 0 of dp 4 x
+    tp 2 with ep 4 over dp_shard x tp, CPU, as test_torchtitan_trainer_dry_run): qwen3's
+    debugmodel_moe builds with TP, expert parallelism, selective AC and FSDP, its weights
+    initialized and its optimizer built; the parameter count is the flavor's (64 experts of
+    width 768 in each of 8 blocks). 43 to 80 s on 2 busy cores."""
+    arch = FLAVORS[("qwen3", "debugmodel_moe")]
+    layout = StackLayout(dp=4, tp=2, ep=4, global_batch=16, seq_len=256, microbatch_size=2,
+                         zero=3, sequence_parallel=True, recompute="selective")
+    job = _job(tmp_path, "drymoe", layout, arch)
+    job.update(extra=["--parallelism.spmd_backend", "partial_dtensor"], steps=0)
+    got, = _run_worker(tmp_path, "steps", [job])
+    assert got["model_parts"] == 1 and got["grad_accumulation"] == layout.microbatches
+    a = arch
+    attention = a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim + \
+        a.heads * a.head_dim * a.hidden
+    block = attention + 3 * a.experts * a.hidden * a.moe_ffn_hidden + a.hidden * a.experts + \
+        2 * a.hidden + 2 * a.head_dim  # router gate, the two norms, q/k norms
+    assert got["params"] == 2 * a.vocab * a.hidden + a.layers * block + a.hidden

@@ -13,7 +13,7 @@ import os
 from meshplan.errors import NotExpressibleError, SpecError
 from meshplan.plan import Plan
 from meshplan.stacks.arch import ModelArch, arch_of_spec
-from meshplan.stacks.layout import StackLayout, check_expressible, layout_of
+from meshplan.stacks.layout import StackLayout, check_expressible, layout_of, manual_with_ep
 from meshplan.stacks.search import TARGETS, target_module
 from meshplan.vocabulary import EXPORT_TARGET, ComputeDtype
 
@@ -102,8 +102,9 @@ def import_plan(path: str, target: str, mesh, *, model_spec: str = "") -> Plan:
     spec = model_spec or arch.spec()
     loaded = parse_model_spec(spec).load(layout.global_batch, layout.seq_len, device="meta")
     graph = loaded.trace(spec)
-    plan = meshplan.manual_plan(loaded.model, mesh, graph=graph, engine=target,
-                                model_name=spec, **layout.manual_kwargs())
+    plan = manual_with_ep(meshplan.manual_plan, loaded.model, mesh, graph=graph,
+                          engine=target, model_name=spec, ep=layout.ep,
+                          **layout.manual_kwargs())
     if layout.compiled:
         from dataclasses import replace
 

@@ -56,13 +56,17 @@ class StackLayout:
     dtype: str = ComputeDtype.BF16
     compiled: bool = False
     stage_layers: tuple[int, ...] = ()
+    # expert parallelism: the routed experts split over ``ep`` ranks borrowed from dp x cp x
+    # tp (torchtitan's expert_parallel_degree, Megatron's --expert-model-parallel-size with
+    # --expert-tensor-parallel-size 1); it adds no devices (plan.py ``Stage.ep``)
+    ep: int = 1
     # under fp8, a recipe other than the stack's own (costmodel/fp8.py PUBLIC_RECIPES);
     # "": the stack's own (torchtitan: tensorwise-fp8-all-gather; Megatron-LM: tensorwise)
     fp8_recipe: str = ""
 
     def __post_init__(self):
         for name in ("dp", "tp", "cp", "pp", "virtual_stages", "microbatch_size",
-                     "global_batch", "seq_len"):
+                     "global_batch", "seq_len", "ep"):
             if getattr(self, name) < 1:
                 raise SpecError(f"{name}={getattr(self, name)}: must be a positive integer")
         if self.schedule not in SCHEDULES:
@@ -73,6 +77,10 @@ class StackLayout:
             raise SpecError(f"zero={self.zero}: must be 0, 1, 2 or 3")
         if self.dtype not in STACK_DTYPES:
             raise SpecError(f"dtype {self.dtype!r}: the stacks train in {', '.join(STACK_DTYPES)}")
+        if (self.dp * self.cp * self.tp) % self.ep:
+            raise SpecError(f"ep={self.ep} must divide dp x cp x tp = "
+                            f"{self.dp * self.cp * self.tp} (expert parallelism borrows those "
+                            "ranks and adds none); choose a divisor")
         if self.global_batch % (self.dp * self.microbatch_size):
             raise SpecError(f"global batch {self.global_batch} is not a multiple of dp "
                             f"{self.dp} x microbatch size {self.microbatch_size}")
@@ -103,7 +111,8 @@ class StackLayout:
         return tuple(b - a for a, b in bounds)
 
     def manual_kwargs(self) -> dict:
-        """The ``meshplan.manual_plan`` keyword arguments of this layout."""
+        """The ``meshplan.manual_plan`` keyword arguments of this layout (``ep`` aside:
+        ``with_ep`` sets it)."""
         return dict(dp=self.dp, tp=self.tp, cp=self.cp, pp=self.pp,
                     microbatch_size=self.microbatch_size, schedule=self.schedule,
                     virtual_stages=self.virtual_stages, recompute=self.recompute,
@@ -113,7 +122,8 @@ class StackLayout:
     def words(self) -> str:
         """One line, e.g. ``dp8 tp8 cp16 pp16 interleaved-1f1b x2 mb1 full SP ZeRO-1 bf16``."""
         parts = [f"dp{self.dp}"] + [f"{k}{v}" for k, v in
-                                    (("tp", self.tp), ("cp", self.cp), ("pp", self.pp)) if v > 1]
+                                    (("tp", self.tp), ("cp", self.cp), ("pp", self.pp),
+                                     ("ep", self.ep)) if v > 1]
         if self.pp > 1:
             parts.append(self.schedule + (f" x{self.virtual_stages}"
                                           if self.schedule == Schedule.INTERLEAVED else ""))
@@ -122,6 +132,28 @@ class StackLayout:
         parts += [f"ZeRO-{self.zero}"] if self.zero else []
         parts += [self.dtype] + (["compiled"] if self.compiled else [])
         return " ".join(parts)
+
+
+def with_ep(plan: Plan, ep: int) -> Plan:
+    """``plan`` with every stage's routed experts split over ``ep`` ranks (``Stage.ep``),
+    repriced; ``plan`` itself when ep is 1."""
+    if ep == 1:
+        return plan
+    from meshplan.api import estimate
+
+    plan = replace(plan, stages=tuple(replace(st, ep=ep) for st in plan.stages))
+    return plan.with_prediction(estimate(plan)) if plan.graph is not None else plan
+
+
+def manual_with_ep(build, *args, ep: int = 1, **kw) -> Plan:
+    """``build(*args, **kw)`` (``meshplan.manual_plan`` or planner/manual.py's
+    ``build_manual_plan``) with ``ep``: passed on where the builder takes it, else set on the
+    built plan's stages (``with_ep``)."""
+    import inspect
+
+    if ep > 1 and "ep" in inspect.signature(build).parameters:
+        return build(*args, ep=ep, **kw)
+    return with_ep(build(*args, **kw), ep)
 
 
 def _one(values: set, what: str, fix: str):
@@ -164,6 +196,8 @@ def layout_of(plan: Plan, *, compiled: bool = False) -> StackLayout:
     recompute = _one({st.recompute for st in plan.stages}, "recompute",
                      "re-plan with one recompute mode")
     zero = _one({st.zero for st in plan.stages}, "ZeRO stage", "re-plan with one ZeRO stage")
+    ep = _one({st.ep for st in plan.stages}, "expert-parallel degree",
+              "re-plan with one ep for every stage")
     pp = pipeline_degree(plan)
     schedule = t.schedule if pp > 1 else Schedule.ONE_F_ONE_B
     v = virtual_stages_for(schedule, t.virtual_stages)
@@ -180,7 +214,8 @@ def layout_of(plan: Plan, *, compiled: bool = False) -> StackLayout:
                          microbatch_size=mb, global_batch=t.global_batch, seq_len=t.seq_len,
                          recompute=recompute, sequence_parallel=t.sequence_parallel and tp > 1,
                          zero=zero, dtype=t.dtype, compiled=compiled,
-                         stage_layers=stage_layers, fp8_recipe=_non_default_recipe(plan))
+                         stage_layers=stage_layers, fp8_recipe=_non_default_recipe(plan),
+                         ep=ep)
     if stage_layers:
         even = replace(layout, stage_layers=()).layers_per_chunk(plan.model.num_layers)
         if tuple(stage_layers) == even:
@@ -204,8 +239,8 @@ def check_expressible(plan: Plan, layout: StackLayout, graph) -> None:
     mesh = Mesh(shape=plan.mesh.shape, axis_names=plan.mesh.axis_names, hardware=hw,
                 name=plan.mesh.name)
     kw = layout.manual_kwargs()
-    uniform = build_manual_plan(graph, mesh, optimizer=plan.training.optimizer,
-                                vocab_parallel_cp=True, **kw)
+    uniform = manual_with_ep(build_manual_plan, graph, mesh, optimizer=plan.training.optimizer,
+                             vocab_parallel_cp=True, ep=layout.ep, **kw)
     ours = {p: pl for st in plan.stages for p, pl in st.params.items()}
     theirs = {p: pl for st in uniform.stages for p, pl in st.params.items()}
     for name, pl in ours.items():

@@ -4,10 +4,14 @@ overrides, and back.
 plan -> ``layout_of`` -> **to_megatron** (one ``--flag value`` a line) / **nemo_overrides**;
 an argument list -> **from_megatron** -> (StackLayout, ModelArch) -> ``manual_plan`` -> estimate.
 ``problems`` is Megatron-LM's contract, one line per breach (the value, the rule, the fix);
-export refuses a layout with any. Flag names, defaults and rules are those of Megatron-LM
-tag ``core_v0.16.1`` (``megatron/training/arguments.py``, ``megatron/core/transformer/
+export refuses a layout with any. Flag names are Megatron-LM main's (``MEGATRON_LM_MAIN``:
+every flag written is in ``megatron_flags.txt``, the parser's flags at that commit, written by
+tools/megatron_flags.py); defaults and rules are those of megatron-core 0.16.1 (tag
+``core_v0.16.1``: ``megatron/training/arguments.py``, ``megatron/core/transformer/
 transformer_config.py``, ``transformer_block.get_num_layers_to_build``,
-``pipeline_parallel/schedules.py``), the release of megatron-core 0.16.1 on PyPI.
+``pipeline_parallel/schedules.py``), the installable release (0.17 and later need Python
+>= 3.12), whose defaults main keeps for every flag read here. Import also reads the older
+spellings ``OLD_SPELLINGS`` names.
 
 What is written is what meshplan's ``megatron`` engine profile prices
 (``costmodel/runtime_profiles.py`` ``megatron_runtime``): the distributed optimizer for ZeRO-1
@@ -16,6 +20,11 @@ attention (Transformer Engine's FusedAttention: ``--attention-backend fused``), 
 parallelism in a ring of send/recv (``--cp-comm-type p2p``), TP communication overlap
 (Megatron takes it only with sequence parallelism), fp8 as Transformer Engine's current
 scaling (``--fp8-format hybrid --fp8-recipe tensorwise``; costmodel/fp8.py ``te-current``).
+Mixtures of experts: grouped GEMM experts, the all-to-all token dispatcher, expert
+parallelism over ``ep`` ranks of dp x cp x tp with each expert whole
+(``--expert-tensor-parallel-size 1``: Megatron-Core's MoE parallel folding), and the router
+the model's transformers config describes (score function, top-k renormalization, scaling,
+group-limited routing).
 """
 
 from __future__ import annotations
@@ -33,6 +42,40 @@ from meshplan.vocabulary import ComputeDtype, Recompute
 
 MEGATRON_VERSION = "0.16.1"  # megatron-core on PyPI = Megatron-LM tag core_v0.16.1
 MEGATRON_LM_COMMIT = "55ac7082517c3878ae653c07c09c534b8aed49f6"  # tag core_v0.16.1
+# Megatron-LM main at the commit megatron_flags.txt lists the flags of (its header says so)
+MEGATRON_LM_MAIN = "d98e8a64ddf34856e74b24714e3bedb2f5a39553"  # 2026-08-22
+FLAGS_FILE = "megatron_flags.txt"
+# Older spellings import reads as today's (commit and date of the Megatron-LM change):
+# --layernorm-epsilon became --norm-epsilon (4dc0715204, 2023-09-08); --fp8-e4m3 and
+# --fp8-hybrid became --fp8-format e4m3 | hybrid (1b7a3836bc, 2023-08-24);
+# --num-layers-per-virtual-pipeline-stage (layers per chunk; still taken) is read beside
+# --num-virtual-stages-per-pipeline-rank, and --use-rotary-position-embeddings (deprecated,
+# still taken) beside --position-embedding-type rope.
+OLD_SPELLINGS = {"--layernorm-epsilon": ("--norm-epsilon", None),
+                 "--fp8-e4m3": ("--fp8-format", "e4m3"), "--fp8-hybrid": ("--fp8-format", "hybrid")}
+# flags older releases took that mean a layout meshplan does not price: refused by name
+OLD_REFUSED = {"--moe-extended-tp": "--moe-extended-tp (core_v0.16.1, gone from main) splits "
+               "each expert over tp x ep; meshplan keeps experts whole: write "
+               "--expert-tensor-parallel-size 1 and --expert-model-parallel-size N"}
+# the router settings each MoE family implies beyond its top-k (mixtral / qwen3_moe:
+# transformers' router_aux_loss_coef default 0.001 with the standard auxiliary loss;
+# deepseek_v3: the report's sequence-wise auxiliary loss alpha = 0.0001 and bias update speed
+# gamma = 0.001, arXiv 2412.19437 sections 2.1.2 and 4.2)
+ROUTER_LOSS = {"mixtral": [("--moe-router-load-balancing-type", "aux_loss"),
+                           ("--moe-aux-loss-coeff", 0.001)],
+               "qwen3_moe": [("--moe-router-load-balancing-type", "aux_loss"),
+                             ("--moe-aux-loss-coeff", 0.001)],
+               "deepseek_v3": [("--moe-router-load-balancing-type", "seq_aux_loss"),
+                               ("--moe-aux-loss-coeff", 0.0001),
+                               ("--moe-router-bias-update-rate", 0.001)]}
+
+
+def megatron_flags() -> frozenset[str]:
+    """Every flag Megatron-LM main takes at ``MEGATRON_LM_MAIN`` (megatron_flags.txt)."""
+    from pathlib import Path
+
+    text = (Path(__file__).with_name(FLAGS_FILE)).read_text(encoding="utf-8")
+    return frozenset(ln.strip() for ln in text.splitlines() if ln.startswith("--"))
 
 
 def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
@@ -85,7 +128,34 @@ def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
         _split_fields(L, arch.layers)
     except MeshplanError as exc:  # NotSupportedError, or manual.py's PlanningError
         out.append(str(exc))
+    out += _moe_problems(L, arch)
     return tuple(out)
+
+
+def _moe_problems(L: StackLayout, arch: ModelArch) -> list[str]:
+    if not arch.experts:
+        return [f"ep={L.ep} for a dense model: there are no experts to split; use ep=1"] \
+            if L.ep > 1 else []
+    out = []
+    if L.ep > 1 and L.tp > 1 and not L.sequence_parallel:  # model_parallel_config.py
+        out.append(f"ep={L.ep} with tp={L.tp} without sequence parallelism: Megatron-Core says "
+                   "'When using expert parallelism and tensor parallelism for training, "
+                   "sequence parallelism must be used'; plan with sequence_parallel=True")
+    if arch.experts % L.ep:  # arguments.py validate_args
+        out.append(f"ep={L.ep} must divide the {arch.experts} experts (Megatron-LM: 'Number of "
+                   "experts should be a multiple of expert model parallel_size')")
+    if arch.family == "deepseek_v3" and not arch.norm_topk and arch.top_k > 1:
+        out.append("norm_topk_prob=False with DeepSeek-V3's sigmoid router: Megatron-Core "
+                   "always renormalizes sigmoid top-k scores (moe_utils.py); set "
+                   "norm_topk_prob=True")
+    if arch.family == "mixtral" and (arch.router_scale != 1 or arch.router_groups > 1):
+        out.append("a scaled or group-limited router on Mixtral: transformers' Mixtral has "
+                   "neither")
+    if arch.router_groups > 1 and (arch.experts % arch.router_groups or
+                                   not 1 <= arch.router_group_topk <= arch.router_groups):
+        out.append(f"{arch.router_groups} expert groups (top {arch.router_group_topk}) for "
+                   f"{arch.experts} experts: the groups must split the experts evenly")
+    return out
 
 
 def _check(layout: StackLayout, arch: ModelArch) -> None:
@@ -194,8 +264,8 @@ def _vocab_divisor(vocab: int, tp: int) -> int:
 
 
 def _header(layout: StackLayout, arch: ModelArch, what: str) -> list[str]:
-    return [f"# meshplan -> {what}, Megatron-Core {MEGATRON_VERSION} (Megatron-LM core_v"
-            f"{MEGATRON_VERSION}): {layout.words()}",
+    return [f"# meshplan -> {what}, Megatron-LM main ({MEGATRON_LM_MAIN[:10]}; Megatron-Core "
+            f"{MEGATRON_VERSION}'s config classes accept it): {layout.words()}",
             f"# devices: {layout.devices}", f"# model: {arch.words()}"]
 
 
@@ -210,7 +280,11 @@ def to_megatron(layout: StackLayout, arch: ModelArch) -> str:
         ("--ffn-hidden-size", a.ffn_hidden), ("--num-attention-heads", a.heads)]
     if a.kv_heads != a.heads:
         args += [("--group-query-attention", None), ("--num-query-groups", a.kv_heads)]
-    if a.head_dim != a.hidden // a.heads:
+    if a.family == "deepseek_v3":
+        args += [("--multi-latent-attention", None), ("--q-lora-rank", a.q_lora_rank),
+                 ("--kv-lora-rank", a.kv_lora_rank), ("--qk-head-dim", a.head_dim),
+                 ("--qk-pos-emb-head-dim", a.qk_rope_dim), ("--v-head-dim", a.v_head_dim)]
+    elif a.head_dim != a.hidden // a.heads:
         args.append(("--kv-channels", a.head_dim))
     args += [("--seq-length", L.seq_len), ("--max-position-embeddings", a.max_positions),
              ("--position-embedding-type", "rope"), ("--rotary-base", int(a.rope_theta)),
@@ -218,8 +292,9 @@ def to_megatron(layout: StackLayout, arch: ModelArch) -> str:
              ("--swiglu", None), ("--disable-bias-linear", None)]
     if not a.tied_embeddings:
         args.append(("--untie-embeddings-and-output-weights", None))
-    if a.family == "qwen3":
+    if a.family in ("qwen3", "qwen3_moe", "deepseek_v3"):  # DeepSeek-V3: MLA's q / kv norms
         args.append(("--qk-layernorm", None))
+    args += _moe_args(L, a)
     args += [("--attention-dropout", 0.0), ("--hidden-dropout", 0.0),
              # the null tokenizer adds an end-of-document token: vocab - 1 gives vocab
              ("--tokenizer-type", "NullTokenizer"), ("--vocab-size", a.vocab - 1),
@@ -264,6 +339,35 @@ def to_megatron(layout: StackLayout, arch: ModelArch) -> str:
     lines = _header(L, a, "Megatron-LM pretrain_gpt.py")
     lines += [flag if value is None else f"{flag} {value}" for flag, value in args]
     return "\n".join(lines) + "\n"
+
+
+def _moe_args(L: StackLayout, a: ModelArch) -> list[tuple[str, object]]:
+    """The experts, their layout and the router, as Megatron-LM main spells them."""
+    if not a.experts:
+        return []
+    out: list[tuple[str, object]] = [
+        ("--num-experts", a.experts), ("--moe-router-topk", a.top_k),
+        ("--moe-ffn-hidden-size", a.moe_ffn_hidden)]
+    if a.dense_layers:
+        n = len(a.dense_layers)
+        out.append(("--moe-layer-freq", f"([0]*{n}+[1]*{a.layers - n})"))
+    if a.shared_ffn_hidden:
+        out.append(("--moe-shared-expert-intermediate-size", a.shared_ffn_hidden))
+    out += [("--moe-grouped-gemm", None), ("--moe-token-dispatcher-type", "alltoall"),
+            ("--expert-model-parallel-size", L.ep), ("--expert-tensor-parallel-size", 1)]
+    if a.family == "deepseek_v3":
+        out += [("--moe-router-score-function", "sigmoid"),
+                ("--moe-router-enable-expert-bias", None)]
+    elif not a.norm_topk:  # softmax over every expert, then top-k (no renormalization)
+        out.append(("--moe-router-pre-softmax", None))
+    if a.router_scale != 1:
+        out.append(("--moe-router-topk-scaling-factor", a.router_scale))
+    if a.router_groups > 1:
+        out += [("--moe-router-num-groups", a.router_groups),
+                ("--moe-router-group-topk", a.router_group_topk)]
+    # the router in fp32 (Megatron-LM's choice spelled as meshplan's dtype name)
+    out += ROUTER_LOSS[a.family] + [("--moe-router-dtype", ComputeDtype.FP32)]
+    return out
 
 
 def nemo_overrides(layout: StackLayout, arch: ModelArch, *, devices_per_node: int = 8) -> str:
@@ -350,6 +454,10 @@ _VALUE_FLAGS = {
     "--expert-tensor-parallel-size": (int, None), "--q-lora-rank": (int, None),
     "--kv-lora-rank": (int, 32), "--qk-head-dim": (int, 128), "--qk-pos-emb-head-dim": (int, 64),
     "--v-head-dim": (int, 128),
+    # the router (TransformerConfig fields, the same defaults on main)
+    "--moe-router-score-function": (str, "softmax"),
+    "--moe-router-topk-scaling-factor": (float, None), "--moe-router-num-groups": (int, None),
+    "--moe-router-group-topk": (int, None),
 }
 _LIST_FLAGS = {"--cp-comm-type": ["p2p"], "--recompute-modules": None}
 _BOOL_FLAGS = ("--group-query-attention", "--use-rotary-position-embeddings", "--swiglu",
@@ -357,7 +465,8 @@ _BOOL_FLAGS = ("--group-query-attention", "--use-rotary-position-embeddings", "-
                "--qk-layernorm", "--sequence-parallel", "--use-distributed-optimizer",
                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
                "--recompute-activations", "--bf16", "--fp16", "--use-torch-fsdp2",
-               "--use-megatron-fsdp", "--multi-latent-attention", "--moe-grouped-gemm")
+               "--use-megatron-fsdp", "--multi-latent-attention", "--moe-grouped-gemm",
+               "--moe-router-pre-softmax", "--moe-router-enable-expert-bias")
 _REFUSED = {"--fp16": "fp16 needs loss scaling, which meshplan does not price; train with --bf16",
             "--use-torch-fsdp2": "torch FSDP2 (ZeRO-3) is not what meshplan's megatron "
             "profile prices; use --use-distributed-optimizer or import it as torchtitan",
@@ -383,15 +492,25 @@ def _read_args(text: str) -> tuple[dict, int | None]:
     for w in words:
         if w.startswith("--"):
             flag, eq, value = w.partition("=")
+            if flag in OLD_REFUSED:
+                raise NotSupportedError(OLD_REFUSED[flag])
+            if flag in OLD_SPELLINGS:  # today's flag, with the value the old switch meant
+                flag, implied = OLD_SPELLINGS[flag]
+                if implied is not None:
+                    given[flag] = [implied]
+                    flag = None
+                    continue
             given[flag] = [value] if eq else []
         elif flag is not None:
             given[flag].append(w)
     known = set(_VALUE_FLAGS) | set(_LIST_FLAGS) | set(_BOOL_FLAGS)
+    theirs = megatron_flags()
     for name in given:
         # a flag meshplan does not read may be any of Megatron's hundreds (--lr, --data-path):
-        # only one spelled like a flag it reads is refused (a typo would price the default)
+        # only one that Megatron-LM main does not take, spelled like a flag meshplan reads, is
+        # refused (a typo would price the default)
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
-        if name not in known and close:
+        if name not in known and name not in theirs and close:
             raise SpecError(f"{name}: not a Megatron-LM flag; did you mean {close[0]}?")
     args: dict = {}
     for name, (kind, default) in _VALUE_FLAGS.items():
@@ -431,11 +550,11 @@ def from_megatron(text: str, *, devices: int | None = None,
                  "--max-position-embeddings", "--seq-length", "--micro-batch-size"):
         if a[flag] is None:
             raise SpecError(f"{flag} is missing: Megatron-LM requires it")
-    if a["--expert-model-parallel-size"] != 1:
-        raise NotSupportedError(f"--expert-model-parallel-size "
-                                f"{a['--expert-model-parallel-size']}: expert parallelism is not "
-                                "yet a plan axis (issue 39); meshplan imports and prices MoE "
-                                "layouts with --expert-model-parallel-size 1")
+    ep = a["--expert-model-parallel-size"]
+    if ep != 1 and not a["--num-experts"]:
+        raise SpecError(f"--expert-model-parallel-size {ep} without --num-experts: Megatron-LM "
+                        "asserts 'num_experts must be non None to use expert model "
+                        "parallelism'")
     rope = a["--position-embedding-type"] == "rope" or a["--use-rotary-position-embeddings"]
     if not (rope and a["--normalization"] == "RMSNorm" and a["--swiglu"] and
             a["--disable-bias-linear"] and not a["--add-qkv-bias"]):
@@ -448,6 +567,10 @@ def from_megatron(text: str, *, devices: int | None = None,
     if devices % (tp * pp * cp):
         raise SpecError(f"{devices} devices are not a multiple of tp {tp} x pp {pp} x cp {cp}")
     dp = devices // (tp * pp * cp)
+    if ep != 1 and (ep < 1 or (dp * cp * tp) % ep or a["--num-experts"] % ep):
+        raise SpecError(f"--expert-model-parallel-size {ep}: must divide the experts "
+                        f"({a['--num-experts']}) and dp x cp x tp = {dp * cp * tp} (Megatron "
+                        "folds the expert layout over the attention ranks of a pipeline stage)")
     h, heads, layers = a["--hidden-size"], a["--num-attention-heads"], a["--num-layers"]
     if a["--tokenizer-type"] == "NullTokenizer" and a["--vocab-size"] is not None:
         vocab = a["--vocab-size"] + 1  # the null tokenizer's end-of-document token
@@ -486,7 +609,7 @@ def from_megatron(text: str, *, devices: int | None = None,
         global_batch=a["--global-batch-size"] or a["--micro-batch-size"] * dp,
         seq_len=a["--seq-length"], recompute=_recompute(a, max(chunks)),
         sequence_parallel=a["--sequence-parallel"] and tp > 1,
-        zero=1 if a["--use-distributed-optimizer"] else 0, dtype=_dtype(a))
+        zero=1 if a["--use-distributed-optimizer"] else 0, dtype=_dtype(a), ep=ep)
     if chunks != layout.layers_per_chunk(layers):
         layout = replace(layout, stage_layers=chunks)
     if a["--num-distributed-optimizer-instances"] != 1:
@@ -509,27 +632,41 @@ def _moe_arch(a: dict, arch: ModelArch, tp: int) -> ModelArch:
     if a["--moe-token-dispatcher-type"] not in _DISPATCHERS:
         raise SpecError(f"--moe-token-dispatcher-type {a['--moe-token-dispatcher-type']!r}: "
                         f"Megatron-LM's are {', '.join(_DISPATCHERS)}")
-    if tp > 1:
-        # the plan's tp splits attention and dense feed-forwards; expert weights (one
-        # (experts, ., .) tensor) stay whole, which Megatron never runs: priced that way the
-        # import would count tp copies of every expert
-        raise NotSupportedError(f"--tensor-model-parallel-size {tp} with --num-experts: "
-                                "meshplan's tensor parallelism does not split expert weights "
-                                "yet (Megatron splits them over --expert-tensor-parallel-size)"
-                                ", so it would price them replicated; import MoE layouts with "
-                                "tensor parallel size 1 (issue 39)")
     etp = a["--expert-tensor-parallel-size"] or tp  # arguments.py: None means tp
-    if etp != tp:
-        raise NotSupportedError(f"--expert-tensor-parallel-size {etp} with "
-                                f"--tensor-model-parallel-size {tp}: experts split apart from "
-                                "attention (MoE parallel folding) are not yet a plan axis "
-                                "(issue 39); leave --expert-tensor-parallel-size out")
+    if etp != 1:
+        # the plan's tp splits attention and dense feed-forwards; each expert stays whole
+        # (split over ep, sharded by ZeRO over the rest): Megatron's layout with
+        # --expert-tensor-parallel-size 1 (MoE parallel folding)
+        given = "" if a["--expert-tensor-parallel-size"] else \
+            f" (unset: Megatron takes --tensor-model-parallel-size {tp})"
+        raise NotSupportedError(f"--expert-tensor-parallel-size {etp}{given}: each expert split "
+                                "over tensor-parallel ranks is not a plan axis; meshplan keeps "
+                                "experts whole, split over --expert-model-parallel-size: write "
+                                "--expert-tensor-parallel-size 1")
+    score = a["--moe-router-score-function"]
+    if score not in ("softmax", "sigmoid"):
+        raise NotSupportedError(f"--moe-router-score-function {score}: transformers' MoE "
+                                "families route by softmax (Mixtral, Qwen3-MoE) or sigmoid "
+                                "(DeepSeek-V3)")
+    if (score == "sigmoid") != bool(a["--multi-latent-attention"]):
+        raise NotSupportedError(f"--moe-router-score-function {score} "
+                                f"{'with' if a['--multi-latent-attention'] else 'without'} "
+                                "--multi-latent-attention: import builds DeepSeek-V3 (MLA, "
+                                "sigmoid router) or Mixtral / Qwen3-MoE (softmax)")
+    groups, group_topk = a["--moe-router-num-groups"] or 1, a["--moe-router-group-topk"] or 1
+    if groups > 1 and (experts % groups or not 1 <= group_topk <= groups):
+        raise SpecError(f"--moe-router-num-groups {groups} --moe-router-group-topk "
+                        f"{group_topk}: the groups must split the {experts} experts evenly "
+                        "and each token pick between 1 and all of them")
+    router = dict(norm_topk=score == "sigmoid" or not a["--moe-router-pre-softmax"],
+                  router_scale=a["--moe-router-topk-scaling-factor"] or 1.0,
+                  router_groups=groups, router_group_topk=group_topk)
     pattern = _moe_pattern(a["--moe-layer-freq"], arch.layers)
     dense = tuple(i for i, moe in enumerate(pattern) if not moe)
     moe_ffn = a["--moe-ffn-hidden-size"] or arch.ffn_hidden  # Megatron's default
     shared = a["--moe-shared-expert-intermediate-size"] or 0
     fields = dict(experts=experts, top_k=k, moe_ffn_hidden=moe_ffn, shared_ffn_hidden=shared,
-                  dense_layers=dense)
+                  dense_layers=dense, **router)
     if a["--multi-latent-attention"]:
         if a["--q-lora-rank"] is None:
             raise NotSupportedError("--multi-latent-attention without --q-lora-rank (a full-"
@@ -552,7 +689,17 @@ def _moe_arch(a: dict, arch: ModelArch, tp: int) -> ModelArch:
         raise NotSupportedError(f"{what} without --multi-latent-attention: import builds "
                                 "Mixtral and Qwen3-MoE, whose every block routes to experts "
                                 "and none is shared")
-    return replace(arch, family="qwen3_moe" if a["--qk-layernorm"] else "mixtral", **fields)
+    family = "qwen3_moe" if a["--qk-layernorm"] else "mixtral"
+    if family == "mixtral" and (not router["norm_topk"] or router["router_scale"] != 1 or
+                                groups > 1):
+        raise NotSupportedError("--moe-router-pre-softmax, --moe-router-topk-scaling-factor or "
+                                "--moe-router-num-groups without --qk-layernorm: transformers' "
+                                "Mixtral renormalizes its top-k softmax and has no scaling or "
+                                "groups (Qwen3-MoE: add --qk-layernorm)")
+    if family == "qwen3_moe" and (router["router_scale"] != 1 or groups > 1):
+        raise NotSupportedError("--moe-router-topk-scaling-factor or --moe-router-num-groups "
+                                "with Qwen3-MoE: transformers' Qwen3-MoE router has neither")
+    return replace(arch, family=family, **fields)
 
 
 def _moe_pattern(text: str, layers: int) -> list[int]:

@@ -49,8 +49,8 @@ from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.stacks.arch import ModelArch
 from meshplan.stacks.layout import StackLayout
 from meshplan.stacks.torchtitan_flavors import (BASES_03, DEFAULTS, DEFAULTS_03, FLAVORS,
-                                                 Flavor, _flavor_names, base_function,
-                                                 flavor_of)
+                                                 MODEL_NAMES, Flavor, _flavor_names,
+                                                 base_function, flavor_of, ignored_fields)
 from meshplan.schedules import Schedule
 from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
 
@@ -58,7 +58,9 @@ TORCHTITAN_VERSION = "0.3.0"
 TOML_VERSION = "0.2.2"  # the last release with TOML job files, still read
 FLOAT8 = "quantize.linear.float8"  # 0.2.2's registered converter name (quantization/float8.py)
 SCHEDULE_NAMES = {Schedule.GPIPE: "GPipe", Schedule.ONE_F_ONE_B: "1F1B", Schedule.INTERLEAVED: "Interleaved1F1B"}
-PIPELINED = ("llama", "qwen3")  # 0.3.0: both model registries set pipelining_fn=pipeline_llm
+# 0.3.0: the llama3, qwen3 (Qwen3-MoE too) and deepseek_v3 model registries set
+# pipelining_fn=pipeline_llm
+PIPELINED = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
 # a config function that converts its model to float8 while building, and how meshplan
 # writes its other settings from another function (models/llama3/config_registry.py
 # llama3_405b: 405B, its HF assets, AdamW lr 8e-5, 600 warmup steps, 3000 steps; the rest is
@@ -113,6 +115,19 @@ def problems(layout: StackLayout, arch: ModelArch) -> tuple[str, ...]:
                    "(torchtitan's seq_len_divisor for sequence and context parallelism); "
                    f"use a multiple of {divisor}")
     out += _pipeline_problems(L, arch)
+    if L.ep > 1:
+        shard = (L.dp if L.zero in (2, 3) else 1) * L.cp * L.tp
+        if not arch.experts:
+            out.append(f"ep={L.ep} for a dense model: torchtitan's expert_parallel_degree has "
+                       "no effect without experts; use ep=1")
+        elif arch.experts % L.ep:
+            out.append(f"ep={L.ep} must divide the {arch.experts} experts (each expert-parallel "
+                       "rank holds experts / ep of them)")
+        elif shard % L.ep:  # ParallelismConfig.expert_parallel_degree's mesh constraint
+            out.append(f"ep={L.ep} must divide dp_shard x cp x tp = {shard}: torchtitan borrows "
+                       "the expert-parallel ranks from FSDP and TP (efsdp = dp_shard x cp x tp / "
+                       "ep), never from data_parallel_replicate; shard the weights (zero=2 or "
+                       "3) or choose a divisor")
     return tuple(out)
 
 
@@ -121,7 +136,14 @@ _FIELDS = {"hidden": "hidden_size", "ffn_hidden": "intermediate_size",
            "layers": "num_hidden_layers", "heads": "num_attention_heads",
            "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "vocab": "vocab_size",
            "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
-           "tied_embeddings": "tie_word_embeddings", "family": "model_type"}
+           "tied_embeddings": "tie_word_embeddings", "family": "model_type",
+           "experts": "num_experts", "top_k": "num_experts_per_tok",
+           "moe_ffn_hidden": "moe_intermediate_size",
+           "shared_ffn_hidden": "shared experts' width", "dense_layers": "dense blocks",
+           "q_lora_rank": "q_lora_rank", "kv_lora_rank": "kv_lora_rank",
+           "qk_rope_dim": "qk_rope_head_dim", "v_head_dim": "v_head_dim",
+           "norm_topk": "norm_topk_prob", "router_scale": "routed_scaling_factor",
+           "router_groups": "n_group", "router_group_topk": "topk_group"}
 
 
 def nearest_flavor(arch: ModelArch) -> tuple[Flavor, list[tuple[str, object, object]]]:
@@ -130,7 +152,7 @@ def nearest_flavor(arch: ModelArch) -> tuple[Flavor, list[tuple[str, object, obj
     best = None
     for (name, flavor), known in FLAVORS.items():
         diff = [(_FIELDS[f.name], getattr(arch, f.name), getattr(known, f.name))
-                for f in fields(ModelArch) if f.name != "max_positions"
+                for f in fields(ModelArch) if f.name not in ignored_fields(arch)
                 and getattr(arch, f.name) != getattr(known, f.name)]
         if best is None or len(diff) < len(best[1]):
             best = (Flavor(name, flavor), diff)
@@ -147,6 +169,11 @@ def flavor_problem(arch: ModelArch) -> str | None:
                     f"has no config function in torchtitan {TORCHTITAN_VERSION} (ones with: "
                     f"{', '.join(BASES_03)}); plan one of these")
         return None
+    if arch.family not in MODEL_NAMES:
+        return (f"model {arch.words()}: torchtitan {TORCHTITAN_VERSION} ships no "
+                f"{arch.family} model (its mixtures of experts: qwen3 "
+                + ", ".join(f for (m, f), a in FLAVORS.items() if m == "qwen3" and a.experts)
+                + ", deepseek_v3 671B); export it to Megatron-LM (--to megatron)")
     near, diff = nearest_flavor(arch)
     shown = "; ".join(f"{k} {a} here, {b} in {near.flavor}" for k, a, b in diff[:4])
     more = f" (and {len(diff) - 4} more)" if len(diff) > 4 else ""
@@ -221,6 +248,7 @@ def _settings(layout: StackLayout, arch: ModelArch) -> dict:
            "fsdp_reshard_after_forward": reshard, "tensor_parallel_degree": L.tp,
            "enable_sequence_parallel": L.sequence_parallel or L.tp == 1,
            "context_parallel_degree": L.cp, "context_parallel_load_balancer": "headtail",
+           "expert_parallel_degree": L.ep,
            "pipeline_parallel_degree": L.pp,
            "pipeline_parallel_schedule": SCHEDULE_NAMES[L.schedule] if pipelined else "1F1B",
            "pipeline_parallel_microbatch_size": L.microbatch_size if pipelined else 1,
@@ -231,7 +259,11 @@ def _settings(layout: StackLayout, arch: ModelArch) -> dict:
                 "dtype": "float32",
                 "mixed_precision_param": "float32" if L.dtype == ComputeDtype.FP32 else "bfloat16",
                 "mixed_precision_reduce": "float32"}
-    if pipelined:  # Trainer.Config._validate_cuda_graphs: "CUDA graphs do not support PP"
+    # Trainer.Config._validate_cuda_graphs: "CUDA graphs do not support pipeline
+    # parallelism", nor expert parallelism over the all-to-all token dispatcher the model
+    # registries build ("CUDA graphs support only expert parallel token dispatcher
+    # configurations without CPU synchronization")
+    if pipelined or L.ep > 1:
         training["disable_cuda_graphs"] = True
     return {"training": training, "parallelism": par,
             "compile": {"enable": L.compiled, "enable_async_tensor_parallel": False,
@@ -611,8 +643,9 @@ def _read_command(text: str) -> dict:
         i += 1
     if module is None or fn is None:
         raise SpecError("torchtitan command line: needs --module and --config")
-    if module.split(".")[-1] not in ("llama3", "qwen3") and module not in (
-            "torchtitan.models.llama3", "torchtitan.models.qwen3"):
+    if module.split(".")[-1] not in ("llama3", "qwen3", "deepseek_v3") and module not in (
+            "torchtitan.models.llama3", "torchtitan.models.qwen3",
+            "torchtitan.models.deepseek_v3"):
         raise NotSupportedError(f"torchtitan --module {module}: meshplan reads torchtitan's "
                                 "llama3 and qwen3 config registries (a module of your own: read "
                                 "its config_registry.py instead)")
@@ -725,7 +758,8 @@ def _layout(g, arch: ModelArch, devices: int | None, *, head: str,
     unsupported = [
         (rep > 1 and shard > 1, f"HSDP (replicate {rep} x shard {shard}): meshplan's layouts "
                                 "shard over all of dp; use one of the two"),
-        (g(P, "expert_parallel_degree") > 1, "expert parallelism: the export covers dense models"),
+        (g(P, "expert_parallel_degree") > 1 and not arch.experts,
+         "expert_parallel_degree > 1 for a dense model (it has no effect there); set 1"),
         (bool(g(P, "pipeline_parallel_schedule_csv")), "a pipeline schedule from a csv file"),
         (g("training", "enable_cpu_offload"), "FSDP CPU offload"),
         (g("training", "dtype") != "float32", "training.dtype bfloat16 (no fp32 master "
@@ -758,11 +792,21 @@ def _layout(g, arch: ModelArch, devices: int | None, *, head: str,
                          zero=zero, dtype=_dtype_of(g),
                          compiled=bool(g("compile", "enable") and
                                        "model" in g("compile", "components")),
-                         stage_layers=stage_layers)
+                         stage_layers=stage_layers, ep=_ep_of(g, arch, shard * cp * tp))
     if stage_layers and replace(layout, stage_layers=()).layers_per_chunk(arch.layers) == \
             stage_layers:
         layout = replace(layout, stage_layers=())
     return layout, arch
+
+
+def _ep_of(g, arch: ModelArch, borrowed: int) -> int:
+    """parallelism.expert_parallel_degree, checked as torchtitan checks it."""
+    ep = g("parallelism", "expert_parallel_degree")
+    if ep < 1 or (ep > 1 and (borrowed % ep or arch.experts % ep)):
+        raise SpecError(f"expert_parallel_degree {ep}: must divide the {arch.experts} experts "
+                        f"and dp_shard x cp x tp = {borrowed} (torchtitan borrows the "
+                        "expert-parallel ranks from FSDP and TP)")
+    return ep
 
 
 def _pipeline_of(g, pp: int, arch: ModelArch, local: int, per_rank: int, head: str):

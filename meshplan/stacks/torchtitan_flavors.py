@@ -42,6 +42,41 @@ FLAVORS: dict[tuple[str, str], ModelArch] = {
     ("qwen3", "14B"): _qwen3(5120, 40, 40, 17408, False),
     ("qwen3", "32B"): _qwen3(5120, 64, 64, 25600, False),
 }
+
+def _qwen3_moe(dim, layers, heads, kv, experts, moe_ffn, theta, ffn, vocab=151936) -> ModelArch:
+    """torchtitan 0.3.0's Qwen3-MoE flavors (models/qwen3/__init__.py _build_qwen3_moe_layers:
+    every block routed, softmax router with route_norm, head_dim 128, eps 1e-6, untied).
+    ``ffn``: the dense width torchtitan never builds (no dense block), here the Hugging Face
+    config's intermediate_size; flavor matching ignores it (``ignored_fields``)."""
+    return ModelArch(family="qwen3_moe", hidden=dim, ffn_hidden=ffn, layers=layers,
+                     heads=heads, kv_heads=kv, head_dim=128, vocab=vocab, max_positions=40960,
+                     rope_theta=theta, norm_eps=1e-6, experts=experts, top_k=8,
+                     moe_ffn_hidden=moe_ffn)
+
+
+# torchtitan 0.3.0's mixtures of experts (models/qwen3/__init__.py _debugmodel_moe, _30b_a3b,
+# _235b_a22b; models/deepseek_v3/__init__.py _671b), read off the configs its model_registry
+# builds (tests/_torchtitan_check.py "flavors" checks them). 235B-A22B's rope theta is
+# 5,000,000 (Qwen3-235B-A22B-Instruct-2507's; the first release's config.json says 1,000,000).
+# DeepSeek-V3 671B: RMSNorm eps 1e-5 (torchtitan's default; the Hugging Face config says
+# 1e-6), yarn rope scaling (no shape changes), sigmoid router with groups 8 / top 4 and scale
+# 2.5. deepseek_v3 debugmodel and 16B (DeepSeek-MoE 16B) have a full-rank query and a softmax
+# router, which transformers' deepseek_v3 does not build: not listed.
+FLAVORS |= {
+    ("qwen3", "debugmodel_moe"): replace(_qwen3_moe(256, 8, 16, 8, 64, 768, 1e6, 3072),
+                                         vocab=2048, max_positions=4096),
+    ("qwen3", "30B-A3B"): _qwen3_moe(2048, 48, 32, 4, 128, 768, 1e6, 6144),
+    ("qwen3", "235B-A22B"): _qwen3_moe(4096, 94, 64, 4, 128, 1536, 5e6, 12288),
+    ("deepseek_v3", "671B"): ModelArch(
+        family="deepseek_v3", hidden=7168, ffn_hidden=18432, layers=61, heads=128,
+        kv_heads=128, head_dim=128, vocab=129280, max_positions=16384, rope_theta=10000.0,
+        norm_eps=1e-5, experts=256, top_k=8, moe_ffn_hidden=2048, shared_ffn_hidden=2048,
+        dense_layers=(0, 1, 2), q_lora_rank=1536, kv_lora_rank=512, qk_rope_dim=64,
+        v_head_dim=128, router_scale=2.5, router_groups=8, router_group_topk=4),
+}
+# torchtitan model names by meshplan family
+MODEL_NAMES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3",
+               "deepseek_v3": "deepseek_v3"}
 PIPELINED = ("llama",)  # families whose train spec has a pipelining_fn (qwen3's is None)
 
 # torchtitan 0.2.2's JobConfig defaults (config/job_config.py) for every key read here
@@ -72,17 +107,24 @@ class Flavor:
     flavor: str
 
 
+def ignored_fields(arch: ModelArch) -> tuple[str, ...]:
+    """Fields a flavor match leaves aside: max_positions (torchtitan uses training.seq_len),
+    and the dense width of a mixture of experts with no dense block (never built)."""
+    return ("max_positions",) + (("ffn_hidden",) if arch.experts and not arch.dense_layers
+                                 else ())
+
+
 def flavor_of(arch: ModelArch) -> Flavor | None:
-    """torchtitan's flavor with ``arch``'s dimensions (max_positions aside), or None."""
+    """torchtitan's flavor with ``arch``'s dimensions (``ignored_fields`` aside), or None."""
     for (name, flavor), known in FLAVORS.items():
-        if replace(known, max_positions=arch.max_positions) == arch:
+        if replace(known, **{f: getattr(arch, f) for f in ignored_fields(arch)}) == arch:
             return Flavor(name, flavor)
     return None
 
 
 def _flavor_names() -> str:
     return "; ".join(f"{n}: " + ", ".join(f for m, f in FLAVORS if m == n)
-                     for n in ("llama3", "qwen3"))
+                     for n in ("llama3", "qwen3", "deepseek_v3"))
 
 
 # --- torchtitan 0.3.0: Python config registries -----------------------------------------------
@@ -116,6 +158,17 @@ BASES_03: dict[str, dict] = {
                   "training": {"local_batch_size": 4, "seq_len": 4096}},
     "qwen3_32b": {"flavor": ("qwen3", "32B"), "ac": Recompute.FULL,
                   "training": {"local_batch_size": 2, "seq_len": 4096}},
+    # the mixtures of experts (Qwen3-235B-A22B has a flavor but no function)
+    "qwen3_moe_debug": {"flavor": ("qwen3", "debugmodel_moe"), "ac": Recompute.SELECTIVE,
+                        "training": {"local_batch_size": 4, "seq_len": 4096}},
+    "qwen3_30b_a3b": {"flavor": ("qwen3", "30B-A3B"), "ac": Recompute.FULL,
+                      "training": {"local_batch_size": 2, "seq_len": 4096}},
+    "deepseek_v3_671b": {"flavor": ("deepseek_v3", "671B"), "ac": Recompute.SELECTIVE,
+                         "training": {"local_batch_size": 4, "seq_len": 4096,
+                                      "disable_cuda_graphs": True},
+                         "parallelism": {"pipeline_parallel_schedule": "Interleaved1F1B",
+                                         "expert_parallel_degree": 2},
+                         "compile": {"enable": True, "components": ["loss"]}},
 }
 
 # torchtitan 0.3.0's dataclass defaults (config/configs.py TrainingConfig, ParallelismConfig,
