@@ -13,11 +13,17 @@ Sources (tokens/s per GPU as published):
   pre-training tables for DGX-GB200, DGX-B200 and DGX-H100 (columns GBS, MBS, sequence,
   FSDP, TP, PP, CP, VP, EP, GA, tokens/s/GPU). Its note: "In MoE training benchmarks, we
   force-balance the token distribution among experts and all benchmarks are token-dropless"
-  (so ``moe_imbalance`` stays 1.0). Every BF16 MoE row of the GB200, B200 and H100 tables
-  is here. Left out: the FP8-MX / FP8-CS rows (Qwen3-30B-A3B, DeepSeek-V3 FP8-MX, Qwen3-235B
-  FP8) - block-scaled fp8 GEMMs are issue 43's mechanism, not priced yet; the H100
-  Qwen3_235B_a22B row, whose cells are shifted (13 values under 15 headers: its GBS is
-  missing); the GB300 table (no GB300 preset).
+  (so ``moe_imbalance`` stays 1.0). Here: the BF16 DeepSeek-V3 and Qwen3-235B-A22B rows
+  of the GB200 table and the Qwen3-30B-A3B rows of the H100 (FP8-CS: Transformer Engine's
+  current scaling, priced by costmodel/fp8.py as ``dtype="fp8"``), GB200 and B200 tables
+  (FP8-MX: MXFP8 is issue 43's recipe, not priced yet; these rows are priced as fp8
+  current scaling on the same fp8 peak, and say so). Left out: the GPT-OSS-120B rows - the
+  pinned transformers' gpt_oss has no SDPA path (``_supports_sdpa = False``: its attention
+  sinks run as eager matmul + softmax), so the traced model materializes every attention
+  score while Megatron-Core runs a fused kernel; meshplan prices what it traces, and at
+  seq 4,096 x MBS 4 that is 750 GiB per GPU, not the run. The H100 Qwen3_235B_a22B row,
+  whose cells are shifted (13 values under 15 headers: its GBS is missing); the GB300
+  table (no GB300 preset); DeepSeek-V3 FP8-MX on GB200/B200 (MXFP8).
 - DeepSeek-V3 technical report (arXiv 2412.19437): 2,048 H800, PP16 (DualPipe) x EP64 over
   8 nodes x ZeRO-1 DP, 180K H800 GPU-hours per trillion tokens (sec. 1, Table 1) =
   1e12 / (180e3 x 3600) = 1,543 tokens/s per GPU; sequence 4,096, batch 15,360 sequences
@@ -56,14 +62,14 @@ DSV3 = "DeepSeek-V3 technical report, arXiv 2412.19437, sec. 1 / 3.2 / 4.2"
 ROWS = (
     ("gb200-deepseek-v3", "deepseek-v3", "gb200-nvl72", 256, "bf16", 4096, 1, 4096, 1, 4, 4, 64,
      "none", 0.0, 3139, MB + ", DGX-GB200"),
-    ("gb200-gpt-oss-120b", "gpt-oss-120b", "gb200-nvl72", 64, "bf16", 1280, 1, 8192, 1, 1, 1, 64,
-     "none", 0.0, 15876, MB + ", DGX-GB200"),
     ("gb200-qwen3-235b", "qwen3-235b-a22b", "gb200-nvl72", 256, "bf16", 8192, 1, 4096, 1, 8, 3,
      32, "none", 0.0, 4916, MB + ", DGX-GB200"),
-    ("b200-gpt-oss-120b", "gpt-oss-120b", "dgx-b200", 64, "bf16", 512, 4, 4096, 1, 1, 1, 8,
-     "none", 0.0, 8213, MB + ", DGX-B200"),
-    ("h100-gpt-oss-120b", "gpt-oss-120b", "dgx-h100", 64, "bf16", 512, 4, 4096, 1, 4, 1, 8,
-     "none", 0.0, 5630, MB + ", DGX-H100"),
+    ("h100-qwen3-30b-fp8", "qwen3-30b-a3b", "dgx-h100", 16, "fp8", 512, 2, 4096, 1, 2, 24, 8,
+     "none", 0.0, 5275, MB + ", DGX-H100 (FP8-CS)"),
+    ("gb200-qwen3-30b-fp8", "qwen3-30b-a3b", "gb200-nvl72", 8, "fp8", 512, 4, 4096, 1, 1, 1, 8,
+     "none", 0.0, 23766, MB + ", DGX-GB200 (FP8-MX)"),
+    ("b200-qwen3-30b-fp8", "qwen3-30b-a3b", "dgx-b200", 8, "fp8", 512, 1, 4096, 1, 1, 1, 8,
+     "none", 0.0, 9299, MB + ", DGX-B200 (FP8-MX)"),
     ("h800-deepseek-v3-report", "deepseek-v3", "dgx-h800", 2048, "bf16", 15360, 1, 4096, 1, 16,
      1, 64, "none", 1.0, 1543, DSV3),
 )
@@ -94,7 +100,7 @@ def as_ran(row, graph=None, model=None):
             call = training_call(model, gbs, seq)
             graph = meshplan.trace(model, call.inputs, example_targets=call.targets,
                                    model_name=preset)
-    mesh = meshplan.Mesh.preset(system, nodes=max(1, gpus // mesh_devices(system)))
+    mesh = run_mesh(system, gpus)
     layers = model.config.num_hidden_layers
     split = stage_layers(layers, pp)
     interleave = vp > 1 and all(n % vp == 0 for n in split)
@@ -113,11 +119,25 @@ def as_ran(row, graph=None, model=None):
     return plan, est, model, graph, interleave
 
 
-def mesh_devices(system: str) -> int:
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                        "costmodel", "presets", f"{system}.json")
-    with open(path) as f:
-        return int(json.load(f)["devices_per_node"])
+def run_mesh(system: str, gpus: int):
+    """The run's ``gpus`` devices on ``system``: one NVLink domain where they fit in one,
+    else whole domains of the largest size that divides them (256 GB200s: 4 NVL72 racks
+    of 64 GPUs each, since 256 is no multiple of 72)."""
+    return _mesh(system, gpus)
+
+
+def _mesh(system: str, gpus: int):
+    import meshplan
+    from meshplan.mesh import load_preset
+
+    hw = load_preset(system)
+    per_node = hw.devices_per_node
+    if gpus <= per_node:
+        return meshplan.Mesh((gpus,), hw, ("gpu",), name=f"{system}:gpus={gpus}")
+    local = max(d for d in range(1, per_node + 1) if gpus % d == 0)
+    hw = dataclasses.replace(hw, devices_per_node=local)
+    return meshplan.Mesh((gpus // local, local), hw, ("node", "gpu"),
+                         name=f"{system}:gpus={gpus}")
 
 
 def predict(row, pick: bool = False) -> dict:
@@ -144,7 +164,7 @@ def predict(row, pick: bool = False) -> dict:
         t = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mesh = meshplan.Mesh.preset(row[2], nodes=max(1, gpus // mesh_devices(row[2])))
+            mesh = run_mesh(row[2], gpus)
             auto = meshplan.autoparallel(model, mesh, graph=graph, dtype=row[4])
         a = meshplan.estimate(auto, graph)
         out["pick"] = {"layout": [dict(dp_cp_tp=list(s.mesh_shape), ep=s.ep, zero=s.zero,

@@ -241,6 +241,11 @@ def ep_cost_terms(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: s
     ranks = dp * cp * tp
     efsdp = max(1, ranks // ep)
     b = DTYPE_BYTES.get(dtype, 2)
+    # the tokens cross the all-to-all in the activations' dtype, bf16 under an fp8 recipe
+    # too (DTYPE_BYTES): Megatron-Core's alltoall dispatcher and torchtitan's expert-parallel
+    # style move the hidden states as the model holds them (fp8 dispatch is DeepEP's,
+    # DeepSeek-V3 report sec. 3.3.2)
+    wire = b
     imbalance = getattr(runtime, "moe_imbalance", 1.0)
     overlap = getattr(runtime, "ep_a2a_overlap", 0.0)
     a2a_f = a2a_b = dfwd = dbwd = saved = buf = 0.0
@@ -251,7 +256,7 @@ def ep_cost_terms(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: s
         # dispatches its own tokens (sequence-parallel shares under tp) when ep > 1; at
         # ep = 1 the experts run where the tokens are, split over dp x cp
         pairs = ml.pairs / (dp * cp * m) / (tp if ep > 1 else 1)
-        nbytes = pairs * ml.hidden * b * imbalance
+        nbytes = pairs * ml.hidden * wire * imbalance
         one = all_to_all_s(hw, nbytes, ep) + DISPATCH_KERNELS * hw.device.kernel_latency_s \
             if ep > 1 else 0.0
         a2a_f += 2 * one  # dispatch + combine
@@ -278,8 +283,8 @@ def ep_cost_terms(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: s
             dbwd += bk - priced.backward_s
         # the permuted tokens the grouped GEMMs read (saved for the backward) and, in the
         # working set, one layer's dispatch and combine receive buffers
-        saved += pairs * ml.hidden * b * imbalance
-        buf = max(buf, 2 * pairs * ml.hidden * b * imbalance)
+        saved += pairs * ml.hidden * wire * imbalance
+        buf = max(buf, 2 * pairs * ml.hidden * wire * imbalance)
         numel += ml.numel
     exposed = (a2a_f + a2a_b) * (1 - overlap)
     weights = grads = opt = opt_numel = sync = gather = 0.0
