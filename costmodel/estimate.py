@@ -152,7 +152,7 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     # dispatch/combine all-to-alls and, under ep > 1, the experts' state over ep x efsdp
     moe = moe_model.ep_cost_terms(stage, graph, hw, dtype=dtype, optimizer=optimizer,
                                   microbatches=m, runtime=runtime, contention=contention,
-                                  **_state_widths(dtype, runtime))
+                                  cache=cache, **_state_widths(dtype, runtime))
     fwd_s, bwd_s = ops.fwd + copy_fwd, ops.bwd + copy_bwd
     moe_comm = 0.0
     if moe is not None:

@@ -228,10 +228,26 @@ def grouped_gemm_time_s(hw: HardwareProfile, dtype: str, *, flops: float, groups
 
 def ep_cost_terms(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                   optimizer: str, microbatches: int, runtime, contention: float = 1.0,
-                  grad_bytes: float | None = None,
-                  master_bytes: float | None = None) -> EPTerms | None:
+                  grad_bytes: float | None = None, master_bytes: float | None = None,
+                  cache: dict | None = None) -> EPTerms | None:
     """The routed experts' price on one stage (module docstring); None where the stage
-    holds no routed experts. The axis table's cost hook for ``ep``."""
+    holds no routed experts. The axis table's cost hook for ``ep``. ``cache``: the cost
+    model's memo (stages sharing their operator dict, by identity, and the same layout)."""
+    if not moe_layers(graph):
+        return None
+    if cache is not None:
+        key = ("moe-terms", id(stage.ops), id(graph.whole or graph), stage.mesh_shape,
+               stage.axis_names, stage.devices[:1], stage.ep, stage.zero, dtype, optimizer,
+               microbatches, runtime, contention, grad_bytes, master_bytes)
+        hit = cache.get(key)
+        if hit is not None and hit[0] is stage.ops:
+            return hit[1]
+        terms = ep_cost_terms(stage, graph, hw, dtype=dtype, optimizer=optimizer,
+                              microbatches=microbatches, runtime=runtime,
+                              contention=contention, grad_bytes=grad_bytes,
+                              master_bytes=master_bytes)
+        cache[key] = (stage.ops, terms)
+        return terms
     layers = stage_moe_layers(stage, graph)
     if not layers:
         return None
