@@ -35,6 +35,7 @@ parameter walk) and ``param_traffic`` (gradient sync, ZeRO gathers, optimizer st
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 from meshplan.costmodel import fp8 as fp8_model
@@ -144,7 +145,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                 accumulating=_accumulating_microbatches(stage, runtime, m),
                                 skip_masks=runtime.causal_mask_skipped)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
-    copy_fwd, copy_bwd = _fsdp_copy_out_s(stage, graph, hw, dtype, runtime, contention, m)
+    copy_fwd, copy_bwd = _fsdp_copy_out_s(stage, graph, hw, dtype, runtime, contention, m,
+                                          cache=cache)
     tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
@@ -252,7 +254,11 @@ def _without_routed_experts(stage: Stage, graph: OpGraph, cache: dict | None) ->
     if hit is None or hit[0] is not stage.params:
         hit = memo[id(stage.params)] = (stage.params, {
             k: v for k, v in stage.params.items() if k not in experts})
-    return replace(stage, params=hit[1])
+    # a shallow copy with the other dict: ``replace`` would validate the record again on
+    # every one of the search's thousands of probes
+    out = copy.copy(stage)
+    object.__setattr__(out, "params", hit[1])
+    return out
 
 
 def overlap_cost_s(hidden_s: float, compute_s: float, slow: float) -> float:
@@ -311,7 +317,7 @@ def _memory_precision(stage: Stage, runtime: RuntimeModel) -> str:
 
 def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str,
                      runtime: RuntimeModel, contention: float,
-                     microbatches: int = 1) -> tuple[float, float]:
+                     microbatches: int = 1, cache: dict | None = None) -> tuple[float, float]:
     """(forward, backward) seconds per microbatch of FSDP2's copies on the compute stream,
     one kernel per FSDP unit (the blocks and the root) each: the all-gather copy-out
     (``eager.fsdp_copy_out_bytes``) before the forward, and again before the backward where
@@ -324,6 +330,21 @@ def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: s
     the same way (its all-reduce replaces the reduce-scatter)."""
     if not runtime.eager_kernels or not _fsdp_active(stage, runtime):
         return 0.0, 0.0
+    key = ("fsdp-copy", id(stage.params), id(graph.params), graph.block_module,
+           stage.mesh_shape, stage.axis_names, repr(stage.inputs), stage.zero, dtype,
+           runtime, contention, microbatches)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is stage.params:
+        return hit[1]
+    out = _fsdp_copy_out_priced(stage, graph, hw, dtype, runtime, contention, microbatches)
+    if cache is not None:
+        cache[key] = (stage.params, out)
+    return out
+
+
+def _fsdp_copy_out_priced(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str,
+                          runtime: RuntimeModel, contention: float,
+                          microbatches: int) -> tuple[float, float]:
     shape, dpa = stage.mesh_shape, dp_axis(stage)
     units: dict[int, float] = {}
     for pname, pl in stage.params.items():
