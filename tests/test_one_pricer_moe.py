@@ -15,6 +15,10 @@ from meshplan.costmodel import moe
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.specs import parse_mesh_spec, parse_model_spec, training_call
 
+# the module traces a small Qwen3-MoE once (about 10 s alone, 50 s on the shared machine) and
+# runs two pipeline searches: slow (still run in CI)
+pytestmark = pytest.mark.slow
+
 QWEN3_MOE = ("transformers:qwen3_moe?hidden_size=256&intermediate_size=512"
              "&moe_intermediate_size=128&num_hidden_layers=2&num_attention_heads=4"
              "&num_key_value_heads=2&head_dim=64&vocab_size=1024&num_experts=16"
