@@ -35,9 +35,11 @@ parameter walk) and ``param_traffic`` (gradient sync, ZeRO gathers, optimizer st
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 from meshplan.costmodel import fp8 as fp8_model
+from meshplan.costmodel import moe as moe_model
 from meshplan.costmodel.comm import Collective, CollectivePrices, bandwidth_s, collective_time_s
 from meshplan.costmodel.compute import DTYPE_BYTES, DTYPE_NAMES, contention_factor
 from meshplan.costmodel.eager import (Kernel, fsdp_copy_out_bytes, fsdp_reduce_copy_in_bytes,
@@ -143,25 +145,48 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                 accumulating=_accumulating_microbatches(stage, runtime, m),
                                 skip_masks=runtime.causal_mask_skipped)
     recompute, comm_rec = _recompute_s(ops, stage.recompute, runtime)
-    copy_fwd, copy_bwd = _fsdp_copy_out_s(stage, graph, hw, dtype, runtime, contention, m)
+    copy_fwd, copy_bwd = _fsdp_copy_out_s(stage, graph, hw, dtype, runtime, contention, m,
+                                          cache=cache)
     tp_hidden = _tp_overlap_hidden_s(ops, stage.recompute) if runtime.tp_comm_overlap else 0.0
     p2p = _p2p_s(stage, hw, ops.p2p_bytes, num_stages=num_stages, schedule=schedule,
                  virtual_stages=virtual_stages)
-    params = _cached_parameter_walk(cache, stage, graph, ops.consumer_out, dtype=dtype,
+    # the routed experts (costmodel/moe.py): grouped GEMMs at their tokens per expert, the
+    # dispatch/combine all-to-alls and, under ep > 1, the experts' state over ep x efsdp
+    moe = moe_model.ep_cost_terms(stage, graph, hw, dtype=dtype, optimizer=optimizer,
+                                  microbatches=m, runtime=runtime, contention=contention,
+                                  cache=cache, **_state_widths(dtype, runtime))
+    fwd_s, bwd_s = ops.fwd + copy_fwd, ops.bwd + copy_bwd
+    moe_comm = 0.0
+    if moe is not None:
+        fwd_s += moe.gemm_fwd_delta_s
+        bwd_s += moe.gemm_bwd_delta_s
+        moe_comm = moe.a2a_exposed_s + moe.gather_s
+        if stage.recompute == Recompute.FULL:  # the forward again, its all-to-alls too
+            recompute += moe.gemm_fwd_delta_s
+            moe_comm += moe.a2a_fwd_s * (1 - runtime.ep_a2a_overlap)
+    walk_stage = _without_routed_experts(stage, graph, cache) if moe is not None and \
+        stage.ep > 1 else stage
+    params = _cached_parameter_walk(cache, walk_stage, graph, ops.consumer_out, dtype=dtype,
                                     optimizer=optimizer, runtime=runtime)
-    traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=ops.fwd + copy_fwd,
-                               backward_s=ops.bwd + copy_bwd, recompute_s=recompute)
+    traffic = _param_traffic_s(params, stage, coll, runtime, forward_s=fwd_s,
+                               backward_s=bwd_s, recompute_s=recompute)
     # compute beside a collective runs slower (DeviceSpec.overlap_slowdown)
-    compute_mb = ops.fwd + copy_fwd + ops.bwd + copy_bwd + recompute
+    compute_mb = fwd_s + bwd_s + recompute
     slow = hw.device.overlap_slowdown
-    comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p
+    comm_mb = (ops.comm_fwd + ops.comm_bwd + comm_rec - tp_hidden + p2p + moe_comm
                + traffic.gather_exposed_s + traffic.microbatch_s
                + overlap_cost_s(tp_hidden + traffic.hidden_microbatch_s, compute_mb, slow))
     grad_sync_s = traffic.step_s + overlap_cost_s(traffic.hidden_step_s, compute_mb, slow)
     optimizer_s = _optimizer_s(params, hw, dtype=dtype, optimizer=optimizer,
                                contention=all_procs, runtime=runtime)
+    if moe is not None and stage.ep > 1:
+        grad_sync_s += moe.grad_sync_s
+        optimizer_s += optimizer_step_s(moe.optimizer_numel, len(stage.params) -
+                                        len(walk_stage.params), hw, dtype=dtype,
+                                        optimizer=optimizer, contention=all_procs,
+                                        **_state_widths(dtype, runtime))
     if not memory:
-        return StageBreakdown(forward_s=ops.fwd + copy_fwd, backward_s=ops.bwd + copy_bwd,
+        return StageBreakdown(forward_s=fwd_s, backward_s=bwd_s,
                               recompute_s=recompute, comm_s=comm_mb,
                               grad_sync_s=grad_sync_s, optimizer_s=optimizer_s, memory=None)
 
@@ -177,6 +202,14 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
     if fp8 is not None and stage.recompute != Recompute.FULL:  # fp8 inputs saved for the backward
         kept -= fp8_model.saved_input_bytes_saved(graph, stage.ops, _split_of(stage, graph),
                                                   1.0 / m, fp8)
+    if moe is not None:
+        # the traced graph holds the permuted tokens already (routed at ep = 1); the
+        # busiest rank's excess and, under ep > 1, one layer's dispatch and combine
+        # receive buffers come on top
+        if stage.recompute != Recompute.FULL:
+            kept += (runtime.moe_imbalance - 1) * moe.saved_bytes
+        if stage.ep > 1:
+            working += moe.buffer_bytes
     acts = activation_memory(kept, working, schedule=schedule, stage=stage.index,
                              num_stages=num_stages, microbatches=m, virtual_stages=virtual_stages)
     if _memory_precision(stage, runtime) == "autocast" and DTYPE_BYTES[dtype] < 4 \
@@ -188,14 +221,44 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
         acts += (inflight - 1) * params.weights_bytes
     buffers = _buffer_bytes(params, stage.zero, runtime, dtype=dtype, activation_bytes=acts)
     buffers += fp8_model.weight_copy_bytes(stage, graph, fp8, lambda n: _param_layer(n, graph))
-    memory = MemoryBreakdown(params_gib=params.weights_bytes / GIB,
-                             grads_gib=params.grads_bytes / GIB,
-                             optimizer_gib=params.optimizer_bytes / GIB,
+    ew = eg = eo = 0.0
+    if moe is not None and stage.ep > 1:
+        ew, eg, eo = moe.weights_bytes, moe.grads_bytes, moe.optimizer_bytes
+    memory = MemoryBreakdown(params_gib=(params.weights_bytes + ew) / GIB,
+                             grads_gib=(params.grads_bytes + eg) / GIB,
+                             optimizer_gib=(params.optimizer_bytes + eo) / GIB,
                              activations_gib=acts / GIB, buffers_gib=buffers / GIB)
-    return StageBreakdown(forward_s=ops.fwd + copy_fwd, backward_s=ops.bwd + copy_bwd,
+    return StageBreakdown(forward_s=fwd_s, backward_s=bwd_s,
                           recompute_s=recompute,
                      comm_s=comm_mb, grad_sync_s=grad_sync_s, optimizer_s=optimizer_s,
                      memory=memory)
+
+
+def _state_widths(dtype: str, runtime: RuntimeModel) -> dict:
+    """The runtime's gradient and master widths as ``_optimizer_s`` reads them."""
+    widths = {}
+    if dtype != ComputeDtype.FP32:
+        widths["grad_bytes"] = runtime.grad_bytes
+        if dtype == ComputeDtype.BF16:
+            widths["master_bytes"] = runtime.master_bytes
+    return widths
+
+
+def _without_routed_experts(stage: Stage, graph: OpGraph, cache: dict | None) -> Stage:
+    """The stage without its routed expert weights, for the parameter walk: under ep > 1
+    costmodel/moe.py prices their state and gradient sync over ep x efsdp. One dict per
+    parameter dict (by identity, kept beside it) so the walk's memo still hits."""
+    experts = moe_model.routed_expert_params(graph)
+    memo = cache.setdefault("moe-walk-params", {}) if cache is not None else {}
+    hit = memo.get(id(stage.params))
+    if hit is None or hit[0] is not stage.params:
+        hit = memo[id(stage.params)] = (stage.params, {
+            k: v for k, v in stage.params.items() if k not in experts})
+    # a shallow copy with the other dict: ``replace`` would validate the record again on
+    # every one of the search's thousands of probes
+    out = copy.copy(stage)
+    object.__setattr__(out, "params", hit[1])
+    return out
 
 
 def overlap_cost_s(hidden_s: float, compute_s: float, slow: float) -> float:
@@ -254,7 +317,7 @@ def _memory_precision(stage: Stage, runtime: RuntimeModel) -> str:
 
 def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str,
                      runtime: RuntimeModel, contention: float,
-                     microbatches: int = 1) -> tuple[float, float]:
+                     microbatches: int = 1, cache: dict | None = None) -> tuple[float, float]:
     """(forward, backward) seconds per microbatch of FSDP2's copies on the compute stream,
     one kernel per FSDP unit (the blocks and the root) each: the all-gather copy-out
     (``eager.fsdp_copy_out_bytes``) before the forward, and again before the backward where
@@ -267,6 +330,21 @@ def _fsdp_copy_out_s(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: s
     the same way (its all-reduce replaces the reduce-scatter)."""
     if not runtime.eager_kernels or not _fsdp_active(stage, runtime):
         return 0.0, 0.0
+    key = ("fsdp-copy", id(stage.params), id(graph.params), graph.block_module,
+           stage.mesh_shape, stage.axis_names, repr(stage.inputs), stage.zero, dtype,
+           runtime, contention, microbatches)
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and hit[0] is stage.params:
+        return hit[1]
+    out = _fsdp_copy_out_priced(stage, graph, hw, dtype, runtime, contention, microbatches)
+    if cache is not None:
+        cache[key] = (stage.params, out)
+    return out
+
+
+def _fsdp_copy_out_priced(stage: Stage, graph: OpGraph, hw: HardwareProfile, dtype: str,
+                          runtime: RuntimeModel, contention: float,
+                          microbatches: int) -> tuple[float, float]:
     shape, dpa = stage.mesh_shape, dp_axis(stage)
     units: dict[int, float] = {}
     for pname, pl in stage.params.items():

@@ -204,6 +204,18 @@ class RuntimeModel:
       (``memory.activation_profile``). False: every float activation in the plan's dtype
       (a stack whose own model code keeps them so: Megatron-LM).
     engine, backend: the runtime these factors describe (``default_runtime``).
+    ep_a2a_overlap: fraction of expert parallelism's dispatch and combine all-to-alls hidden
+      behind compute (costmodel/moe.py). 0 for every engine and stack profile: torchtitan
+      0.3's expert-parallel style and Megatron-Core's ``alltoall`` token dispatcher run them
+      on the compute stream between the router and the grouped GEMMs (the dispatcher needs
+      the token counts first); Megatron's ``--overlap-moe-expert-parallel-comm`` and
+      DeepSeek-V3's DualPipe, which hide them ("both all-to-all and PP communication can be
+      fully hidden", DeepSeek-V3 report arXiv 2412.19437 sec. 3.2.1), set it where a run
+      used them.
+    moe_imbalance: the busiest rank's routed tokens over the mean (costmodel/moe.py). 1.0:
+      balanced routing, as NVIDIA's published MoE benchmarks force it (Megatron-Bridge
+      docs/performance-summary.md: "we force-balance the token distribution among
+      experts"); a run that does not force balance states its own measured factor.
     """
 
     grad_sync_overlap: float = 0.0
@@ -239,6 +251,8 @@ class RuntimeModel:
     eager_activations: bool = False
     engine: str = Engine.GRAPH
     backend: str = "nccl"
+    ep_a2a_overlap: float = 0.0
+    moe_imbalance: float = 1.0
 
     def __post_init__(self):
         if self.engine not in PROFILES:

@@ -100,6 +100,10 @@ class SearchSpace:
     # the same submesh); only on uniform meshes (mixed_meshes=False)
     context_parallel: tuple[int, ...] = (1,)
     mixed_meshes: bool = True  # stages of one pipeline may pick different (dp, tp)
+    # expert-parallel degrees tried per stage for models with routed experts
+    # (Problem.experts > 0): None: every divisor of the stage's dp x cp x tp that divides
+    # the expert count (torchtitan 0.3 and Megatron-Core borrow ep from those ranks)
+    expert_parallel: tuple[int, ...] | None = None
     eps: float = 0.0  # bound candidates closer than a factor (1 + eps) merge; 0 = exact
 
     def __post_init__(self):
@@ -124,6 +128,7 @@ class StageOption:
     # the stage is one of several (pp > 1): the module engine runs pipelines differently
     # (costmodel.estimate.default_runtime), so the price depends on it
     pipelined: bool = False
+    ep: int = 1  # expert parallel: routed experts over ep of the dp x cp x tp ranks (Stage.ep)
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +192,7 @@ class Problem:
     # memory limit are skipped before any stage is priced
     weights_floor_gib: Callable | None = None
     dtype: str = ComputeDtype.FP32  # what the runtime can run depends on it (meshplan/support.py)
+    experts: int = 0  # routed experts per MoE layer (0: a dense model, ep stays 1)
 
     @property
     def num_units(self) -> int:
@@ -251,9 +257,20 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
                     continue  # ZeRO over one replica is plain data parallelism
                 if support.zero_rule(support.Candidate(zero=z)):
                     continue
-                out.append(StageOption((dp, tp), rc, z, sp, cp,
-                                       pipelined=size < problem.num_devices))
+                for ep in expert_degrees(dp * cp * tp, problem.experts, space.expert_parallel):
+                    out.append(StageOption((dp, tp), rc, z, sp, cp,
+                                           pipelined=size < problem.num_devices, ep=ep))
     return out
+
+
+def expert_degrees(ranks: int, experts: int, allowed: tuple[int, ...] | None) -> list[int]:
+    """Expert-parallel degrees of a stage of ``ranks`` = dp x cp x tp devices: 1 for a dense
+    model, else every divisor of ``ranks`` that divides ``experts`` (and is ``allowed``)."""
+    if experts <= 0:
+        return [1]
+    out = [e for e in range(1, ranks + 1) if ranks % e == 0 and experts % e == 0
+           and (allowed is None or e in allowed)]
+    return out or [1]
 
 
 # -- the search ----------------------------------------------------------------------------------

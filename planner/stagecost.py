@@ -30,6 +30,7 @@ from meshplan.costmodel.estimate import default_runtime, stage_cost, with_stage_
 from meshplan.costmodel.compute import BACKWARD_FLOPS_FACTOR, DTYPE_NAMES
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import GIB, model_state_bytes
+from meshplan.costmodel.moe import moe_layers
 from meshplan.planner.cp_placements import CpPropagator
 from meshplan.planner.manual import Propagator, attention_heads, stage_params, with_cp_axis
 from meshplan.planner.assemble import batch_and_seq, mesh_info, model_info, training_config
@@ -164,7 +165,7 @@ class MegatronStageCost:
         return Stage(index=index, devices=tuple(range(index * n, (index + 1) * n)),
                      mesh_shape=shape, axis_names=axes, layers=layers,
                      nodes=(names[0], names[-1]), recompute=option.recompute, zero=option.zero,
-                     inputs=inputs, params=params, ops=ops)
+                     inputs=inputs, params=params, ops=ops, ep=option.ep)
 
     def _cp_records(self, names) -> dict:
         """cp-axis placements of ``names`` (one walk of the graph; they do not depend on
@@ -213,9 +214,15 @@ class MegatronStageCost:
     def weights_floor_gib(self, stages: int, dp: int, tp: int, zero: int) -> float:
         """Model state of the average stage with every parameter split over tp: no stage of
         such a pipeline needs less (the cost model's bytes per parameter)."""
-        numel = self.graph.param_count / (stages * tp)
-        return sum(model_state_bytes(numel, dtype=self.dtype, optimizer=self.optimizer,
-                                     zero=zero, dp=dp)) / GIB
+        experts = sum(m.numel for m in moe_layers(self.graph).values())
+        numel = (self.graph.param_count - experts) / (stages * tp)
+        dense = sum(model_state_bytes(numel, dtype=self.dtype, optimizer=self.optimizer,
+                                      zero=zero, dp=dp)) / GIB
+        # routed experts: split over ep x efsdp = dp x tp at most (costmodel/moe.py), their
+        # state never below every byte of it sharded that far
+        routed = sum(model_state_bytes(experts / (stages * tp * dp), dtype=self.dtype,
+                                       optimizer=self.optimizer, zero=3, dp=1)) / GIB
+        return dense + routed
 
     # -- probes --------------------------------------------------------------------------------
     def probe(self, first: int, last: int, option: StageOption, mbs: int,
@@ -362,7 +369,8 @@ def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                       global_batch=graph.inputs[0][1].shape[0],
                       memory_limit_gib=memory_limit_gib if memory_limit_gib is not None
                       else hw.device.memory_gib, cost_fn=cost,
-                      weights_floor_gib=cost.weights_floor_gib, dtype=dtype)
+                      weights_floor_gib=cost.weights_floor_gib, dtype=dtype,
+                      experts=routed_experts(graph))
     # the search ranks with affine stage prices; the few best shapes are priced in full
     plans = [assemble_plan(graph, mesh, units, answer, cost, dtype=dtype, optimizer=optimizer)
              for answer in search_best(problem, space, keep=RERANK, within=RERANK_WITHIN,
@@ -380,10 +388,17 @@ def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     return replace(plan, wall_time_s=time.perf_counter() - start)
 
 
+def routed_experts(graph: OpGraph) -> int:
+    """Routed experts per MoE layer of ``graph`` (the fewest where layers differ), 0 for a
+    dense model: the expert-parallel degrees the search tries divide it."""
+    layers = moe_layers(graph)
+    return min((m.experts for m in layers.values()), default=0)
+
+
 def _shape(plan: Plan) -> tuple:
     t = plan.training
     return (t.schedule, t.virtual_stages, t.microbatches,
-            tuple((st.layers, st.mesh_shape, st.zero, st.recompute) for st in plan.stages))
+            tuple((st.layers, st.mesh_shape, st.zero, st.recompute, st.ep) for st in plan.stages))
 
 
 def best_schedule(plan: Plan, graph: OpGraph, space: SearchSpace,
