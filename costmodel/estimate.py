@@ -36,6 +36,7 @@ parameter walk) and ``param_traffic`` (gradient sync, ZeRO gathers, optimizer st
 from __future__ import annotations
 
 import copy
+import importlib
 from dataclasses import dataclass, replace
 
 from meshplan.costmodel import fp8 as fp8_model
@@ -66,11 +67,20 @@ from meshplan.costmodel.runtime_profiles import (BACKENDS, DDP_BUCKET_BYTES, PRO
 from meshplan.costmodel.stage_layout import (_split_of, chunked_loss_stage, dp_axis,
                                              reshard_collectives, split_factor,
                                              stage_activation_profile, value_bytes)
+from meshplan.axes import EP_AXIS, Axis
 from meshplan.graph import OpGraph
 from meshplan.plan import Estimate, MemoryBreakdown, Plan, Stage, StagePrediction
 from meshplan.schedules import Schedule
 from meshplan.support import lists_rank_groups
 from meshplan.vocabulary import ComputeDtype, Recompute
+
+
+def axis_cost_terms(axis: Axis):
+    """The function pricing a table axis on a stage (meshplan/axes.py ``Axis.cost_terms``,
+    ``"module:function"`` under meshplan.costmodel); every pricer reaches an axis's terms
+    through here."""
+    module, _, fn = axis.cost_terms.partition(":")
+    return getattr(importlib.import_module(f"meshplan.costmodel.{module}"), fn)
 
 # the cost model's public names, defined here or in the modules it was split into
 # (runtime_profiles, stage_layout, params, param_traffic, operators, comm), so that
@@ -152,9 +162,9 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                  virtual_stages=virtual_stages)
     # the routed experts (costmodel/moe.py): grouped GEMMs at their tokens per expert, the
     # dispatch/combine all-to-alls and, under ep > 1, the experts' state over ep x efsdp
-    moe = moe_model.ep_cost_terms(stage, graph, hw, dtype=dtype, optimizer=optimizer,
-                                  microbatches=m, runtime=runtime, contention=contention,
-                                  cache=cache, **_state_widths(dtype, runtime))
+    moe = axis_cost_terms(EP_AXIS)(stage, graph, hw, dtype=dtype, optimizer=optimizer,
+                                   microbatches=m, runtime=runtime, contention=contention,
+                                   cache=cache, **_state_widths(dtype, runtime))
     fwd_s, bwd_s = ops.fwd + copy_fwd, ops.bwd + copy_bwd
     moe_comm = 0.0
     if moe is not None:

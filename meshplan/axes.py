@@ -45,15 +45,17 @@ class Axis:
     ``degrees(borrowed, experts)``: the degrees a search tries, from the ranks the axis may
     borrow (dp x cp x tp of a stage for ep) and the model's count it splits (routed experts).
     ``rules``: functions of an ``AxisContext`` returning refusals (one line each).
-    ``cost_terms``: the callable pricing the axis (filled by the cost model's module for it;
-    None until that module lands). ``runtime_step``: ``"module:function"`` under
-    ``meshplan.runtime`` that applies the axis to a model on the module engine."""
+    ``cost_terms``: ``"module:function"`` under ``meshplan.costmodel`` pricing the axis on a
+    stage (resolved by ``costmodel/estimate.py`` ``axis_cost_terms``, which every pricer
+    calls). ``runtime_step``: ``"module:function"`` under ``meshplan.runtime`` that applies
+    the axis to a model on the module engine. Both are names, not imports: the core may not
+    import the layers above it."""
 
     name: str
     doc: str
     degrees: Callable[[int, int], tuple[int, ...]]
     rules: tuple[Callable[[AxisContext], tuple[str, ...]], ...] = ()
-    cost_terms: Callable | None = None
+    cost_terms: str = ""
     runtime_step: str = ""
     borrows: tuple[str, ...] = field(default=())
 
@@ -173,9 +175,7 @@ EP_AXIS = Axis(
         "all-to-all; experts replicated over the other dp x cp x tp / ep ranks",
     degrees=_ep_degrees,
     rules=(_ep_borrow_rule, _ep_model_rule, _ep_runtime_rule),
-    # costmodel/moe.py (the MoE pricing helper's module) fills this slot; it is absent on
-    # this branch, so plans with ep > 1 are priced as the experts replicated
-    cost_terms=None,
+    cost_terms="moe:ep_cost_terms",
     runtime_step="expert_parallel:apply_expert_parallel",
     borrows=("dp", "cp", "tp"),
 )

@@ -45,6 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
+from meshplan.axes import EP, EP_AXIS, AxisContext
 from meshplan.costmodel.memory import inflight_microbatches
 from meshplan.costmodel.pipeline import pipeline_step_time
 from meshplan import support
@@ -258,6 +259,11 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
                 if support.zero_rule(support.Candidate(zero=z)):
                     continue
                 for ep in expert_degrees(dp * cp * tp, problem.experts, space.expert_parallel):
+                    if ep > 1 and EP_AXIS.problems(AxisContext(
+                            {"dp": dp, "cp": cp, "tp": tp, EP: ep,
+                             "pp": 2 if size < problem.num_devices else 1},
+                            experts=problem.experts)):
+                        continue  # the runtime does not run this ep (the table's rules)
                     out.append(StageOption((dp, tp), rc, z, sp, cp,
                                            pipelined=size < problem.num_devices, ep=ep))
     return out
@@ -265,11 +271,11 @@ def stage_options(size: int, problem: Problem, space: SearchSpace, microbatches:
 
 def expert_degrees(ranks: int, experts: int, allowed: tuple[int, ...] | None) -> list[int]:
     """Expert-parallel degrees of a stage of ``ranks`` = dp x cp x tp devices: 1 for a dense
-    model, else every divisor of ``ranks`` that divides ``experts`` (and is ``allowed``)."""
+    model, else the axis table's degrees (meshplan/axes.py ``EP_AXIS.degrees``) that are
+    ``allowed``."""
     if experts <= 0:
         return [1]
-    out = [e for e in range(1, ranks + 1) if ranks % e == 0 and experts % e == 0
-           and (allowed is None or e in allowed)]
+    out = [e for e in EP_AXIS.degrees(ranks, experts) if allowed is None or e in allowed]
     return out or [1]
 
 
