@@ -38,15 +38,15 @@ import _moe_ep_worker as w  # noqa: E402
 import _user_loss_worker as loop  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("_moe_ep_worker.py"))
-RUN = [*[(m, lay) for m in ("mixtral", "qwen3_moe", "deepseek") for lay in ("dp4xep4", "dp4xep2")],
+RUN = [*[(m, lay) for m in ("mixtral", "qwen3_moe", "deepseek")
+         for lay in ("dp4xep4", "dp4xep2", "dp2xpp2xep2")],
        ("deepseek", "dp2xcp2xep2")]
 # the matrix's cells not run yet, refused when the plan is made: (model, layout, the start of
 # the refusal); the transformers models' cp is refused by the module engine's cp rule (their
 # attention passes an explicit mask), which ep cannot fall back from to the graph engine
 REFUSED = [("mixtral", "dp2xtp2xep2", "ep=2 with tp=2"), ("qwen3_moe", "dp2xtp2xep2", "ep=2 with tp=2"),
            ("deepseek", "dp2xtp2xep2", "ep=2 with tp=2"),
-           ("mixtral", "dp2xpp2xep2", "ep=2 with pp=2"), ("qwen3_moe", "dp2xpp2xep2", "ep=2 with pp=2"),
-           ("deepseek", "dp2xpp2xep2", "ep=2 with pp=2"),
+           ("deepseek", "dp2xpp2xcp2xep2", "ep=2 with pp=2 and cp=2"),
            ("mixtral", "dp2xcp2xep2", "ep=2 runs on the module engine only"),
            ("qwen3_moe", "dp2xcp2xep2", "ep=2 runs on the module engine only")]
 
@@ -151,6 +151,8 @@ def test_expert_parallel_equals_one_process(results, model, layout):
                          ids=[f"{m}-{lay}" for m, lay, _ in REFUSED])
 def test_cells_not_run_are_refused_when_planned(model, layout, start):
     """Refused by manual_plan (one process: no launch needed to plan)."""
+    layout = w.parse(layout)
     with pytest.raises(NotSupportedError, match=start) as err:
-        _plan(model, **w.parse(layout))
+        _plan(model, mesh=layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
+              * layout.get("cp", 1), **layout)
     assert "\n" not in str(err.value)
