@@ -272,6 +272,11 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     t = plan.training
     if t.schedule not in TORCH_SCHEDULES:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
+    ep, (_, virtual) = max(st.ep for st in plan.stages), _layout(plan)
+    if ep > 1 and virtual > 1:
+        return (f"ep={ep} with {virtual} virtual stages per rank ({t.schedule}): expert "
+                "parallelism inside interleaved pipelines is not checked against one process "
+                "yet; use a schedule with one stage per rank (1f1b, gpipe) with ep")
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
         return "pipeline stages on submeshes of different shapes"
     stats = next((n for n, m in model.named_modules()
