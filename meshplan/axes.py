@@ -157,11 +157,10 @@ def _ep_runtime_rule(ctx: AxisContext) -> tuple[str, ...]:
         return (f"ep={ep} with tp={ctx.degree('tp')}: the module engine's expert parallelism "
                 "splits experts over data-parallel ranks with the experts whole on each "
                 "tensor-parallel rank, which is not run yet; use tp=1 (dp, cp or pp with ep)",)
-    if ctx.degree("pp") > 1:
-        return (f"ep={ep} with pp={ctx.degree('pp')}: expert parallelism inside pipeline "
-                "stages is not run yet (the stage modules' meta check does not run the "
-                "transformers experts' grouped path with blocks removed); use pp=1 with ep, "
-                "or ep=1",)
+    if ctx.degree("pp") > 1 and ctx.degree("cp") > 1:
+        return (f"ep={ep} with pp={ctx.degree('pp')} and cp={ctx.degree('cp')}: expert "
+                "parallelism inside pipeline stages runs with dp only (pp x cp stages' "
+                "expert gradients are not checked yet); use ep with pp or with cp, not both",)
     if ctx.engine and ctx.engine != Engine.MODULES:
         return (f"ep={ep} on the {ctx.engine} engine: expert parallelism runs on the module "
                 "engine only; plan with engine='auto' or 'modules'",)

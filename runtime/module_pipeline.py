@@ -32,13 +32,15 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshplan import support
+from meshplan.axes import EP_AXIS
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
 from meshplan.schedules import virtual_stages_for
 from meshplan.runtime import cp_modules, loss_weights
 from meshplan.runtime.modules import (ModuleEngineBase, _dp_cp_mesh, apply_ac, apply_fsdp,
-                                      apply_tp, clean_fqn, compile_blocks,
+                                      apply_tp, clean_fqn, compile_blocks, runtime_step,
                                       to_empty_keeping_ties)
+from meshplan.runtime.expert_parallel import ep_mesh
 from meshplan.runtime.graph.pipeline import TORCH_SCHEDULES
 from meshplan.tracing import find_block_paths, next_token_loss
 from meshplan.vocabulary import Recompute
@@ -270,6 +272,11 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     t = plan.training
     if t.schedule not in TORCH_SCHEDULES:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
+    ep, (_, virtual) = max(st.ep for st in plan.stages), _layout(plan)
+    if ep > 1 and virtual > 1:
+        return (f"ep={ep} with {virtual} virtual stages per rank ({t.schedule}): expert "
+                "parallelism inside interleaved pipelines is not checked against one process "
+                "yet; use a schedule with one stage per rank (1f1b, gpipe) with ep")
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
         return "pipeline stages on submeshes of different shapes"
     stats = next((n for n, m in model.named_modules()
@@ -295,11 +302,35 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     return _forward_with_blocks_removed(plan, model, container, cuts, _meta_inputs)
 
 
+def _routed_by_shape(hidden_states, top_k_index, top_k_weights):
+    """A routed-expert module's output as its shape and its inputs' dependence: what the meta
+    runs below need of it (meshplan/axes.py ``ROUTED``: the output has the hidden states'
+    shape; ``ExpertParallel`` relies on the same)."""
+    return hidden_states * top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
+
+
+def _meta_model(model: nn.Module) -> nn.Module:
+    """A meta copy of ``model`` for the stage checks, its routed-expert modules computing by
+    shape (``_routed_by_shape``). transformers' eager experts loop over the experts hit
+    (``nonzero``, then a Python loop over its rows): a count that meta tensors and the
+    export's unbacked sizes cannot give, so the check refused every such MoE model
+    (GuardOnDataDependentSymNode) though the stages run it on real tensors. The experts sit
+    inside a block and see the same inputs whatever the cut, so the check loses nothing:
+    the whole model and its stages are run with the same stand-in."""
+    from meshplan.axes import ROUTED, find_experts
+    from meshplan.runtime.graph.parallelize import meta_copy
+
+    copy_ = meta_copy(model)
+    for name, (kind, _) in find_experts(copy_).items():
+        if kind == ROUTED:
+            copy_.get_submodule(name).forward = _routed_by_shape
+    return copy_
+
+
 def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> str | None:
     """Run every stage's forward on meta, feeding each the previous one's output: the last
     must give what the whole model gives."""
     from meshplan.runtime.module_plan import _Forward, _axes, run_on_meta
-    from meshplan.runtime.graph.parallelize import meta_copy
 
     stage = plan.stages[0]
     dp, _, _ = _axes(stage)
@@ -311,9 +342,9 @@ def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> s
     x = x[:roles.count("arg")] if "arg" in roles else x
     inputs = x
     try:
-        whole = run_on_meta(_Forward(meta_copy(model)), x)
+        whole = run_on_meta(_Forward(_meta_model(model)), x)
         for cut in cuts:
-            out = run_on_meta(StageModule(cut_stage(meta_copy(model), container, cut)), x)
+            out = run_on_meta(StageModule(cut_stage(_meta_model(model), container, cut)), x)
             x = (torch.empty(out.shape, dtype=out.dtype, device="meta"),)
     except Exception as exc:  # noqa: BLE001 - any failure means "cannot run cut"
         return (f"the model's forward fails with blocks removed ({type(exc).__name__}: "
@@ -391,7 +422,6 @@ def structure_refusal(model: nn.Module, container: str, cuts, x: tuple) -> str |
     the plan. A forward that does not run eagerly on meta (it was exported instead, see
     ``run_on_meta``) gives no evidence here; the shape check above still applies."""
     from meshplan.runtime.module_plan import _as_tracers_see_it, _Forward
-    from meshplan.runtime.graph.parallelize import meta_copy
 
     before, after = _outer_owners(model, container)
     members = [f"{container}.{k}" if container else k for cut in cuts for k in cut.blocks]
@@ -403,7 +433,7 @@ def structure_refusal(model: nn.Module, container: str, cuts, x: tuple) -> str |
     whole_ops = _OpsByUnit()
     try:
         with _as_tracers_see_it():
-            ref = meta_copy(model)
+            ref = _meta_model(model)
             whole_ops.watch(ref, units)
             for cut in cuts[:-1]:
                 last = f"{container}.{cut.blocks[-1]}" if container else cut.blocks[-1]
@@ -412,7 +442,7 @@ def structure_refusal(model: nn.Module, container: str, cuts, x: tuple) -> str |
                 _Forward(ref)(*x)
             stage_ops: Counter = Counter()
             for cut in cuts:
-                part = cut_stage(meta_copy(model), container, cut)
+                part = cut_stage(_meta_model(model), container, cut)
                 ops = _OpsByUnit()
                 ops.watch(part, units)
                 with ops:
@@ -496,6 +526,11 @@ class PipelineModuleEngine(ModuleEngineBase):
         on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         self._unset_buffers = {n for n, b in model.named_buffers() if b.is_meta}
         self.stages, self.modules = [], []
+        # expert parallelism inside each stage (meshplan/axes.py EP_AXIS): the stage's MoE
+        # layers split over the ep ranks of its dp axis (one mesh for every stage of this rank,
+        # built by every rank alike); one gradient reducer per stage, run once per step
+        self.expert_grads = []
+        experts_mesh = ep_mesh(st, self.device.type, pp=pp) if st.ep > 1 else None
         mine = [c for c in cuts if c.index % pp == pp_rank]
         for cut in mine:
             part = cut_stage(model, container, cut)
@@ -505,6 +540,12 @@ class PipelineModuleEngine(ModuleEngineBase):
             if tp is not None and styles:
                 apply_tp(part, world[st.axis_names[tp]],
                          {k: s for k, s in styles.items() if k in names})
+            ignored = None
+            if experts_mesh is not None:
+                grads = runtime_step(EP_AXIS)(part, st, mesh=experts_mesh,
+                                              device_type=self.device.type)
+                self.expert_grads.append(grads)
+                ignored = set(grads.params)
             record = plan.stages[cut.record]
             if record.recompute != Recompute.NONE:
                 apply_ac(part, record.recompute, blocks=container)
@@ -520,7 +561,8 @@ class PipelineModuleEngine(ModuleEngineBase):
                                   first=cut.first)
             if fsdp_mesh is not None:
                 apply_fsdp(wrapped, fsdp_mesh, zero=record.zero,
-                           param_dtype=compute, blocks=(_ROOT + container).rstrip("."))
+                           param_dtype=compute, blocks=(_ROOT + container).rstrip("."),
+                           ignored_params=ignored)
             if on_meta:
                 to_empty_keeping_ties(wrapped, self.device)
             self.modules.append(wrapped)
@@ -569,7 +611,18 @@ class PipelineModuleEngine(ModuleEngineBase):
                    labels: torch.Tensor | None = None) -> float:
         """Every microbatch through the schedule; gradients synced (FSDP on the last
         microbatch); the global mean loss on every rank. ``labels``: labelled targets per
-        data-parallel rank and microbatch, which weigh the microbatches' losses."""
+        data-parallel rank and microbatch, which weigh the microbatches' losses. The expert
+        shards' gradients (ep inside the stages) are reduced once, after every microbatch's
+        backward (runtime/expert_parallel.py ``ExpertGrads``)."""
+        for grads in self.expert_grads:
+            grads.stash()
+        loss = self._train_step(args, kwargs, targets, labels)
+        for grads in self.expert_grads:
+            grads.reduce()
+        return loss
+
+    def _train_step(self, args: tuple, kwargs: dict | None, targets: tuple,
+                    labels: torch.Tensor | None) -> float:
         self._check_buffers()
         self._labels = labels
         if kwargs or len(targets) > 1:

@@ -5,19 +5,23 @@ one plain PyTorch process (tests/_moe_ep_worker.py, one launch of 4 gloo process
 The equality matrix: Mixtral-style and Qwen3-MoE tiny models (transformers 5, 3-D expert
 weights behind ``experts(hidden, top_k_index, top_k_weights)``) and a DeepSeek-style model
 (examples/moe_grouped.py: a dense first block, a shared expert, sigmoid routing) at
-dp4 x ep4 and dp4 x ep2, and the DeepSeek-style one at dp2 x cp2 x ep2, through the public API in a user's loop (own rows per rank, AdamW,
+dp4 x ep4, dp4 x ep2 and dp2 x pp2 x ep2 (ep inside each pipeline stage of the module
+engine's torch.distributed.pipelining run), and the DeepSeek-style one at dp2 x cp2 x ep2,
+through the public API in a user's loop (own rows per rank, AdamW,
 LR warmup, clipping below every step's norm, eval outputs, full_state_dict), within
 tests/harness/equivalence.py's rule (10x the fp32 reference's own error against fp64;
 floors 1e-5 on losses and norms, 1e-4 on weights and outputs). The layouts the runtime does
-not run yet (ep with tp or pp; cp for models the module engine's cp refuses) must be refused
-when the plan is made, in one line.
+not run yet (ep with tp; ep with pp and cp together; cp for models the module engine's cp
+refuses) must be refused when the plan is made, in one line.
 
 Failing before its fix: the DeepSeek-style model at dp2 x cp2 x ep2 (an IndexError on two
 ranks, the other two waiting in the all-to-all): the cp engine's position mode turns an
 ``arange`` of the local sequence length into the rank's positions, and the dispatcher's
 inverse permutation was such an arange; it is an argsort now. Without the sum of the expert
 gradients over their replicas (``ExpertGrads.reduce``), Mixtral at dp4 x ep2 ends 0.05 away
-in weights (tolerance 1e-4).
+in weights (tolerance 1e-4). The pp cells were refused at plan time before ep ran inside
+pipeline stages; with the stages' expert reduction left out, Mixtral at dp2 x pp2 x ep2
+ends 0.0115 off in weights (tolerance 1e-4; ``PipelineModuleEngine.train_step``).
 """
 
 from __future__ import annotations
@@ -38,15 +42,15 @@ import _moe_ep_worker as w  # noqa: E402
 import _user_loss_worker as loop  # noqa: E402
 
 WORKER = str(Path(__file__).with_name("_moe_ep_worker.py"))
-RUN = [*[(m, lay) for m in ("mixtral", "qwen3_moe", "deepseek") for lay in ("dp4xep4", "dp4xep2")],
+RUN = [*[(m, lay) for m in ("mixtral", "qwen3_moe", "deepseek")
+         for lay in ("dp4xep4", "dp4xep2", "dp2xpp2xep2")],
        ("deepseek", "dp2xcp2xep2")]
 # the matrix's cells not run yet, refused when the plan is made: (model, layout, the start of
 # the refusal); the transformers models' cp is refused by the module engine's cp rule (their
 # attention passes an explicit mask), which ep cannot fall back from to the graph engine
 REFUSED = [("mixtral", "dp2xtp2xep2", "ep=2 with tp=2"), ("qwen3_moe", "dp2xtp2xep2", "ep=2 with tp=2"),
            ("deepseek", "dp2xtp2xep2", "ep=2 with tp=2"),
-           ("mixtral", "dp2xpp2xep2", "ep=2 with pp=2"), ("qwen3_moe", "dp2xpp2xep2", "ep=2 with pp=2"),
-           ("deepseek", "dp2xpp2xep2", "ep=2 with pp=2"),
+           ("deepseek", "dp2xpp2xcp2xep2", "ep=2 with pp=2 and cp=2"),
            ("mixtral", "dp2xcp2xep2", "ep=2 runs on the module engine only"),
            ("qwen3_moe", "dp2xcp2xep2", "ep=2 runs on the module engine only")]
 
@@ -97,6 +101,20 @@ def test_a_plan_file_with_ep_on_the_graph_engine_is_refused_when_read():
                                                                '"engine": "graph"')
     with pytest.raises(PlanFileError, match="module engine only"):
         meshplan.Plan.from_json_text(text)
+
+
+def test_pipeline_stage_checks_run_routed_experts_that_loop_over_the_experts_hit():
+    """Plan time and run time agree: a Mixtral pipeline planned from the grouped-GEMM build is
+    accepted by parallelize's stage check with transformers' eager experts (a Python loop
+    over ``nonzero`` rows: GuardOnDataDependentSymNode on meta before the check ran routed
+    experts by shape), whose FQNs and weights are the same."""
+    from meshplan.runtime.module_pipeline import pipeline_refusal
+
+    plan = _plan("mixtral", dp=2, pp=2, ep=2)
+    assert plan.num_stages == 2 and plan.engine == "modules"
+    with torch.device("meta"):
+        eager = w.mixtral("eager")
+    assert pipeline_refusal(plan, eager) is None
 
 
 def test_the_axis_table_and_the_cli_spec():
@@ -151,6 +169,8 @@ def test_expert_parallel_equals_one_process(results, model, layout):
                          ids=[f"{m}-{lay}" for m, lay, _ in REFUSED])
 def test_cells_not_run_are_refused_when_planned(model, layout, start):
     """Refused by manual_plan (one process: no launch needed to plan)."""
+    layout = w.parse(layout)
     with pytest.raises(NotSupportedError, match=start) as err:
-        _plan(model, **w.parse(layout))
+        _plan(model, mesh=layout["dp"] * layout.get("tp", 1) * layout.get("pp", 1)
+              * layout.get("cp", 1), **layout)
     assert "\n" not in str(err.value)
