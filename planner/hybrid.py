@@ -69,6 +69,9 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     model's measured error on this kind of machine, 0: the fastest as is)."""
     start = time.perf_counter()
     space = space or search_space()
+    if engine == Engine.GRAPH and space.expert_parallel is None:
+        # expert parallelism runs on the module engine only (meshplan/axes.py EP_AXIS)
+        space = replace(space, expert_parallel=(1,))
     limit = memory_limit_gib if memory_limit_gib is not None else mesh.hardware.device.memory_gib
     best: Plan | None = None
     failure: MemoryLimitError | None = None

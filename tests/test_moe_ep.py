@@ -103,6 +103,22 @@ def test_a_plan_file_with_ep_on_the_graph_engine_is_refused_when_read():
         meshplan.Plan.from_json_text(text)
 
 
+
+def test_autoparallel_searches_ep_on_the_module_engine_and_never_on_the_graph_engine():
+    """The search tries the axis table's degrees where the runtime runs them: the module
+    engine's plan of the DeepSeek-style model splits its experts; priced for the graph
+    engine (which runs no ep) every stage keeps them whole."""
+    (ids,), (labels,) = loop.tokens(0)
+    kw = dict(example_targets=(labels.to("meta"),), loss_fn=loop.token_ce)
+    plans = {}
+    for engine in ("auto", "graph"):
+        with torch.device("meta"):
+            model = w.MODELS["deepseek"][2]()
+        plans[engine] = meshplan.autoparallel(model, meshplan.Mesh.local(4),
+                                              (ids.to("meta"),), engine=engine, **kw)
+    assert plans["graph"].engine == "graph" and {st.ep for st in plans["graph"].stages} == {1}
+    assert plans["auto"].engine == "modules" and max(st.ep for st in plans["auto"].stages) > 1
+
 def test_pipeline_stage_checks_run_routed_experts_that_loop_over_the_experts_hit():
     """Plan time and run time agree: a Mixtral pipeline planned from the grouped-GEMM build is
     accepted by parallelize's stage check with transformers' eager experts (a Python loop
