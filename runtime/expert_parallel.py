@@ -73,17 +73,12 @@ def exchange(rows: torch.Tensor, counts: torch.Tensor, local_fn, group, ep: int)
     dist.all_to_all_single(recv.reshape(-1), send.reshape(-1).contiguous(), group=group)
     in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
     got = _AllToAll.apply(rows, out_splits, in_splits, group)
-    # received (source rank, local expert)-major; the experts want (local expert, source)
-    sizes = recv.tolist()
-    starts, at = [], 0
-    for s in range(ep):
-        starts.append([])
-        for n in sizes[s]:
-            starts[s].append(at)
-            at += n
-    perm = [i for e in range(per) for s in range(ep)
-            for i in range(starts[s][e], starts[s][e] + sizes[s][e])]
-    perm = torch.tensor(perm, dtype=torch.long, device=rows.device)
+    # received (source rank, local expert)-major; the experts want (local expert, source):
+    # a stable sort of each row's segment key (one key per segment, E of them) regroups them
+    keys = torch.tensor([e * ep + s for s in range(ep) for e in range(per)],
+                        dtype=torch.long, device=rows.device)
+    perm = torch.argsort(torch.repeat_interleave(keys, recv.reshape(-1).to(rows.device)),
+                         stable=True)
     local = got[perm]
     out = local_fn(local, recv.sum(0))
     if out.shape[0] == 0 and torch.is_grad_enabled() and local.requires_grad:
