@@ -9,7 +9,7 @@ package lies beside JOBS.json (put on ``sys.path``). MODE ``mesh``: for each job
 the two parsed configs compared section by section; then ``ParallelDims.from_config`` (its
 validation) and ``ParallelDims.build_mesh`` on torch's fake process group of N ranks (this
 process is rank 0; ``_validate_meshes`` checks each mesh's size). Prints one JSON line per job
-with the parsed sections and the meshes. MODE ``steps``: one job: torchtitan's ``Trainer``
+with the parsed sections and the meshes. MODE ``steps``: for each job in turn (the process group destroyed between them), torchtitan's ``Trainer``
 built with ``comm.mode = "fake_backend"`` (model on meta, TP / AC / FSDP, weights,
 optimizer), then ``job["steps"]`` (default 2) ``Trainer.train_step`` calls. MODE ``flavors`` (JOBS unused): the dense
 flavors' dimensions read off torchtitan's models built on meta, and its default pipeline split
@@ -211,5 +211,8 @@ if __name__ == "__main__":
     if mode == "mesh":
         mesh(jobs, dump)
     else:
-        assert mode == "steps" and len(jobs) == 1, "one Trainer per process"
-        steps(jobs[0], dump)
+        assert mode == "steps", mode
+        for job in jobs:  # one Trainer after another (torchtitan's imports paid once)
+            steps(job, dump)
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()

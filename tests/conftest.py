@@ -40,15 +40,19 @@ warnings.filterwarnings("ignore", module="transformers")
 
 # The longest modules first: with `pytest -n 2 --dist loadfile` (the README's command) each
 # module runs whole on one worker, and a long module left for last runs alone on one core.
-# Seconds from `--durations=40` on the 2-core machine (2026-11-23 evening, beside the other
-# worker): the zoo run ~390, the multi-node launch ~210, the runtime equivalence ~250, context
-# parallelism ~115, ...; the rest keep their order.
-LONGEST_FIRST = ["test_own_loop_matrix", "test_zoo_run", "test_runtime", "test_launch_multinode", "test_pipeline_runtime",
-                 "test_context_parallel", "test_cp_modules", "test_tp_correctness",
-                 "test_pipeline_eval", "test_public_run", "test_runtime_strategies",
-                 "test_examples", "test_module_engine_pp", "test_dropout_run", "test_buffers",
-                 "test_module_engine", "test_costmodel_bound", "test_local_attention",
-                 "test_support", "test_trace"]
+# Order of the seconds each module took in the full run of 2026-11-29 on main at dd805aa
+# (benchmarks/results/suite_time.md): the step-peak measurement's module ~570, the own-loop
+# matrix ~560, the zoo run ~310, the multi-node launch ~260, the examples ~250, ...; the rest
+# keep their order.
+LONGEST_FIRST = ["test_costmodel_engine", "test_own_loop_matrix", "test_zoo_run",
+                 "test_launch_multinode", "test_examples", "test_pipeline_runtime",
+                 "test_runtime", "test_generative", "test_support", "test_cp_modules",
+                 "test_module_engine_pp", "test_context_parallel", "test_stacks_torchtitan",
+                 "test_user_loss", "test_runtime_strategies", "test_tp_correctness",
+                 "test_public_run", "test_pipeline_eval", "test_cli_factories",
+                 "test_checkpoint", "test_moe_ep", "test_cli", "test_property_plans",
+                 "test_zoo_trace", "test_one_pricer", "test_module_engine",
+                 "test_compiled_memory", "test_trace", "test_dropout_run", "test_t5_cli_run"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -426,8 +426,8 @@ def step_peaks(tmp_path_factory):
 
     worker = str(Path(__file__).with_name("_memory_peak_worker.py"))
     root = tmp_path_factory.mktemp("peaks")
-    return {**forked_results(worker, root / "one.pt", nproc=1, timeout=300),
-            **forked_results(worker, root / "two.pt", nproc=2, timeout=300)}
+    return {**forked_results(worker, root / "one.pt", nproc=1, timeout=900),
+            **forked_results(worker, root / "two.pt", nproc=2, timeout=900)}
 
 
 @pytest.mark.parametrize("run", ["1x2", "1x4", "2x2", "2x4"])

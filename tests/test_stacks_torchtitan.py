@@ -487,9 +487,35 @@ def _debug_plan(**kw):
     return layout_of(plan), arch
 
 
+def _dry_layouts():
+    """The two dry runs' layouts: the llama3 debugmodel at dp 4 x tp 2 (a meshplan plan) and
+    qwen3's debugmodel_moe at dp 4 x tp 2 with ep 4."""
+    dense, dense_arch = _debug_plan(dp=4, tp=2, zero=3, sequence_parallel=True,
+                                    recompute="selective", dtype="bf16", microbatch_size=2)
+    moe_arch = FLAVORS[("qwen3", "debugmodel_moe")]
+    moe = StackLayout(dp=4, tp=2, ep=4, global_batch=16, seq_len=256, microbatch_size=2,
+                      zero=3, sequence_parallel=True, recompute="selective")
+    return {"dry": (dense, dense_arch), "drymoe": (moe, moe_arch)}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """Both Trainer dry runs in one worker process (torchtitan's imports paid once): name ->
+    (torchtitan's answer, layout, arch)."""
+    tmp = tmp_path_factory.mktemp("dry")
+    layouts = _dry_layouts()
+    jobs = []
+    for name, (layout, arch) in layouts.items():
+        job = _job(tmp, name, layout, arch)
+        job.update(extra=["--parallelism.spmd_backend", "partial_dtensor"], steps=0)
+        jobs.append(job)
+    got = _run_worker(tmp, "steps", jobs)
+    return {name: (g, *layouts[name]) for name, g in zip(layouts, got)}
+
+
 @pytest.mark.slow
 @needs_torchtitan
-def test_torchtitan_trainer_dry_run(tmp_path):
+def test_torchtitan_trainer_dry_run(dry_runs):
     """plan -> layout -> config_registry.py -> torchtitan 0.3.0's Trainer on its fake
     communication backend (comm.mode = "fake_backend", rank 0 of dp 4 x tp 2 on the CPU): it
     builds the model, applies TP / AC / FSDP, initializes the weights and builds the
@@ -500,11 +526,7 @@ def test_torchtitan_trainer_dry_run(tmp_path):
     0.3.0's default, "spmd_types", ``fully_shard`` refuses the CPU model's parameters ("When
     dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh ... Got
     plain tensor for parameter 'weight'"); the export leaves the backend to torchtitan."""
-    layout, arch = _debug_plan(dp=4, tp=2, zero=3, sequence_parallel=True,
-                               recompute="selective", dtype="bf16", microbatch_size=2)
-    job = _job(tmp_path, "dry", layout, arch)
-    job.update(extra=["--parallelism.spmd_backend", "partial_dtensor"], steps=0)
-    got, = _run_worker(tmp_path, "steps", [job])
+    got, layout, arch = dry_runs["dry"]
     assert got["model_parts"] == 1 and got["steps"] == 0
     assert got["grad_accumulation"] == layout.microbatches
     a = arch  # the debugmodel's weights (DTensor numel counts the global tensor)
@@ -625,18 +647,13 @@ def test_moe_round_trip_and_refusals():
 
 @pytest.mark.slow
 @needs_torchtitan
-def test_torchtitan_trainer_dry_run_moe(tmp_path):
+def test_torchtitan_trainer_dry_run_moe(dry_runs):
     """An MoE export through torchtitan 0.3.0's Trainer on the fake backend (rank 0 of dp 4 x
     tp 2 with ep 4 over dp_shard x tp, CPU, as test_torchtitan_trainer_dry_run): qwen3's
     debugmodel_moe builds with TP, expert parallelism, selective AC and FSDP, its weights
     initialized and its optimizer built; the parameter count is the flavor's (64 experts of
-    width 768 in each of 8 blocks). 43 to 80 s on 2 busy cores."""
-    arch = FLAVORS[("qwen3", "debugmodel_moe")]
-    layout = StackLayout(dp=4, tp=2, ep=4, global_batch=16, seq_len=256, microbatch_size=2,
-                         zero=3, sequence_parallel=True, recompute="selective")
-    job = _job(tmp_path, "drymoe", layout, arch)
-    job.update(extra=["--parallelism.spmd_backend", "partial_dtensor"], steps=0)
-    got, = _run_worker(tmp_path, "steps", [job])
+    width 768 in each of 8 blocks). Run in the same worker process as the dense dry run."""
+    got, layout, arch = dry_runs["drymoe"]
     assert got["model_parts"] == 1 and got["grad_accumulation"] == layout.microbatches
     a = arch
     attention = a.hidden * (a.heads + 2 * a.kv_heads) * a.head_dim + \
