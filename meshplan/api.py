@@ -170,8 +170,13 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
     kw = dict(dtype=dtype, optimizer=optimizer, memory_limit_gib=memory_limit_gib, space=space,
               time_limit_s=time_limit_s, margin=margin, cost=cost)
     start = time.perf_counter()
+    # where the module engine runs no pipeline of this model at all, pipelines are priced
+    # as the graph engine runs them within the same search (one search, not a second one
+    # after choose_engine refuses its plan)
+    pipelines = _pipeline_engine(model, graph, searched, engine)
     try:
-        plan = choose_engine(plan_auto(graph, mesh, engine=searched, **kw), model, engine)
+        plan = choose_engine(plan_auto(graph, mesh, engine=searched, pipeline_engine=pipelines,
+                                       **kw), model, engine)
     except MemoryLimitError:
         if searched == Engine.GRAPH or engine == Engine.MODULES:
             raise
@@ -181,7 +186,8 @@ def autoparallel(model: nn.Module, mesh: Mesh, example_inputs: Inputs = (), *,
                              Engine.GRAPH)
         plan = replace(plan, engine_note="no plan fits memory as the module engine runs it")
         searched = Engine.GRAPH
-    if plan.engine != searched:
+    priced = pipelines if pipelines and plan.num_stages > 1 else searched
+    if plan.engine != priced:
         note = plan.engine_note
         plan = replace(plan_auto(graph, mesh, engine=plan.engine, **kw), engine_note=note)
     _check_model_rules(plan, model)
@@ -203,6 +209,20 @@ def _batch_norm_microbatches(graph: OpGraph, batch_norm: str,
                             "batch_norm='microbatch' to normalise each microbatch as gradient "
                             "accumulation does")
     return (1,)
+
+
+def _pipeline_engine(model: nn.Module | None, graph: OpGraph, searched: str,
+                     engine: str) -> str | None:
+    """The graph engine where the search prices the module engine but that engine runs no
+    pipeline of ``model`` (module_pipeline.model_pipeline_refusal) and the caller left the
+    engine to meshplan; else None (pipelines priced as ``searched``)."""
+    if searched != Engine.MODULES or engine != "auto" or model is None:
+        return None
+    from meshplan.planner.assemble import input_records
+    from meshplan.runtime.module_pipeline import model_pipeline_refusal
+
+    roles = [r.get("role") for r in input_records(graph)]
+    return Engine.GRAPH if model_pipeline_refusal(model, roles) else None
 
 
 def _engine_to_price(model: nn.Module | None, mesh: Mesh, dtype: str, engine: str) -> str:

@@ -62,11 +62,14 @@ def search_space(*, microbatches: Sequence[int] | None = None,
 def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
               memory_limit_gib: float | None = None, space: SearchSpace | None = None,
               time_limit_s: float = 30.0, single_stage_ilp: bool = True, cost=None,
-              engine: str = Engine.GRAPH, margin: float | None = None) -> Plan:
+              engine: str = Engine.GRAPH, margin: float | None = None,
+              pipeline_engine: str | None = None) -> Plan:
     """The fastest plan of either search that fits ``memory_limit_gib`` per device, every
     candidate priced for ``engine`` (the runtime that will run it; the plan records it);
     then the simplest plan within ``margin`` of it (planner/simplest.py; None: the cost
-    model's measured error on this kind of machine, 0: the fastest as is)."""
+    model's measured error on this kind of machine, 0: the fastest as is).
+    ``pipeline_engine``: the engine that prices (and runs) multi-stage candidates where it is
+    not ``engine``; the plan records the engine of its own kind."""
     start = time.perf_counter()
     space = space or search_space()
     if engine == Engine.GRAPH and space.expert_parallel is None:
@@ -85,7 +88,8 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
 
     def pipeline_search(restricted: SearchSpace, cap_s: float = math.inf) -> Plan:
         return plan_hybrid(graph, mesh, dtype=dtype, optimizer=optimizer, memory_limit_gib=limit,
-                           space=restricted, cost=cost, engine=engine, cap_s=cap_s)
+                           space=restricted, cost=cost, engine=engine, cap_s=cap_s,
+                           pipeline_engine=pipeline_engine)
 
     try:
         best = _runnable(pipeline_search(space))

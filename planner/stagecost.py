@@ -69,6 +69,11 @@ class MegatronStageCost:
         # the engine whose runtime prices every probe (costmodel.estimate.default_runtime):
         # the one that will run the plan, so the search optimises what runs
         self.engine = engine
+        # the engine that prices pipelined stages (pp > 1) where it is not ``engine``: the
+        # graph engine where the module engine runs no pipeline of this model (api.autoparallel,
+        # module_pipeline.model_pipeline_refusal), so one search prices each candidate as the
+        # engine that will run it
+        self.pipeline_engine: str | None = None
         self.dtype, self.optimizer = dtype, optimizer
         self.batch, self.seq = batch_and_seq(graph)  # a 1-D first input has seq 1
         self.heads = attention_heads(graph)
@@ -198,9 +203,10 @@ class MegatronStageCost:
         faster, contention only slows it, and the other terms of a stage's time are not
         negative). 0 where that does not hold: measured operator times, torch.compile's
         fused kernels, fp8 GEMMs, tensor-parallel overlap."""
-        runtime = default_runtime(self.hw, engine=self.engine, pipeline=True)
-        if self.hw.measured_ops or runtime.compiled or runtime.tp_comm_overlap or \
-                self.dtype == "fp8":
+        runtimes = [default_runtime(self.hw, engine=e, pipeline=True)
+                     for e in {self.engine, self.engine_of(True)}]
+        if self.hw.measured_ops or self.dtype == "fp8" or \
+                any(r.compiled or r.tp_comm_overlap for r in runtimes):
             return 0.0
         if self._matmul_floor is None:
             dev = self.hw.device
@@ -224,25 +230,30 @@ class MegatronStageCost:
                                        optimizer=self.optimizer, zero=3, dp=1)) / GIB
         return dense + routed
 
+    def engine_of(self, pipelined: bool) -> str:
+        """The engine that prices (and will run) a stage of a pipeline or a single stage."""
+        return self.pipeline_engine if pipelined and self.pipeline_engine else self.engine
+
     # -- probes --------------------------------------------------------------------------------
     def probe(self, first: int, last: int, option: StageOption, mbs: int,
               need_memory: bool = True) -> tuple | None:
         """(time, tail, weights GiB, kept GiB, working GiB, receive s) of units [first, last);
         without ``need_memory`` only the time is right (one cost-model call, not two)."""
         dp, tp = option.mesh_shape
-        if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp):
+        engine = self.engine_of(option.pipelined)
+        if self.batch % (dp * mbs) or (tp > 1 and self.heads and self.heads % tp) or \
+                (option.ep > 1 and engine == Engine.GRAPH):  # ep runs on the module engine
             return None
         if option.cp > 1 and (not self.heads or self.seq % (2 * option.cp) or
                               option.recompute == Recompute.SELECTIVE or
-                              (option.sequence_parallel and self.engine == Engine.GRAPH)):
+                              (option.sequence_parallel and engine == Engine.GRAPH)):
             # no attention to split, the layout's 2 x cp chunks do not divide, or what no
             # runtime runs with cp (meshplan/support.py) or the graph engine does not
             # (meshplan/context.graph_engine_cp_refusal: sequence parallelism)
             return None
-        if self.engine == Engine.GRAPH:  # the graph engine's runtime is the same with or without pp
+        if engine == Engine.GRAPH:  # the graph engine's runtime is the same with or without pp
             option = replace(option, pipelined=False)
-        key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs,
-               self.engine)
+        key = (tuple(u.key for u in self.units[first:last]), first == 0, option, mbs, engine)
         if (key, True) in self._probes:  # the full probe answers the time-only one too
             return self._probes[(key, True)]
         if not need_memory and (key, False) in self._probes:
@@ -252,8 +263,7 @@ class MegatronStageCost:
         m = self.batch // (dp * mbs)
         kw = dict(dtype=self.dtype, optimizer=self.optimizer, microbatches=m,
                   seq_len=self.seq, processes_on_host=self.on_host, cache=self._cost_cache,
-                  runtime=default_runtime(self.hw, engine=self.engine,
-                                          pipeline=option.pipelined))
+                  runtime=default_runtime(self.hw, engine=engine, pipeline=option.pipelined))
         graph = self.neighbourhood(first, last)
         alone = self._alone.get(key)
         if alone is None or (need_memory and alone.memory is None):
@@ -267,7 +277,7 @@ class MegatronStageCost:
         # below ZeRO-3 an autocast stage keeps a weight copy per microbatch in flight
         # (estimate.stage_cost): one two-stage probe serves ZeRO 0-2, one ZeRO-3
         acts_key = (key[0], key[1], replace(option, zero=3 if option.zero >= 3 else 0), mbs,
-                    self.engine)
+                    engine)
         split = self._acts.get(acts_key)
         if split is None:
             two = stage_cost(st, graph, self.hw, num_stages=2, schedule=Schedule.GPIPE, **kw)
@@ -344,7 +354,7 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
     plan = Plan(model=model_info(graph), mesh=mesh_info(mesh), training=training,
                 stages=tuple(stages), predicted=_EMPTY,
                 solver=SolverInfo(name=NAME, status=status, notes=tuple(notes)), graph=graph,
-                engine=cost.engine)
+                engine=cost.engine_of(len(stages) > 1))
     plan = cost.predicted(plan, graph)
     return replace(plan, solver=replace(plan.solver, objective_s=answer.step_time_s))
 
@@ -352,17 +362,20 @@ def assemble_plan(graph: OpGraph, mesh, units: tuple[LayerUnit, ...], answer: Pi
 def plan_hybrid(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
                 memory_limit_gib: float | None = None, space: SearchSpace = SearchSpace(),
                 max_units: int | None = None, cost: MegatronStageCost | None = None,
-                engine: str = Engine.GRAPH, cap_s: float = float("inf")) -> Plan:
+                engine: str = Engine.GRAPH, cap_s: float = float("inf"),
+                pipeline_engine: str | None = None) -> Plan:
     """The pipeline search on a traced model: units -> priced candidates -> DP -> Plan,
-    every price the one of ``engine``'s runtime (the plan records it). Pass ``cost`` to
-    share its probes with other searches over the same graph and mesh. ``cap_s``: prune
-    every plan the search prices slower (PlanningError when none is faster)."""
+    every price the one of ``engine``'s runtime (the plan records it), but pipelines' where
+    ``pipeline_engine`` names another engine (the one that runs this model's pipelines). Pass
+    ``cost`` to share its probes with other searches over the same graph and mesh.
+    ``cap_s``: prune every plan the search prices slower (PlanningError when none is
+    faster)."""
     start = time.perf_counter()
     hw = mesh.hardware
     units = cost.units if cost is not None else layer_units(graph, max_units=max_units)
     cost = cost or MegatronStageCost(graph, units, hw, num_devices=mesh.num_devices,
                                      dtype=dtype, optimizer=optimizer)
-    cost.engine = engine
+    cost.engine, cost.pipeline_engine = engine, pipeline_engine
     problem = Problem(unit_layers=tuple(u.layers for u in units),
                       unit_keys=tuple(u.key for u in units), num_devices=mesh.num_devices,
                       devices_per_node=mesh.devices_per_node,

@@ -265,6 +265,21 @@ class StageModule(nn.Module):
         return out.to_local() if isinstance(out, DTensor) else out
 
 
+def model_pipeline_refusal(model: nn.Module, roles: list) -> str | None:
+    """Why the module engine runs no pipeline of ``model`` called with inputs of these
+    ``roles`` (planner/assemble.model_info's), whatever the plan; None when some may run."""
+    stats = next((n for n, m in model.named_modules()
+                  if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats),
+                 None)
+    if stats is not None:
+        return (f"{stats} keeps running statistics, which a pipeline stage would update per "
+                "data-parallel shard; the graph engine computes them over the global batch")
+    if "kwarg" in roles or roles.count("target") > 1:
+        return ("the plan's call has keyword inputs or several targets; module-engine pipelines "
+                "feed positional inputs to the first stage and one target to the loss")
+    return None
+
+
 def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why a multi-stage plan cannot run on the module engine; None when it can."""
     from meshplan.runtime.module_plan import _meta_inputs, module_engine_refusal
@@ -279,16 +294,9 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
                 "yet; use a schedule with one stage per rank (1f1b, gpipe) with ep")
     if len({(tuple(s.mesh_shape), tuple(s.axis_names)) for s in plan.stages}) != 1:
         return "pipeline stages on submeshes of different shapes"
-    stats = next((n for n, m in model.named_modules()
-                  if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats),
-                 None)
-    if stats is not None:
-        return (f"{stats} keeps running statistics, which a pipeline stage would update per "
-                "data-parallel shard; the graph engine computes them over the global batch")
-    roles = [r.get("role") for r in plan.model.inputs]
-    if "kwarg" in roles or roles.count("target") > 1:
-        return ("the plan's call has keyword inputs or several targets; module-engine pipelines "
-                "feed positional inputs to the first stage and one target to the loss")
+    why = model_pipeline_refusal(model, [r.get("role") for r in plan.model.inputs])
+    if why:
+        return why
     from meshplan.runtime.module_plan import fused_refusal
     view = single_stage_view(plan)
     why = module_engine_refusal(view, model) or fused_refusal(view, model) or \

@@ -35,8 +35,13 @@ def t5_plan(tmp_path_factory):
     assert main(["plan", "--model", T5, "--mesh", "local:4", "--batch", str(BATCH), "--seq",
                  str(SEQ), "-o", str(path)]) == 0
     data = json.loads(path.read_text())
-    assert data["engine"] == "modules" and data["stages"][0]["mesh_shape"] == [4]
-    data["stages"][0]["inputs"] = {"inputs_0": ["S(0)"], "inputs_1": ["R"], "inputs_2": ["R"]}
+    stage = data["stages"][0]
+    dims = len(stage["mesh_shape"])  # [4] (dp) or [4, 1] (dp, tp): data parallelism either way
+    assert data["engine"] == "modules" and stage["mesh_shape"][0] == 4 and \
+        stage["axis_names"][0] == "dp" and all(d == 1 for d in stage["mesh_shape"][1:])
+    rest = ["R"] * (dims - 1)
+    stage["inputs"] = {"inputs_0": ["S(0)", *rest], "inputs_1": ["R", *rest],
+                       "inputs_2": ["R", *rest]}
     path.write_text(json.dumps(data))
     return path
 
