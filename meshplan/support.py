@@ -245,7 +245,7 @@ def graph_engine_cp_rule(plan: Plan) -> tuple[str, ...]:
 # parallelize_module, fully_shard, checkpoint wrappers, torch.distributed.pipelining,
 # context_parallel) runs every plan it can express; the graph engine (runtime/graph/) runs the
 # plans below, which PyTorch's composables cannot express today, each with the reason.
-# runtime/module_plan.module_engine_refusal and module_pipeline.pipeline_refusal give the
+# runtime/module_engine.module_engine_refusal (module_plan.stage_refusal, module_pipeline.pipeline_refusal) give the
 # one-line reason per plan; plan.engine_note records it. The search prices the engine that
 # will run its plan (DECISIONS 79).
 GRAPH_ONLY = (

@@ -234,7 +234,7 @@ def _map(fn, jobs, job: dict, workers: int, rebuild: str = ""):
         for j in jobs:
             yield fn(j, **job)
         return
-    from meshplan.runtime.graph.parallelize import meta_copy
+    from meshplan.runtime.shared import meta_copy
 
     # the workers need shapes only: send a meta copy, not a caller's real weights
     job = {**job, "model": None if rebuild else meta_copy(job["model"])}

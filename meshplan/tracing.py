@@ -214,7 +214,7 @@ def _distinct(flat: tuple) -> tuple:
 # costs 1-3 s even for a 2-layer model, and a 4-process test launch made 24 of them per rank
 # (DECISIONS 64). Module-level state (an exception to STYLE 3, DECISIONS 64): the callers are
 # the public API's functions, which have no object to hold it. An ExportedProgram is not
-# changed by its users (runtime/graph/parallelize.runnable_graph_module copies the subgraphs it
+# changed by its users (runtime/graph/programs.runnable_graph_module copies the subgraphs it
 # rewrites); its state_dict holds meta tensors of the model first exported, which nobody
 # reads for values (graph_from_export takes names and ties from the model passed to it).
 # 32: a sweep of one model over many meshes and batch sizes stays within it.
