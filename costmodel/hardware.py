@@ -27,6 +27,13 @@ from importlib import resources
 
 from meshplan.errors import MeshError
 
+# the paths an eager kernel takes (costmodel/kernel_paths.py), the elementwise ones slowest
+# first: the keys of ``device.memory_paths``, each the measured fraction of the contiguous rate
+CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE = \
+    "contiguous", "strided", "upcast", "broadcast", "mixed_dtype"
+REDUCTION, SLICE_BACKWARD = "reduction", "slice_backward"
+PATHS = (CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE, REDUCTION, SLICE_BACKWARD)
+
 
 @dataclass(frozen=True, slots=True)
 class EfficiencyCurve:
@@ -194,8 +201,6 @@ def validate_profile(d) -> list[str]:
                     "read at one query row's FLOPs (4 x keys x head dim <= "
                     f"{MAX_ATTENTION_HALF_WORK:g}), not the kernel's (DECISIONS 102): take the "
                     "preset's curve or refit it (python benchmarks/gpu_check.py fit)")
-        from meshplan.costmodel.kernel_paths import CONTIGUOUS, PATHS
-
         known = [p for p in PATHS if p != CONTIGUOUS]
         for path, ratio in dev.get("memory_paths", {}).items():
             if path not in known:

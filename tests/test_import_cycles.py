@@ -22,11 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ALLOWED: list[list[str]] = [
     ["meshplan", "meshplan.fitting", "meshplan.stacks.commands", "meshplan.stacks.search",
      "meshplan.sweep"],
-    ["meshplan.costmodel.compute", "meshplan.costmodel.hardware",
-     "meshplan.costmodel.kernel_paths"],
     ["meshplan.inspect", "meshplan.plan", "meshplan.support"],
-    ["meshplan.planner.cp_placements", "meshplan.planner.manual"],
-    ["meshplan.planner.intra", "meshplan.planner.pricing"],
     ["meshplan.repeat_trace", "meshplan.tracing"],
 ]
 
