@@ -13,16 +13,19 @@ Core layer: this module reads ``meshplan.plan`` records only, never torch.distri
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshplan import axes
 from meshplan.errors import NotSupportedError
-from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.placements import shard
 from meshplan.vocabulary import (BATCH_NORM_STATS, ENGINE_DTYPES, ENGINES, EXPORT_TARGET,
                                  LOSS_REDUCTIONS, PRICED_ONLY_DTYPES, TRAINED_DTYPES,
                                  BatchNormStats, ComputeDtype, Engine, LossReduction,
                                  Recompute)
+
+if TYPE_CHECKING:  # annotations only: Plan.from_dict asks these rules (meshplan/plan.py)
+    from meshplan.plan import Plan
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
