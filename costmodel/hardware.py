@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
 from meshplan.errors import MeshError
+from meshplan.schema import validate_schema
 
 # the paths an eager kernel takes (costmodel/kernel_paths.py), the elementwise ones slowest
 # first: the keys of ``device.memory_paths``, each the measured fraction of the contiguous rate
@@ -180,8 +181,6 @@ MAX_ATTENTION_HALF_WORK = 4 * 2 ** 20 * 256
 
 def validate_profile(d) -> list[str]:
     """Problems of a profile dict against the schema (empty when it is valid)."""
-    from meshplan.schema import validate_schema
-
     if not isinstance(d, dict):
         return [f"a profile is a JSON object, got {type(d).__name__}"]
     problems = validate_schema(d, hardware_schema())

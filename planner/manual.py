@@ -45,6 +45,7 @@ from meshplan.schedules import Schedule, virtual_stages_for
 from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
 from meshplan.plan import Estimate, OpPlacement, Plan, SolverInfo, Stage
 from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
+from meshplan.costmodel.params import token_embedding_reads, with_ties
 
 NAME = "manual"
 
@@ -267,8 +268,6 @@ def stage_node_groups(graph: OpGraph, pp: int,
 def token_embedding_weights(graph: OpGraph, tp: int) -> set[str]:
     """Weights of embeddings indexed by the token ids (a graph input), and their ties, when
     tp divides the vocabulary: these are vocab-parallel."""
-    from meshplan.costmodel.params import token_embedding_reads, with_ties
-
     out = {p for p in token_embedding_reads(graph)
            if tp > 1 and graph.param_map[p].shape[0] % tp == 0}
     return with_ties(graph, out)

@@ -33,6 +33,7 @@ from meshplan.runtime.engine import data_parallel_axes
 from meshplan.runtime.shared import meta_copy
 from meshplan.vocabulary import ENGINE_DTYPES, Engine, Recompute
 from meshplan.placements import PARTIAL, REPLICATE, is_shard, shard
+from meshplan.runtime.fused_parts import fused_layers
 
 
 
@@ -348,7 +349,6 @@ def _fused_and_partners(plan: Plan, model: nn.Module, styles: dict, tp: int) -> 
 
 def fused_projections(probe, styles: dict, model: nn.Module, tp: int) -> dict[str, int]:
     """runtime/fused_parts.py ``fused_layers`` from a ``forward_probe``."""
-    from meshplan.runtime.fused_parts import fused_layers
     return fused_layers(probe[1], styles, model, tp) if probe is not None and styles else {}
 
 

@@ -48,6 +48,7 @@ from meshplan.runtime.module_plan import (_axes, _call, check_model,  # noqa: F4
                                           compiler_refusal, fused_of, stage_refusal,
                                           tp_styles)  # re-exported
 from meshplan.runtime.shared import COMPUTE_DTYPES
+from meshplan.runtime.grad_clip import clip_grad_norm_
 
 # Outputs `selective` recompute keeps: the parameter matmuls; attention scores, softmax and
 # pointwise ops are recomputed (Korthikanti et al. 2022, Sec. 5; as runtime/graph/spmd.py does).
@@ -241,7 +242,6 @@ class ModuleEngineBase:
         self._unset_buffers -= set(names)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        from meshplan.runtime.grad_clip import clip_grad_norm_
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -39,6 +39,8 @@ from meshplan.runtime.engine import (TENSOR_DTYPES, DataError, collective_device
 from meshplan.support import batch_norm_rule, loss_reduction_rule, stack_refusal
 from meshplan.tracing import flatten_call, unflatten_call
 from meshplan.vocabulary import ENGINES, Engine, LossReduction
+from meshplan.runtime.grad_clip import clip_grad_norm_
+from meshplan.runtime.sync_batchnorm import batch_norms
 
 
 class ParallelRun:
@@ -137,7 +139,6 @@ class ParallelRun:
         if not (norm_type > 0):  # inf passes; 0, negatives and nan have no norm to clip by
             raise DataError(f"norm_type={norm_type} must be a positive number or inf "
                             "(2.0 is the usual)")
-        from meshplan.runtime.grad_clip import clip_grad_norm_
         return clip_grad_norm_(self.engine, max_norm, norm_type)
 
     # -- state -----------------------------------------------------------------------------
@@ -315,7 +316,6 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     why = loss_reduction_rule(plan, loss_reduction, loss_fn is not None, engine)
     if why:
         raise NotSupportedError(why[0])
-    from meshplan.runtime.sync_batchnorm import batch_norms
     for why in batch_norm_rule(plan, bool(batch_norms(model))):  # a plan file made without it
         raise PlanFileError(f"plan cannot run this model: {why}")
 

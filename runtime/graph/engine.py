@@ -31,6 +31,7 @@ from meshplan.runtime.graph.spmd import SPMDExecutor
 from meshplan.runtime.shared import meta_copy
 from meshplan.tracing import WRAPPER_PREFIX, export_training_graph
 from meshplan.vocabulary import Engine
+from meshplan.runtime.graph.context import natural_order
 
 
 class GraphEngine:
@@ -89,7 +90,6 @@ class GraphEngine:
         mesh, dp_axes = out.device_mesh, data_parallel_axes(self.plan.stages[0])
         target = [Shard(0) if a in dp_axes else Replicate() for a in range(mesh.ndim)]
         local = out.redistribute(placements=target).to_local()
-        from meshplan.runtime.graph.context import natural_order
 
         return natural_order(local, out.placements, mesh)  # from the load-balanced layout
 

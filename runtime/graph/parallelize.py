@@ -43,6 +43,7 @@ from meshplan.runtime.graph.spmd import SPMDExecutor, placement_texts, to_placem
 from meshplan.runtime.shared import meta_copy
 from meshplan.vocabulary import ComputeDtype
 from meshplan.placements import shard
+from meshplan.runtime.graph.optim import LocalShardAdam, LocalShardSGD
 
 # fp16 needs loss scaling (Micikevicius et al. 2018, Sec. 3.3). A constant scale of 2**10
 # keeps tiny gradients of small models above fp16's subnormal range; a step whose
@@ -392,8 +393,6 @@ def make_optimizer(params, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimize
     """The plan's optimizer over DTensor parameters (fp32 master weights); it steps each
     parameter on its local shard when its gradient is in the same placements
     (runtime/graph/optim.py), which the gradient sync in ``train_step`` arranges."""
-    from meshplan.runtime.graph.optim import LocalShardAdam, LocalShardSGD
-
     params = list(params.values()) if isinstance(params, dict) else list(params)
     if plan.training.optimizer == "sgd":
         return LocalShardSGD(params, lr=lr, momentum=0.9)

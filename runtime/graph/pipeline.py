@@ -63,6 +63,7 @@ from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
 from meshplan.placements import REPLICATE
+from meshplan.planner.manual import stage_node_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +109,6 @@ def expand_interleaved(plan: Plan, graph: OpGraph) -> Plan:
     order, chunk j on rank group j % pp (Megatron's interleaved assignment, Narayanan et al.
     2021, Sec. 2.2). Each operator and parameter keeps the placement of the record that
     lists it; all records share one submesh shape."""
-    from meshplan.planner.manual import stage_node_groups
-
     pp, v = plan.num_stages, plan.training.virtual_stages
     if graph.num_layers % (pp * v):
         raise PlanFileError(f"{graph.num_layers} blocks do not split into pp x virtual_stages = "
