@@ -26,6 +26,14 @@ from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 
 from meshplan.errors import MeshError
+from meshplan.schema import validate_schema
+
+# the paths an eager kernel takes (costmodel/kernel_paths.py), the elementwise ones slowest
+# first: the keys of ``device.memory_paths``, each the measured fraction of the contiguous rate
+CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE = \
+    "contiguous", "strided", "upcast", "broadcast", "mixed_dtype"
+REDUCTION, SLICE_BACKWARD = "reduction", "slice_backward"
+PATHS = (CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE, REDUCTION, SLICE_BACKWARD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +181,6 @@ MAX_ATTENTION_HALF_WORK = 4 * 2 ** 20 * 256
 
 def validate_profile(d) -> list[str]:
     """Problems of a profile dict against the schema (empty when it is valid)."""
-    from meshplan.schema import validate_schema
-
     if not isinstance(d, dict):
         return [f"a profile is a JSON object, got {type(d).__name__}"]
     problems = validate_schema(d, hardware_schema())
@@ -194,8 +200,6 @@ def validate_profile(d) -> list[str]:
                     "read at one query row's FLOPs (4 x keys x head dim <= "
                     f"{MAX_ATTENTION_HALF_WORK:g}), not the kernel's (DECISIONS 102): take the "
                     "preset's curve or refit it (python benchmarks/gpu_check.py fit)")
-        from meshplan.costmodel.kernel_paths import CONTIGUOUS, PATHS
-
         known = [p for p in PATHS if p != CONTIGUOUS]
         for path, ratio in dev.get("memory_paths", {}).items():
             if path not in known:

@@ -28,16 +28,15 @@ gradient sums) ``contiguous``.
 from __future__ import annotations
 
 from meshplan.costmodel.compute import roofline_s
-from meshplan.costmodel.hardware import HardwareProfile
+# the path names are the keys of a hardware profile's ``device.memory_paths``, defined with
+# the profile format (costmodel/hardware.py), which checks them
+from meshplan.costmodel.hardware import (BROADCAST, CONTIGUOUS, MIXED_DTYPE,  # noqa: F401
+                                         PATHS, REDUCTION, SLICE_BACKWARD, STRIDED, UPCAST,
+                                         HardwareProfile)
 from meshplan.graph import OpGraph, OpKind
 from meshplan.vocabulary import ComputeDtype
 
 FLOAT = ("float", "bfloat")
-# the paths an eager kernel takes (module docstring), the elementwise ones slowest first
-CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE = \
-    "contiguous", "strided", "upcast", "broadcast", "mixed_dtype"
-REDUCTION, SLICE_BACKWARD = "reduction", "slice_backward"
-PATHS = (CONTIGUOUS, STRIDED, UPCAST, BROADCAST, MIXED_DTYPE, REDUCTION, SLICE_BACKWARD)
 _PERMUTES = ("aten.transpose", "aten.permute", "aten.t.", "aten.swapaxes", "aten.movedim")
 SLICES = ("aten.slice", "aten.select", "aten.narrow")
 _RESHAPES = ("aten.reshape", "aten.flatten", "aten.view", "aten._unsafe_view")

@@ -20,6 +20,7 @@ from meshplan.costmodel.memory import GRAD_BYTES, MASTER_BYTES
 from meshplan.errors import PlanningError
 from meshplan.plan import Plan
 from meshplan.vocabulary import ENGINES, Engine
+from meshplan.costmodel.fp8 import recipe_for_engine
 
 
 # other stacks a plan can be priced for (``default_runtime``): what-if estimates of
@@ -290,7 +291,6 @@ def with_fp8_recipe(runtime: RuntimeModel, recipe: str) -> RuntimeModel:
     refused there."""
     if not recipe:
         return runtime
-    from meshplan.costmodel.fp8 import recipe_for_engine
 
     name, gather = recipe_for_engine(recipe, runtime.engine)
     return replace(runtime, fp8_recipe=name, fp8_all_gather=gather)

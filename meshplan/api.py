@@ -456,7 +456,7 @@ def choose_engine(plan: Plan, model: nn.Module | None, engine: str = "auto") -> 
         if pipeline_why:
             raise NotSupportedError(f"{pipeline_why[0]} (graph engine {note})")
         return replace(plan, engine=Engine.GRAPH, engine_note=note)
-    from meshplan.runtime.module_plan import module_engine_refusal
+    from meshplan.runtime.module_engine import module_engine_refusal
 
     reason = module_engine_refusal(plan, model)
     if reason and ep > 1:

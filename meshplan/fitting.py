@@ -30,10 +30,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from meshplan.errors import MeshError, SpecError, gib
-from meshplan.mesh import GPU_PRESETS
+from meshplan.api import as_mesh
+from meshplan.costmodel.estimate import default_runtime, estimate_plan
+from meshplan.errors import MeshError, PlanningError, SpecError, gib
+from meshplan.mesh import GPU_PRESETS, Mesh
 from meshplan.plan import MemoryBreakdown
+from meshplan.planner.manual import build_manual_plan
 from meshplan.schedules import Schedule
+from meshplan.stacks.arch import arch_of_model
+from meshplan.stacks.layout import STACK_DTYPES
+from meshplan.stacks.search import TARGETS, ZEROS, Priced, layouts, search_layouts, state_floor_gib
+from meshplan.sweep import variant
+from meshplan.tracing import trace
 from meshplan.vocabulary import ComputeDtype, Recompute
 
 # --gpu's short names: the GPU -> the preset of its 8-GPU node (costmodel/presets/*.json)
@@ -155,8 +163,6 @@ def gpu_preset(gpu: str) -> str:
 def check_mesh_gpu(mesh, gpu: str) -> None:
     """A ``--mesh`` of another GPU than ``--gpu`` (its device name or its memory differ),
     refused in one line: the two answers would be about different machines."""
-    from meshplan.mesh import Mesh
-
     if mesh is None:
         return
     preset = gpu_preset(gpu)
@@ -174,11 +180,6 @@ def fit(model, *, gpu: str, batch: int, seq: int, mesh=None, graph=None, model_n
     nodes on which some layout ``target`` runs fits, and with ``mesh`` (a Mesh or a spec such
     as "dgx-h100:nodes=128") the ``top`` fastest layouts that fit on it (module docstring).
     ``graph``: the model's traced graph at that batch, if the caller has it."""
-    from meshplan.api import as_mesh
-    from meshplan.mesh import Mesh
-    from meshplan.stacks.arch import arch_of_model
-    from meshplan.stacks.search import TARGETS, search_layouts
-    from meshplan.stacks.layout import STACK_DTYPES
 
     start = time.perf_counter()
     if target not in TARGETS:
@@ -195,8 +196,6 @@ def fit(model, *, gpu: str, batch: int, seq: int, mesh=None, graph=None, model_n
     arch = arch_of_model(model)
     if graph is None:
         import torch
-
-        from meshplan.tracing import trace
 
         example_inputs = example_inputs or (torch.zeros((batch, seq), dtype=torch.long,
                                                         device="meta"),)
@@ -217,8 +216,6 @@ def fit(model, *, gpu: str, batch: int, seq: int, mesh=None, graph=None, model_n
                   smallest=_layout(smallest[1]) if smallest else None,
                   closest=_layout(closest) if closest else None, tried=tuple(tried))
     if user_mesh is not None:
-        from meshplan.errors import PlanningError
-
         answer.update(mesh=user_mesh.name, mesh_devices=user_mesh.num_devices)
         try:
             plan, priced = search_layouts(model, user_mesh, target, graph=graph, dtype=dtype,
@@ -253,9 +250,6 @@ def _frugal(ctx: _Search, nodes: int):
     sequence per microbatch; 1F1B keeps at most pp microbatches in flight where GPipe keeps
     them all and interleaving adds a partial round. Context and pipeline degrees trade
     activations against state, so every one is kept."""
-    from meshplan.mesh import Mesh
-    from meshplan.stacks.search import ZEROS, layouts, state_floor_gib
-
     mesh = Mesh.preset(ctx.preset, nodes=nodes)
     batch, seq = ctx.graph.inputs[0][1].shape[0], ctx.graph.inputs[0][1].shape[1]
     space = layouts(ctx.target, ctx.arch, devices=mesh.num_devices,
@@ -273,11 +267,6 @@ def _frugal(ctx: _Search, nodes: int):
 
 
 def _price(ctx: _Search, mesh, lay):
-    from meshplan.costmodel.estimate import default_runtime, estimate_plan
-    from meshplan.planner.manual import build_manual_plan
-    from meshplan.stacks.search import Priced
-    from meshplan.sweep import variant
-
     base = build_manual_plan(ctx.graph, mesh, **{**lay.manual_kwargs(), "recompute": "none"},
                              vocab_parallel_cp=True, optimizer="adam", priced=False)
     runtime = default_runtime(mesh.hardware, engine=ctx.target, pipeline=lay.pp > 1)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console
@@ -24,9 +25,11 @@ from rich.table import Table
 
 from meshplan.context import chunk_words
 from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
-from meshplan.plan import Plan, Stage
 from meshplan.support import cp_degree
 from meshplan.vocabulary import ENGINES, EXPORT_TARGET, Engine
+
+if TYPE_CHECKING:  # annotations only: Plan.summary() calls this module (meshplan/plan.py)
+    from meshplan.plan import Plan, Stage
 
 # Readable names of the common transformer sub-modules (GPT-2, Llama, BERT, OPT, NeoX
 # naming in transformers); anything else shows its module path.

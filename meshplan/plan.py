@@ -20,6 +20,7 @@ from meshplan.errors import PlanFileError
 from meshplan.placements import shard_dim
 from meshplan.schedules import SCHEDULES, Schedule
 from meshplan.schema import validate_schema
+from meshplan.support import export_problems
 from meshplan.vocabulary import RECOMPUTE, BatchNormStats, ComputeDtype, Engine, Recompute, plain
 
 SCHEMA_VERSION = "meshplan.plan/v1"
@@ -226,6 +227,7 @@ class Plan:
         return replace(self, predicted=estimate)
 
     def summary(self) -> str:
+        # local: meshplan/inspect.py loads rich (tables), which `import meshplan` does not
         from meshplan.inspect import summary_text
 
         return summary_text(self)
@@ -339,8 +341,6 @@ class Plan:
         problems = check_consistency(plan)
         if problems:
             raise PlanFileError(f"{origin} is inconsistent: {problems[0]}")
-        from meshplan.support import export_problems  # imports this module
-
         problems = export_problems(plan)
         if problems:
             raise PlanFileError(f"{origin} cannot run: {problems[0]}")

@@ -32,7 +32,9 @@ import re
 
 import torch.nn as nn
 
+from meshplan import export_graph, export_program
 from meshplan.graph import OpGraph, OpNode, ParamInfo
+from meshplan.opcount import warn_uncounted
 
 KEPT = 3  # blocks exported: block 0 (read by later blocks, as T5's position bias), 1, 2
 MIN_BLOCKS = 8  # fewer blocks: the whole export costs at most ~2.7x the three-block one
@@ -44,11 +46,9 @@ _SUFFIX = re.compile(r"(.*)_(\d+)$")  # torch.fx's name suffix (graph._Namespace
 
 def repeated_graph(model: nn.Module, flat: tuple, loss_fn, signature, *,
                    model_name: str = "", min_blocks: int = MIN_BLOCKS) -> OpGraph | None:
-    """The OpGraph ``tracing.graph_from_export`` would build from the whole model's export,
+    """The OpGraph ``export_graph.graph_from_export`` would build from the whole model's export,
     written from an export of its first ``KEPT`` blocks; None when a check fails."""
-    from meshplan import tracing
-
-    paths = tracing.find_block_paths(model)
+    paths = export_graph.find_block_paths(model)
     container = paths[0].rpartition(".")[0] if paths else ""
     if len(paths) < max(min_blocks, KEPT + 1) or \
             any(p.rpartition(".")[0] != container for p in paths):
@@ -59,7 +59,7 @@ def repeated_graph(model: nn.Module, flat: tuple, loss_fn, signature, *,
         return None
     small = _with_blocks(model, container, KEPT)
     try:
-        ep = tracing.export_training_graph(small, flat, loss_fn, signature=signature)
+        ep = export_program.export_training_graph(small, flat, loss_fn, signature=signature)
     except Exception:  # noqa: BLE001 - a model that needs all its blocks (or any other
         return None    # failure): the whole export runs, and names what fails if it does
     return _replicated(ep, model, paths, container, model_name)
@@ -68,8 +68,6 @@ def repeated_graph(model: nn.Module, flat: tuple, loss_fn, signature, *,
 def _blocks_alike(model: nn.Module, paths) -> bool:
     """Every block one class, with equal attributes (the layer index aside) and parameter
     shapes in every submodule, and a uniform HF ``layer_types``."""
-    from meshplan import tracing
-
     config = getattr(model, "config", None)
     if len(set(getattr(config, "layer_types", None) or ())) > 1:
         return False
@@ -80,12 +78,12 @@ def _blocks_alike(model: nn.Module, paths) -> bool:
             attrs = []
             for k, v in vars(m).items():
                 if k in ("_parameters", "_buffers", "_modules") or k in INDEX_ATTRS or \
-                        k in tracing._UNTRACED_ATTRS or isinstance(v, nn.Module):
+                        k in export_program._UNTRACED_ATTRS or isinstance(v, nn.Module):
                     continue
                 if hasattr(v, "to_json_string") and hasattr(v, "_attn_implementation"):
                     v = id(v)  # one HF config shared by the blocks
-                frozen = tracing._frozen(v, {})
-                if frozen is tracing._UNKNOWN:
+                frozen = export_program._frozen(v, {})
+                if frozen is export_program._UNKNOWN:
                     return False
                 attrs.append((k, frozen))
             tensors = tuple((k, tuple(t.shape), t.dtype, t.requires_grad)
@@ -118,15 +116,13 @@ def _with_blocks(model: nn.Module, container: str, keep: int) -> nn.Module:
 
 
 def _replicated(ep, model: nn.Module, paths, container: str, model_name: str):
-    from meshplan import tracing
-
     sig = ep.graph_signature
-    param_of = {ph: name.removeprefix(tracing.WRAPPER_PREFIX) for ph, name in
+    param_of = {ph: name.removeprefix(export_program.WRAPPER_PREFIX) for ph, name in
                 {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
                  **sig.inputs_to_lifted_tensor_constants}.items()}
     blocks = {path: i for i, path in enumerate(paths[:KEPT])}
     fx_nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
-    nodes = [tracing._make_node(n, param_of, blocks) for n in fx_nodes]
+    nodes = [export_graph._make_node(n, param_of, blocks) for n in fx_nodes]
     outs = [a for a in next(n for n in ep.graph.nodes if n.op == "output").args[0]
             if hasattr(a, "name")]
     # regions: prologue (-1), blocks 0, 1, 2, epilogue (-1), in this order
@@ -196,7 +192,7 @@ def _replicated(ep, model: nn.Module, paths, container: str, model_name: str):
     output = outs[0].name if outs else ""
     output = epi_names.get(output, output)
 
-    small_trainable = {v.removeprefix(tracing.WRAPPER_PREFIX)
+    small_trainable = {v.removeprefix(export_program.WRAPPER_PREFIX)
                        for v in sig.inputs_to_parameters.values()}
     params: list[ParamInfo] = []
     seen: dict[int, str] = {}
@@ -209,17 +205,17 @@ def _replicated(ep, model: nn.Module, paths, container: str, model_name: str):
                 as_small = pre[2] + p_name[len(pre[layer]):]
                 break
         params.append(ParamInfo(name=p_name, shape=tuple(p.shape),
-                                dtype=tracing._dtype(p.dtype),
+                                dtype=export_graph._dtype(p.dtype),
                                 trainable=as_small in small_trainable, tied_to=tied))
-    inputs = [(n.name, tracing._tensor_meta(n.meta.get("val"))[0]) for n in ep.graph.nodes
+    inputs = [(n.name, export_graph._tensor_meta(n.meta.get("val"))[0]) for n in ep.graph.nodes
               if n.op == "placeholder" and n.name in set(sig.user_inputs)]
-    kept = tracing._drop_dead_asserts(out)
-    full = tracing._in_run_order(kept, L)
+    kept = export_graph._drop_dead_asserts(out)
+    full = export_graph._in_run_order(kept, L)
     if full is not kept:
         return None  # blocks that run out of registration order
-    tracing.warn_uncounted(full, model_name or type(model).__name__)
+    warn_uncounted(full, model_name or type(model).__name__)
     return OpGraph(nodes=tuple(full), params=tuple(params), inputs=tuple(inputs), output=output,
-                   layer_fingerprints=tracing._layer_fingerprints(full, L),
+                   layer_fingerprints=export_graph._layer_fingerprints(full, L),
                    block_module=container, model_name=model_name)
 
 

@@ -13,16 +13,19 @@ Core layer: this module reads ``meshplan.plan`` records only, never torch.distri
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from meshplan import axes
 from meshplan.errors import NotSupportedError
-from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
 from meshplan.placements import shard
 from meshplan.vocabulary import (BATCH_NORM_STATS, ENGINE_DTYPES, ENGINES, EXPORT_TARGET,
                                  LOSS_REDUCTIONS, PRICED_ONLY_DTYPES, TRAINED_DTYPES,
                                  BatchNormStats, ComputeDtype, Engine, LossReduction,
                                  Recompute)
+
+if TYPE_CHECKING:  # annotations only: Plan.from_dict asks these rules (meshplan/plan.py)
+    from meshplan.plan import Plan
 
 # the pipeline schedules the runtime drives (torch.distributed.pipelining)
 ZERO_STAGES = (0, 1, 2, 3)  # all run inside pipeline stages too (runtime/graph/pipeline.py)
@@ -245,7 +248,7 @@ def graph_engine_cp_rule(plan: Plan) -> tuple[str, ...]:
 # parallelize_module, fully_shard, checkpoint wrappers, torch.distributed.pipelining,
 # context_parallel) runs every plan it can express; the graph engine (runtime/graph/) runs the
 # plans below, which PyTorch's composables cannot express today, each with the reason.
-# runtime/module_plan.module_engine_refusal and module_pipeline.pipeline_refusal give the
+# runtime/module_engine.module_engine_refusal (module_plan.stage_refusal, module_pipeline.pipeline_refusal) give the
 # one-line reason per plan; plan.engine_note records it. The search prices the engine that
 # will run its plan (DECISIONS 79).
 GRAPH_ONLY = (

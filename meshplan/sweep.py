@@ -27,10 +27,13 @@ import time
 from dataclasses import asdict, dataclass, replace
 
 from meshplan import support
+from meshplan.api import autoparallel, default_dtype, estimate, manual_plan
 from meshplan.costmodel.estimate import estimate_plan
 from meshplan.errors import MeshplanError, NotSupportedError, SpecError
 from meshplan.plan import Plan
+from meshplan.planner.manual import attention_heads
 from meshplan.schedules import SCHEDULES, Schedule, virtual_stages_for
+from meshplan.tracing import trace
 from meshplan.vocabulary import RECOMPUTE, ComputeDtype
 
 SHOW_PROGRESS_AFTER_S = 2.0  # a progress bar only for sweeps a person waits on
@@ -129,16 +132,12 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
     rebuild the model from it: a class defined in a user file cannot be pickled by name."""
     import pandas as pd
 
-    import meshplan
-    from meshplan.api import default_dtype
-    from meshplan.planner.manual import attention_heads
-
     if plot and not str(plot).lower().endswith(PLOT_FORMATS):
         raise SpecError(f"--plot {plot}: the picture is written as {', '.join(PLOT_FORMATS)}; "
                         "name the file with one of these suffixes")
     dtype = dtype or default_dtype(mesh)
     if graph is None:
-        graph = meshplan.trace(model, example_inputs, model_name=model_name or type(model).__name__)
+        graph = trace(model, example_inputs, model_name=model_name or type(model).__name__)
     batch = graph.inputs[0][1].shape[0]
     if configs is None:
         configs = configurations(devices=mesh.num_devices, devices_per_node=mesh.devices_per_node,
@@ -173,16 +172,14 @@ def run_sweep(model, mesh, example_inputs=(), *, graph=None, model_name: str = "
 
 def price_group(configs: list[Config], *, model, mesh, graph, dtype, optimizer) -> list[dict]:
     """Rows for configurations sharing one placement key: one manual_plan, then estimates."""
-    import meshplan
-
     c0 = configs[0]
     batch = graph.inputs[0][1].shape[0]
     try:
-        base = meshplan.manual_plan(model, mesh, graph=graph, dp=c0.dp, tp=c0.tp, pp=c0.pp,
-                                    microbatch_size=1, schedule=Schedule.GPIPE,  # variant() sets it
-                                    sequence_parallel=c0.sequence_parallel,
-                                    zero=3 if c0.zero == 3 else 0, dtype=dtype,
-                                    optimizer=optimizer)
+        base = manual_plan(model, mesh, graph=graph, dp=c0.dp, tp=c0.tp, pp=c0.pp,
+                           microbatch_size=1, schedule=Schedule.GPIPE,  # variant() sets it
+                           sequence_parallel=c0.sequence_parallel,
+                           zero=3 if c0.zero == 3 else 0, dtype=dtype,
+                           optimizer=optimizer)
     except MeshplanError as exc:
         base = str(exc)
     rows = []
@@ -234,7 +231,7 @@ def _map(fn, jobs, job: dict, workers: int, rebuild: str = ""):
         for j in jobs:
             yield fn(j, **job)
         return
-    from meshplan.runtime.graph.parallelize import meta_copy
+    from meshplan.runtime.shared import meta_copy
 
     # the workers need shapes only: send a meta copy, not a caller's real weights
     job = {**job, "model": None if rebuild else meta_copy(job["model"])}
@@ -268,17 +265,15 @@ def _ensure_columns(frame):
 def _mark_auto(frame, model, mesh, graph, dtype, optimizer, time_limit_s):
     import pandas as pd
 
-    import meshplan
-
     try:
-        plan = meshplan.autoparallel(model, mesh, graph=graph, dtype=dtype, optimizer=optimizer,
-                                     time_limit_s=time_limit_s)
+        plan = autoparallel(model, mesh, graph=graph, dtype=dtype, optimizer=optimizer,
+                            time_limit_s=time_limit_s)
     except MeshplanError as exc:  # e.g. nothing fits: say so in the data set
         return pd.concat([frame, pd.DataFrame([{"kind": "auto", "is_auto": True,
                                                 "error": str(exc)}])], ignore_index=True)
     # price it with the same cost model as every other row (the solver's own objective is
     # kept in its own column)
-    est, t = meshplan.estimate(plan, graph), plan.training
+    est, t = estimate(plan, graph), plan.training
     same = ((frame["pp"] == plan.num_stages) & (frame["microbatches"] == t.microbatches)
             & (frame["schedule"] == t.schedule)
             & (frame["step_time_s"] - est.step_time_s).abs().le(1e-9 * est.step_time_s)

@@ -1,12 +1,13 @@
 """The cp-axis placement of every operator (context parallelism, meshplan/context.py): the
 rules of meshplan/context.py's docstring walked over the graph. Planner layer: it maps views
-with the manual-plan propagator's ``map_view_dim``."""
+with ``map_view_dim`` (planner/views.py), as the manual-plan propagator does."""
 
 from __future__ import annotations
 
 from meshplan.context import value_shape
 from meshplan.graph import OpGraph, OpKind, OpNode
 from meshplan.placements import REPLICATE, shard, shard_dim
+from meshplan.planner.views import map_view_dim
 
 # -- placements ----------------------------------------------------------------------------------
 
@@ -18,8 +19,6 @@ class CpPropagator:
     (the rules of the module docstring). ``visit`` returns (input placements, output)."""
 
     def __init__(self, graph: OpGraph, seq_len: int):
-        from meshplan.planner.manual import map_view_dim  # planner/manual imports this module
-
         self.g, self.seq, self._map = graph, seq_len, map_view_dim
         self.state: dict[str, str] = {n: REPLICATE for n, _ in graph.inputs}
         self.records: dict[str, tuple[tuple[str, ...], str]] = {}

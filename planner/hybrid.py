@@ -33,6 +33,11 @@ from meshplan.planner.stagecost import RERANK_WITHIN, plan_hybrid
 from meshplan.plan import Plan
 from meshplan.schedules import SCHEDULES
 from meshplan.vocabulary import RECOMPUTE, Engine, Recompute
+from meshplan.planner.clusters import layer_units
+from meshplan.planner.stagecost import MegatronStageCost
+from meshplan.planner.singlestage import plan_single_stage
+from meshplan.costmodel.estimate import with_stage_predictions
+from meshplan.costmodel.memory import GIB, model_state_bytes
 
 # Microbatch sizes (sequences per data-parallel rank) the search tries by default: the
 # range Megatron-LM's published runs use (Narayanan et al. 2021, section 5: 1 to 8).
@@ -80,9 +85,6 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     failure: MemoryLimitError | None = None
     ilp_failure: MemoryLimitError | None = None
     if cost is None:  # one set of probes for every pipeline search below
-        from meshplan.planner.clusters import layer_units
-        from meshplan.planner.stagecost import MegatronStageCost
-
         cost = MegatronStageCost(graph, layer_units(graph), mesh.hardware,
                                  num_devices=mesh.num_devices, dtype=dtype, optimizer=optimizer)
 
@@ -96,8 +98,6 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
     except MemoryLimitError as exc:
         failure = exc
     if single_stage_ilp and (best is None or best.num_stages == 1):
-        from meshplan.planner.singlestage import plan_single_stage
-
         recompute = best.stages[0].recompute if best is not None else Recompute.NONE
         try:
             ilp_plan = plan_single_stage(graph, mesh, dtype=dtype, optimizer=optimizer,
@@ -109,8 +109,6 @@ def plan_auto(graph: OpGraph, mesh, *, dtype: str, optimizer: str = "adam",
             ilp_plan = None
         ilp_plan = _runnable(ilp_plan)
         if ilp_plan is not None and ilp_plan.engine != engine:
-            from meshplan.costmodel.estimate import with_stage_predictions
-
             graph_s = ilp_plan.solver.objective_s
             ilp_plan = with_stage_predictions(replace(ilp_plan, engine=engine), graph)
             # the ILP chose placements at the graph engine's prices; the plan promises the
@@ -160,8 +158,6 @@ def _model_state_floor(graph: OpGraph, mesh, limit: float, dtype: str,
                        optimizer: str) -> MemoryLimitError:
     """When no candidate could even be priced under the limit: the memory that the model
     state alone needs per device with everything sharded over every device (ZeRO-3)."""
-    from meshplan.costmodel.memory import GIB, model_state_bytes
-
     n = mesh.num_devices
     w, g, o = model_state_bytes(graph.param_count, dtype=dtype, optimizer=optimizer, zero=3, dp=n)
     floor = (w + g + o) / GIB  # model_state_bytes already divides by the n ZeRO-3 ranks

@@ -20,7 +20,6 @@ The pipeline planner calls ``solve_stage`` once per (layer range, submesh) candi
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field, replace
 
 from meshplan.costmodel.hardware import HardwareProfile
@@ -30,78 +29,9 @@ from meshplan.plan import MemoryBreakdown, OpPlacement, SolverInfo
 from meshplan.planner import ilp
 from meshplan.graph import OpGraph
 from meshplan.placements import placement_str
+from meshplan.planner.pricing import Pricer  # the pricing half of the builder
 from meshplan.planner.reshard import INF
-from meshplan.planner.strategies import Strategy
-from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
-
-NS = 1e9  # objective unit: 1 ns (integer costs for the solver)
-
-
-@dataclass(frozen=True, slots=True)
-class StageOptions:
-    memory_limit_gib: float | None = None  # None: the device's capacity
-    dtype: str = ComputeDtype.BF16
-    optimizer: str = "adam"
-    recompute: str = Recompute.NONE  # none | selective (attention core) | full (whole layers)
-    batch_fraction: float = 1.0  # microbatch size / traced global batch
-    microbatches: int = 1  # microbatches of this stage per step (compute and edges repeat)
-    inflight_microbatches: int = 1  # activations of this many microbatches are alive at once
-    zero: int = 3  # 0: none; 1/2: that ZeRO stage over a data-parallel axis; 3: the solver
-    #                picks none or ZeRO-3 for the whole stage (the runtime shards every weight)
-    time_limit_s: float = 30.0
-    backend: str = "cbc"  # measured fastest on GPT stages (planner/ilp.py docstring)
-
-    def __post_init__(self):
-        if self.recompute not in RECOMPUTE:
-            raise PlanningError(f"recompute={self.recompute!r} is not one of {RECOMPUTE}")
-        if self.zero not in (0, 1, 2, 3):
-            raise PlanningError(f"zero={self.zero} is not a ZeRO stage; choose 0, 1, 2 or 3")
-        if not 0 < self.batch_fraction <= 1:
-            raise PlanningError(f"batch_fraction={self.batch_fraction} must lie in (0, 1]")
-
-
-@dataclass(frozen=True, slots=True)
-class GroupChoice:
-    """One priced choice of one group: a strategy of its anchor, with or without ZeRO-3."""
-
-    strategy: Strategy
-    zero3: bool
-    microbatch_s: float  # per microbatch: compute + follower fix-ups + ZeRO-3 gathers
-    step_s: float  # once per step: gradient sync (all-reduce / reduce-scatter) + optimizer
-    comm_s: float  # the communication part of microbatches x microbatch_s + step_s
-    memory: MemoryBreakdown  # GiB this group adds on every device
-    member_inputs: tuple  # per group member: the placements it consumes
-    member_outputs: tuple  # per group member: its output placement
-    storage: tuple  # per owned parameter: storage placement
-    zero: int = 0  # the stage-wide ZeRO level this candidate assumes (StageProblem.flags)
-    dp_axis: int | None = None  # ... over this data-parallel axis
-
-
-@dataclass(frozen=True, slots=True)
-class Group:
-    anchor: str  # node name, or graph/stage input name for sources
-    members: tuple[str, ...]  # anchor first, then its followers in graph order
-    candidates: tuple[GroupChoice, ...]
-    count: int  # how many identical groups (layers) this one stands for
-    owned_params: tuple[str, ...]
-    rule: str
-    is_source: bool = False
-
-
-@dataclass(frozen=True)
-class StageProblem:
-    groups: tuple[Group, ...]
-    edges: tuple[tuple[int, int, tuple, tuple, tuple], ...]  # u, v, u_class, v_class, cost_s
-    rep: dict  # node name -> representative node name
-    param_rep: dict  # param name -> representative param name
-    fallbacks: tuple[str, ...]
-    memory_limit_bytes: float
-    microbatches: int = 1  # edges are per microbatch
-    # fixed charges and stage-wide switches (planner/ilp.py IlpFlag; costs in NS units,
-    # once per step) and the pairs of them that cannot both be on
-    flags: tuple = ()
-    conflicts: tuple = ()
-
+from meshplan.planner.stage_problem import NS, StageOptions, StageProblem
 
 @dataclass(frozen=True)
 class StageSolution:
@@ -168,8 +98,6 @@ def solve_stage(graph: OpGraph, node_names, mesh_shape, axis_names, hardware: Ha
 def build_problem(graph: OpGraph, names: tuple[str, ...], mesh_shape: tuple[int, ...],
                   hw: HardwareProfile, options: StageOptions, *,
                   devices_per_node: int | None = None) -> StageProblem:
-    from meshplan.planner.pricing import Pricer  # the pricing half of the builder
-
     if devices_per_node is not None and devices_per_node != hw.devices_per_node:
         hw = replace(hw, devices_per_node=devices_per_node)
     rep, param_rep, count = _representatives(graph, names)
@@ -341,9 +269,3 @@ def _tied_params(graph: OpGraph, params: dict, ndim: int) -> None:
                                      (p.tied_to is not None and p.tied_to == q.tied_to)):
                 params[p.name] = params[q.name]
                 break
-
-
-def warn_fallbacks(names) -> None:
-    for n in names:
-        warnings.warn(f"meshplan: operator {n} has no sharding rule; it runs replicated",
-                      stacklevel=3)

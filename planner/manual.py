@@ -36,6 +36,7 @@ from numbers import Integral
 from meshplan.costmodel.estimate import with_stage_predictions
 from meshplan.context import check_cp_model, insert_cp
 from meshplan.planner.cp_placements import CpPropagator
+from meshplan.planner.views import _args, _norm_dim, map_view_dim
 from meshplan.errors import MeshError, PlanningError
 from meshplan.planner.assemble import check_batch_divides, mesh_info, model_info, training_config
 from meshplan.graph import OpGraph, OpKind, OpNode
@@ -44,6 +45,7 @@ from meshplan.schedules import Schedule, virtual_stages_for
 from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
 from meshplan.plan import Estimate, OpPlacement, Plan, SolverInfo, Stage
 from meshplan.vocabulary import RECOMPUTE, ComputeDtype, Recompute
+from meshplan.costmodel.params import token_embedding_reads, with_ties
 
 NAME = "manual"
 
@@ -266,8 +268,6 @@ def stage_node_groups(graph: OpGraph, pp: int,
 def token_embedding_weights(graph: OpGraph, tp: int) -> set[str]:
     """Weights of embeddings indexed by the token ids (a graph input), and their ties, when
     tp divides the vocabulary: these are vocab-parallel."""
-    from meshplan.costmodel.params import token_embedding_reads, with_ties
-
     out = {p for p in token_embedding_reads(graph)
            if tp > 1 and graph.param_map[p].shape[0] % tp == 0}
     return with_ties(graph, out)
@@ -290,57 +290,11 @@ def stage_params(graph: OpGraph, names) -> list[str]:
 
 # -- placement propagation ------------------------------------------------------------------
 
-def _args(node: OpNode) -> list:
-    return node.parsed_args()[0]
-
-
-def _norm_dim(d, rank: int) -> int:
-    return d + rank if isinstance(d, int) and d < 0 else d
-
-
 def splits_dim(node: OpNode, in_shape: tuple[int, ...], d: int) -> bool:
     """Whether ``node`` is a split/chunk along dim ``d``."""
     args = _args(node)
     return ("aten.split" in node.target or "aten.chunk" in node.target) and len(args) >= 3 \
         and isinstance(args[2], int) and _norm_dim(args[2], len(in_shape)) == d
-
-
-def map_view_dim(node: OpNode, in_shape: tuple[int, ...], d: int) -> int | None:
-    """The output dim carrying input dim ``d`` through a view-class op, or None."""
-    out = node.out.shape if node.out is not None else ()
-    target = node.target
-    args = _args(node)
-    rank_in, rank_out = len(in_shape), len(out)
-    if any(k in target for k in ("alias", "detach", "contiguous", "clone", "_to_copy", "aten.to.",
-                                 "getitem", "split", "chunk", "cat", "stack")):
-        return d if d < rank_out else None
-    if "transpose" in target and len(args) >= 3:
-        a, b = _norm_dim(args[1], rank_in), _norm_dim(args[2], rank_in)
-        return b if d == a else a if d == b else d
-    if "aten.t." in target:
-        return 1 - d if rank_in == 2 else d
-    if "permute" in target and len(args) >= 2:
-        dims = [_norm_dim(x, rank_in) for x in args[1]]
-        return dims.index(d) if d in dims else None
-    if "expand" in target:
-        return d + rank_out - rank_in
-    if "slice" in target or "narrow" in target:
-        return d if rank_in == rank_out and out[d] == in_shape[d] else None
-    if "select" in target and len(args) >= 2:
-        dim = _norm_dim(args[1], rank_in)
-        return None if dim == d else (d if d < dim else d - 1)
-    # view / reshape / unsqueeze / squeeze / flatten: match the prefix product
-    prefix = 1
-    for s in in_shape[:d]:
-        prefix *= s
-    acc = 1
-    for e, s in enumerate(out):
-        if acc == prefix and s > 1 and (s % in_shape[d] == 0 or in_shape[d] % s == 0):
-            return e
-        acc *= s
-        if acc > prefix:
-            break
-    return None
 
 
 def is_batch_norm(node: OpNode) -> bool:

@@ -37,7 +37,7 @@ from meshplan.graph import OpKind
 from meshplan.plan import MemoryBreakdown, OpPlacement, Stage
 from meshplan.planner import ilp
 from meshplan.planner.groups import GroupBuilder
-from meshplan.planner.intra import NS, GroupChoice, Group, StageProblem, warn_fallbacks
+from meshplan.planner.stage_problem import NS, GroupChoice, Group, StageProblem, warn_fallbacks
 from meshplan.planner.reshard import INF, REPLICATE_TO_PARTIAL, refused, shard_factor
 from meshplan.placements import P, R, placement_str
 from meshplan.vocabulary import Engine, Recompute

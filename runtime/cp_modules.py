@@ -54,6 +54,7 @@ from torch.overrides import TorchFunctionMode
 
 from meshplan.errors import NotSupportedError
 from meshplan.runtime.loss_weights import IGNORE_INDEX  # labels that do not count
+from meshplan.vocabulary import LossReduction
 
 aten = torch.ops.aten
 _SEQ = 2  # SDPA's (batch, heads, sequence, head_dim): the dim the chunks cut
@@ -328,8 +329,6 @@ def chunk_loss(out, targets: tuple, loss_fn, reduction: str, row_totals) -> torc
     """This chunk's share S of the step's loss (above). ``targets``: the chunk's targets
     (positions on dim 1); ``row_totals(rows)``: each row's labelled tokens over every cp
     chunk, from this chunk's (a sum over the cp group; ``sequence`` only)."""
-    from meshplan.vocabulary import LossReduction
-
     out = out.full_tensor() if isinstance(out, DTensor) else out
     out = out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
     if reduction == LossReduction.SUM:
@@ -347,8 +346,6 @@ def chunk_loss(out, targets: tuple, loss_fn, reduction: str, row_totals) -> torc
 
 def loss_denominator(targets: tuple, reduction: str, dp_size: int = 1) -> torch.Tensor:
     """This data-parallel shard's part of D (the caller sums it over the dp ranks), float64."""
-    from meshplan.vocabulary import LossReduction
-
     mask = labelled(targets)
     if reduction == LossReduction.SUM:
         return torch.full((), 1.0 / dp_size, dtype=torch.float64, device=mask.device)
@@ -451,8 +448,6 @@ def pipeline_train_step(engine, args: tuple, targets: tuple) -> float:
     on this rank's chunks (the user's loss_fn weighted as ``chunk_loss`` says), summed over
     labelled tokens and divided by those of the global batch, times the microbatches (the schedule divides gradients by them) and the dp x cp
     ranks fully_shard averages over: gradients as one process's."""
-    from meshplan.vocabulary import LossReduction
-
     n = engine.plan.training.microbatches
     ids = args[0].to(engine.device)
     if engine.loss_fn is not None and not targets:

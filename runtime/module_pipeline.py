@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshplan import support
-from meshplan.axes import EP_AXIS
+from meshplan.axes import EP_AXIS, ROUTED, find_experts
 from meshplan.errors import NotSupportedError, PlanFileError
 from meshplan.plan import Plan
 from meshplan.schedules import virtual_stages_for
@@ -41,7 +41,10 @@ from meshplan.runtime.modules import (ModuleEngineBase, _dp_cp_mesh, apply_ac, a
                                       apply_tp, clean_fqn, compile_blocks, runtime_step,
                                       to_empty_keeping_ties)
 from meshplan.runtime.expert_parallel import ep_mesh
-from meshplan.runtime.graph.pipeline import TORCH_SCHEDULES
+from meshplan.runtime.module_plan import (_as_tracers_see_it, _axes, _call, _Forward, _meta_inputs,
+                                          check_model, fused_refusal, run_on_meta, stage_refusal,
+                                          tp_styles)
+from meshplan.runtime.shared import COMPUTE_DTYPES, TORCH_SCHEDULES, broadcast_from_last, meta_copy
 from meshplan.tracing import find_block_paths, next_token_loss
 from meshplan.vocabulary import Recompute
 
@@ -170,7 +173,6 @@ def cut_stage(model: nn.Module, container: str, cut: StageCut) -> nn.Module:
     """A copy of ``model`` holding only ``cut``'s part; parameter names unchanged."""
     on_meta = any(t.is_meta for t in model.parameters())
     if on_meta:
-        from meshplan.runtime.graph.parallelize import meta_copy
         stage = meta_copy(model)
     else:
         stage = copy.deepcopy(model)
@@ -250,7 +252,6 @@ class StageModule(nn.Module):
         self.cp_positions: torch.Tensor | None = None
 
     def forward(self, *args):
-        from meshplan.runtime.module_plan import _call
         if self.sequence_mesh is not None and not self.first:
             args = tuple(DTensor.from_local(a, self.sequence_mesh, [Shard(1)], run_check=False)
                          if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -282,8 +283,6 @@ def model_pipeline_refusal(model: nn.Module, roles: list) -> str | None:
 
 def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     """Why a multi-stage plan cannot run on the module engine; None when it can."""
-    from meshplan.runtime.module_plan import _meta_inputs, module_engine_refusal
-
     t = plan.training
     if t.schedule not in TORCH_SCHEDULES:
         return f"schedule {t.schedule} has no torch.distributed.pipelining schedule here"
@@ -297,9 +296,8 @@ def pipeline_refusal(plan: Plan, model: nn.Module) -> str | None:
     why = model_pipeline_refusal(model, [r.get("role") for r in plan.model.inputs])
     if why:
         return why
-    from meshplan.runtime.module_plan import fused_refusal
     view = single_stage_view(plan)
-    why = module_engine_refusal(view, model) or fused_refusal(view, model) or \
+    why = stage_refusal(view, model) or fused_refusal(view, model) or \
         added_embeddings_refusal(plan, model)
     if why:
         return why
@@ -325,9 +323,6 @@ def _meta_model(model: nn.Module) -> nn.Module:
     (GuardOnDataDependentSymNode) though the stages run it on real tensors. The experts sit
     inside a block and see the same inputs whatever the cut, so the check loses nothing:
     the whole model and its stages are run with the same stand-in."""
-    from meshplan.axes import ROUTED, find_experts
-    from meshplan.runtime.graph.parallelize import meta_copy
-
     copy_ = meta_copy(model)
     for name, (kind, _) in find_experts(copy_).items():
         if kind == ROUTED:
@@ -338,8 +333,6 @@ def _meta_model(model: nn.Module) -> nn.Module:
 def _forward_with_blocks_removed(plan, model, container, cuts, meta_inputs) -> str | None:
     """Run every stage's forward on meta, feeding each the previous one's output: the last
     must give what the whole model gives."""
-    from meshplan.runtime.module_plan import _Forward, _axes, run_on_meta
-
     stage = plan.stages[0]
     dp, _, _ = _axes(stage)
     x = meta_inputs(plan, stage.mesh_shape[dp] if dp is not None else 1)
@@ -429,7 +422,6 @@ def structure_refusal(model: nn.Module, container: str, cuts, x: tuple) -> str |
     nn.Sequential, issue 42) is refused here, when the plan is made: the graph engine runs
     the plan. A forward that does not run eagerly on meta (it was exported instead, see
     ``run_on_meta``) gives no evidence here; the shape check above still applies."""
-    from meshplan.runtime.module_plan import _as_tracers_see_it, _Forward
 
     before, after = _outer_owners(model, container)
     members = [f"{container}.{k}" if container else k for cut in cuts for k in cut.blocks]
@@ -482,18 +474,6 @@ def structure_refusal(model: nn.Module, container: str, cuts, x: tuple) -> str |
     return None
 
 
-def broadcast_from_last(out: torch.Tensor | None, group, device) -> torch.Tensor:
-    """``out`` of the pipeline lane's last rank (``group``'s highest rank, where the last
-    stage runs) on every rank of the lane: its shape and dtype first, then the tensor."""
-    last = dist.get_world_size(group) - 1
-    mine = dist.get_rank(group) == last
-    meta = [(tuple(out.shape), out.dtype) if mine else None]
-    dist.broadcast_object_list(meta, group_src=last, group=group)
-    buf = out if mine else torch.empty(meta[0][0], dtype=meta[0][1], device=device)
-    dist.broadcast(buf, group_src=last, group=group)
-    return buf
-
-
 # -- the engine ------------------------------------------------------------------------------
 
 class PipelineModuleEngine(ModuleEngineBase):
@@ -502,8 +482,6 @@ class PipelineModuleEngine(ModuleEngineBase):
 
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):
-        from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
-        from meshplan.runtime.module_plan import _axes, check_model, tp_styles
 
         view = single_stage_view(plan)
         check_model(view, model)

@@ -3,7 +3,7 @@ tensor-parallel styles. Pure: no process group.
 
 trace -> cost -> solve -> plan -> **run**. ``tp_styles`` reads the plan's parameter placements
 on the tensor-parallel axis as ``parallelize_module`` styles (a dict from module FQN to a
-style, torchtitan's form); ``module_engine_refusal`` says why a plan cannot run that way, and
+style, torchtitan's form); ``stage_refusal`` says why a plan cannot run that way, and
 checks the user's forward on local shards by running it on meta (DECISIONS 63) with every sharded weight
 at its local shape and the styles' input/output shapes (DECISIONS 27).
 """
@@ -22,16 +22,18 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                RowwiseParallel,
                                                SequenceParallel)
 
-from meshplan import support
+from meshplan import axes, support
 from meshplan.context import attention_calls
 from meshplan.runtime.cp_modules import AttentionCalls
 from meshplan.errors import PlanFileError
 from meshplan.plan import Plan, Stage
 from meshplan.graph import CallSignature
 from meshplan.tracing import find_repeated_blocks, unflatten_call
-from meshplan.runtime.graph.parallelize import data_parallel_axes, meta_copy
+from meshplan.runtime.engine import data_parallel_axes
+from meshplan.runtime.shared import meta_copy
 from meshplan.vocabulary import ENGINE_DTYPES, Engine, Recompute
 from meshplan.placements import PARTIAL, REPLICATE, is_shard, shard
+from meshplan.runtime.fused_parts import fused_layers
 
 
 
@@ -347,7 +349,6 @@ def _fused_and_partners(plan: Plan, model: nn.Module, styles: dict, tp: int) -> 
 
 def fused_projections(probe, styles: dict, model: nn.Module, tp: int) -> dict[str, int]:
     """runtime/fused_parts.py ``fused_layers`` from a ``forward_probe``."""
-    from meshplan.runtime.fused_parts import fused_layers
     return fused_layers(probe[1], styles, model, tp) if probe is not None and styles else {}
 
 
@@ -504,19 +505,25 @@ def model_refusal(model: nn.Module, *, dtype: str, num_devices: int) -> str | No
     return None
 
 
-def module_engine_refusal(plan: Plan, model: nn.Module) -> str | None:
-    """Why ``plan`` cannot run on ``model`` with PyTorch's composables; None when it can.
-    Pure: needs no process group (the local-shard check runs the model on meta)."""
+def ep_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """The axis table's expert-parallel rules with the model's experts (meshplan/axes.py);
+    None when the plan has no expert parallelism or they hold."""
+    stage = plan.stages[0]
+    if stage.ep <= 1:
+        return None
+    return next(iter(axes.plan_problems(stage, experts=axes.routed_experts(model),
+                                        pp=support.pipeline_degree(plan))), None)
+
+
+def stage_refusal(plan: Plan, model: nn.Module) -> str | None:
+    """Why the single-stage ``plan`` cannot run on ``model`` with PyTorch's composables; None
+    when it can. Pure: needs no process group (the local-shard check runs the model on meta).
+    Every plan, pipelines included, is asked through ``module_engine_refusal``
+    (runtime/module_engine.py), which sends a pipeline's one-stage view here."""
     t, stage = plan.training, plan.stages[0]
-    if stage.ep > 1:  # the axis table's rules with the model's experts (meshplan/axes.py)
-        from meshplan import axes
-        why = next(iter(axes.plan_problems(stage, experts=axes.routed_experts(model),
-                                           pp=support.pipeline_degree(plan))), None)
-        if why:
-            return why
-    if plan.num_stages > 1:  # cut into stage modules, run by torch.distributed.pipelining
-        from meshplan.runtime.module_pipeline import pipeline_refusal
-        return pipeline_refusal(plan, model)
+    why = ep_refusal(plan, model)
+    if why:
+        return why
     if support.cp_degree(stage) > 1:
         why = cp_refusal(plan, model)
         if why:

@@ -8,7 +8,8 @@ data, a dict from module FQN to a style, derived from ``stage.params`` on the te
 axis), then ``apply_ac`` (``checkpoint_wrapper`` per repeated block; selective recompute saves
 the parameter matmuls), then ``apply_fsdp`` (``fully_shard`` per block and at the root, or
 FSDP2's ``replicate`` for ZeRO-0). The user's forward runs unchanged on local shards; no graph
-is exported. ``module_engine_refusal`` says why a plan is not expressible that way (pipeline
+is exported. ``module_engine_refusal`` (runtime/module_engine.py, with ``build``, the entry
+for ``meshplan.parallelize``) says why a plan is not expressible that way (pipeline
 stages, fused or custom layers, placements with no style); such plans go to the graph engine
 (runtime/graph/parallelize.py), which realises every operator's planned placement.
 
@@ -43,10 +44,11 @@ from meshplan.plan import Plan
 from meshplan.runtime import fused_parts, loss_weights, state, sync_batchnorm
 from meshplan.tracing import find_repeated_blocks, next_token_loss
 from meshplan.vocabulary import Engine as EngineName, LossReduction, Recompute
-from meshplan.runtime.graph.spmd import COMPUTE_DTYPES
 from meshplan.runtime.module_plan import (_axes, _call, check_model,  # noqa: F401
-                                          fused_of, module_engine_refusal,
+                                          compiler_refusal, fused_of, stage_refusal,
                                           tp_styles)  # re-exported
+from meshplan.runtime.shared import COMPUTE_DTYPES
+from meshplan.runtime.grad_clip import clip_grad_norm_
 
 # Outputs `selective` recompute keeps: the parameter matmuls; attention scores, softmax and
 # pointwise ops are recomputed (Korthikanti et al. 2022, Sec. 5; as runtime/graph/spmd.py does).
@@ -132,7 +134,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, zero: int, param_dtype,
 def compile_blocks(model: nn.Module, container: str | None = None) -> None:
     """torch.compile per repeated block (torchtitan's ``apply_compile``), in place
     (``nn.Module.compile``), so parameter names do not change."""
-    from meshplan.runtime.module_plan import compiler_refusal
     why = compiler_refusal()
     if why:
         raise NotSupportedError(why)
@@ -196,19 +197,6 @@ def _zero_loss(out) -> torch.Tensor:
     return out.float().sum() * 0.0
 
 
-def build(model: nn.Module, plan: Plan, *, loss_fn=None, compile: bool = False,
-          loss_reduction: str = LossReduction.MEAN):
-    """The module engine for ``plan`` on ``model``, parallelized in place: ``ModuleEngine``
-    for one stage, ``PipelineModuleEngine`` (runtime/module_pipeline.py) for several."""
-    if plan.num_stages > 1:
-        from meshplan.runtime.module_pipeline import PipelineModuleEngine
-        engine = PipelineModuleEngine(model, plan, loss_fn=loss_fn, compile=compile)
-    else:
-        engine = ModuleEngine(model, plan, loss_fn=loss_fn, compile=compile)
-    engine.loss_reduction = loss_reduction
-    return engine
-
-
 class ModuleEngineBase:
     """runtime/engine.py's ``Engine`` for the module engine's classes (``ModuleEngine``
     here, ``PipelineModuleEngine`` in runtime/module_pipeline.py), and the calls they share:
@@ -254,7 +242,6 @@ class ModuleEngineBase:
         self._unset_buffers -= set(names)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
-        from meshplan.runtime.grad_clip import clip_grad_norm_
         return clip_grad_norm_(self, max_norm, norm_type)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -289,7 +276,9 @@ class ModuleEngine(ModuleEngineBase):
     def __init__(self, model: nn.Module, plan: Plan, *, loss_fn=None, device=None,
                  compile: bool = False):
         check_model(plan, model)
-        reason = module_engine_refusal(plan, model)
+        reason = stage_refusal(plan, model) if plan.num_stages == 1 else (
+            f"{plan.num_stages} pipeline stages: PipelineModuleEngine "
+            "(runtime/module_pipeline.py) runs them")
         if reason:
             raise NotSupportedError(f"plan not expressible in the module engine: {reason}")
         if not dist.is_initialized():

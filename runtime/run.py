@@ -30,13 +30,17 @@ import torch.nn as nn
 from meshplan.errors import MeshplanError, NotSupportedError, PlanFileError
 from meshplan.graph import CallSignature
 from meshplan.plan import Plan
-from meshplan.runtime import loss_weights, state
+from meshplan.runtime import loss_weights, module_engine, state
+from meshplan.runtime.graph import parallelize as graph_parallelize
+from meshplan.runtime.shared import meta_copy
 from meshplan.runtime.engine import (TENSOR_DTYPES, DataError, collective_device,  # noqa: F401
                                      data_parallel_coordinate, input_placements, plan_call,
                                      split_over_dp)  # re-exported: the worker, meshplan
 from meshplan.support import batch_norm_rule, loss_reduction_rule, stack_refusal
 from meshplan.tracing import flatten_call, unflatten_call
 from meshplan.vocabulary import ENGINES, Engine, LossReduction
+from meshplan.runtime.grad_clip import clip_grad_norm_
+from meshplan.runtime.sync_batchnorm import batch_norms
 
 
 class ParallelRun:
@@ -135,7 +139,6 @@ class ParallelRun:
         if not (norm_type > 0):  # inf passes; 0, negatives and nan have no norm to clip by
             raise DataError(f"norm_type={norm_type} must be a positive number or inf "
                             "(2.0 is the usual)")
-        from meshplan.runtime.grad_clip import clip_grad_norm_
         return clip_grad_norm_(self.engine, max_norm, norm_type)
 
     # -- state -----------------------------------------------------------------------------
@@ -313,21 +316,17 @@ def parallelize(model: nn.Module, plan: Plan, *, loss_fn: Callable | None = None
     why = loss_reduction_rule(plan, loss_reduction, loss_fn is not None, engine)
     if why:
         raise NotSupportedError(why[0])
-    from meshplan.runtime.sync_batchnorm import batch_norms
     for why in batch_norm_rule(plan, bool(batch_norms(model))):  # a plan file made without it
         raise PlanFileError(f"plan cannot run this model: {why}")
-    from meshplan.runtime.graph.parallelize import meta_copy
 
     uninitialized = {name for name, t in list(model.named_parameters(remove_duplicate=False))
                      + list(model.named_buffers(remove_duplicate=False)) if t.is_meta}
     pristine = meta_copy(model)  # before an engine wraps the model in place
     if engine == Engine.MODULES:
-        from meshplan.runtime.modules import build
-        placed = build(model, plan, loss_fn=loss_fn, compile=compile,
-                       loss_reduction=loss_reduction)
+        placed = module_engine.build(model, plan, loss_fn=loss_fn, compile=compile,
+                                     loss_reduction=loss_reduction)
     else:
-        from meshplan.runtime.graph.engine import build
-        placed = build(model, plan, loss_fn=loss_fn, pristine=pristine)
+        placed = graph_parallelize.build(model, plan, loss_fn=loss_fn, pristine=pristine)
     run = ParallelRun(placed, plan, model, loss_fn=loss_fn, uninitialized=uninitialized,
                       pristine=pristine)
     run.loss_reduction = loss_reduction

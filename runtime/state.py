@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshplan.runtime.engine import DataError, collective_device
+from meshplan.runtime.fused_parts import to_natural, to_permuted
 
 
 def aliases(model: nn.Module) -> dict[str, list[str]]:
@@ -65,7 +66,6 @@ def natural_rows(engine, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
     fused = getattr(engine, "fused_rows", {})
     if not fused:
         return tensors
-    from meshplan.runtime.fused_parts import to_natural
     return {k: to_natural(v, *fused[k]) if k in fused else v for k, v in tensors.items()}
 
 
@@ -148,7 +148,6 @@ def load_full_state_dict(engine, state: Mapping[str, torch.Tensor] | None, *,
             full = wire
         fused = getattr(engine, "fused_rows", {}).get(key)
         if fused is not None and full is not None:
-            from meshplan.runtime.fused_parts import to_permuted
             full = to_permuted(full, *fused)
         set_full(key, full, tensors, names)
     engine.after_load({a for k in keys for a in (names or {}).get(k, [k])})

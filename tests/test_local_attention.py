@@ -1,4 +1,4 @@
-"""runtime/graph/parallelize._local_attention (DECISIONS 64): attention on DTensors split by batch
+"""runtime/graph/programs._local_attention (DECISIONS 64): attention on DTensors split by batch
 and heads runs on each rank's local shards. On 4 gloo processes, for every layout it takes
 (batch split, heads split, both on a 2 x 2 mesh, GQA, a per-row mask, a broadcast mask, a
 causal mask), its output and the gradients of q, k and v equal plain one-process attention
@@ -53,7 +53,7 @@ def worker(out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from meshplan.runtime.graph.parallelize import _local_attention
+    from meshplan.runtime.graph.programs import _local_attention
 
     dist.init_process_group("gloo")
 

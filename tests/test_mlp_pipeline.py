@@ -83,7 +83,7 @@ def test_self_check_refuses_a_stage_cut_that_drops_activations(monkeypatch):
     equal the model's and the module engine runs the plan."""
     import meshplan
     from meshplan.runtime import module_pipeline
-    from meshplan.runtime.module_plan import module_engine_refusal
+    from meshplan.runtime.module_engine import module_engine_refusal
 
     model, plan = _pipeline_plan()
     assert plan.engine == "modules" and module_engine_refusal(plan, model) is None
@@ -101,7 +101,7 @@ def test_self_check_refuses_a_stage_cut_that_drops_activations(monkeypatch):
 def test_self_check_refuses_a_stage_cut_that_repeats_a_module(monkeypatch):
     """A cut that gives the GELU between the stages to both stages (same shapes again)."""
     from meshplan.runtime import module_pipeline
-    from meshplan.runtime.module_plan import module_engine_refusal
+    from meshplan.runtime.module_engine import module_engine_refusal
 
     model, plan = _pipeline_plan()
     monkeypatch.setattr(module_pipeline, "_members",

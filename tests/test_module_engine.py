@@ -96,7 +96,8 @@ def metas():
 
 
 def test_llama_and_moduledict_tensor_parallel_are_expressible(metas):
-    from meshplan.runtime.modules import module_engine_refusal, tp_styles
+    from meshplan.runtime.module_engine import module_engine_refusal
+    from meshplan.runtime.modules import tp_styles
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     for kind in ("llama", "toy"):
@@ -115,7 +116,8 @@ def test_sequence_parallel_runs_a_plain_residual_stream_and_hf_llama(metas):
     which sizes its positions and rotary table from the sequence it reads, sees the global
     one (it was refused while the stream was local rows; tests/test_module_engine_gqa.py runs
     it against one process)."""
-    from meshplan.runtime.modules import module_engine_refusal, tp_styles
+    from meshplan.runtime.module_engine import module_engine_refusal
+    from meshplan.runtime.modules import tp_styles
     from torch.distributed.tensor.parallel import SequenceParallel
 
     plan = plan_for(metas["toy"], dp=2, tp=2, sequence_parallel=True)
@@ -130,7 +132,7 @@ def test_sequence_parallel_runs_a_plain_residual_stream_and_hf_llama(metas):
 
 
 def test_gpt2_conv1d_fused_qkv_is_refused(metas):
-    from meshplan.runtime.modules import module_engine_refusal
+    from meshplan.runtime.module_engine import module_engine_refusal
 
     why = module_engine_refusal(plan_for(metas["gpt2"], dp=2, tp=2), metas["gpt2"])
     assert why is not None and "c_attn" in why and "Conv1D" in why
@@ -144,7 +146,8 @@ def test_shards_the_forward_cannot_run_are_refused():
     model (build_manual_plan) is refused by the module engine in the same line."""
     from meshplan.errors import PlanningError
     from meshplan.planner.manual import build_manual_plan
-    from meshplan.runtime.modules import module_engine_refusal, tp_styles
+    from meshplan.runtime.module_engine import module_engine_refusal
+    from meshplan.runtime.modules import tp_styles
     from meshplan.tracing import trace
 
     model = parse_model_spec(LLAMA.replace("num_key_value_heads=4", "num_key_value_heads=2")
@@ -162,7 +165,7 @@ def test_shards_the_forward_cannot_run_are_refused():
 
 def test_fp16_plans_are_refused_and_pipelines_taken(metas):
     """Pipelines run on torch.distributed.pipelining (tests/test_module_engine_pp.py)."""
-    from meshplan.runtime.modules import module_engine_refusal
+    from meshplan.runtime.module_engine import module_engine_refusal
 
     assert module_engine_refusal(plan_for(metas["llama"], dp=2, pp=2), metas["llama"]) is None
     assert module_engine_refusal(plan_for(metas["llama"], dp=2, pp=2, dtype="bf16"),
@@ -289,7 +292,7 @@ def test_batchnorm_beyond_data_parallel_is_refused():
     ranks (runtime/sync_batchnorm.py; trained in tests/test_batchnorm_user.py); split over
     tensor-parallel ranks it goes to the graph engine; on one rank the module engine runs
     it."""
-    from meshplan.runtime.modules import module_engine_refusal
+    from meshplan.runtime.module_engine import module_engine_refusal
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))

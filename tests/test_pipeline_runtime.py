@@ -301,7 +301,7 @@ def expected(model_name: str, steps: int):
 def trace_runnable(model_name: str):
     """The runnable graph module and the OpGraph of a test model at the global batch."""
     from meshplan.tracing import export_training_graph, graph_from_export
-    from meshplan.runtime.graph.parallelize import runnable_graph_module
+    from meshplan.runtime.graph.programs import runnable_graph_module
 
     model = build_model(model_name, "meta")
     ep = export_training_graph(model, (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),))

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshplan.tracing import export_training_graph
-from meshplan.runtime.graph.parallelize import global_dropout, runnable_graph_module
+from meshplan.runtime.graph.programs import global_dropout, runnable_graph_module
 from meshplan.runtime.graph.pipeline_split import shape_only_nodes, split_stages
 
 LLAMA = ("transformers:llama?hidden_size=64&intermediate_size=128&num_hidden_layers=2&"

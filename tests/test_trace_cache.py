@@ -42,7 +42,7 @@ def test_the_same_model_and_shapes_export_once():
 def test_the_runtimes_meta_copy_of_a_cpu_model_reuses_the_planners_export():
     """The planner exports the model built on meta; the runtime exports a meta copy of the
     user's model built on CPU, where Hugging Face marked its modules initialized."""
-    from meshplan.runtime.graph.parallelize import meta_copy
+    from meshplan.runtime.shared import meta_copy
 
     planned = export_training_graph(build(), ids())
     cpu = parse_model_spec(GPT2).build(device="cpu")

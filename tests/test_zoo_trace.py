@@ -107,7 +107,7 @@ def test_moe_graph_traced_on_meta_runs_a_training_step_on_cpu(text):
     """On the meta device transformers' routing takes histc on int32, which CPU cannot run;
     the trace is made for CPU, so the graph runs and equals the eager model."""
     from meshplan.tracing import TrainingModule, export_training_graph, flatten_call
-    from meshplan.runtime.graph.parallelize import runnable_graph_module
+    from meshplan.runtime.graph.programs import runnable_graph_module
 
     spec = parse_model_spec(text)
     ep = export_training_graph(spec.build(), _ids())

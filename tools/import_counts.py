@@ -18,7 +18,7 @@ FOLDERS = {"meshplan": "meshplan", "planner": "planner", "costmodel": "costmodel
 
 # modules of meshplan/ that form the core layer (docs/DECISIONS.md 42); the rest is app
 CORE = {"context", "errors", "plan", "placements", "schedules", "graph", "tracing", "opcount", "support",
-        "inspect"}
+        "inspect", "export_program", "export_graph"}
 PACKAGES = ("core", "costmodel", "planner", "runtime", "app")
 
 

@@ -91,7 +91,7 @@ def import_plan(path: str, target: str, mesh, *, model_spec: str = "") -> Plan:
     """The configuration in ``path`` as a meshplan plan priced as ``target`` runs it
     (``manual_plan(engine=target)``); ``model_spec`` overrides the architecture the file
     names (e.g. a flavor torchtitan ships under another name)."""
-    import meshplan
+    from meshplan import api
     from meshplan.specs import parse_model_spec
 
     layout, arch = read_config(path, target, devices=mesh.num_devices)
@@ -102,14 +102,14 @@ def import_plan(path: str, target: str, mesh, *, model_spec: str = "") -> Plan:
     spec = model_spec or arch.spec()
     loaded = parse_model_spec(spec).load(layout.global_batch, layout.seq_len, device="meta")
     graph = loaded.trace(spec)
-    plan = manual_with_ep(meshplan.manual_plan, loaded.model, mesh, graph=graph,
+    plan = manual_with_ep(api.manual_plan, loaded.model, mesh, graph=graph,
                           engine=target, model_name=spec, ep=layout.ep,
                           **layout.manual_kwargs())
     if layout.compiled:
         from dataclasses import replace
 
         plan = replace(plan, training=replace(plan.training, compiled=True))
-        plan = plan.with_prediction(meshplan.estimate(plan))
+        plan = plan.with_prediction(api.estimate(plan))
     return plan.with_spec(spec)
 
 

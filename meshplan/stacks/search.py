@@ -292,11 +292,11 @@ def _simplest(fits: list[Priced], best_s: float, margin: float) -> Priced:
 
 def _built(model, mesh, graph, target: str, lay: StackLayout, compiled: bool) -> Plan:
     """The chosen layout as ``manual_plan(engine=target)`` builds and prices it."""
-    import meshplan
+    from meshplan import api
 
-    plan = meshplan.manual_plan(model, mesh, graph=graph, engine=target,
-                                model_name=graph.model_name, **lay.manual_kwargs())
+    plan = api.manual_plan(model, mesh, graph=graph, engine=target,
+                           model_name=graph.model_name, **lay.manual_kwargs())
     if compiled:
         plan = replace(plan, training=replace(plan.training, compiled=True))
-        plan = plan.with_prediction(meshplan.estimate(plan))
+        plan = plan.with_prediction(api.estimate(plan))
     return plan

@@ -1,6 +1,6 @@
 """The graph engine's side of the engine interface (runtime/engine.py), shared by
-``ParallelModel`` (one stage) and ``PipelineModel`` (several), and ``build``, which places a
-user's model for ``meshplan.parallelize``.
+``ParallelModel`` (one stage, runtime/graph/parallelize.py, whose ``build`` places a user's
+model for ``meshplan.parallelize``) and ``PipelineModel`` (several, runtime/graph/pipeline.py).
 
 trace -> cost -> solve -> plan -> **run**. The graph engine reads a global-shaped batch in
 which each rank's own rows sit where the plan's data-parallel cut puts them (other rows are
@@ -26,22 +26,12 @@ from meshplan.runtime import loss_weights
 from meshplan.runtime.engine import (TENSOR_DTYPES, data_parallel_axes,
                                      data_parallel_coordinate, input_placements, plan_call,
                                      split_over_dp)
+from meshplan.runtime.graph.programs import install_params, runnable_graph_module
+from meshplan.runtime.graph.spmd import SPMDExecutor
+from meshplan.runtime.shared import meta_copy
 from meshplan.tracing import WRAPPER_PREFIX, export_training_graph
 from meshplan.vocabulary import Engine
-
-
-def build(model: nn.Module, plan, *, loss_fn=None, pristine: nn.Module):
-    """The graph engine for ``plan`` on ``model`` (real weights are placed as they are; a
-    meta model gets only its local shards). ``pristine``: a meta copy of the model as the
-    user built it, which the eval programs are exported from."""
-    from meshplan.runtime.graph.parallelize import parallelize_graph
-
-    sig, records = plan_call(plan)
-    meta = tuple(torch.empty(r["shape"], dtype=TENSOR_DTYPES.get(r["dtype"], torch.float32),
-                             device="meta") for r in records)
-    engine = parallelize_graph(model, plan, meta, loss_fn=loss_fn, signature=sig)
-    engine.bind(pristine, loss_fn)
-    return engine
+from meshplan.runtime.graph.context import natural_order
 
 
 class GraphEngine:
@@ -100,7 +90,6 @@ class GraphEngine:
         mesh, dp_axes = out.device_mesh, data_parallel_axes(self.plan.stages[0])
         target = [Shard(0) if a in dp_axes else Replicate() for a in range(mesh.ndim)]
         local = out.redistribute(placements=target).to_local()
-        from meshplan.runtime.graph.context import natural_order
 
         return natural_order(local, out.placements, mesh)  # from the load-balanced layout
 
@@ -157,20 +146,12 @@ class GraphEngine:
             sig = CallSignature(sig.num_args, sig.kwarg_names, 0)
             meta = tuple(torch.empty(r["shape"], dtype=TENSOR_DTYPES[r["dtype"]], device="meta")
                          for r in records)
-            if self.plan.num_stages > 1:
-                from meshplan.runtime.graph.pipeline import eval_pipeline
-                self._eval = eval_pipeline(self, self._pristine, meta,
-                                           data_parallel_axes(self.plan.stages[0]),
-                                           loss_fn=self._loss_fn, signature=sig)
-            else:
-                self._eval = self._eval_forward(records, meta, sig)
+            self._eval = self._eval_forward(records, meta, sig)
         return self._eval
 
     def _eval_forward(self, records, meta, sig):
-        from meshplan.runtime.graph.parallelize import (install_params, meta_copy,
-                                                        runnable_graph_module)
-        from meshplan.runtime.graph.spmd import SPMDExecutor
-
+        """The forward-only program of one stage (``PipelineModel`` overrides it with its
+        stages' programs, runtime/graph/pipeline.py)."""
         model = meta_copy(self._pristine).eval()
         ep = export_training_graph(model, meta, self._loss_fn, signature=sig, loss=False)
         gm = runnable_graph_module(ep, device_type=self.mesh.device_type)

@@ -42,8 +42,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B)
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -53,9 +52,10 @@ from meshplan.support import lists_rank_groups
 from meshplan.graph import OpGraph
 from meshplan.tracing import WRAPPER_PREFIX, export_training_graph, graph_from_export
 from meshplan.plan import Plan
-from meshplan.schedules import Schedule, virtual_stages_for
-from meshplan.runtime.graph.parallelize import (data_parallel_axes, meta_copy, place_tensor,
-                                          runnable_graph_module, sharded_over)
+from meshplan.schedules import virtual_stages_for
+from meshplan.runtime.engine import data_parallel_axes
+from meshplan.runtime.graph.programs import place_tensor, runnable_graph_module, sharded_over
+from meshplan.runtime.shared import TORCH_SCHEDULES, broadcast_from_last, meta_copy
 from meshplan.runtime.graph.pipeline_split import StageGraph, split_stages
 from meshplan.runtime.graph.context import natural_order
 from meshplan.runtime import loss_weights, state
@@ -63,10 +63,7 @@ from meshplan.runtime.graph import lowering, zero
 from meshplan.runtime.graph.engine import GraphEngine
 from meshplan.runtime.graph.spmd import placement_texts, stage_executor, to_placements
 from meshplan.placements import REPLICATE
-
-# meshplan's schedule names -> torch's classes, for both engines
-TORCH_SCHEDULES = {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
-                   Schedule.INTERLEAVED: ScheduleInterleaved1F1B}
+from meshplan.planner.manual import stage_node_groups
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +109,6 @@ def expand_interleaved(plan: Plan, graph: OpGraph) -> Plan:
     order, chunk j on rank group j % pp (Megatron's interleaved assignment, Narayanan et al.
     2021, Sec. 2.2). Each operator and parameter keeps the placement of the record that
     lists it; all records share one submesh shape."""
-    from meshplan.planner.manual import stage_node_groups
-
     pp, v = plan.num_stages, plan.training.virtual_stages
     if graph.num_layers % (pp * v):
         raise PlanFileError(f"{graph.num_layers} blocks do not split into pp x virtual_stages = "
@@ -319,6 +314,14 @@ class PipelineModel(GraphEngine):
     buffer_names: frozenset = frozenset()  # FQNs in ``params`` that are module buffers
     masters: dict = field(default_factory=dict)  # ZeRO-1/2: id(param) -> sharded fp32 master
     zero_of: dict = field(default_factory=dict)  # id(param) -> ZeRO stage of its stage
+
+    def _eval_forward(self, records, meta, sig):
+        """The forward-only program (runtime/graph/engine.py): the stages' own, run by the
+        schedule's forward-only pass (``eval_pipeline``)."""
+        if self.plan.num_stages == 1:
+            return super()._eval_forward(records, meta, sig)
+        return eval_pipeline(self, self._pristine, meta, data_parallel_axes(self.plan.stages[0]),
+                             loss_fn=self._loss_fn, signature=sig)
 
     def forward_backward(self, batch, labels: torch.Tensor | None = None,
                          dp_rank: int = 0) -> float:
@@ -748,8 +751,6 @@ class EvalPipeline:
     def __call__(self, batch: tuple) -> torch.Tensor:
         """This rank's rows of the outputs of every microbatch of the global ``batch``, in
         microbatch order, on every rank of the lane (broadcast from the last stage)."""
-        from meshplan.runtime.module_pipeline import broadcast_from_last
-
         inputs = tuple(x.to(self.device) for x in batch)
         has_first = any(st.is_first for st in self.stages)
         has_last = any(st.is_last for st in self.stages)

@@ -26,6 +26,7 @@ from meshplan.placements import PARTIAL, REPLICATE, parse_placement, shard
 from meshplan.plan import OpPlacement
 from meshplan.runtime.graph import context
 from meshplan.runtime.graph.pipeline_split import writes_in_place
+from meshplan.runtime.graph.programs import sdpa_math
 
 
 def to_placements(texts: Sequence[str], mesh: DeviceMesh | None = None) -> list:
@@ -85,17 +86,12 @@ def check_executable(n: fx.Node, args) -> None:
                 f"{vocab_axes} with ids {placement_texts(getattr(ids, 'placements', ()))}; "
                 "DTensor's masked embedding needs one vocab axis and ids sharded only on "
                 "earlier mesh axes. Replicate the table or the ids on the other axes")
-    if n.target in (torch.ops.aten.linear.default, sdpa_target()) and any(
+    if n.target in (torch.ops.aten.linear.default, sdpa_math) and any(
             isinstance(a, DTensor) and a.ndim > 2 and _nested_shard(a) for a in args):
         raise NotSupportedError(
             f"operator {n.name} ({n.target}): an input has one dim sharded over several mesh "
             "axes, which DTensor cannot flatten for this operator (torch 2.13); shard that dim "
             "on one axis")
-
-
-def sdpa_target():
-    from meshplan.runtime.graph.parallelize import sdpa_math
-    return sdpa_math
 
 
 class Placer:

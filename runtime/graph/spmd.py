@@ -52,6 +52,7 @@ from meshplan.runtime.graph.pipeline_split import written_attrs
 from meshplan.runtime.graph.placing import (Placer, check_executable, placement_texts,  # noqa: F401
                                       to_placements)  # (placement_texts, to_placements re-exported)
 from meshplan.runtime.graph.recompute import check_recompute, run_checkpointed, segments_for
+from meshplan.runtime.shared import COMPUTE_DTYPES
 from meshplan.vocabulary import ComputeDtype, Recompute
 
 try:  # non-reentrant checkpoint stops a recomputation early by raising this
@@ -59,11 +60,6 @@ try:  # non-reentrant checkpoint stops a recomputation early by raising this
 except ImportError:  # pragma: no cover - older torch
     class _StopRecomputationError(Exception):
         pass
-
-# the dtype each of meshplan's dtypes computes in on a runtime (None: as stored, fp32); which
-# engine runs which: vocabulary.ENGINE_DTYPES
-COMPUTE_DTYPES = {ComputeDtype.FP32: None, ComputeDtype.BF16: torch.bfloat16,
-                  ComputeDtype.FP16: torch.float16}
 
 
 @dataclass

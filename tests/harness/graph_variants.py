@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from meshplan.mesh import Mesh
 from meshplan.tracing import export_training_graph, graph_from_export
-from meshplan.runtime.graph.parallelize import (TracedProgram, make_optimizer, meta_copy,
-                                          parallelize_graph)
+from meshplan.runtime.graph.parallelize import TracedProgram, make_optimizer, parallelize_graph
+from meshplan.runtime.shared import meta_copy
 from meshplan.specs import example_inputs, parse_model_spec, synthetic_batch
 from tests.harness.variants import unpriced_plan, with_observed_ops, with_param_placements
 
@@ -125,7 +125,7 @@ def run_variant(name: str, spec, graph, program, *, batch: int, seq: int, steps:
 def check_strategies(ep, graph, seen: set) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from meshplan.runtime.graph.parallelize import runnable_graph_module
+    from meshplan.runtime.graph.programs import runnable_graph_module
     from tests.harness.strategy_check import check_all
 
     world = dist.get_world_size()
