@@ -106,6 +106,12 @@ class RuntimeModel:
       ``is_causal=True`` (``memory.causal_masks``): the masks the export made are not
       allocated (the module engine); False: the exported graph builds them (the graph
       engine).
+    local_factories: the engine runs the user's modules on each rank's shard, where a
+      factory sized from a tensor (``x.new_empty(...)``, ``zeros_like``) reads its sizes off
+      the local tensor, so its output is split as that tensor
+      (``stage_layout.factory_split``): the module engine, Megatron-Core, torchtitan. False:
+      the graph engine, whose replay allocates the traced sizes and whose DTensor
+      ``new_factory`` rule replicates a new shape (the plan's placement).
     causal_attention: an attention whose mask is the causal pattern the trace built runs
       with ``is_causal=True``, so flash attention skips the blocks above the diagonal
       (``compute.op_time`` ``causal``): the module engine (the eager model builds no mask)
@@ -231,6 +237,7 @@ class RuntimeModel:
     selective_alternate_matmuls: bool = False
     attention: str = "flash"
     causal_mask_skipped: bool = False
+    local_factories: bool = False
     causal_attention: bool = False
     fsdp_keeps_shards: bool = False
     zero_over_cp: bool = False
@@ -368,8 +375,9 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
                                flat_grad_sync=False, full_grad_accumulation=False,
                                sync_overlaps_backward=True, reduce_scatter_per_microbatch=True,
                                selective_keeps_matmuls=True, causal_mask_skipped=True,
-                               causal_attention=True, fsdp_keeps_shards=True, zero_over_cp=True,
-                               cp_composable=True, overlap_efficiency=overlap,
+                               local_factories=True, causal_attention=True,
+                               fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
+                               overlap_efficiency=overlap,
                                eager_kernels=eager, mixed_precision="fsdp",
                                eager_activations=True, engine=engine, backend=backend)
         if pipeline:  # a pipelined stage keeps full gradients and reduces them once per step
@@ -410,8 +418,8 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
                         reduce_scatter_as_all_reduce=backend == "gloo", flat_grad_sync=False,
                         full_grad_accumulation=True, sync_overlaps_backward=True,
                         reduce_scatter_per_microbatch=False, selective_keeps_matmuls=False,
-                        causal_mask_skipped=True, causal_attention=True,
-                        fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
+                        causal_mask_skipped=True, local_factories=True,
+                        causal_attention=True, fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
                         attention_kernel="cudnn", tp_comm_overlap=True,
                         overlap_efficiency=overlap, fp8_recipe="te-current",
                         fp8_casts="cast-transpose", fused_activations=True,
