@@ -218,6 +218,16 @@ class RuntimeModel:
       DeepSeek-V3's DualPipe, which hide them ("both all-to-all and PP communication can be
       fully hidden", DeepSeek-V3 report arXiv 2412.19437 sec. 3.2.1), set it where a run
       used them.
+    moe_host_syncs: device-to-host syncs of the routed token counts per MoE layer forward
+      that the stack makes at any ep (costmodel/moe.py ``SYNC_KERNELS``; the all-to-all's
+      split sizes at ep > 1 come on top for every runtime): 1 for Megatron-Core, whose
+      Transformer Engine ``GroupedLinear`` takes its per-expert row counts as a host list
+      (``m_splits``); 0 where the grouped GEMM reads them on the device
+      (``torch._grouped_mm``'s ``offs``: torchtitan, transformers' experts).
+    grouped_gemm_per_expert: the stack's grouped GEMM launches one GEMM per local expert
+      (Transformer Engine's ``multi_stream_cublas_gemm``: Megatron-Core's
+      ``--moe-grouped-gemm``), each costing at least a kernel latency; False: one grouped
+      kernel (``torch._grouped_mm``, DeepGEMM).
     moe_imbalance: the busiest rank's routed tokens over the mean (costmodel/moe.py). 1.0:
       balanced routing, as NVIDIA's published MoE benchmarks force it (Megatron-Bridge
       docs/performance-summary.md: "we force-balance the token distribution among
@@ -260,6 +270,8 @@ class RuntimeModel:
     backend: str = "nccl"
     ep_a2a_overlap: float = 0.0
     moe_imbalance: float = 1.0
+    moe_host_syncs: int = 0
+    grouped_gemm_per_expert: bool = False
 
     def __post_init__(self):
         if self.engine not in PROFILES:
@@ -412,7 +424,10 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
     - ``--tp-comm-overlap``: tensor-parallel collectives overlapped with the GEMMs;
     - fp16 with loss scaling in pipelines (nothing to price beyond the fp16 GEMMs);
     - fp8 as NeMo's FP8 "current scaling" (per-tensor scales of the step, Transformer
-      Engine's cast-transpose, fp8 inputs saved for the backward: costmodel/fp8.py).
+      Engine's cast-transpose, fp8 inputs saved for the backward: costmodel/fp8.py);
+    - mixtures of experts as its TEGroupedMLP runs them: one cuBLAS GEMM per local expert
+      and the routed token counts synced to the host for ``m_splits``
+      (``grouped_gemm_per_expert``, ``moe_host_syncs``: costmodel/moe.py).
     """
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                         reduce_scatter_as_all_reduce=backend == "gloo", flat_grad_sync=False,
@@ -423,6 +438,7 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
                         attention_kernel="cudnn", tp_comm_overlap=True,
                         overlap_efficiency=overlap, fp8_recipe="te-current",
                         fp8_casts="cast-transpose", fused_activations=True,
+                        moe_host_syncs=1, grouped_gemm_per_expert=True,
                         engine="megatron", backend=backend)
 
 

@@ -265,3 +265,25 @@ def test_deepseek_activations_per_rank_match_what_eager_autograd_saves():
     one, eight = priced("megatron", 1), priced("megatron", dp)
     for i in range(3):
         assert eight[i] == pytest.approx(one[i], rel=1e-3), (i, one, eight)
+
+
+def test_grouped_gemm_per_expert_launches_bound_few_tokens_per_expert():
+    """Transformer Engine's grouped GEMM is one cuBLAS GEMM per local expert
+    (``multi_stream_cublas_gemm``), so 16 experts of 8 rows cost at least 16 kernel
+    latencies forward and 32 backward (80 us, 160 us on an H100 preset); one grouped kernel
+    (``torch._grouped_mm``) costs one (two) on top of its work. With many rows per expert
+    the work dominates either way."""
+    from meshplan.costmodel.moe import grouped_gemm_time_s
+    from meshplan.mesh import load_preset
+
+    hw = load_preset("dgx-h100")
+    lat = hw.device.kernel_latency_s
+    few = dict(flops=2 * 16 * 8 * 2048 * 1536, groups=16, rows=8, k=2048, n=1536)
+    f, b = grouped_gemm_time_s(hw, "bf16", per_expert=True, **few)
+    f1, b1 = grouped_gemm_time_s(hw, "bf16", **few)
+    assert f >= 16 * lat and b >= 32 * lat
+    assert f > 1.5 * f1  # 43 us: one kernel reading the 16 experts' weights
+    many = dict(flops=2 * 16 * 8192 * 2048 * 1536, groups=16, rows=8192, k=2048, n=1536)
+    f, b = grouped_gemm_time_s(hw, "bf16", per_expert=True, **many)
+    f1, b1 = grouped_gemm_time_s(hw, "bf16", **many)
+    assert abs(f / f1 - 1) < 0.05 and abs(b / b1 - 1) < 0.05
