@@ -63,7 +63,7 @@ def test_published_moe_rows_hold_their_accuracy(priced):
         errors[name] = row[14] / tokens - 1  # + where the prediction is slower
     mape = sum(map(abs, errors.values())) / len(errors)
     worst = max(map(abs, errors.values()))
-    print({r: f"{e:+.1%}" for r, e in errors.items()}, f"MAPE {mape:.1%} max {worst:.1%}")
+    print({r: f"{e:+.2%}" for r, e in errors.items()}, f"MAPE {mape:.2%} max {worst:.2%}")
     assert mape <= MAPE_BOUND, errors
     assert worst <= MAX_BOUND, errors
 
