@@ -211,13 +211,28 @@ def write(rows: list[dict]) -> None:
               "- Qwen3-30B-A3B at microbatch 1-2 (H100, B200) is priced about 2x too fast, "
               "GB200 at microbatch 4 16%: the published rows show a large fixed cost per MoE "
               "layer per microbatch (B200 MBS 1 vs GB200 MBS 4, same model and EP 8: 4x the "
-              "tokens per microbatch cost 1.56x the time), the host-bound launches around the "
-              "token dispatcher's device-to-host sync (Megatron-LM #1598: the dispatcher's "
-              "`.cpu()` call), which nothing prices yet.",
-              "- DeepSeek-V3 rows are priced at 950-1,650 GiB per GPU: the activations of "
-              "transformers' DeepSeek-V3 as traced (25 GiB per MoE layer per 4,096-token "
-              "microbatch as priced, against about 3 GiB of saved tensors per layer counted "
-              "op by op); not found by the deadline.",
+              "tokens per microbatch cost 1.56x the time, about 7 ms per layer and "
+              "microbatch if all of it were fixed). costmodel/moe.py prices the fixed costs "
+              "a documented mechanism gives: the forward's device-to-host syncs of the token "
+              "counts (Transformer Engine's `m_splits`, the all-to-all's split sizes; "
+              "Megatron-LM #1598), two kernel latencies each, and Transformer Engine's "
+              "grouped GEMM as one cuBLAS launch per local expert; together tens to hundreds "
+              "of microseconds per layer, under 1% of these rows. The rest (host-side "
+              "Python of Megatron-Core and Transformer Engine per call, which no source "
+              "states) is not priced, and nothing is fitted to these rows.",
+              "- DeepSeek-V3's activations were priced at 950-1,650 GiB per GPU: "
+              "transformers builds multi-latent attention's keys with "
+              "`kv_nope.new_empty(...)` (filled by `copy_`), which the plan places "
+              "replicated, so they were priced at the global batch (12 GiB per layer at dp "
+              "64). Engines that run the user's modules per rank now split such a factory "
+              "as its source (costmodel/stage_layout.py `factory_split`; tests/test_moe.py "
+              "measures a tiny DeepSeek against eager autograd's saved tensors). What is "
+              "left above 80 GB (H800) and 186 GB (GB200) is the activations of the "
+              "microbatches 1F1B keeps in flight with no recompute, about 1.9 GiB per layer "
+              "and 4,096-token microbatch; DeepSeek's report recomputes RMSNorm and the MLA "
+              "up-projections and caches activations in FP8 (sec. 3.2.3, 3.3.3), and "
+              "Megatron-Bridge's recipe settings beyond the table's columns are not "
+              "known: neither is priced.",
               "- GPT-OSS-120B rows are left out (the docstring says why).", ""]
     with open(os.path.join(RESULTS, "moe_published.md"), "w") as f:
         f.write("\n".join(lines))

@@ -62,9 +62,10 @@ from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.kernel_paths import (BROADCAST, CONTIGUOUS, MIXED_DTYPE,
                                              SLICE_BACKWARD, SLICES, data_inputs, is_complex, materializes,
                                              STRIDED, UPCAST, elementwise_path, is_float,
-                                             layouts, stream_s, sum_path, value_dtype,
-                                             value_numel)
+                                             factory_source, layouts, stream_s, sum_path,
+                                             value_dtype, value_numel)
 from meshplan.graph import OpGraph, OpKind, OpNode
+from meshplan.opcount import _GROUPED_MM
 
 PRECISIONS = ("autocast", "fsdp")  # RuntimeModel.mixed_precision
 MEMORY_BOUND = (OpKind.ELEMENTWISE, OpKind.NORM, OpKind.SOFTMAX, OpKind.REDUCTION,
@@ -115,6 +116,29 @@ class EagerOp:
 
 def _is_cast(node: OpNode) -> bool:
     return node.target.startswith(_CASTS)
+
+
+def _cast_to_weights(graph: OpGraph, node: OpNode) -> bool:
+    """``x.to(w.dtype)`` before a kernel that reads the weight ``w`` as it is held and needs
+    both operands in one dtype (transformers' grouped experts: ``_grouped_mm(input.to(
+    weight.dtype), weight, offs)``, integrations/moe.py): every reader is a matmul reading a
+    parameter of the cast's traced dtype, so the cast runs to the weights' dtype of the run
+    (FSDP2's bf16 weights), not the traced fp32."""
+    users = graph.users.get(node.name, ())
+    out = node.out
+
+    def weight(name: str) -> bool:  # a parameter of the cast's dtype, through views
+        for _ in range(8):
+            if name in graph.param_map:
+                return graph.param_map[name].dtype == out.dtype
+            if name not in graph or graph.node(name).kind != OpKind.VIEW \
+                    or not graph.node(name).inputs:
+                return False
+            name = graph.node(name).inputs[0]
+        return False
+    return bool(users) and out is not None and all(
+        (graph.node(u).kind == OpKind.MATMUL or _GROUPED_MM.search(graph.node(u).target))
+        and any(weight(i) for i in graph.node(u).inputs if i != node.name) for u in users)
 
 
 def _moves_device_only(graph: OpGraph, node: OpNode, src: str) -> bool:
@@ -206,8 +230,14 @@ def element_bytes(graph: OpGraph, *, dtype: str, precision: str,
             b = o = compute
         elif node.kind == OpKind.EMBEDDING:
             b = o = weights
+        elif factory_source(graph, node.name) in size \
+                and value_dtype(graph, node.inputs[0]) == out.dtype:
+            # x.new_empty(...), zeros_like(x): x's dtype as it runs (no dtype= given)
+            b, o = size[node.inputs[0]], origin[node.inputs[0]]
         elif node.kind == OpKind.CREATION or not floats:
             b = o = _meta_itemsize(out.dtype)
+        elif _is_cast(node) and _cast_to_weights(graph, node):
+            b = o = weights  # x.to(w.dtype) for a kernel autocast leaves alone
         elif _is_cast(node):
             src = size[floats[0]]
             if _moves_device_only(graph, node, floats[0]):

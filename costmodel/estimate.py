@@ -204,7 +204,8 @@ def stage_cost(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: str,
                                     seq_len=seq_len, attention=runtime.attention, cache=cache,
                                     fused=runtime.fused_activations,
                                     precision=_memory_precision(stage, runtime),
-                                    compiled=runtime.compiled)
+                                    compiled=runtime.compiled,
+                                    local_factories=runtime.local_factories)
     kept, working = prof.stage_bytes(stage.recompute,
                                      keep_matmuls_only=runtime.selective_keeps_matmuls,
                                      alternate=runtime.selective_alternate_matmuls,

@@ -55,6 +55,26 @@ def data_inputs(node) -> tuple[str, ...]:
     return node.inputs[:1] if node.target.startswith("aten.type_as") else node.inputs
 
 
+# factories that take their dtype and device, and their sizes as the caller reads them, from
+# a tensor argument: ``x.new_empty(size)`` and friends, ``torch.empty_like(x)`` and friends
+# (meshplan/opcount.py classifies them OpKind.CREATION; ``x`` is their one input)
+SIZED_FACTORIES = ("aten.new_empty.", "aten.new_empty_strided.", "aten.new_zeros.",
+                   "aten.new_ones.", "aten.new_full.", "aten.empty_like.", "aten.zeros_like.",
+                   "aten.ones_like.", "aten.full_like.")
+
+
+def factory_source(graph: OpGraph, name: str) -> str | None:
+    """The tensor a factory operator ``name`` is made from (``x`` of ``x.new_empty(...)``,
+    ``torch.zeros_like(x)``), or None where ``name`` is no such factory."""
+    if name not in graph:
+        return None
+    node = graph.node(name)
+    if node.kind != OpKind.CREATION or not node.inputs \
+            or not node.target.startswith(SIZED_FACTORIES):
+        return None
+    return node.inputs[0]
+
+
 def value_numel(graph: OpGraph, name: str) -> int:
     if name in graph:
         out = graph.node(name).out

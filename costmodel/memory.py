@@ -55,7 +55,8 @@ SGD_MOMENTUM_BYTES = 4  # one fp32 momentum buffer
 MASTER_BYTES = 4  # fp32 master weights under mixed precision (Micikevicius et al. 2018)
 GRAD_BYTES = 4  # fp32 gradients / Megatron's fp32 main_grad under mixed precision
 
-_LINEAR_ELEMENTWISE = re.compile(r"aten\.(add|sub|neg|clone|fill|copy|zeros_like|ones_like|"
+# copy_: CopyBackwards keeps no tensor (its input's gradient is the output's, cast back)
+_LINEAR_ELEMENTWISE = re.compile(r"aten\.(add|sub|neg|clone|fill|copy_?|zeros_like|ones_like|"
                                  r"eq|ne|lt|le|gt|ge|__and__|__or__|logical_\w+|where|masked_fill|"
                                  r"type_as)\.")  # a cast's backward casts the gradient back
 _MUL = re.compile(r"aten\.mul\.")

@@ -36,6 +36,18 @@ search (planner/stagecost.py prices its candidates with ``stage_cost``) read one
   buffers of one layer alive in the working set.
 - **overlap**: the fraction of the all-to-all the stack hides behind compute,
   ``RuntimeModel.ep_a2a_overlap`` (0 unless the stack documents an overlap).
+- **fixed cost per MoE layer and microbatch** (``RuntimeModel.moe_host_syncs``,
+  ``RuntimeModel.grouped_gemm_per_expert``): the forward's device-to-host syncs of the
+  routed token counts, each draining the GPU (``SYNC_KERNELS`` kernel latencies): the
+  all-to-all's split sizes are host lists (``all_to_all_single``'s ``input_split_sizes`` /
+  ``output_split_sizes``: torchtitan 0.3's expert-parallel dispatch and meshplan's
+  runtime/expert_parallel.py call ``.tolist()`` on them; Megatron-Core's alltoall
+  dispatcher copies them to the host, Megatron-LM issue #1598), and so are Transformer
+  Engine's ``GroupedLinear`` ``m_splits`` (Megatron-Core's TEGroupedMLP, at any ep); and a
+  grouped GEMM that Transformer Engine runs as one cuBLAS GEMM per local expert
+  (transformer_engine/common/gemm/cublaslt_gemm.cu ``multi_stream_cublas_gemm``: a loop
+  of ``num_gemms`` launches over 4 streams), which takes at least one kernel latency per
+  expert: few tokens per expert make it launch-bound (``grouped_gemm_time_s``).
 """
 
 from __future__ import annotations
@@ -63,6 +75,12 @@ GROUPED_M_TILE = 128
 # device's kernel latency; 3 kernels per direction (permute, the collective, unpermute:
 # Megatron-Core's MoEAlltoAllTokenDispatcher token_permutation / token_unpermutation)
 DISPATCH_KERNELS = 3
+# A device-to-host sync of the routed token counts drains the GPU's queue: the GPU idles
+# while the count is copied to the host (one small kernel: the copy) and again until the
+# host's next launch reaches it (a second). A small kernel costs the preset's
+# ``kernel_latency_s`` whatever its size (measured 5.3-5.8 us on a lent H100 and H200,
+# benchmarks/results/eager_kernels_gpu.md).
+SYNC_KERNELS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +215,16 @@ def stage_moe_layers(stage: Stage, graph: OpGraph) -> list[MoELayer]:
 
 def grouped_gemm_time_s(hw: HardwareProfile, dtype: str, *, flops: float, groups: float,
                         rows: float, k: int, n: int, imbalance: float = 1.0,
-                        contention: float = 1.0) -> tuple[float, float]:
+                        contention: float = 1.0,
+                        per_expert: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one device's grouped GEMM: ``groups`` experts of
     ``rows`` tokens each, (rows x k) by (k x n), ``flops`` in all (forward). Rows padded to
     ``GROUPED_M_TILE``; the device's matmul curve read at one group's padded FLOPs; the
     memory side reads every local expert's weights and the tokens (the backward: weights
-    read, their gradients written, twice the token traffic)."""
+    read, their gradients written, twice the token traffic). ``per_expert``: the stack
+    launches one GEMM per local expert (Transformer Engine's grouped GEMM, module
+    docstring), so each GEMM call takes at least ``groups`` kernel latencies (the backward's
+    two calls, data and weight gradients, twice that); else one grouped kernel per call."""
     dev = hw.device
     b = DTYPE_BYTES.get(dtype, 2)
     flops *= imbalance
@@ -221,6 +243,13 @@ def grouped_gemm_time_s(hw: HardwareProfile, dtype: str, *, flops: float, groups
         tb = nbytes / (bw * dev.memory_efficiency(nbytes)) if nbytes > 0 else 0.0
         return max(tf, tb)
     fixed = dev.kernel_latency_s + dev.framework_overhead_s
+    if per_expert and groups >= 1:
+        launches = math.ceil(groups) * dev.kernel_latency_s
+        fwd = (max(t(flops, weights + acts), launches) + dev.framework_overhead_s) \
+            * contention
+        bwd = (max(t(2 * flops, 2 * weights + 2 * acts), 2 * launches)
+               + 2 * dev.framework_overhead_s) * contention
+        return fwd, bwd
     fwd = (t(flops, weights + acts) + fixed) * contention
     bwd = (t(2 * flops, 2 * weights + 2 * acts) + 2 * fixed) * contention
     return fwd, bwd
@@ -264,6 +293,11 @@ def ep_cost_terms(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: s
     wire = b
     imbalance = getattr(runtime, "moe_imbalance", 1.0)
     overlap = getattr(runtime, "ep_a2a_overlap", 0.0)
+    per_expert = getattr(runtime, "grouped_gemm_per_expert", False)
+    # the forward's token-count syncs per MoE layer (module docstring): the stack's own at
+    # any ep, and the all-to-all's split sizes where ep > 1
+    syncs = getattr(runtime, "moe_host_syncs", 0) + (1 if ep > 1 else 0)
+    sync_s = syncs * SYNC_KERNELS * hw.device.kernel_latency_s
     a2a_f = a2a_b = dfwd = dbwd = saved = buf = 0.0
     tpe = 0.0
     numel = 0
@@ -294,9 +328,11 @@ def ep_cost_terms(stage: Stage, graph: OpGraph, hw: HardwareProfile, *, dtype: s
             k_in = round(node.flops / (2 * node.outputs[0].shape[0] * n_out))
             f, bk = grouped_gemm_time_s(hw, dtype, flops=flops, groups=groups, rows=rows,
                                         k=k_in, n=max(1, n_out // nsplit),
-                                        imbalance=imbalance, contention=contention)
+                                        imbalance=imbalance, contention=contention,
+                                        per_expert=per_expert)
             dfwd += f - priced.forward_s
             dbwd += bk - priced.backward_s
+        dfwd += sync_s
         # the permuted tokens the grouped GEMMs read (saved for the backward) and, in the
         # working set, one layer's dispatch and combine receive buffers
         saved += pairs * ml.hidden * wire * imbalance

@@ -107,6 +107,12 @@ class RuntimeModel:
       ``is_causal=True`` (``memory.causal_masks``): the masks the export made are not
       allocated (the module engine); False: the exported graph builds them (the graph
       engine).
+    local_factories: the engine runs the user's modules on each rank's shard, where a
+      factory sized from a tensor (``x.new_empty(...)``, ``zeros_like``) reads its sizes off
+      the local tensor, so its output is split as that tensor
+      (``stage_layout.factory_split``): the module engine, Megatron-Core, torchtitan. False:
+      the graph engine, whose replay allocates the traced sizes and whose DTensor
+      ``new_factory`` rule replicates a new shape (the plan's placement).
     causal_attention: an attention whose mask is the causal pattern the trace built runs
       with ``is_causal=True``, so flash attention skips the blocks above the diagonal
       (``compute.op_time`` ``causal``): the module engine (the eager model builds no mask)
@@ -213,6 +219,16 @@ class RuntimeModel:
       DeepSeek-V3's DualPipe, which hide them ("both all-to-all and PP communication can be
       fully hidden", DeepSeek-V3 report arXiv 2412.19437 sec. 3.2.1), set it where a run
       used them.
+    moe_host_syncs: device-to-host syncs of the routed token counts per MoE layer forward
+      that the stack makes at any ep (costmodel/moe.py ``SYNC_KERNELS``; the all-to-all's
+      split sizes at ep > 1 come on top for every runtime): 1 for Megatron-Core, whose
+      Transformer Engine ``GroupedLinear`` takes its per-expert row counts as a host list
+      (``m_splits``); 0 where the grouped GEMM reads them on the device
+      (``torch._grouped_mm``'s ``offs``: torchtitan, transformers' experts).
+    grouped_gemm_per_expert: the stack's grouped GEMM launches one GEMM per local expert
+      (Transformer Engine's ``multi_stream_cublas_gemm``: Megatron-Core's
+      ``--moe-grouped-gemm``), each costing at least a kernel latency; False: one grouped
+      kernel (``torch._grouped_mm``, DeepGEMM).
     moe_imbalance: the busiest rank's routed tokens over the mean (costmodel/moe.py). 1.0:
       balanced routing, as NVIDIA's published MoE benchmarks force it (Megatron-Bridge
       docs/performance-summary.md: "we force-balance the token distribution among
@@ -232,6 +248,7 @@ class RuntimeModel:
     selective_alternate_matmuls: bool = False
     attention: str = "flash"
     causal_mask_skipped: bool = False
+    local_factories: bool = False
     causal_attention: bool = False
     fsdp_keeps_shards: bool = False
     zero_over_cp: bool = False
@@ -254,6 +271,8 @@ class RuntimeModel:
     backend: str = "nccl"
     ep_a2a_overlap: float = 0.0
     moe_imbalance: float = 1.0
+    moe_host_syncs: int = 0
+    grouped_gemm_per_expert: bool = False
 
     def __post_init__(self):
         if self.engine not in PROFILES:
@@ -368,8 +387,9 @@ def default_runtime(hw: HardwareProfile, *, engine: str = Engine.GRAPH,
                                flat_grad_sync=False, full_grad_accumulation=False,
                                sync_overlaps_backward=True, reduce_scatter_per_microbatch=True,
                                selective_keeps_matmuls=True, causal_mask_skipped=True,
-                               causal_attention=True, fsdp_keeps_shards=True, zero_over_cp=True,
-                               cp_composable=True, overlap_efficiency=overlap,
+                               local_factories=True, causal_attention=True,
+                               fsdp_keeps_shards=True, zero_over_cp=True, cp_composable=True,
+                               overlap_efficiency=overlap,
                                eager_kernels=eager, mixed_precision="fsdp",
                                eager_activations=True, engine=engine, backend=backend)
         if pipeline:  # a pipelined stage keeps full gradients and reduces them once per step
@@ -404,17 +424,21 @@ def megatron_runtime(*, backend: str = "nccl", overlap: float = 1.0) -> RuntimeM
     - ``--tp-comm-overlap``: tensor-parallel collectives overlapped with the GEMMs;
     - fp16 with loss scaling in pipelines (nothing to price beyond the fp16 GEMMs);
     - fp8 as NeMo's FP8 "current scaling" (per-tensor scales of the step, Transformer
-      Engine's cast-transpose, fp8 inputs saved for the backward: costmodel/fp8.py).
+      Engine's cast-transpose, fp8 inputs saved for the backward: costmodel/fp8.py);
+    - mixtures of experts as its TEGroupedMLP runs them: one cuBLAS GEMM per local expert
+      and the routed token counts synced to the host for ``m_splits``
+      (``grouped_gemm_per_expert``, ``moe_host_syncs``: costmodel/moe.py).
     """
     return RuntimeModel(grad_bucket_bytes=0.0, param_gather_overlap=1.0, zero3_per_use=False,
                         reduce_scatter_as_all_reduce=backend == "gloo", flat_grad_sync=False,
                         full_grad_accumulation=True, sync_overlaps_backward=True,
                         reduce_scatter_per_microbatch=False, selective_keeps_matmuls=False,
-                        causal_mask_skipped=True, causal_attention=True,
-                        fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
+                        causal_mask_skipped=True, local_factories=True,
+                        causal_attention=True, fsdp_keeps_shards=False, zero_over_cp=True, cp_composable=True,
                         attention_kernel="cudnn", tp_comm_overlap=True,
                         overlap_efficiency=overlap, fp8_recipe="te-current",
                         fp8_casts="cast-transpose", fused_activations=True,
+                        moe_host_syncs=1, grouped_gemm_per_expert=True,
                         engine="megatron", backend=backend)
 
 

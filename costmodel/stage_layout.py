@@ -17,12 +17,13 @@ from meshplan.costmodel.comm import Collective
 from meshplan.costmodel.compute import DTYPE_BYTES, attention_saved_bytes
 from meshplan.costmodel.eager import cached_element_bytes
 from meshplan.costmodel.fusion import recomputed_inside
+from meshplan.costmodel.kernel_paths import factory_source, value_shape
 from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.costmodel.memory import (ActivationProfile, activation_profile, alias_root,
                                        alternate_matmuls, tensor_bytes)
 from meshplan.costmodel.partition import compiled_saved
 from meshplan.graph import OpGraph, OpKind
-from meshplan.placements import PARTIAL, REPLICATE, shard
+from meshplan.placements import PARTIAL, REPLICATE, shard, shard_dim
 from meshplan.plan import Stage
 
 
@@ -74,7 +75,8 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
                              microbatches: int, seq_len: int, attention: str = "flash",
                              cache: dict | None = None,
                              fused: bool = False, precision: str = "",
-                             compiled: bool = False) -> ActivationProfile:
+                             compiled: bool = False,
+                             local_factories: bool = False) -> ActivationProfile:
     """Activation bytes per layer of one microbatch on one device of ``stage``. It does not
     depend on recompute, ZeRO or the schedule, so ``cache`` keeps it for every plan that
     shares ``stage.ops``. ``fused``: the stack's fused kernels keep only what they
@@ -84,10 +86,13 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     PyTorch holds them in (``memory.activation_profile``); "": every float in ``dtype``.
     ``compiled``: the blocks run under torch.compile, whose partitioner keeps its own
     choice of tensors (``_compiled_blocks``, costmodel/partition.py); the operators outside
-    the blocks keep what eager autograd keeps."""
+    the blocks keep what eager autograd keeps. ``local_factories``: the engine runs the
+    user's modules on each rank's shard (``RuntimeModel.local_factories``), so a tensor a
+    factory sizes from another tensor's shape is split as that tensor
+    (``factory_split``)."""
     m = max(1, microbatches)
     key = ("activations", id(stage.ops), id(stage.inputs), stage.mesh_shape, m, dtype,
-           hw.device.name, seq_len, attention, fused, precision, compiled)
+           hw.device.name, seq_len, attention, fused, precision, compiled, local_factories)
     hit = cache.get(key) if cache is not None else None
     if hit is not None and hit[0] is stage.ops and hit[1] is stage.inputs:
         return hit[2]
@@ -95,9 +100,17 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     read_as = _received_placements(stage, graph, placement)
     shape = stage.mesh_shape
 
-    def split_of(tensor: str) -> int:
+    def placed_split(tensor: str) -> int:
         pl = placement.get(tensor) or read_as.get(tensor)
         return split_factor(pl, shape) if pl else 1
+
+    def split_of(tensor: str) -> int:
+        if local_factories:
+            local = factory_split(graph, tensor,
+                                  lambda t: placement.get(t) or read_as.get(t), shape)
+            if local is not None:
+                return local
+        return placed_split(tensor)
 
     names = list(stage.ops)
     dbytes = DTYPE_BYTES[dtype]
@@ -138,6 +151,33 @@ def stage_activation_profile(stage: Stage, graph: OpGraph, hw: HardwareProfile, 
     if cache is not None:
         cache[key] = (stage.ops, stage.inputs, prof)
     return prof
+
+
+def factory_split(graph: OpGraph, name: str, placement_of,
+                  mesh_shape: tuple[int, ...]) -> int | None:
+    """Pieces a factory's output is cut into on an engine that runs the user's modules on
+    each rank's shard, or None where ``name`` is no factory sized from a tensor argument.
+
+    The plan places every creation operator replicated (planner/manual.py: it reads no
+    activation value), which is how the graph engine runs it: DTensor's ``new_factory``
+    rule replicates a new shape, at the traced (global) sizes. The user's module instead
+    reads the sizes off its local tensor (DeepSeek-V3's multi-latent attention builds its
+    keys as ``kv_nope.new_empty(*kv_nope.shape[:-1], d)`` and copies into them: transformers
+    ``DeepseekV3Attention.expand_kv``), so each dimension the factory keeps from its
+    argument (same traced size) is cut as the argument is cut on it. Priced replicated, the
+    keys of every DeepSeek-V3 layer were dp times their size (12 GiB per layer at dp 64 and
+    4,096 tokens instead of 192 MiB). ``placement_of(tensor)``: its placements, or None."""
+    src = factory_source(graph, name)
+    src_pl = placement_of(src) if src is not None else None
+    if src_pl is None:
+        return None
+    out, src_shape = graph.node(name).out.shape, value_shape(graph, src)
+    n = 1
+    for pl, size in zip(src_pl, mesh_shape):
+        d = shard_dim(pl)
+        if d is not None and d < min(len(out), len(src_shape)) and out[d] == src_shape[d]:
+            n *= size
+    return n
 
 
 def _compiled_blocks(prof: ActivationProfile, graph: OpGraph, names: list[str], sizes,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import meshplan
+from meshplan.costmodel.hardware import HardwareProfile
 from meshplan.specs import MODEL_PRESETS, parse_model_spec, training_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -193,3 +194,96 @@ def test_moe_presets_have_their_published_sizes(preset, total, active, with_embe
     print(f"{preset}: {got_total / 1e9:.2f}B total, {got_active / 1e9:.2f}B active")
     assert abs(got_total / total - 1) <= 0.02, got_total
     assert abs(got_active / active - 1) <= 0.02, got_active
+
+
+# qk head 8 + 8 = v head 16: CPU SDPA runs its flash kernel (q, k, v, output and logsumexp
+# kept), as GPUs run DeepSeek-V3's 192 / 128 heads; unequal heads take CPU's math path
+DEEPSEEK_ACT = DEEPSEEK_V3.replace("qk_nope_head_dim=16", "qk_nope_head_dim=8")
+
+
+def test_deepseek_activations_per_rank_match_what_eager_autograd_saves():
+    """A DeepSeek-V3-style model (multi-latent attention, a dense first block, two MoE
+    blocks with a shared expert) in bf16: what eager autograd saves for one rank's
+    microbatch (2 x 64 tokens), block by block, with saved-tensor hooks counting each saved
+    storage once (parameters excluded), against the kept bytes a dp=8 plan prices per rank.
+
+    Measured before the fix (module engine, KiB per block: dense, MoE, MoE): priced 784 /
+    940 / 923 against 580 / 664 / 662 saved at the head sizes of DEEPSEEK_V3; 800 / 956 /
+    939 against 398 / 482 / 480 here. Three mechanisms: (1) the attention's keys, which
+    transformers builds with ``kv_nope.new_empty(...)`` and fills by ``copy_``, were
+    priced at the global batch (the plan places a factory replicated; each rank's module
+    allocates its local batch: ``stage_layout.factory_split``), dp times their size -
+    12 GiB per DeepSeek-V3 layer at dp 64; (2) ``copy_`` kept its inputs (CopyBackwards
+    keeps none); (3) the experts' ``input.to(weight.dtype)`` before the grouped GEMM was
+    priced as an fp32 upcast in a run whose weights FSDP2 holds in bf16
+    (``eager._cast_to_weights``). The Megatron profile (every float in bf16) prices the
+    same per rank at dp=8 as at dp=1."""
+    from meshplan.costmodel.runtime_profiles import plan_runtime
+    from meshplan.costmodel.stage_layout import stage_activation_profile
+    from meshplan.tracing import next_token_loss
+
+    batch, seq, dp = 2, 64, 8
+    spec = parse_model_spec(DEEPSEEK_ACT)
+    torch.manual_seed(0)
+    model = spec.build("cpu").to(torch.bfloat16)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    block = [-1]
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, a, i=i: block.__setitem__(0, i))
+        layer.register_forward_hook(lambda m, a, o: block.__setitem__(0, -1))
+    saved: dict[int, tuple[int, int]] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in saved:
+            saved[ptr] = (block[0], t.untyped_storage().nbytes())
+        return t
+    ids = torch.randint(0, 256, (batch, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        next_token_loss(model(ids).logits.float(), ids)
+    measured = {i: sum(b for k, b in saved.values() if k == i) for i in range(3)}
+
+    meta = spec.build("meta")
+
+    def priced(engine, ranks):
+        graph = meshplan.trace(meta, (torch.zeros(batch * ranks, seq, dtype=torch.long,
+                                                  device="meta"),))
+        mesh = meshplan.Mesh.from_dict({"shape": [ranks], "hardware": "dgx-a100-80gb"})
+        plan = meshplan.manual_plan(meta, mesh, graph=graph, dp=ranks, microbatch_size=batch,
+                                    dtype="bf16", engine=engine)
+        hw = HardwareProfile.from_dict(plan.mesh.hardware)
+        rt = plan_runtime(plan, hw)
+        return stage_activation_profile(
+            plan.stages[0], graph, hw, dtype="bf16", microbatches=1, seq_len=seq,
+            fused=rt.fused_activations, local_factories=rt.local_factories,
+            precision="fsdp" if rt.eager_activations else "").kept
+    kept = priced("modules", dp)
+    print({i: (round(kept[i] / 1024, 1), round(measured[i] / 1024, 1)) for i in range(3)})
+    for i in range(3):  # dense block exact; MoE blocks within the routing's few index tensors
+        assert abs(kept[i] / measured[i] - 1) <= (0.01 if i == 0 else 0.07), (i, kept, measured)
+    assert abs(sum(kept[i] for i in range(3)) / sum(measured.values()) - 1) <= 0.03
+    one, eight = priced("megatron", 1), priced("megatron", dp)
+    for i in range(3):
+        assert eight[i] == pytest.approx(one[i], rel=1e-3), (i, one, eight)
+
+
+def test_grouped_gemm_per_expert_launches_bound_few_tokens_per_expert():
+    """Transformer Engine's grouped GEMM is one cuBLAS GEMM per local expert
+    (``multi_stream_cublas_gemm``), so 16 experts of 8 rows cost at least 16 kernel
+    latencies forward and 32 backward (80 us, 160 us on an H100 preset); one grouped kernel
+    (``torch._grouped_mm``) costs one (two) on top of its work. With many rows per expert
+    the work dominates either way."""
+    from meshplan.costmodel.moe import grouped_gemm_time_s
+    from meshplan.mesh import load_preset
+
+    hw = load_preset("dgx-h100")
+    lat = hw.device.kernel_latency_s
+    few = dict(flops=2 * 16 * 8 * 2048 * 1536, groups=16, rows=8, k=2048, n=1536)
+    f, b = grouped_gemm_time_s(hw, "bf16", per_expert=True, **few)
+    f1, b1 = grouped_gemm_time_s(hw, "bf16", **few)
+    assert f >= 16 * lat and b >= 32 * lat
+    assert f > 1.5 * f1  # 43 us: one kernel reading the 16 experts' weights
+    many = dict(flops=2 * 16 * 8192 * 2048 * 1536, groups=16, rows=8192, k=2048, n=1536)
+    f, b = grouped_gemm_time_s(hw, "bf16", per_expert=True, **many)
+    f1, b1 = grouped_gemm_time_s(hw, "bf16", **many)
+    assert abs(f / f1 - 1) < 0.05 and abs(b / b1 - 1) < 0.05

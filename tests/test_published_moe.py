@@ -6,11 +6,14 @@ costmodel/moe.py for the experts), their error bounded. Nothing is fitted to the
 The bounds are the accuracy measured at this commit with a little room, not issue 39's
 target (MAPE <= 25%, each within 40%), which these rows miss: the prediction is about 2x
 too fast on the small-microbatch rows (H100 MBS 2, B200 MBS 1) and 16% on GB200's MBS 4.
-The published rows themselves point at the missing mechanism, a large fixed cost per MoE
-layer per microbatch (B200 MBS 1 vs GB200 MBS 4, same model and EP: 4x the tokens per
-microbatch cost 1.56x the time): host-bound launches around the dispatcher's device-host
-sync, not priced yet (benchmarks/results/moe_published.md). Tightening these bounds is
-the next step; loosening them needs a reason in the commit.
+The published rows themselves point at a large fixed cost per MoE layer per microbatch
+(B200 MBS 1 vs GB200 MBS 4, same model and EP: 4x the tokens per microbatch cost 1.56x
+the time, about 7 ms per layer and microbatch if all of it were fixed). The fixed costs
+priced by documented mechanism (costmodel/moe.py: the token-count syncs to the host, one
+cuBLAS GEMM launch per local expert in Transformer Engine's grouped GEMM) come to tens to
+hundreds of microseconds per layer: they moved these rows by under 1%
+(benchmarks/results/moe_published.md). Tightening these bounds is the next step;
+loosening them needs a reason in the commit.
 
 The larger rows (DeepSeek-V3, Qwen3-235B-A22B) take minutes to trace and stay in the
 benchmark script.
@@ -25,8 +28,10 @@ import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 CHEAP = ("h100-qwen3-30b-fp8", "gb200-qwen3-30b-fp8", "b200-qwen3-30b-fp8")
-# measured at this commit: -52.8%, -16.1%, -54.0% (MAPE 41.0%, max 54.0%)
-MAPE_BOUND, MAX_BOUND = 0.45, 0.60
+# measured at this commit: -52.8%, -16.1%, -53.6% (MAPE 40.85%, max 53.6%); before the
+# fixed per-layer costs of costmodel/moe.py: -52.75%, -16.08%, -54.01% (MAPE 40.95%, max
+# 54.0%), which these bounds refuse
+MAPE_BOUND, MAX_BOUND = 0.409, 0.538
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,7 @@ def test_published_moe_rows_hold_their_accuracy(priced):
         errors[name] = row[14] / tokens - 1  # + where the prediction is slower
     mape = sum(map(abs, errors.values())) / len(errors)
     worst = max(map(abs, errors.values()))
-    print({r: f"{e:+.1%}" for r, e in errors.items()}, f"MAPE {mape:.1%} max {worst:.1%}")
+    print({r: f"{e:+.2%}" for r, e in errors.items()}, f"MAPE {mape:.2%} max {worst:.2%}")
     assert mape <= MAPE_BOUND, errors
     assert worst <= MAX_BOUND, errors
 
