@@ -90,7 +90,7 @@ def record(step: str, rows: list[dict]) -> None:
 
 def export_and_back(plan_file: str, target: str, mesh: str, tmp: Path) -> dict:
     """``export --to TARGET`` then ``estimate --from TARGET`` (import, priced): layouts."""
-    stem = re.sub(r"\W", "_", Path(plan_file).stem)  # torchtitan: an importable package
+    stem = "job_" + re.sub(r"\W", "_", Path(plan_file).stem)  # torchtitan: a package name
     out = tmp / (stem + ("_pkg" if target == "torchtitan" else ".txt"))
     doc, _ = cli("export", plan_file, "--to", target, "-o", str(out))
     back, _ = cli("estimate", "--from", target, str(out), "--mesh", mesh)
@@ -250,7 +250,8 @@ def step_config_json(tmp: Path) -> list[dict]:
     rows = []
     for name, cfg, target, nodes, batch in (
             ("Llama-3.1-8B", LLAMA31_8B, "torchtitan", 1, 16),
-            ("Qwen3-8B", QWEN3_8B, "torchtitan", 1, 16),
+            # torchtitan 0.3.0 has no qwen3 8B config function (plan --for torchtitan says so)
+            ("Qwen3-8B", QWEN3_8B, "megatron", 1, 16),
             ("Mixtral-8x7B-v0.1", MIXTRAL_8X7B, "megatron", 8, 256)):
         folder = tmp / name
         folder.mkdir(parents=True, exist_ok=True)
@@ -264,7 +265,7 @@ def step_config_json(tmp: Path) -> list[dict]:
         rows.append({"config": f"{name}/config.json", "target": target,
                      "devices": nodes * 8, "parameters": s["model"]["parameters"],
                      "layout": s["layout"], "step_s": s["predicted"]["step_time_s"],
-                     "config_sha256": plan["model"].get("config_sha256", ""),
+                     "config_sha256": plan["model"].get("spec_sha256", ""),
                      "spec": plan["model"].get("spec"), "wall_s": wall})
         print(rows[-1], flush=True)
     return rows
