@@ -513,13 +513,24 @@ def _summed(costs: list[StageBreakdown], records) -> StageBreakdown:
                    comm_s=sum(costs[j].comm_s for j in records))
 
 
-def rank_group_record(plan: Plan, records) -> Stage:
+def rank_group_record(plan: Plan, records, cache: dict | None = None) -> Stage:
     """One record holding every chunk of a rank group (operators in graph order, all
-    their parameters): what the group keeps in memory and syncs once per step."""
-    ops, params = {}, {}
-    for j in records:
-        ops.update(plan.stages[j].ops)
-        params.update(plan.stages[j].params)
+    their parameters): what the group keeps in memory and syncs once per step. ``cache``:
+    the cost model's memo, which keeps the joined dicts of the same chunk dicts (by
+    identity), so that the operator walk's memo hits for every plan sharing them (a search
+    prices one placement group's chunks under many schedules, ZeRO levels and ep degrees)."""
+    sources = tuple((plan.stages[j].ops, plan.stages[j].params) for j in records)
+    key = ("rank-group", tuple(id(d) for pair in sources for d in pair))
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and all(a is b for x, y in zip(hit[0], sources) for a, b in zip(x, y)):
+        ops, params = hit[1], hit[2]
+    else:
+        ops, params = {}, {}
+        for st_ops, st_params in sources:
+            ops.update(st_ops)
+            params.update(st_params)
+        if cache is not None:
+            cache[key] = (sources, ops, params)
     first, last = plan.stages[records[0]], plan.stages[records[-1]]
     return replace(first, ops=ops, params=params, layers=(first.layers[0], last.layers[1]),
                    nodes=(first.nodes[0], last.nodes[1]))
@@ -537,7 +548,7 @@ def _chunked_costs(plan: Plan, graph: OpGraph, hw: HardwareProfile, groups, kw: 
              for st in plan.stages]
     group_kw = dict(kw, num_stages=len(groups))
     for g, records in enumerate(groups):
-        union = replace(rank_group_record(plan, records), index=g)
+        union = replace(rank_group_record(plan, records, kw.get("cache")), index=g)
         gc = stage_cost(union, graph, hw, compute_contention=contention, **group_kw)
         for j in records:
             costs[j] = replace(costs[j], grad_sync_s=gc.grad_sync_s,

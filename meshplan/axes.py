@@ -44,7 +44,8 @@ class Axis:
 
     ``degrees(borrowed, experts)``: the degrees a search tries, from the ranks the axis may
     borrow (dp x cp x tp of a stage for ep) and the model's count it splits (routed experts).
-    ``rules``: functions of an ``AxisContext`` returning refusals (one line each).
+    ``rules``: functions of an ``AxisContext`` returning refusals (one line each); the last
+    says what meshplan's own runtime runs (left out for a plan a stack runs).
     ``cost_terms``: ``"module:function"`` under ``meshplan.costmodel`` pricing the axis on a
     stage (resolved by ``costmodel/estimate.py`` ``axis_cost_terms``, which every pricer
     calls). ``runtime_step``: ``"module:function"`` under ``meshplan.runtime`` that applies
@@ -59,8 +60,12 @@ class Axis:
     runtime_step: str = ""
     borrows: tuple[str, ...] = field(default=())
 
-    def problems(self, ctx: AxisContext) -> tuple[str, ...]:
-        return tuple(why for rule in self.rules for why in rule(ctx))
+    def problems(self, ctx: AxisContext, *, runtime: bool = True) -> tuple[str, ...]:
+        """The refusals of ``rules``; ``runtime=False`` leaves out the last rule, the one
+        saying what meshplan's own runtime runs (a plan for torchtitan or Megatron-LM is run
+        by that stack: ``meshplan/stacks/search.py``, ``api._check_axes``)."""
+        rules = self.rules if runtime else self.rules[:-1]
+        return tuple(why for rule in rules for why in rule(ctx))
 
 
 def _divisors(n: int) -> tuple[int, ...]:

@@ -39,7 +39,8 @@ from meshplan.planner.manual import build_manual_plan
 from meshplan.schedules import Schedule
 from meshplan.stacks.arch import arch_of_model
 from meshplan.stacks.layout import STACK_DTYPES
-from meshplan.stacks.search import TARGETS, ZEROS, Priced, layouts, search_layouts, state_floor_gib
+from meshplan.stacks.search import (TARGETS, ZEROS, Priced, expert_param_count, layouts,
+                                    search_layouts, state_floor_gib)
 from meshplan.sweep import variant
 from meshplan.tracing import trace
 from meshplan.vocabulary import ComputeDtype, Recompute
@@ -76,6 +77,7 @@ class FitLayout:
     fits: bool
     peak_memory_gib: float
     memory: MemoryBreakdown
+    ep: int = 1  # routed experts split over ep ranks of dp x cp x tp (1: none, or dense)
 
     def line(self) -> str:
         """One line: the layout, its speed and its memory broken down."""
@@ -249,7 +251,8 @@ def _frugal(ctx: _Search, nodes: int):
     rest of the state over dp x cp; full recompute keeps only each block's input; one
     sequence per microbatch; 1F1B keeps at most pp microbatches in flight where GPipe keeps
     them all and interleaving adds a partial round. Context and pipeline degrees trade
-    activations against state, so every one is kept."""
+    activations against state, so every one is kept, and so is every expert-parallel
+    degree of a mixture of experts (it splits the experts' state, and adds dispatch buffers)."""
     mesh = Mesh.preset(ctx.preset, nodes=nodes)
     batch, seq = ctx.graph.inputs[0][1].shape[0], ctx.graph.inputs[0][1].shape[1]
     space = layouts(ctx.target, ctx.arch, devices=mesh.num_devices,
@@ -261,14 +264,15 @@ def _frugal(ctx: _Search, nodes: int):
     if space:
         top_tp = max(lay.tp for lay in space)
         space = [lay for lay in space if lay.tp == top_tp]
-    floors = sorted(((state_floor_gib(lay, ctx.graph.param_count, ctx.dtype), lay)
+    experts = expert_param_count(ctx.graph) if ctx.arch.experts else 0
+    floors = sorted(((state_floor_gib(lay, ctx.graph.param_count, ctx.dtype, experts), lay)
                      for lay in space), key=lambda fl: (fl[0], -fl[1].cp, fl[1].pp))
     return mesh, floors
 
 
 def _price(ctx: _Search, mesh, lay):
     base = build_manual_plan(ctx.graph, mesh, **{**lay.manual_kwargs(), "recompute": "none"},
-                             vocab_parallel_cp=True, optimizer="adam", priced=False)
+                             vocab_parallel_cp=True, optimizer="adam", priced=False, ep=lay.ep)
     runtime = default_runtime(mesh.hardware, engine=ctx.target, pipeline=lay.pp > 1)
     est = estimate_plan(variant(base, lay), ctx.graph, hw=mesh.hardware, runtime=runtime,
                         cache=ctx.cache)
@@ -339,9 +343,12 @@ def _layout(p) -> FitLayout:
               f"sp={int(lay.sequence_parallel)},zero={lay.zero}")
     if lay.stage_layers:
         manual += ",split=" + "/".join(map(str, lay.stage_layers))
+    if lay.ep > 1:
+        manual += f",ep={lay.ep}"
     return FitLayout(layout=lay.words(), manual=manual, devices=lay.devices, dp=lay.dp,
                      tp=lay.tp, cp=lay.cp, pp=lay.pp, schedule=lay.schedule,
                      virtual_stages=lay.virtual_stages, microbatch_size=lay.microbatch_size,
                      recompute=lay.recompute, zero=lay.zero, step_time_s=p.step_time_s,
                      mfu=p.mfu, tokens_per_s=p.tokens_per_s, fits=p.fits,
-                     peak_memory_gib=p.peak_gib, memory=p.memory or MemoryBreakdown())
+                     peak_memory_gib=p.peak_gib, memory=p.memory or MemoryBreakdown(),
+                     ep=lay.ep)

@@ -19,7 +19,13 @@ The space, per devices = dp x cp x tp x pp:
   embedding and the loss count as one each (``_even_chunks``: Megatron's
   account-for-embedding/loss split, Llama 3's cut of 126 layers); recompute none, selective,
   full; the target's ZeRO levels;
-  sequence parallelism with every tp > 1 (both stacks run TP that way).
+  sequence parallelism with every tp > 1 (both stacks run TP that way);
+- for a model with routed experts, every expert-parallel degree meshplan/axes.py's
+  ``EP_AXIS`` offers (divisors of dp x cp x tp that divide the experts) and its model rules
+  accept (``_ep_degrees``), where the target expresses it (torchtitan 0.3's
+  expert_parallel_degree, borrowed from dp_shard x cp x tp; Megatron-LM's
+  --expert-model-parallel-size with --expert-tensor-parallel-size 1); a dense model's
+  space is what it was (ep 1 only).
 
 Exact over that space, with three prunings that cannot drop the best plan: a layout whose
 parameters, gradients and optimizer state alone exceed the device (``state_floor_gib``, a
@@ -45,6 +51,7 @@ import importlib
 import time
 from dataclasses import dataclass, replace
 
+from meshplan.axes import EP, EP_AXIS, AxisContext
 from meshplan.errors import MemoryLimitError, NotSupportedError, PlanningError
 from meshplan.plan import RECOMPUTE, MemoryBreakdown, Plan
 from meshplan.stacks.layout import StackLayout
@@ -90,11 +97,29 @@ def layouts(target: str, arch, *, devices: int, devices_per_node: int, global_ba
                 dp = devices // (tp * cp * pp)
                 if global_batch % dp:
                     continue
-                out += _variants(target, arch, problems, dict(
-                    dp=dp, tp=tp, cp=cp, pp=pp, global_batch=global_batch, seq_len=seq_len,
-                    sequence_parallel=tp > 1, dtype=dtype, compiled=compiled), recompute)
+                for ep in _ep_degrees(arch, dp=dp, cp=cp, tp=tp, pp=pp):
+                    out += _variants(target, arch, problems, dict(
+                        dp=dp, tp=tp, cp=cp, pp=pp, ep=ep, global_batch=global_batch,
+                        seq_len=seq_len, sequence_parallel=tp > 1, dtype=dtype,
+                        compiled=compiled), recompute)
             cp *= 2
     return out
+
+
+def _ep_degrees(arch, *, dp: int, cp: int, tp: int, pp: int) -> tuple[int, ...]:
+    """The expert-parallel degrees searched at (dp, cp, tp, pp): those ``EP_AXIS`` offers for
+    the model's routed experts that its rules accept, less the rule of meshplan's own
+    runtime (the stack runs the plan); (1,) for a dense model. The target's own limits
+    (torchtitan borrows from dp_shard only under FSDP) are its ``problems``."""
+    if not arch.experts:
+        return (1,)
+    out = []
+    for ep in EP_AXIS.degrees(dp * cp * tp, arch.experts):
+        ctx = AxisContext(degrees=dict(dp=dp, cp=cp, tp=tp, pp=pp, **{EP: ep}),
+                          experts=arch.experts)
+        if not EP_AXIS.problems(ctx, runtime=False):
+            out.append(ep)
+    return tuple(out)
 
 
 def _variants(target, arch, problems, base: dict, recompute) -> list[StackLayout]:
@@ -126,19 +151,36 @@ def _even_chunks(layers: int, chunks: int) -> bool:
     return chunks <= layers and (layers % chunks == 0 or (layers + 2) % chunks == 0)
 
 
-def state_floor_gib(layout: StackLayout, param_count: int, dtype: str) -> float:
+def state_floor_gib(layout: StackLayout, param_count: int, dtype: str,
+                    expert_params: int = 0) -> float:
     """A lower bound of the parameters, gradients and optimizer state one device holds:
     ``param_count / (tp x pp)`` parameters (a stage holds at least its share; replicated
     norms only add), each with its working copy (2 bytes in bf16/fp8, 4 in fp32) and 12
     bytes of fp32 master weights and Adam moments sharded over dp x cp from ZeRO-1, the
-    gradient (4 bytes, fp32 reduction) sharded from ZeRO-2, the working copy from ZeRO-3."""
-    shard = layout.dp * layout.cp
+    gradient (4 bytes, fp32 reduction) sharded from ZeRO-2, the working copy from ZeRO-3.
+    Under ep > 1 the ``expert_params`` (routed experts, of ``param_count``) count
+    ``expert_params / (ep x pp)`` whole experts per device instead, sharded over the
+    dp x cp x tp / ep ranks that hold the same experts (costmodel/moe.py ``ep_cost_terms``)."""
     work = 4 if dtype == ComputeDtype.FP32 else 2
     state = 12 if dtype != ComputeDtype.FP32 else 8  # fp32 trains without a separate master copy
     z = layout.zero
-    per_param = (work / shard if z >= 3 else work) + (4 / shard if z >= 2 else 4) + \
-        (state / shard if z >= 1 else state)
-    return param_count / (layout.tp * layout.pp) * per_param / 2 ** 30
+
+    def per_param(shard: int) -> float:
+        return (work / shard if z >= 3 else work) + (4 / shard if z >= 2 else 4) + \
+            (state / shard if z >= 1 else state)
+
+    dense, experts = (param_count - expert_params, expert_params) if layout.ep > 1 else \
+        (param_count, 0)
+    efsdp = layout.dp * layout.cp * layout.tp // layout.ep
+    return (dense / (layout.tp * layout.pp) * per_param(layout.dp * layout.cp)
+            + experts / (layout.ep * layout.pp) * per_param(efsdp)) / 2 ** 30
+
+
+def expert_param_count(graph) -> int:
+    """The routed experts' parameters of ``graph`` (costmodel/moe.py); 0 for a dense model."""
+    from meshplan.costmodel.moe import moe_layers
+
+    return sum(ml.numel for ml in moe_layers(graph).values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,9 +232,10 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
                             f"(batch {batch}, seq {seq}) is one {target} runs; change the "
                             "batch or the number of devices")
     cap = hw.device.memory_gib
+    experts = expert_param_count(graph) if arch.experts else 0
     groups: dict[tuple, list[StackLayout]] = {}
     for lay in space:
-        if not exhaustive and state_floor_gib(lay, graph.param_count, dtype) > cap:
+        if not exhaustive and state_floor_gib(lay, graph.param_count, dtype, experts) > cap:
             continue
         uneven = lay.schedule == Schedule.INTERLEAVED and arch.layers % lay.chunks
         key = (lay.dp, lay.tp, lay.cp, lay.pp, lay.zero == 3,
@@ -214,29 +257,32 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
             unpriced = sum(len(g) for _, g in ordered[i:])
             break
         first = lays[0]
+        # the expert-parallel degrees of a group share its placements (ep splits the routed
+        # experts' state and adds their all-to-alls, costmodel/moe.py): one base, whose
+        # operator walk the cost model's cache keeps for every degree
         base = build_manual_plan(graph, mesh, **{**first.manual_kwargs(), "recompute": "none"},
                                  vocab_parallel_cp=True, optimizer="adam", priced=False)
         cache: dict = {}
-        skip: set = set()  # (mb, schedule, v, zero) that already fit at a lighter recompute
-        floor: dict[int, float] = {}  # microbatch size -> forward + backward (module doc)
-        overflows: set = set()  # (schedule, v, zero, recompute) that overflowed at a smaller mb
+        skip: set = set()  # (mb, schedule, v, zero, ep) that already fit at a lighter recompute
+        floor: dict[tuple, float] = {}  # (microbatch size, ep) -> forward + backward (module doc)
+        overflows: set = set()  # (schedule, v, zero, ep, recompute) that overflowed at a smaller mb
         for lay in lays:
-            shape = (lay.microbatch_size, lay.schedule, lay.virtual_stages, lay.zero)
+            shape = (lay.microbatch_size, lay.schedule, lay.virtual_stages, lay.zero, lay.ep)
             if not exhaustive and (shape in skip or (shape[1:], lay.recompute) in overflows):
                 continue
             bound = fitting[keep - 1] if len(fitting) >= keep else None
             if not exhaustive and bound is not None and \
-                    floor.get(lay.microbatch_size, 0.0) >= bound * (1 + margin):
+                    floor.get((lay.microbatch_size, lay.ep), 0.0) >= bound * (1 + margin):
                 bounded += 1
                 continue
-            est = estimate_plan(variant(base, lay), graph, hw=hw, runtime=runtimes[lay.pp],
-                                cache=cache)
+            est = estimate_plan(_ep_variant(variant(base, lay), lay.ep), graph, hw=hw,
+                                runtime=runtimes[lay.pp], cache=cache)
             priced.append(Priced(lay, est.step_time_s, est.fits, est.peak_memory_gib, est.mfu,
                                  est.memory, est.tokens_per_s))
             if lay.recompute == "none":
                 b = est.breakdown
-                floor[lay.microbatch_size] = max(floor.get(lay.microbatch_size, 0.0),
-                                                 b["forward"] + b["backward"])
+                at = (lay.microbatch_size, lay.ep)
+                floor[at] = max(floor.get(at, 0.0), b["forward"] + b["backward"])
             if not est.fits:
                 overflows.add((shape[1:], lay.recompute))
             if est.fits:
@@ -252,7 +298,7 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
         raise MemoryLimitError(f"no layout {target} runs fits {cap:.0f} GiB per device{more}: "
                                "add devices, lower the batch or the sequence",
                                min_memory_gib=low.peak_gib if low else min(
-                                   state_floor_gib(lay, graph.param_count, dtype)
+                                   state_floor_gib(lay, graph.param_count, dtype, experts)
                                    for lay in space))
     chosen = _simplest([p for p in priced if p.fits], best, margin)
     plan = _built(model, mesh, graph, target, chosen.layout, compiled)
@@ -272,6 +318,14 @@ def search_layouts(model, mesh, target: str, *, graph, dtype: str = ComputeDtype
     return replace(plan, solver=solver, wall_time_s=time.perf_counter() - start), priced
 
 
+def _ep_variant(plan: Plan, ep: int) -> Plan:
+    """``plan`` (unpriced) with its stages' routed experts split over ``ep`` ranks; the
+    stages keep their operator dicts, so the cost model's memo of them still hits."""
+    if ep == 1:
+        return plan
+    return replace(plan, stages=tuple(replace(st, ep=ep) for st in plan.stages))
+
+
 def _promise(key: tuple) -> tuple:
     """The order groups are priced in: likely fast ones first (fewer pipeline stages, less
     tensor and context parallelism), so that the compute bound prunes more."""
@@ -280,12 +334,13 @@ def _promise(key: tuple) -> tuple:
 
 
 def _complexity(lay: StackLayout) -> tuple:
-    return (lay.pp, lay.zero, RECOMPUTE.index(lay.recompute), lay.cp > 1)
+    return (lay.pp, lay.zero, RECOMPUTE.index(lay.recompute), lay.cp > 1, lay.ep > 1)
 
 
 def _simplest(fits: list[Priced], best_s: float, margin: float) -> Priced:
     """planner/simplest.py's rule on the priced layouts: within ``margin`` of the fastest,
-    fewest stages, then least ZeRO, then least recompute, then no cp; then the fastest."""
+    fewest stages, then least ZeRO, then least recompute, then no cp, then no expert
+    parallelism (no all-to-all); then the fastest."""
     near = [p for p in fits if p.step_time_s <= best_s * (1 + margin)]
     return min(near, key=lambda p: (_complexity(p.layout), p.step_time_s))
 
@@ -295,7 +350,7 @@ def _built(model, mesh, graph, target: str, lay: StackLayout, compiled: bool) ->
     from meshplan import api
 
     plan = api.manual_plan(model, mesh, graph=graph, engine=target,
-                           model_name=graph.model_name, **lay.manual_kwargs())
+                           model_name=graph.model_name, ep=lay.ep, **lay.manual_kwargs())
     if compiled:
         plan = replace(plan, training=replace(plan.training, compiled=True))
         plan = plan.with_prediction(api.estimate(plan))
