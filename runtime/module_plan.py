@@ -131,7 +131,16 @@ def tp_styles(plan: Plan, model: nn.Module) -> tuple[dict, str | None]:
         styles[mname] = style
     if tied:
         return {}, tied
-    _gather_unpaired(styles, model, forward_probe(plan, model, set(styles)), into)
+    probe = forward_probe(plan, model, set(styles))
+    _gather_unpaired(styles, model, probe, into)
+    # fused projections (split by size after the layer) are stored part by part
+    # (runtime/fused_parts.py): each rank's shard holds whole parts, which the plan's
+    # placements cannot say
+    flow = _redistributed_on_the_way(styles, plan, tp,
+                                     skip=set(fused_projections(probe, styles, model,
+                                                                stage.mesh_shape[tp])))
+    if flow:
+        return {}, flow
     heads = heads_refusal(model, stage.mesh_shape[tp]) if styles else None
     if heads:
         return {}, heads
@@ -223,6 +232,50 @@ def _gather_unpaired(styles: dict, model: nn.Module, probe, into: dict) -> None:
             and isinstance(mods[nxt], nn.Linear)
         if not paired:
             styles[name] = ColwiseParallel(**into, output_layouts=Replicate())
+
+
+def _redistributed_on_the_way(styles: dict, plan: Plan, tp: int,
+                              skip: set = frozenset()) -> str | None:
+    """Why a column-parallel nn.Linear's local output would be wrong, or None. The module
+    engine hands that shard on to the code after it as is, so it is exact only where the plan
+    itself carries the output to the row-parallel layers without redistributing it on the
+    tensor-parallel axis: every edge from the layer's operator to a row-parallel layer's
+    reads it sharded (a slice of a replicated value is what the local shard holds; a gather to
+    Replicate or a Partial is not). A router (a column-parallel gate whose output a softmax or
+    top-k reads over the split dimension) is paired with the experts' row-parallel layers by
+    call order, though the plan gathers its output first: each rank would route its own
+    columns alone (found by a user's MoE at dp2 x tp2, losses 3e-3 off one process)."""
+    graph, stage = plan.graph, plan.stages[0]
+    if graph is None or not stage.ops:
+        return None
+    paired = [n for n, st in styles.items() if isinstance(st, ColwiseParallel) and n not in skip
+              and not any(isinstance(o, Replicate) for o in st.output_layouts)]
+    rowwise = {f"{n}.weight" for n, st in styles.items() if isinstance(st, RowwiseParallel)}
+    consumers: dict = {}
+    for node in graph.nodes:
+        for i, src in enumerate(node.inputs):
+            consumers.setdefault(src, []).append((node, i))
+    for name in paired:
+        starts = [n.name for n in graph.nodes if f"{name}.weight" in n.params
+                  and n.name in stage.ops]
+        seen, todo = set(starts), list(starts)
+        while todo:
+            u = todo.pop()
+            out = stage.ops[u].output[tp]
+            for v, i in consumers.get(u, ()):
+                op = stage.ops.get(v.name)
+                if op is None or i >= len(op.inputs):
+                    continue
+                if not is_shard(op.inputs[i][tp]):
+                    return (f"{name} is column-parallel and the plan gathers what it computes "
+                            f"({out} -> {op.inputs[i][tp]} on the tensor-parallel axis) before "
+                            f"{v.name} ({v.target}, {v.source or v.module_path}); the module "
+                            "engine passes each rank's shard on as is; the graph engine runs "
+                            "this plan")
+                if v.name not in seen and not rowwise.intersection(v.params):
+                    seen.add(v.name)
+                    todo.append(v.name)
+    return None
 
 
 class GatherSequence(ParallelStyle):
