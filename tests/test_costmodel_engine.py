@@ -441,12 +441,19 @@ def test_module_engine_step_peak_follows_the_measurement(step_peaks, run):
     (DECISIONS 108's residual): the prediction exceeds the measurement by no more than the
     gradients. Measured: 0.980 / 0.997 of the measurement with two microbatches (one rank /
     two), 1.036 / 1.039 with one (the gradients are 6.8% / 4.1% of it); before DECISIONS
-    108 (every kept activation at bf16) 0.81-0.83, all four failing."""
+    108 (every kept activation at bf16) 0.81-0.83, all four failing. Two ranks' peaks move
+    with timing: FSDP2 over gloo frees each gathered block when its collectives complete, so
+    how many gathered blocks are alive at the activation peak depends on the machine's load:
+    over the runs of 2026-11-29 the 2-rank peaks were 124.7-131.9 MB (2 microbatches;
+    prediction 124.7) and 182.6-198.8 MB (1; prediction 205.1), measured on a second or
+    third step. The bounds hold that spread (8%) on two ranks, 5% on one."""
     r = step_peaks[run]
+    spread = 0.08 if run.startswith("2x") else 0.0
     if r["microbatches"] > 1:
-        assert 0.95 < r["predicted"] / r["measured"] < 1.05, r
+        assert 0.95 - spread < r["predicted"] / r["measured"] < 1.05 + spread, r
     else:
-        assert r["measured"] * 0.98 < r["predicted"] < r["measured"] + r["grads"] * 1.1, r
+        assert r["measured"] * 0.98 < r["predicted"] < \
+            r["measured"] * (1 + spread) + r["grads"] * 1.1, r
 
 
 def test_each_microbatch_in_flight_keeps_its_own_autocast_weight_copies(monkeypatch):
