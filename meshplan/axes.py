@@ -126,6 +126,9 @@ def _ep_degrees(borrowed: int, experts: int) -> tuple[int, ...]:
 
 def _ep_model_rule(ctx: AxisContext) -> tuple[str, ...]:
     ep = ctx.degree(EP)
+    if ep < 1:
+        return (f"ep={ep}: the expert-parallel degree is a whole number of ranks, at least 1; "
+                "use ep=1 for no expert parallelism",)
     if ep == 1 or ctx.experts is None:
         return ()
     if ctx.experts == 0:
@@ -133,7 +136,10 @@ def _ep_model_rule(ctx: AxisContext) -> tuple[str, ...]:
                 "own weights are (experts, out, in) and whose forward takes (hidden_states, "
                 "top_k_index, top_k_weights) or (x, counts)); use ep=1",)
     if ctx.experts % ep:
-        ok = ", ".join(map(str, _divisors(ctx.experts)))
+        # the degrees that also divide the ranks ep borrows (the next rule), where known
+        borrowed = ctx.degree("dp") * ctx.degree("cp") * ctx.degree("tp")
+        ok = ", ".join(map(str, [d for d in _divisors(ctx.experts)
+                                 if borrowed == 1 or borrowed % d == 0]))
         return (f"ep={ep} does not divide the model's {ctx.experts} routed experts (each rank "
                 f"holds experts/ep of them); use one of {ok}",)
     return ()
