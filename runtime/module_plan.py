@@ -252,12 +252,15 @@ def _redistributed_on_the_way(styles: dict, plan: Plan, tp: int,
               and not any(isinstance(o, Replicate) for o in st.output_layouts)]
     rowwise = {f"{n}.weight" for n, st in styles.items() if isinstance(st, RowwiseParallel)}
     consumers: dict = {}
+    readers: dict = {}  # parameter FQN -> the placed operators that read it
     for node in graph.nodes:
         for i, src in enumerate(node.inputs):
             consumers.setdefault(src, []).append((node, i))
+        if node.name in stage.ops:
+            for fqn in node.params:
+                readers.setdefault(fqn, []).append(node.name)
     for name in paired:
-        starts = [n.name for n in graph.nodes if f"{name}.weight" in n.params
-                  and n.name in stage.ops]
+        starts = readers.get(f"{name}.weight", [])
         seen, todo = set(starts), list(starts)
         while todo:
             u = todo.pop()
